@@ -1,0 +1,246 @@
+// Package driver is the small interface a broker implements beneath Ferry's
+// delivery loop. Users do not import it; broker adapters (kafka, sqs, rabbit,
+// memory) and users writing their own adapter do.
+//
+// The delivery loop in package consumer does everything that must be the same
+// on every broker, once: the worker pool, the bound on messages in flight,
+// ordering per lane and per key, acking only after success, retry after a
+// delay, holding messages while a breaker is open, lease extension, revocation,
+// draining on shutdown, and the counters. A driver only moves messages:
+//
+//   - Fetch a batch of deliveries (blocking until at least one is there or ctx ends).
+//   - Settle a batch: acknowledge, or return for redelivery after a delay.
+//   - Extend the lease of deliveries whose handler still runs (optional, Extender).
+//   - Tell the loop when the broker took lanes away (optional, Revoker).
+//   - Report lag (optional, LagReporter).
+//
+// A driver's methods are called from several goroutines of the loop at once
+// (Fetch from one, Settle and Extend from others), but Fetch is never called
+// concurrently with itself and neither is Settle.
+//
+// # How the three brokers map onto it
+//
+// Kafka, over franz-go (github.com/twmb/franz-go/pkg/kgo), consumer group with
+// BlockRebalanceOnPoll off and autocommit off:
+//
+//   - Fetch: client.PollRecords(ctx, max); each *kgo.Record becomes a Message
+//     with Lane = the partition number, Offset = record.Offset, Key =
+//     record.Key, Headers from record.Headers. Handle is the *kgo.Record.
+//   - Attempt: Kafka keeps no delivery count, so the driver reports 1 and the
+//     loop counts retries in process. Capabilities.Redelivers is false: a log
+//     cannot skip a record, so the loop runs a failed record again in place
+//     after its delay and holds the partition meanwhile (order per partition
+//     survives; a record is never retried behind a later one).
+//   - Settle Ack: mark the record done; commit, per partition, the highest
+//     offset below which every record is done (client.CommitOffsetsSync with
+//     that offset+1), so records finished out of order (per-key ordering inside
+//     a partition) never commit past a gap. Settle Return cannot happen
+//     (Redelivers is false) except at shutdown, where it is a no-op: the
+//     uncommitted record is read again by whoever owns the partition next.
+//   - Extend: not needed; processing runs off the poll path, and franz-go
+//     heartbeats in the background, so a slow handler keeps group membership.
+//     Lease() is 0.
+//   - Revoked: kgo.OnPartitionsRevoked and OnPartitionsLost send the
+//     partitions' lanes; the callback waits for the loop to cancel their
+//     handlers, then commits what finished, before the rebalance proceeds.
+//   - Lag: kadm.Client.Lag for the group: the high watermark minus the committed
+//     offset, per partition.
+//
+// SQS, over aws-sdk-go-v2 (github.com/aws/aws-sdk-go-v2/service/sqs):
+//
+//   - Fetch: ReceiveMessage with MaxNumberOfMessages up to 10,
+//     WaitTimeSeconds 20 (long polling), MessageSystemAttributeNames
+//     ApproximateReceiveCount, SentTimestamp and MessageGroupId, and all
+//     message attributes. Handle is the receipt handle.
+//   - Attempt: ApproximateReceiveCount.
+//   - Standard queue: Lane "". FIFO queue: Lane = MessageGroupId; SQS itself
+//     keeps one batch per group in flight, and the loop keeps the order inside
+//     it.
+//   - Settle Ack: DeleteMessageBatch. Settle Return: ChangeMessageVisibilityBatch
+//     with VisibilityTimeout = the delay in seconds (0 to redeliver now; at most
+//     12 hours). Capabilities.Redelivers is true.
+//   - Extend: ChangeMessageVisibilityBatch with the queue's visibility timeout,
+//     called by the loop before a running handler's lease runs out.
+//     Lease() is the queue's VisibilityTimeout.
+//   - Revoked: never (a receipt handle is not taken away before it expires,
+//     and the loop extends it).
+//   - Lag: GetQueueAttributes ApproximateNumberOfMessages(+NotVisible,
+//     +Delayed); the age of the oldest message from CloudWatch's
+//     ApproximateAgeOfOldestMessage, or, without CloudWatch, from the
+//     SentTimestamp of the messages received.
+//
+// RabbitMQ, over amqp091-go (github.com/rabbitmq/amqp091-go), a quorum queue:
+//
+//   - Fetch: deliveries read from Channel.Consume with Qos prefetch equal to
+//     the loop's maximum in flight; Handle is the delivery tag (with the
+//     channel generation, so a tag from a lost channel is never acked on a new
+//     one). Lane "" (a queue with competing consumers keeps no useful order),
+//     or the routing key's hash bucket when the queue is one of a consistent
+//     hash exchange's.
+//   - Attempt: the x-delivery-count header of quorum queues plus one (it is
+//     absent on the first delivery); classic queues have none, so the driver
+//     counts redeliveries in process by message id.
+//   - Settle Ack: Channel.Ack (with multiple=false). Return with no delay:
+//     Channel.Reject with requeue. Return with a delay: publish a copy to a
+//     delay queue whose per-message TTL is the delay and whose dead-letter
+//     exchange routes back to the source queue, wait for the publisher
+//     confirm, then Ack the original (x-delivery-count survives in a header).
+//     Capabilities.Redelivers is true.
+//   - Extend: not needed; a delivery stays with its channel until it is
+//     settled or the channel closes. Lease() is 0 (consumer_timeout, 30
+//     minutes by default, bounds the work).
+//   - Revoked: a closed channel or connection (NotifyClose) revokes lane ""
+//     for every delivery taken on it: the broker requeues them, so the loop
+//     must not settle them on the next channel.
+//   - Lag: QueueDeclarePassive's message count; the age of the oldest message
+//     from the management API where it is enabled.
+//
+// # Errors
+//
+// Errors from Fetch are retried by the loop with backoff and reported, except
+// errors wrapped by Fatal, which end Run. A Settle or Extend error is counted
+// and logged; the broker then redelivers the message after its lease, which is
+// always safe under at-least-once delivery.
+package driver
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// Message is one delivery as a driver hands it to the loop.
+type Message struct {
+	ID          string
+	Key         string
+	Body        []byte
+	Headers     map[string]string
+	Source      string
+	Lane        string
+	Offset      int64 // -1 where the broker has no offset
+	Attempt     int   // >= 1; counted by the broker where it counts
+	PublishedAt time.Time
+
+	// Handle is the driver's own reference to the delivery (a receipt handle,
+	// a delivery tag, a record), given back to Settle and Extend.
+	Handle any
+
+	// As, when not nil, serves consumer.Message.As.
+	As func(target any) bool
+}
+
+// Action is what Settle does with a delivery.
+type Action uint8
+
+const (
+	// Ack removes the message for good (delete, ack, commit).
+	Ack Action = iota
+	// Return gives the message back to the broker to be delivered again after
+	// Delay.
+	Return
+)
+
+// Settlement is one delivery's outcome.
+type Settlement struct {
+	Handle any
+	Action Action
+	Delay  time.Duration // for Return
+}
+
+// Capabilities says what a broker can do, so that the loop can do the rest.
+type Capabilities struct {
+	// Redelivers is true when the broker can take a message back and deliver
+	// it again later (SQS, RabbitMQ, memory). When false (a Kafka log) the
+	// loop retries a failed message in place, holding its lane.
+	Redelivers bool
+}
+
+// Driver is what every broker implements.
+type Driver interface {
+	// Fetch appends up to max deliveries to dst and returns it. It blocks until
+	// at least one delivery is available or ctx ends (then it returns ctx's
+	// error); it may return early with none.
+	Fetch(ctx context.Context, dst []Message, max int) ([]Message, error)
+
+	// Settle applies outcomes to deliveries. The loop never settles one
+	// delivery twice.
+	Settle(ctx context.Context, batch []Settlement) error
+
+	// Capabilities reports what the broker can do.
+	Capabilities() Capabilities
+
+	// Close releases the driver's resources. The loop calls it when Run ends.
+	Close() error
+}
+
+// Extender is implemented by drivers whose deliveries hold a lease that runs
+// out (an SQS visibility timeout). The loop extends the lease of every
+// message it still holds before a third of it is left.
+type Extender interface {
+	// Lease is how long a fetched or extended delivery stays with this consumer.
+	Lease() time.Duration
+	// Extend gives each delivery a fresh lease of length d from now.
+	Extend(ctx context.Context, handles []any, d time.Duration) error
+}
+
+// Revoker is implemented by drivers whose broker can take lanes away while
+// their messages are being handled (a Kafka rebalance, a lost AMQP channel).
+type Revoker interface {
+	// Revoked delivers each revocation. The loop cancels the handlers of
+	// those lanes, settles nothing for them, drops their queued messages, and
+	// then closes Done.
+	Revoked() <-chan Revocation
+}
+
+// Revocation names lanes the broker took away. The loop closes Done once it
+// has let go of every message in them; a driver may wait on Done (a Kafka
+// rebalance callback does) before it lets the broker move on. Done may be
+// nil.
+type Revocation struct {
+	Lanes []string
+	Done  chan struct{}
+}
+
+// Lag is how far a consumer is behind.
+type Lag struct {
+	// Messages waiting that no consumer has taken yet (sum over lanes).
+	Messages int64
+	// InFlight is how many messages are taken and not yet settled, where the
+	// broker says so; -1 where it does not.
+	InFlight int64
+	// OldestAge is the age of the oldest waiting message, where the broker
+	// says so; zero otherwise.
+	OldestAge time.Duration
+	// Lanes holds the lag per lane where the broker reports it (Kafka: per
+	// partition); nil otherwise.
+	Lanes map[string]int64
+}
+
+// LagReporter is implemented by drivers that can say how far behind the
+// consumer is.
+type LagReporter interface {
+	Lag(ctx context.Context) (Lag, error)
+}
+
+// FatalError marks a driver error after which consuming cannot go on
+// (bad credentials, a queue that does not exist). Run returns it.
+type FatalError struct{ Err error }
+
+// Fatal marks err as fatal. Fatal(nil) is nil.
+func Fatal(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &FatalError{Err: err}
+}
+
+func (e *FatalError) Error() string { return e.Err.Error() }
+
+// Unwrap returns the marked error.
+func (e *FatalError) Unwrap() error { return e.Err }
+
+// IsFatal reports whether err, or an error it wraps, was marked by Fatal.
+func IsFatal(err error) bool {
+	var f *FatalError
+	return errors.As(err, &f)
+}

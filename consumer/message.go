@@ -1,0 +1,113 @@
+package consumer
+
+import (
+	"context"
+	"time"
+)
+
+// Message is one delivery of a message to a Handler, or one message handed to
+// a Publisher.
+//
+// A Handler may read every field; it must not keep the *Message after it
+// returns, because the delivery loop owns it. A Publisher reads ID, Key, Body
+// and Headers and ignores the rest.
+type Message struct {
+	// ID is the broker's identifier for the message: the SQS MessageId, the AMQP
+	// message-id property, or topic/partition/offset for Kafka. It is stable
+	// across redeliveries of the same message.
+	ID string
+
+	// Key orders and routes the message: the Kafka record key, the SQS FIFO
+	// message group id, the AMQP routing key. It may be empty.
+	Key string
+
+	// Body is the payload, byte for byte as published.
+	Body []byte
+
+	// Headers are the message's string headers (Kafka record headers, SQS
+	// message attributes of type String, AMQP header table entries).
+	Headers map[string]string
+
+	// Source is where the message came from: the topic or queue name.
+	Source string
+
+	// Lane is what the broker keeps in order: the Kafka partition number, the
+	// SQS FIFO message group, or "" where the broker orders nothing.
+	Lane string
+
+	// Offset is the message's position in its lane where the broker has one
+	// (the Kafka offset); -1 where it has none.
+	Offset int64
+
+	// Attempt is 1 on the first delivery and grows by one with every
+	// redelivery, counted by the broker where it counts (SQS
+	// ApproximateReceiveCount, RabbitMQ x-delivery-count) and in process where
+	// it does not. Holding a message while a circuit breaker is open does not
+	// count as an attempt.
+	Attempt int
+
+	// PublishedAt is when the broker took the message, where it says so;
+	// zero otherwise.
+	PublishedAt time.Time
+
+	as func(target any) bool
+}
+
+// As reaches the broker's own representation of the delivery without
+// importing the broker's client here. target must be a pointer to a type the
+// driver documents (for example *kgo.Record for Kafka, *types.Message for SQS,
+// *amqp091.Delivery for RabbitMQ). It reports whether target was set.
+func (m *Message) As(target any) bool {
+	if m == nil || m.as == nil {
+		return false
+	}
+	return m.as(target)
+}
+
+// Header returns the value of the header named key, or "".
+func (m *Message) Header(key string) string {
+	return m.Headers[key]
+}
+
+// Handler handles one message. Returning nil acknowledges it; any error
+// returns it to the broker for redelivery, shaped by the outcome helpers
+// RetryAfter, Permanent and Hold.
+type Handler interface {
+	Handle(ctx context.Context, m *Message) error
+}
+
+// HandlerFunc turns a function into a Handler.
+type HandlerFunc func(ctx context.Context, m *Message) error
+
+// Handle calls f(ctx, m).
+func (f HandlerFunc) Handle(ctx context.Context, m *Message) error { return f(ctx, m) }
+
+// Middleware wraps a Handler with behaviour of its own: retry, a circuit
+// breaker, dead-lettering, idempotency.
+type Middleware func(Handler) Handler
+
+// Chain composes middleware around h. The first middleware listed is the
+// outermost: Chain(h, A, B) handles a message as A(B(h)), so A sees the
+// message first and the final outcome last.
+func Chain(h Handler, mws ...Middleware) Handler {
+	for i := len(mws) - 1; i >= 0; i-- {
+		h = mws[i](h)
+	}
+	return h
+}
+
+// Consumer runs a Handler over incoming messages.
+type Consumer interface {
+	// Run delivers messages to h until ctx ends, then drains (see the package
+	// documentation) and returns nil; it returns an error earlier only when
+	// the broker connection fails for good.
+	Run(ctx context.Context, h Handler) error
+}
+
+// Publisher sends messages to a destination (a topic or a queue).
+type Publisher interface {
+	// Publish returns nil only once the broker holds every message durably.
+	// When some messages failed and others did not, the error is a
+	// *PublishError that says which.
+	Publish(ctx context.Context, destination string, msgs ...Message) error
+}

@@ -1,0 +1,264 @@
+package consumer
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+)
+
+// DeliveryMode chooses when a message is acknowledged.
+type DeliveryMode uint8
+
+const (
+	// AtLeastOnce acknowledges a message only after its handler returned nil.
+	// A crash in between delivers it again. This is the default.
+	AtLeastOnce DeliveryMode = iota
+	// AtMostOnce acknowledges a message before its handler runs: a crash or a
+	// handler error loses it, and it is never delivered twice. For data where
+	// a gap is better than a duplicate (metrics samples, presence pings).
+	AtMostOnce
+)
+
+func (m DeliveryMode) String() string {
+	switch m {
+	case AtLeastOnce:
+		return "at-least-once"
+	case AtMostOnce:
+		return "at-most-once"
+	}
+	return fmt.Sprintf("DeliveryMode(%d)", uint8(m))
+}
+
+// Ordering chooses what the loop keeps in order.
+type Ordering uint8
+
+const (
+	// OrderByLane runs one message at a time per lane (a Kafka partition, an
+	// SQS FIFO message group), in the broker's order. Messages without a lane
+	// (a standard queue) run in parallel. This is the default.
+	OrderByLane Ordering = iota
+	// OrderByKey runs one message at a time per key inside each lane, so one
+	// Kafka partition carrying many keys keeps many handlers busy while each
+	// key still sees its messages in order. Messages without a lane are
+	// ordered by key as well.
+	OrderByKey
+	// Unordered runs every message as soon as a worker is free.
+	Unordered
+)
+
+func (o Ordering) String() string {
+	switch o {
+	case OrderByLane:
+		return "by-lane"
+	case OrderByKey:
+		return "by-key"
+	case Unordered:
+		return "unordered"
+	}
+	return fmt.Sprintf("Ordering(%d)", uint8(o))
+}
+
+// ErrInvalidConfig matches, through errors.Is, every configuration error.
+var ErrInvalidConfig = errors.New("invalid configuration")
+
+// ConfigError names the configuration field that was wrong and why.
+type ConfigError struct {
+	Field  string
+	Reason string
+}
+
+func (e *ConfigError) Error() string {
+	return "ferry: invalid configuration: " + e.Field + " " + e.Reason
+}
+
+// Is reports whether target is ErrInvalidConfig.
+func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig }
+
+func configErr(field, format string, args ...any) error {
+	return &ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
+}
+
+// Option configures a Loop. Options that get a bad value make New fail with
+// a *ConfigError naming the field.
+type Option func(*config) error
+
+type config struct {
+	name          string
+	concurrency   int
+	maxInFlight   int
+	fetchBatch    int
+	ordering      Ordering
+	mode          DeliveryMode
+	grace         time.Duration
+	logger        *slog.Logger
+	backoffMin    time.Duration
+	backoffMax    time.Duration
+	fetchBackoff  time.Duration
+	maxInFlightOK bool // set explicitly
+	fetchBatchOK  bool
+}
+
+func defaultConfig() config {
+	return config{
+		name:         "ferry",
+		concurrency:  8,
+		ordering:     OrderByLane,
+		mode:         AtLeastOnce,
+		grace:        10 * time.Second,
+		backoffMin:   100 * time.Millisecond,
+		backoffMax:   10 * time.Second,
+		fetchBackoff: 5 * time.Second,
+	}
+}
+
+// WithName names the consumer in logs, metrics, dead-letter headers and
+// idempotency keys. Default "ferry".
+func WithName(name string) Option {
+	return func(c *config) error {
+		if name == "" {
+			return configErr("Name", "must not be empty")
+		}
+		c.name = name
+		return nil
+	}
+}
+
+// WithConcurrency sets how many handlers run at once. Default 8.
+func WithConcurrency(n int) Option {
+	return func(c *config) error {
+		if n <= 0 {
+			return configErr("Concurrency", "must be > 0, got %d", n)
+		}
+		c.concurrency = n
+		return nil
+	}
+}
+
+// WithMaxInFlight bounds how many messages the consumer holds unsettled at
+// once, running, queued behind their key or waiting for a retry; fetching
+// stops while it is full. It must be at least the concurrency. Default four
+// times the concurrency.
+func WithMaxInFlight(n int) Option {
+	return func(c *config) error {
+		if n <= 0 {
+			return configErr("MaxInFlight", "must be > 0, got %d", n)
+		}
+		c.maxInFlight = n
+		c.maxInFlightOK = true
+		return nil
+	}
+}
+
+// WithFetchBatch bounds how many messages one fetch asks for. Default the
+// maximum in flight, capped at 256.
+func WithFetchBatch(n int) Option {
+	return func(c *config) error {
+		if n <= 0 {
+			return configErr("FetchBatch", "must be > 0, got %d", n)
+		}
+		c.fetchBatch = n
+		c.fetchBatchOK = true
+		return nil
+	}
+}
+
+// WithOrdering chooses what stays in order. Default OrderByLane.
+func WithOrdering(o Ordering) Option {
+	return func(c *config) error {
+		if o > Unordered {
+			return configErr("Ordering", "unknown value %d", o)
+		}
+		c.ordering = o
+		return nil
+	}
+}
+
+// WithDeliveryMode chooses at-least-once (the default) or at-most-once.
+func WithDeliveryMode(m DeliveryMode) Option {
+	return func(c *config) error {
+		if m > AtMostOnce {
+			return configErr("DeliveryMode", "unknown value %d", m)
+		}
+		c.mode = m
+		return nil
+	}
+}
+
+// WithShutdownGrace sets how long handlers still running when Run's context
+// ends may take to finish before their contexts are cancelled and their
+// messages are left for redelivery. Default 10s.
+func WithShutdownGrace(d time.Duration) Option {
+	return func(c *config) error {
+		if d < 0 {
+			return configErr("ShutdownGrace", "must be >= 0, got %s", d)
+		}
+		c.grace = d
+		return nil
+	}
+}
+
+// WithLogger sets where the loop logs. Default slog.Default().
+func WithLogger(l *slog.Logger) Option {
+	return func(c *config) error {
+		if l == nil {
+			return configErr("Logger", "must not be nil")
+		}
+		c.logger = l
+		return nil
+	}
+}
+
+// WithRedeliveryBackoff sets the delay before a message whose handler
+// failed with a plain error (not RetryAfter) is delivered again: min doubled
+// per attempt, capped at max. Default 100ms up to 10s. The Retry middleware
+// chooses its own delays and overrides this.
+func WithRedeliveryBackoff(min, max time.Duration) Option {
+	return func(c *config) error {
+		if min < 0 {
+			return configErr("RedeliveryBackoff", "min must be >= 0, got %s", min)
+		}
+		if max < min {
+			return configErr("RedeliveryBackoff", "max %s is below min %s", max, min)
+		}
+		c.backoffMin, c.backoffMax = min, max
+		return nil
+	}
+}
+
+// WithFetchBackoff caps the delay between fetch attempts after the broker
+// failed. Default 5s.
+func WithFetchBackoff(max time.Duration) Option {
+	return func(c *config) error {
+		if max <= 0 {
+			return configErr("FetchBackoff", "must be > 0, got %s", max)
+		}
+		c.fetchBackoff = max
+		return nil
+	}
+}
+
+func buildConfig(opts []Option) (config, error) {
+	c := defaultConfig()
+	for _, o := range opts {
+		if o == nil {
+			continue
+		}
+		if err := o(&c); err != nil {
+			return c, err
+		}
+	}
+	if !c.maxInFlightOK {
+		c.maxInFlight = 4 * c.concurrency
+	}
+	if c.maxInFlight < c.concurrency {
+		return c, configErr("MaxInFlight", "%d is below Concurrency %d", c.maxInFlight, c.concurrency)
+	}
+	if !c.fetchBatchOK {
+		c.fetchBatch = min(c.maxInFlight, 256)
+	}
+	if c.logger == nil {
+		c.logger = slog.Default()
+	}
+	return c, nil
+}

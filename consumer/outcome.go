@@ -1,0 +1,159 @@
+package consumer
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// ErrPermanent matches, through errors.Is, every error made by Permanent.
+var ErrPermanent = errors.New("permanent error")
+
+// ErrHeld matches, through errors.Is, every error made by Hold.
+var ErrHeld = errors.New("message held")
+
+// PermanentError marks a failure that no retry can fix, such as a body that
+// does not decode. The message goes to the dead-letter destination at once.
+type PermanentError struct{ Err error }
+
+// Permanent marks err as permanent: the message is never retried and goes to
+// the dead-letter destination with err as its reason. Permanent(nil) is nil.
+func Permanent(err error) error {
+	if err == nil {
+		return nil
+	}
+	var p *PermanentError
+	if errors.As(err, &p) {
+		return err
+	}
+	return &PermanentError{Err: err}
+}
+
+func (e *PermanentError) Error() string { return "permanent: " + e.Err.Error() }
+
+// Unwrap returns the marked error.
+func (e *PermanentError) Unwrap() error { return e.Err }
+
+// Is reports whether target is ErrPermanent.
+func (e *PermanentError) Is(target error) bool { return target == ErrPermanent }
+
+// IsPermanent reports whether err, or an error it wraps, is permanent.
+func IsPermanent(err error) bool { return errors.Is(err, ErrPermanent) }
+
+// RetryAfterError asks for the message to be delivered again no sooner than
+// Delay from now.
+type RetryAfterError struct {
+	Err   error
+	Delay time.Duration
+}
+
+// RetryAfter returns the message to the broker to be delivered again no
+// sooner than d from now: SQS changes its visibility, RabbitMQ routes it
+// through a delay queue, Kafka runs it again in place after d (holding its
+// partition). RetryAfter(nil, d) is nil.
+func RetryAfter(err error, d time.Duration) error {
+	if err == nil {
+		return nil
+	}
+	if d < 0 {
+		d = 0
+	}
+	return &RetryAfterError{Err: err, Delay: d}
+}
+
+func (e *RetryAfterError) Error() string {
+	return "retry after " + e.Delay.String() + ": " + e.Err.Error()
+}
+
+// Unwrap returns the underlying error.
+func (e *RetryAfterError) Unwrap() error { return e.Err }
+
+// HeldError says the handler was not run at all, because something it
+// depends on is known to be down (an open circuit breaker). The delivery loop
+// keeps the message, keeps its lease, does not count an attempt, pauses
+// fetching for Delay and then runs the message again.
+type HeldError struct {
+	Err   error
+	Delay time.Duration
+}
+
+// Hold tells the delivery loop that the message was not attempted: keep it,
+// pause fetching for d, then run it again. A held message never counts as an
+// attempt and never reaches the dead-letter destination. Hold(nil, d) is nil.
+func Hold(err error, d time.Duration) error {
+	if err == nil {
+		return nil
+	}
+	if d <= 0 {
+		d = time.Millisecond
+	}
+	return &HeldError{Err: err, Delay: d}
+}
+
+func (e *HeldError) Error() string { return "held for " + e.Delay.String() + ": " + e.Err.Error() }
+
+// Unwrap returns the underlying error.
+func (e *HeldError) Unwrap() error { return e.Err }
+
+// Is reports whether target is ErrHeld.
+func (e *HeldError) Is(target error) bool { return target == ErrHeld }
+
+// PanicError is what a handler's panic becomes: the message is returned for
+// redelivery like after any other failure, and the process carries on.
+type PanicError struct {
+	Value any
+	Stack []byte
+}
+
+func (e *PanicError) Error() string { return fmt.Sprintf("handler panicked: %v", e.Value) }
+
+// Unwrap returns the panic value when it is an error.
+func (e *PanicError) Unwrap() error {
+	if err, ok := e.Value.(error); ok {
+		return err
+	}
+	return nil
+}
+
+// PublishError reports the messages of one Publish call that the broker did
+// not take. The other messages of the call were published.
+type PublishError struct {
+	// Failed lists each failed message by its index in the Publish call.
+	Failed []FailedMessage
+}
+
+// FailedMessage is one message a Publish call could not deliver.
+type FailedMessage struct {
+	Index int
+	Err   error
+}
+
+func (e *PublishError) Error() string {
+	var b strings.Builder
+	b.WriteString("publish: ")
+	b.WriteString(strconv.Itoa(len(e.Failed)))
+	b.WriteString(" message(s) failed")
+	for i, f := range e.Failed {
+		if i == 3 {
+			b.WriteString("; ...")
+			break
+		}
+		b.WriteString("; #")
+		b.WriteString(strconv.Itoa(f.Index))
+		b.WriteString(": ")
+		b.WriteString(f.Err.Error())
+	}
+	return b.String()
+}
+
+// Unwrap returns the errors of the failed messages, so errors.Is and
+// errors.As see each of them.
+func (e *PublishError) Unwrap() []error {
+	errs := make([]error, len(e.Failed))
+	for i, f := range e.Failed {
+		errs[i] = f.Err
+	}
+	return errs
+}

@@ -1,0 +1,270 @@
+// Package testenv tells tests where the real brokers are and decides what a
+// test does when one is not there.
+//
+// Addresses come from environment variables whose defaults match both ways of
+// starting the brokers: integration/brokers.sh (native) and docker-compose.yml.
+//
+//	FERRY_KAFKA_BROKERS   127.0.0.1:9092 (comma-separated list)
+//	FERRY_AMQP_URL        amqp://guest:guest@127.0.0.1:5672/
+//	FERRY_SQS_ENDPOINT    http://127.0.0.1:9324
+//	FERRY_SQS_REGION      us-east-1
+//	FERRY_POSTGRES_URL    postgres://ferry:ferry@127.0.0.1:5432/ferry?sslmode=disable
+//	FERRY_REDIS_ADDR      127.0.0.1:6379
+//
+// A test asks for a broker with one of the Require functions. When the broker
+// does not answer, the test is skipped with a message naming the command that
+// starts the brokers, unless FERRY_REQUIRE_BROKERS=1 (as in CI), in which case
+// the test fails.
+package testenv
+
+import (
+	"fmt"
+	"net"
+	"net/url"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// Names of the environment variables read by this package.
+const (
+	// EnvRequireBrokers, set to 1 (or true), turns an unreachable broker
+	// from a skipped test into a failed one.
+	EnvRequireBrokers = "FERRY_REQUIRE_BROKERS"
+	// EnvKafkaBrokers is a comma-separated list of Kafka bootstrap addresses.
+	EnvKafkaBrokers = "FERRY_KAFKA_BROKERS"
+	// EnvAMQPURL is the AMQP 0-9-1 URL of RabbitMQ.
+	EnvAMQPURL = "FERRY_AMQP_URL"
+	// EnvSQSEndpoint is the base URL of the SQS-compatible server.
+	EnvSQSEndpoint = "FERRY_SQS_ENDPOINT"
+	// EnvSQSRegion is the AWS region that SQS clients sign requests for.
+	EnvSQSRegion = "FERRY_SQS_REGION"
+	// EnvPostgresURL is the PostgreSQL connection URL.
+	EnvPostgresURL = "FERRY_POSTGRES_URL"
+	// EnvRedisAddr is the host:port of Redis.
+	EnvRedisAddr = "FERRY_REDIS_ADDR"
+)
+
+// Default addresses, shared by integration/brokers.sh and docker-compose.yml.
+const (
+	// DefaultKafkaBrokers is the default of FERRY_KAFKA_BROKERS.
+	DefaultKafkaBrokers = "127.0.0.1:9092"
+	// DefaultAMQPURL is the default of FERRY_AMQP_URL.
+	DefaultAMQPURL = "amqp://guest:guest@127.0.0.1:5672/"
+	// DefaultSQSEndpoint is the default of FERRY_SQS_ENDPOINT.
+	DefaultSQSEndpoint = "http://127.0.0.1:9324"
+	// DefaultSQSRegion is the default of FERRY_SQS_REGION.
+	DefaultSQSRegion = "us-east-1"
+	// DefaultPostgresURL is the default of FERRY_POSTGRES_URL.
+	DefaultPostgresURL = "postgres://ferry:ferry@127.0.0.1:5432/ferry?sslmode=disable"
+	// DefaultRedisAddr is the default of FERRY_REDIS_ADDR.
+	DefaultRedisAddr = "127.0.0.1:6379"
+)
+
+// StartCommand is the command that starts the brokers; it is named in the
+// message of a skipped or failed test.
+const StartCommand = "make brokers (integration/brokers.sh up)"
+
+// SQSAccessKey and SQSSecretKey are static credentials for the SQS-compatible
+// test server, which accepts any.
+const (
+	// SQSAccessKey is the access key id test SQS clients sign with.
+	SQSAccessKey = "ferry"
+	// SQSSecretKey is the secret key test SQS clients sign with.
+	SQSSecretKey = "ferry"
+)
+
+// Service names a broker the tests can ask for.
+type Service string
+
+// The services started by integration/brokers.sh and docker-compose.yml.
+const (
+	// Kafka is Apache Kafka.
+	Kafka Service = "kafka"
+	// RabbitMQ is RabbitMQ, spoken to over AMQP 0-9-1.
+	RabbitMQ Service = "rabbitmq"
+	// SQS is the SQS-compatible server (ElasticMQ).
+	SQS Service = "sqs"
+	// Postgres is PostgreSQL.
+	Postgres Service = "postgres"
+	// Redis is Redis.
+	Redis Service = "redis"
+)
+
+// Services lists every service, in the order brokers.sh reports them.
+var Services = []Service{RabbitMQ, Kafka, SQS, Postgres, Redis}
+
+func env(name, def string) string {
+	if v := strings.TrimSpace(os.Getenv(name)); v != "" {
+		return v
+	}
+	return def
+}
+
+// KafkaBrokers returns the Kafka bootstrap addresses (FERRY_KAFKA_BROKERS).
+func KafkaBrokers() []string {
+	var out []string
+	for _, b := range strings.Split(env(EnvKafkaBrokers, DefaultKafkaBrokers), ",") {
+		if b = strings.TrimSpace(b); b != "" {
+			out = append(out, b)
+		}
+	}
+	if len(out) == 0 {
+		out = []string{DefaultKafkaBrokers}
+	}
+	return out
+}
+
+// AMQPURL returns the RabbitMQ AMQP URL (FERRY_AMQP_URL).
+func AMQPURL() string { return env(EnvAMQPURL, DefaultAMQPURL) }
+
+// SQSEndpoint returns the base URL of the SQS-compatible server
+// (FERRY_SQS_ENDPOINT).
+func SQSEndpoint() string { return env(EnvSQSEndpoint, DefaultSQSEndpoint) }
+
+// SQSRegion returns the region SQS clients should use (FERRY_SQS_REGION).
+func SQSRegion() string { return env(EnvSQSRegion, DefaultSQSRegion) }
+
+// PostgresURL returns the PostgreSQL connection URL (FERRY_POSTGRES_URL).
+func PostgresURL() string { return env(EnvPostgresURL, DefaultPostgresURL) }
+
+// RedisAddr returns the Redis host:port (FERRY_REDIS_ADDR).
+func RedisAddr() string { return env(EnvRedisAddr, DefaultRedisAddr) }
+
+// RequireBrokers reports whether FERRY_REQUIRE_BROKERS asks for an
+// unreachable broker to fail the test rather than skip it.
+func RequireBrokers() bool {
+	switch strings.ToLower(strings.TrimSpace(os.Getenv(EnvRequireBrokers))) {
+	case "1", "true", "yes", "on":
+		return true
+	}
+	return false
+}
+
+// Addr returns the host:port a TCP dial to service should reach, derived from
+// that service's address variable.
+func Addr(service Service) (string, error) {
+	switch service {
+	case Kafka:
+		return KafkaBrokers()[0], nil
+	case RabbitMQ:
+		return urlHostPort(AMQPURL(), "5672")
+	case SQS:
+		return urlHostPort(SQSEndpoint(), "80")
+	case Postgres:
+		return urlHostPort(PostgresURL(), "5432")
+	case Redis:
+		return RedisAddr(), nil
+	}
+	return "", fmt.Errorf("testenv: unknown service %q", service)
+}
+
+func urlHostPort(raw, defPort string) (string, error) {
+	u, err := url.Parse(raw)
+	if err != nil {
+		return "", fmt.Errorf("testenv: parse %q: %w", raw, err)
+	}
+	if u.Host == "" {
+		return "", fmt.Errorf("testenv: no host in %q", raw)
+	}
+	port := u.Port()
+	if port == "" {
+		port = defPort
+		if u.Scheme == "https" || u.Scheme == "amqps" {
+			port = map[string]string{"https": "443", "amqps": "5671"}[u.Scheme]
+		}
+	}
+	return net.JoinHostPort(u.Hostname(), port), nil
+}
+
+// DialTimeout bounds the reachability check of Require.
+var DialTimeout = 2 * time.Second
+
+type probeResult struct {
+	addr string
+	err  error
+}
+
+var (
+	probeMu    sync.Mutex
+	probeCache = map[string]probeResult{}
+)
+
+// Reachable dials service once per process and address (the answer is
+// cached) and returns its address and nil if it accepted a TCP connection.
+func Reachable(service Service) (string, error) {
+	addr, err := Addr(service)
+	if err != nil {
+		return "", err
+	}
+	key := string(service) + "|" + addr
+	probeMu.Lock()
+	defer probeMu.Unlock()
+	if r, ok := probeCache[key]; ok {
+		return r.addr, r.err
+	}
+	c, err := net.DialTimeout("tcp", addr, DialTimeout)
+	if err == nil {
+		c.Close()
+	}
+	probeCache[key] = probeResult{addr, err}
+	return addr, err
+}
+
+// Require makes t need service: if the broker does not accept a connection,
+// t fails when FERRY_REQUIRE_BROKERS=1 and is skipped otherwise; either way
+// the message names the command that starts the brokers.
+func Require(t testing.TB, service Service) {
+	t.Helper()
+	addr, err := Reachable(service)
+	if err == nil {
+		return
+	}
+	where := addr
+	if where == "" {
+		where = "(no address)"
+	}
+	msg := fmt.Sprintf("%s is not reachable at %s: %v; start the brokers with %s", service, where, err, StartCommand)
+	if RequireBrokers() {
+		t.Fatalf("%s (%s=1 makes this a failure)", msg, EnvRequireBrokers)
+		return
+	}
+	t.Skipf("%s, or set %s=1 to fail instead of skipping", msg, EnvRequireBrokers)
+}
+
+// RequireKafka requires Kafka and returns its bootstrap addresses.
+func RequireKafka(t testing.TB) []string {
+	t.Helper()
+	Require(t, Kafka)
+	return KafkaBrokers()
+}
+
+// RequireRabbitMQ requires RabbitMQ and returns its AMQP URL.
+func RequireRabbitMQ(t testing.TB) string {
+	t.Helper()
+	Require(t, RabbitMQ)
+	return AMQPURL()
+}
+
+// RequireSQS requires the SQS-compatible server and returns its endpoint.
+func RequireSQS(t testing.TB) string {
+	t.Helper()
+	Require(t, SQS)
+	return SQSEndpoint()
+}
+
+// RequirePostgres requires PostgreSQL and returns its connection URL.
+func RequirePostgres(t testing.TB) string {
+	t.Helper()
+	Require(t, Postgres)
+	return PostgresURL()
+}
+
+// RequireRedis requires Redis and returns its address.
+func RequireRedis(t testing.TB) string {
+	t.Helper()
+	Require(t, Redis)
+	return RedisAddr()
+}
