@@ -1,0 +1,509 @@
+#!/usr/bin/env bash
+# Starts, stops and inspects the real brokers the integration tests run against:
+# RabbitMQ, Apache Kafka (KRaft), ElasticMQ (SQS), PostgreSQL and Redis, all on
+# 127.0.0.1 with the addresses internal/testenv defaults to.
+#
+#   integration/brokers.sh up       install what is missing, start what is stopped,
+#                                   wait until each answers a real client operation
+#   integration/brokers.sh down     stop them (state is kept)
+#   integration/brokers.sh status   one line per service; exit 1 if any is down
+#   integration/brokers.sh logs [service...]   the last lines of their logs
+#
+# Natively (the default) everything runs from Debian packages and Maven Central
+# jars, with state and logs in .brokers/ at the repository root (FERRY_BROKERS_DIR
+# overrides). With FERRY_BROKERS=docker and a running Docker engine it uses
+# docker-compose.yml instead.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CONF=$ROOT/integration/config
+STATE=${FERRY_BROKERS_DIR:-$ROOT/.brokers}
+SERVICES=(rabbitmq kafka sqs postgres redis)
+KAFKA_CLUSTER_ID=ZmVycnlGZXJyeUthZmthMQ # any 16 bytes, base64url: a fixed test cluster
+UP_TIMEOUT=${FERRY_BROKERS_TIMEOUT:-180}
+
+log() { printf 'brokers: %s\n' "$*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+usage() {
+	cat >&2 <<EOF
+usage: integration/brokers.sh up | down | status | logs [service...]
+
+  up      install what is missing, start the brokers, wait until each is ready
+  down    stop the brokers (their state stays in ${STATE/#$ROOT\//})
+  status  print one line per broker; exit 1 if any is not ready
+  logs    print the last lines of each broker's log (or of those named)
+
+services: ${SERVICES[*]}
+environment: FERRY_BROKERS=docker uses docker-compose.yml when a Docker engine runs;
+             FERRY_BROKERS_DIR moves the state folder (default .brokers/).
+EOF
+}
+
+port_of() { # the client port of a service
+	case $1 in
+	rabbitmq) echo 5672 ;; kafka) echo 9092 ;; sqs) echo 9324 ;; postgres) echo 5432 ;; redis) echo 6379 ;;
+	esac
+}
+
+ports_of() { # every port a service listens on
+	case $1 in
+	rabbitmq) echo 5672 25672 ;; kafka) echo 9092 9093 ;; *) port_of "$1" ;;
+	esac
+}
+
+# ---------------------------------------------------------------- the Go checker
+
+CHECKER=$STATE/bin/brokercheck
+
+build_checker() {
+	command -v go >/dev/null || die "go is not on PATH (it builds the readiness checker internal/testenv/cmd/brokercheck)"
+	mkdir -p "$STATE/bin"
+	(cd "$ROOT" && go build -o "$CHECKER" ./internal/testenv/cmd/brokercheck) ||
+		die "could not build internal/testenv/cmd/brokercheck"
+}
+
+# ---------------------------------------------------------------- processes
+
+# pid_of SERVICE prints the pid of our running process of SERVICE, if any.
+pid_of() {
+	local f pid want
+	case $1 in
+	rabbitmq) f=$STATE/rabbitmq/rabbitmq.pid want=beam ;;
+	kafka) f=$STATE/kafka/kafka.pid want=kafka.Kafka ;;
+	sqs) f=$STATE/elasticmq/elasticmq.pid want=elasticmq ;;
+	postgres) f=$STATE/postgres/data/postmaster.pid want=postgres ;;
+	redis) f=$STATE/redis/redis.pid want=redis-server ;;
+	esac
+	[[ -s $f ]] || return 1
+	pid=$(head -n1 "$f" | tr -dc 0-9)
+	[[ -n $pid ]] && kill -0 "$pid" 2>/dev/null || return 1
+	tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- "$want" || return 1
+	echo "$pid"
+}
+
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+port_owner() {
+	local who=""
+	command -v ss >/dev/null && who=$(ss -ltnpH "( sport = :$1 )" 2>/dev/null | grep -o 'users:(([^)]*))' | head -n1)
+	echo "${who:-an unknown process}"
+}
+
+log_of() {
+	case $1 in
+	rabbitmq) echo "$STATE/rabbitmq/log/rabbit@localhost.log $STATE/rabbitmq/rabbitmq.out" ;;
+	kafka) echo "$STATE/kafka/logs/server.log $STATE/kafka/kafka.out $STATE/kafka/logs/format.log" ;;
+	sqs) echo "$STATE/elasticmq/elasticmq.log" ;;
+	postgres) echo "$STATE/postgres/postgres.log" ;;
+	redis) echo "$STATE/redis/redis.log" ;;
+	esac
+}
+
+tail_logs() {
+	local svc=$1 n=${2:-40} f
+	for f in $(log_of "$svc"); do
+		[[ -s $f ]] || continue
+		echo "----- $svc: last $n lines of ${f/#$ROOT\//}" >&2
+		tail -n "$n" "$f" >&2
+	done
+}
+
+# ---------------------------------------------------------------- installs
+
+pg_bindir() {
+	local d
+	d=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n1)
+	[[ -n $d && -x $d/postgres && -x $d/initdb ]] && echo "$d"
+}
+
+ensure_packages() {
+	local pkgs=()
+	[[ -x /usr/lib/rabbitmq/bin/rabbitmq-server ]] || pkgs+=(rabbitmq-server)
+	command -v redis-server >/dev/null || pkgs+=(redis-server)
+	pg_bindir >/dev/null || pkgs+=(postgresql)
+	command -v java >/dev/null || pkgs+=(openjdk-17-jre-headless)
+	command -v mvn >/dev/null || pkgs+=(maven)
+	((${#pkgs[@]})) || return 0
+	[[ $(id -u) == 0 ]] || die "missing packages: ${pkgs[*]}; install them (sudo apt-get install ${pkgs[*]}) or run as root"
+	log "installing ${pkgs[*]} with apt-get"
+	local made_policy=""
+	if [[ ! -e /usr/sbin/policy-rc.d ]]; then
+		# Keep the packages' own services from starting: the ports stay ours.
+		printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+		chmod 755 /usr/sbin/policy-rc.d
+		made_policy=1
+	fi
+	mkdir -p "$STATE"
+	local rc=0
+	{
+		apt-get update -q &&
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${pkgs[@]}"
+	} >"$STATE/apt.log" 2>&1 || rc=$?
+	[[ -n $made_policy ]] && rm -f /usr/sbin/policy-rc.d
+	if ((rc)); then
+		tail -n 30 "$STATE/apt.log" >&2
+		die "apt-get install ${pkgs[*]} failed (log: $STATE/apt.log)"
+	fi
+}
+
+jars_exist() {
+	local j
+	while read -r j; do
+		[[ -f $j ]] || return 1
+	done < <(tr ':' '\n' <"$1")
+}
+
+# resolve_classpath NAME: the runtime classpath of integration/NAME/pom.xml,
+# from Maven's cache when it has it, cached in the state folder by the pom's hash.
+resolve_classpath() {
+	local name=$1 pom=$ROOT/integration/$1/pom.xml out=$STATE/$1/classpath.txt
+	local sum
+	sum=$(sha256sum "$pom" | cut -d' ' -f1)
+	if [[ -s $out && -f $out.sha && $(cat "$out.sha") == "$sum" ]] && jars_exist "$out"; then
+		return 0
+	fi
+	mkdir -p "$STATE/$name"
+	# Offline first (a warm cache needs no network), then online.
+	if ! mvn -B -q -o -f "$pom" dependency:build-classpath -Dmdep.outputFile="$out" >"$STATE/$name/mvn.log" 2>&1; then
+		mvn -B -q -f "$pom" dependency:build-classpath -Dmdep.outputFile="$out" >"$STATE/$name/mvn.log" 2>&1 || {
+			tail -n 30 "$STATE/$name/mvn.log" >&2
+			die "maven could not resolve integration/$name/pom.xml (log: $STATE/$name/mvn.log)"
+		}
+	fi
+	echo "$sum" >"$out.sha"
+}
+
+# ---------------------------------------------------------------- state folder
+
+# The postgres and rabbitmq users must reach the state folder. A repository
+# under a private home (/root) is not reachable: keep the state in /var/tmp
+# then, with a symlink from .brokers.
+setup_state() {
+	if [[ -L $STATE || -d $STATE ]]; then
+		STATE=$(cd "$STATE" && pwd -P)
+	elif [[ $(id -u) == 0 ]] && id postgres >/dev/null 2>&1 &&
+		! runuser -u postgres -- test -x "$(dirname "$STATE")"; then
+		local real
+		real=/var/tmp/ferry-brokers-$(echo "$ROOT" | sha256sum | cut -c1-12)
+		mkdir -p "$real"
+		ln -sfn "$real" "$STATE"
+		log "state folder: $real (the service users cannot reach $(dirname "$STATE"))"
+		STATE=$real
+	fi
+	mkdir -p "$STATE"
+	chmod 755 "$STATE"
+	CHECKER=$STATE/bin/brokercheck
+}
+
+as_user() { # as_user USER CMD...: run CMD as USER when we are root
+	local u=$1
+	shift
+	if [[ $(id -u) == 0 ]]; then
+		runuser -u "$u" -- "$@"
+	else
+		"$@"
+	fi
+}
+
+own() { # own USER DIR: let USER write DIR when we are root
+	[[ $(id -u) == 0 ]] && chown -R "$1:$1" "$2" || true
+}
+
+# ---------------------------------------------------------------- services
+
+start_redis() {
+	local d=$STATE/redis
+	mkdir -p "$d"
+	redis-server --bind 127.0.0.1 --port 6379 --protected-mode yes \
+		--save "" --appendonly no --daemonize yes \
+		--dir "$d" --pidfile "$d/redis.pid" --logfile "$d/redis.log"
+}
+
+start_postgres() {
+	local d=$STATE/postgres bin sock
+	bin=$(pg_bindir) || die "no PostgreSQL server binaries under /usr/lib/postgresql"
+	mkdir -p "$d/run"
+	# A unix socket path must stay under ~107 bytes.
+	sock=$d/run
+	((${#sock} < 90)) || sock=/tmp/ferry-pg-$(echo "$ROOT" | sha256sum | cut -c1-12)
+	mkdir -p "$sock"
+	touch "$d/postgres.log"
+	own postgres "$d"
+	own postgres "$sock"
+	if [[ ! -f $d/data/PG_VERSION ]]; then
+		rm -rf "$d/data"
+		as_user postgres "$bin/initdb" -D "$d/data" -U postgres -E UTF8 --locale=C.UTF-8 \
+			--auth-local=trust --auth-host=scram-sha-256 --no-sync >"$d/initdb.log" 2>&1 || {
+			cat "$d/initdb.log" >&2
+			return 1
+		}
+	fi
+	# Test settings: no durability needed, many connections allowed.
+	as_user postgres "$bin/pg_ctl" -D "$d/data" -l "$d/postgres.log" -w -t 60 start \
+		-o "-c listen_addresses=127.0.0.1 -p 5432 -c unix_socket_directories=$sock \
+-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200" >/dev/null || return 1
+	local psql=("$bin/psql" -h "$sock" -p 5432 -U postgres -d postgres -v ON_ERROR_STOP=1 -qtA)
+	if [[ $(as_user postgres "${psql[@]}" -c "select 1 from pg_roles where rolname='ferry'") != 1 ]]; then
+		as_user postgres "${psql[@]}" -c "create role ferry login createdb password 'ferry'" >/dev/null
+	fi
+	if [[ $(as_user postgres "${psql[@]}" -c "select 1 from pg_database where datname='ferry'") != 1 ]]; then
+		as_user postgres "${psql[@]}" -c "create database ferry owner ferry" >/dev/null
+	fi
+}
+
+rabbit_env() {
+	local d=$STATE/rabbitmq
+	export HOME=/var/lib/rabbitmq
+	export RABBITMQ_NODENAME=rabbit@localhost
+	export RABBITMQ_NODE_IP_ADDRESS=127.0.0.1
+	export RABBITMQ_NODE_PORT=5672
+	export RABBITMQ_DIST_PORT=25672
+	export RABBITMQ_MNESIA_BASE=$d/mnesia
+	export RABBITMQ_LOG_BASE=$d/log
+	export RABBITMQ_PID_FILE=$d/rabbitmq.pid
+	export RABBITMQ_CONFIG_FILE=$d/rabbitmq.conf
+	export RABBITMQ_ENABLED_PLUGINS_FILE=$d/enabled_plugins
+	export RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}"
+	export ERL_EPMD_ADDRESS=127.0.0.1
+}
+
+start_rabbitmq() {
+	local d=$STATE/rabbitmq
+	mkdir -p "$d/mnesia" "$d/log"
+	cp "$CONF/rabbitmq.conf" "$d/rabbitmq.conf"
+	cp "$CONF/rabbitmq-enabled-plugins" "$d/enabled_plugins"
+	rm -f "$d/rabbitmq.pid"
+	own rabbitmq "$d"
+	(
+		rabbit_env
+		cd "$d"
+		as_user rabbitmq nohup /usr/lib/rabbitmq/bin/rabbitmq-server >"$d/rabbitmq.out" 2>&1 </dev/null &
+		echo $! >"$d/launcher.pid"
+	)
+}
+
+jvm_start() { # jvm_start PIDFILE OUT ARGS...: start java in the background
+	local pidfile=$1 out=$2
+	shift 2
+	nohup java "$@" >"$out" 2>&1 </dev/null &
+	echo $! >"$pidfile"
+}
+
+start_kafka() {
+	local d=$STATE/kafka cp
+	cp=$(cat "$d/classpath.txt")
+	mkdir -p "$d/data" "$d/logs"
+	sed "s|@STATE@|$STATE|g" "$CONF/kafka-server.properties" >"$d/server.properties"
+	cp "$CONF/kafka-log4j2.properties" "$d/log4j2.properties"
+	local jvm=(-Xms256m -Xmx512m -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -XX:+ExitOnOutOfMemoryError
+		-Djava.awt.headless=true -Dkafka.logs.dir="$d/logs" -Dlog4j2.configurationFile="$d/log4j2.properties")
+	if [[ ! -f $d/data/meta.properties ]]; then
+		java "${jvm[@]}" -cp "$cp" kafka.tools.StorageTool format -t "$KAFKA_CLUSTER_ID" \
+			-c "$d/server.properties" --standalone -g >"$d/logs/format.log" 2>&1 || return 1
+	fi
+	jvm_start "$d/kafka.pid" "$d/kafka.out" "${jvm[@]}" -cp "$cp" kafka.Kafka "$d/server.properties"
+}
+
+start_sqs() {
+	local d=$STATE/elasticmq
+	mkdir -p "$d"
+	cp "$CONF/elasticmq.conf" "$d/elasticmq.conf"
+	jvm_start "$d/elasticmq.pid" "$d/elasticmq.log" -Xms64m -Xmx256m -XX:+UseSerialGC -XX:+ExitOnOutOfMemoryError \
+		-Djava.awt.headless=true -Dconfig.file="$d/elasticmq.conf" \
+		-cp "$(cat "$d/classpath.txt")" org.elasticmq.server.Main
+}
+
+stop_service() {
+	local svc=$1 pid i
+	pid=$(pid_of "$svc") || return 0
+	case $svc in
+	postgres) as_user postgres "$(pg_bindir)/pg_ctl" -D "$STATE/postgres/data" -m fast -w -t 30 stop >/dev/null 2>&1 || true ;;
+	*) kill -TERM "$pid" 2>/dev/null || true ;;
+	esac
+	for ((i = 0; i < 300; i++)); do
+		kill -0 "$pid" 2>/dev/null || break
+		sleep 0.1
+	done
+	if kill -0 "$pid" 2>/dev/null; then
+		log "$svc (pid $pid) did not stop in 30 s: killing it"
+		kill -KILL "$pid" 2>/dev/null || true
+	fi
+	echo "$svc stopped"
+}
+
+versions() { # versions for the checker's lines, from what we run
+	local v
+	if [[ -s $STATE/kafka/classpath.txt ]]; then
+		v=$(tr ':' '\n' <"$STATE/kafka/classpath.txt" | sed -n 's|.*/kafka_2.13-\(.*\)\.jar$|\1|p' | head -n1)
+		[[ -n $v ]] && echo "-version=kafka=$v"
+	fi
+	if [[ -s $STATE/elasticmq/classpath.txt ]]; then
+		v=$(tr ':' '\n' <"$STATE/elasticmq/classpath.txt" | sed -n 's|.*/elasticmq-server_2.13-\(.*\)\.jar$|\1|p' | head -n1)
+		[[ -n $v ]] && echo "-version=sqs=elasticmq-$v"
+	fi
+	return 0
+}
+
+# ---------------------------------------------------------------- docker
+
+use_docker() {
+	[[ ${FERRY_BROKERS:-} == docker ]] || return 1
+	if command -v docker >/dev/null && docker info >/dev/null 2>&1; then
+		return 0
+	fi
+	log "FERRY_BROKERS=docker, but no Docker engine answers: starting the brokers natively"
+	return 1
+}
+
+docker_compose() { docker compose -f "$ROOT/docker-compose.yml" "$@"; }
+
+# ---------------------------------------------------------------- commands
+
+cmd_up() {
+	if use_docker; then
+		docker_compose up -d --wait
+		build_checker
+		"$CHECKER" -wait 60s
+		return
+	fi
+	setup_state
+
+	# Which services are ours and running, which ports someone else holds.
+	local todo=() svc port busy=0 free
+	for svc in "${SERVICES[@]}"; do
+		pid_of "$svc" >/dev/null && continue
+		free=1
+		for port in $(ports_of "$svc"); do
+			if port_open "$port"; then
+				log "error: port $port ($svc) is already in use by $(port_owner "$port"), not by integration/brokers.sh; stop it first"
+				busy=1 free=""
+			fi
+		done
+		[[ -n $free ]] && todo+=("$svc")
+	done
+	((busy == 0)) || exit 1
+
+	if ((${#todo[@]})); then
+		log "starting: ${todo[*]}"
+		ensure_packages
+		local want_jvm="" pids=() names=()
+		[[ " ${todo[*]} " == *" kafka "* ]] && want_jvm+=" kafka"
+		[[ " ${todo[*]} " == *" sqs "* ]] && want_jvm+=" sqs"
+		if [[ -n $want_jvm ]]; then
+			(
+				[[ $want_jvm == *kafka* ]] && resolve_classpath kafka
+				[[ $want_jvm == *sqs* ]] && resolve_classpath elasticmq
+				[[ $want_jvm == *sqs* ]] && { start_sqs || exit 1; }
+				[[ $want_jvm == *kafka* ]] && { start_kafka || exit 1; }
+				exit 0
+			) &
+			pids+=($!) names+=("kafka/sqs")
+		fi
+		for svc in rabbitmq postgres redis; do
+			[[ " ${todo[*]} " == *" $svc "* ]] || continue
+			("start_$svc") &
+			pids+=($!) names+=("$svc")
+		done
+		# The checker builds while the services start.
+		build_checker
+		local i failed=0
+		for i in "${!pids[@]}"; do
+			if ! wait "${pids[$i]}"; then
+				log "error: starting ${names[$i]} failed"
+				failed=1
+			fi
+		done
+		if ((failed)); then
+			for svc in "${todo[@]}"; do tail_logs "$svc" 30; done
+			exit 1
+		fi
+	else
+		build_checker
+	fi
+
+	# The checker gives up on a service whose process died.
+	local out rc=0 watch=() pid
+	for svc in "${todo[@]}"; do
+		case $svc in
+		rabbitmq) pid=$(cat "$STATE/rabbitmq/launcher.pid" 2>/dev/null || true) ;;
+		*) pid=$(pid_of "$svc" || echo 0) ;; # 0: already gone
+		esac
+		[[ -n $pid ]] && watch+=("-pid=$svc=$pid")
+	done
+	out=$("$CHECKER" -wait "${UP_TIMEOUT}s" $(versions) "${watch[@]}" "${SERVICES[@]}") || rc=$?
+	for svc in "${SERVICES[@]}"; do
+		local line
+		line=$(grep "^$svc " <<<"$out" || true)
+		if [[ $line == *" ready" ]]; then
+			if [[ " ${todo[*]} " == *" $svc "* ]]; then echo "$line"; else echo "$line (already running)"; fi
+		else
+			echo "$line"
+			tail_logs "$svc" 30
+			rc=1
+		fi
+	done
+	((rc == 0)) || die "not every broker is ready (logs: integration/brokers.sh logs)"
+}
+
+cmd_down() {
+	if use_docker; then
+		docker_compose down -v
+		return
+	fi
+	[[ -d $STATE ]] || return 0
+	setup_state
+	local svc
+	for svc in "${SERVICES[@]}"; do
+		stop_service "$svc" &
+	done
+	wait
+}
+
+cmd_status() {
+	if ! use_docker; then
+		[[ -d $STATE ]] && setup_state
+	fi
+	build_checker
+	local out rc=0 svc line pid
+	out=$("$CHECKER" $(versions) "${SERVICES[@]}") || rc=$?
+	for svc in "${SERVICES[@]}"; do
+		line=$(grep "^$svc " <<<"$out" || true)
+		if pid=$(pid_of "$svc"); then line+=" (pid $pid)"; fi
+		echo "$line"
+	done
+	return $rc
+}
+
+cmd_logs() {
+	if use_docker; then
+		docker_compose logs --tail 50 "$@"
+		return
+	fi
+	[[ -d $STATE ]] || die "no state folder ${STATE}: the brokers never ran here"
+	setup_state
+	local svc
+	(($#)) || set -- "${SERVICES[@]}"
+	for svc in "$@"; do
+		[[ -n $(port_of "$svc") ]] || die "unknown service $svc (one of: ${SERVICES[*]})"
+		tail_logs "$svc" 50 2>&1
+	done
+}
+
+case ${1:-} in
+up) cmd_up ;;
+down) cmd_down ;;
+status) cmd_status ;;
+logs)
+	shift
+	cmd_logs "$@"
+	;;
+-h | --help | help)
+	usage
+	exit 0
+	;;
+*)
+	usage
+	exit 2
+	;;
+esac

@@ -1,0 +1,239 @@
+// Command brokercheck waits until each test broker answers a real client
+// operation and prints one line per broker: name, address, version, and
+// "ready" or why not. integration/brokers.sh runs it for `up` and `status`.
+//
+// Usage:
+//
+//	brokercheck [-wait 120s] [-version kafka=4.4.0] [-pid kafka=1234] [service ...]
+//
+// Addresses come from the same environment variables as the tests (see
+// internal/testenv). With -pid, the wait for a service ends as soon as its
+// process is gone. It exits 1 if any broker is not ready in time.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	"github.com/aws/aws-sdk-go-v2/credentials"
+	"github.com/aws/aws-sdk-go-v2/service/sqs"
+	"github.com/jackc/pgx/v5"
+	amqp "github.com/rabbitmq/amqp091-go"
+	"github.com/redis/go-redis/v9"
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/ferrymq/ferry/internal/testenv"
+)
+
+type versions map[string]string
+
+func (v versions) String() string { return fmt.Sprint(map[string]string(v)) }
+
+func (v versions) Set(s string) error {
+	name, ver, ok := strings.Cut(s, "=")
+	if !ok {
+		return errors.New("want service=version")
+	}
+	v[name] = ver
+	return nil
+}
+
+func main() {
+	wait := flag.Duration("wait", 0, "keep trying each broker for this long (0: one attempt)")
+	vers := versions{}
+	flag.Var(vers, "version", "service=version to print instead of the detected version (repeatable)")
+	pids := versions{}
+	flag.Var(pids, "pid", "service=pid: stop waiting for service once this process is gone (repeatable)")
+	flag.Parse()
+	redis.SetLogger(quietLogger{})
+
+	services := testenv.Services
+	if flag.NArg() > 0 {
+		services = nil
+		for _, a := range flag.Args() {
+			services = append(services, testenv.Service(a))
+		}
+	}
+
+	type result struct {
+		addr, version string
+		err           error
+	}
+	results := make([]result, len(services))
+	var wg sync.WaitGroup
+	deadline := time.Now().Add(*wait)
+	for i, s := range services {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			addr, _ := testenv.Addr(s)
+			var ver string
+			var err error
+			for {
+				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+				ver, err = check(ctx, s)
+				cancel()
+				if err == nil || time.Now().After(deadline) {
+					break
+				}
+				if p := pids[string(s)]; p != "" && !alive(p) {
+					err = fmt.Errorf("its process (pid %s) exited: %w", p, err)
+					break
+				}
+				time.Sleep(300 * time.Millisecond)
+			}
+			if v := vers[string(s)]; v != "" && err == nil {
+				ver = v
+			}
+			results[i] = result{addr, ver, err}
+		}()
+	}
+	wg.Wait()
+	failed := false
+	for i, r := range results {
+		if r.err == nil {
+			fmt.Printf("%-9s %-22s %-18s ready\n", services[i], r.addr, r.version)
+		} else {
+			fmt.Printf("%-9s %-22s %-18s NOT READY: %v\n", services[i], r.addr, "-", r.err)
+			failed = true
+		}
+	}
+	if failed {
+		os.Exit(1)
+	}
+}
+
+// alive reports whether process pid exists.
+func alive(pid string) bool {
+	n, err := strconv.Atoi(pid)
+	if err != nil || n <= 0 {
+		return false
+	}
+	return syscall.Kill(n, 0) == nil
+}
+
+// quietLogger drops go-redis's own logging of failed dials.
+type quietLogger struct{}
+
+func (quietLogger) Printf(context.Context, string, ...interface{}) {}
+
+func check(ctx context.Context, s testenv.Service) (string, error) {
+	switch s {
+	case testenv.Kafka:
+		return checkKafka(ctx)
+	case testenv.RabbitMQ:
+		return checkRabbitMQ(ctx)
+	case testenv.SQS:
+		return checkSQS(ctx)
+	case testenv.Postgres:
+		return checkPostgres(ctx)
+	case testenv.Redis:
+		return checkRedis(ctx)
+	}
+	return "", fmt.Errorf("unknown service %q", s)
+}
+
+// checkKafka asks for the API versions and the cluster metadata, and wants a
+// broker registered with the controller.
+func checkKafka(ctx context.Context) (string, error) {
+	cl, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaBrokers()...), kgo.DialTimeout(2*time.Second))
+	if err != nil {
+		return "", err
+	}
+	defer cl.Close()
+	adm := kadm.NewClient(cl)
+	md, err := adm.BrokerMetadata(ctx)
+	if err != nil {
+		return "", err
+	}
+	if len(md.Brokers) == 0 || md.Controller < 0 {
+		return "", errors.New("no broker registered with a controller yet")
+	}
+	api, err := adm.ApiVersions(ctx)
+	if err != nil {
+		return "", err
+	}
+	for _, b := range api.Sorted() {
+		if b.Err != nil {
+			return "", b.Err
+		}
+		return b.VersionGuess(), nil
+	}
+	return "", errors.New("no ApiVersions answer")
+}
+
+// checkRabbitMQ opens an AMQP connection and a channel.
+func checkRabbitMQ(ctx context.Context) (string, error) {
+	conn, err := amqp.DialConfig(testenv.AMQPURL(), amqp.Config{Dial: amqp.DefaultDial(2 * time.Second)})
+	if err != nil {
+		return "", err
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		return "", err
+	}
+	ch.Close()
+	v, _ := conn.Properties["version"].(string)
+	return v, nil
+}
+
+// checkSQS lists the queues over the AWS JSON protocol.
+func checkSQS(ctx context.Context) (string, error) {
+	c := sqs.New(sqs.Options{
+		Region:           testenv.SQSRegion(),
+		BaseEndpoint:     aws.String(testenv.SQSEndpoint()),
+		Credentials:      credentials.NewStaticCredentialsProvider(testenv.SQSAccessKey, testenv.SQSSecretKey, ""),
+		RetryMaxAttempts: 1,
+	})
+	if _, err := c.ListQueues(ctx, &sqs.ListQueuesInput{}); err != nil {
+		return "", err
+	}
+	return "sqs-json", nil
+}
+
+// checkPostgres logs in and runs a query.
+func checkPostgres(ctx context.Context) (string, error) {
+	conn, err := pgx.Connect(ctx, testenv.PostgresURL())
+	if err != nil {
+		return "", err
+	}
+	defer conn.Close(context.Background())
+	var v string
+	if err := conn.QueryRow(ctx, "select current_setting('server_version')").Scan(&v); err != nil {
+		return "", err
+	}
+	if i := strings.IndexByte(v, ' '); i > 0 {
+		v = v[:i]
+	}
+	return v, nil
+}
+
+// checkRedis pings and reads the server version.
+func checkRedis(ctx context.Context) (string, error) {
+	c := redis.NewClient(&redis.Options{Addr: testenv.RedisAddr(), DialTimeout: 2 * time.Second, MaxRetries: -1})
+	defer c.Close()
+	if err := c.Ping(ctx).Err(); err != nil {
+		return "", err
+	}
+	info, err := c.Info(ctx, "server").Result()
+	if err != nil {
+		return "", err
+	}
+	for _, line := range strings.Split(info, "\n") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "redis_version:"); ok {
+			return v, nil
+		}
+	}
+	return "?", nil
+}
