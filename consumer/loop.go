@@ -191,7 +191,12 @@ type run struct {
 
 	revocations []*revocationWait
 	shutting    bool
+	stopping    atomic.Bool // shutting, for the workers
 }
+
+// errNotStarted is the outcome of a delivery that a worker picked up after
+// shutdown began and so never ran.
+var errNotStarted = errors.New("not started: consumer stopping")
 
 type revocationWait struct {
 	done    chan struct{}
@@ -318,6 +323,7 @@ func (r *run) dispatch(ctx context.Context, stopFetch context.CancelFunc, fetche
 			return
 		}
 		r.shutting = true
+		r.stopping.Store(true)
 		ctxDone = nil
 		stopFetch()
 		r.returnNotStarted()
@@ -460,6 +466,17 @@ func (r *run) finish(d *delivery) {
 	}
 	err := d.err
 	d.err = nil
+	if err == errNotStarted {
+		if l.cfg.mode == AtMostOnce {
+			// Already acked when it was handed to the worker.
+			r.listRemove(d)
+			r.releaseKey(d)
+			r.pending.release++
+			return
+		}
+		r.settle(d, driver.Return, 0, true)
+		return
+	}
 	if l.cfg.mode == AtMostOnce {
 		// Acked before it ran; a failure here is lost by choice.
 		if err != nil {
@@ -789,9 +806,11 @@ func (r *run) listRemove(d *delivery) {
 // worker runs handlers.
 func (r *run) worker() {
 	for d := range r.work {
-		if err := d.ctx.Err(); err != nil {
-			// Its lane was revoked or the shutdown grace is over while it
-			// queued: do not start it.
+		if r.stopping.Load() {
+			// Shutdown began while it sat in the work queue: do not start it.
+			d.err = errNotStarted
+		} else if err := d.ctx.Err(); err != nil {
+			// Its lane was revoked while it queued: do not start it.
 			d.err = err
 		} else {
 			d.err = r.call(d)
