@@ -1,0 +1,63 @@
+// Package consumer is the core of Ferry: one Handler that runs unchanged on
+// Amazon SQS, RabbitMQ, Apache Kafka or the in-process memory broker, and the
+// delivery loop that gives every broker the same guarantees.
+//
+// # The guarantee
+//
+// Delivery is at least once. A message is acknowledged (deleted, acked, its
+// offset committed) only after its handler returned nil. A handler error, a
+// panic, a lost connection or a shutdown mid-handler leaves the message with
+// the broker, and it is delivered again with Message.Attempt one higher. A
+// handler that crashes after its work and before the ack therefore runs
+// twice: exactly-once effects come from idempotent handling (package
+// idempotency), never from the broker. The at-most-once mode
+// (WithDeliveryMode(AtMostOnce)) acks before the handler runs, for data where
+// a gap is better than a duplicate.
+//
+// What the loop does with a handler's result:
+//
+//   - nil: ack.
+//   - Permanent(err): no retry can help. The DeadLetter middleware moves the
+//     message to a dead-letter destination; without it the loop logs an error
+//     and returns the message like any failure (nothing is ever dropped).
+//   - RetryAfter(err, d): delivered again no sooner than d from now.
+//   - Hold(err, d): not attempted at all (a circuit breaker is open). The loop
+//     keeps the message and its lease, pauses fetching for d, and runs it
+//     again; Attempt does not grow.
+//   - any other error, or a panic: delivered again after the redelivery
+//     backoff (WithRedeliveryBackoff).
+//
+// Where the broker can take a message back (SQS, RabbitMQ, memory), the loop
+// returns it with the delay. Where it cannot (a Kafka log), the loop runs it
+// again in place after the delay and holds its partition meanwhile, so no
+// later record of the partition overtakes it.
+//
+// # Order and parallelism
+//
+// A lane is what the broker keeps in order: a Kafka partition, an SQS FIFO
+// message group, nothing for a standard queue. By default (OrderByLane) a lane
+// runs one message at a time, in order, while different lanes and unlaned
+// messages run in parallel on WithConcurrency workers. OrderByKey runs one
+// message at a time per key inside each lane, for a partition that carries
+// many keys. A later message of a key never completes before an earlier one.
+//
+// # Bounds, leases and shutdown
+//
+// The loop holds at most WithMaxInFlight unsettled messages (running, queued
+// behind their key, or waiting for a retry) and stops fetching while it is
+// full, so slow handlers slow the fetch instead of growing memory. While it
+// holds a message whose broker lease runs out (an SQS visibility timeout) it
+// extends the lease in the background, so nobody else gets the message while
+// it is being worked on.
+//
+// Cancelling Run's context stops fetching, returns every message not yet
+// started to the broker, lets running handlers finish for the shutdown grace
+// period and acks those that succeed. Handlers still running after it have
+// their context cancelled and their messages are left for redelivery.
+//
+// # Writing handlers
+//
+// A Handler is one method; HandlerFunc turns a function into one; a
+// Middleware wraps one; Chain composes them, the first listed outermost. JSON
+// gives a typed handler whose undecodable bodies are permanent errors.
+package consumer
