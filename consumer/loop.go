@@ -220,6 +220,11 @@ func (l *Loop) Run(ctx context.Context, h Handler) error {
 		return ErrAlreadyRun
 	}
 	defer l.drv.Close()
+	if reg, err := l.registerMetrics(); err != nil {
+		l.cfg.logger.Warn("ferry: metrics unavailable", "consumer", l.cfg.name, "err", err)
+	} else {
+		defer reg.Unregister()
+	}
 
 	r := &run{
 		l:          l,

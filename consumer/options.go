@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"log/slog"
 	"time"
+
+	"go.opentelemetry.io/otel/metric"
 )
 
 // DeliveryMode chooses when a message is acknowledged.
@@ -97,6 +99,7 @@ type config struct {
 	fetchBackoff  time.Duration
 	maxInFlightOK bool // set explicitly
 	fetchBatchOK  bool
+	meterProvider metric.MeterProvider
 }
 
 func defaultConfig() config {
