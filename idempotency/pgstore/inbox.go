@@ -1,0 +1,154 @@
+package pgstore
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/idempotency"
+)
+
+// TxHandler handles a message inside the inbox's transaction: its writes
+// through tx commit together with the message's key, or not at all. It must
+// not commit or roll back tx.
+type TxHandler func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error
+
+// SQLTxHandler is TxHandler for database/sql.
+type SQLTxHandler func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error
+
+type inbox struct {
+	prefix    string
+	key       idempotency.KeyFunc
+	insertSQL string
+	retention int64 // milliseconds
+}
+
+func newInbox(namespace string, opts []Option) (inbox, error) {
+	if namespace == "" {
+		return inbox{}, configErr("Namespace", "must not be empty")
+	}
+	if strings.Contains(namespace, ":") {
+		return inbox{}, configErr("Namespace", "must not contain ':', got %q", namespace)
+	}
+	c, err := buildConfig(opts)
+	if err != nil {
+		return inbox{}, err
+	}
+	return inbox{
+		prefix:    idempotency.Key(namespace, ""),
+		key:       c.key,
+		retention: c.retention.Milliseconds(),
+		// A key whose retention ended (not yet cleaned up) is taken over;
+		// a live one inserts nothing. A concurrent, uncommitted insert of the
+		// same key makes this wait for its transaction to end.
+		insertSQL: `INSERT INTO ` + c.table + ` AS k (key, token, done, expires_at)
+VALUES ($1, '', true, now() + $2::bigint * interval '1 millisecond')
+ON CONFLICT (key) DO UPDATE SET token = '', done = true, expires_at = excluded.expires_at
+WHERE k.expires_at <= now()`,
+	}, nil
+}
+
+func (in inbox) keyOf(m *consumer.Message) (string, error) {
+	k, err := in.key(m)
+	if err != nil {
+		return "", consumer.Permanent(fmt.Errorf("%w: %w", idempotency.ErrNoKey, err))
+	}
+	if k == "" {
+		return "", consumer.Permanent(fmt.Errorf("%w (message %q from %q)", idempotency.ErrNoKey, m.ID, m.Source))
+	}
+	return in.prefix + k, nil
+}
+
+// Inbox returns a Handler that runs h once per key, in a transaction that
+// also records the key: see the package documentation. namespace is the
+// consumer's name, as for idempotency.New. WithTable, WithRetention and
+// WithKey apply.
+//
+// A handler error rolls back and is returned unchanged; a duplicate is
+// acknowledged (nil) without calling h; a database that cannot be reached is
+// a wrapped error, and h is not called.
+func Inbox(db Beginner, namespace string, h TxHandler, opts ...Option) (consumer.Handler, error) {
+	if db == nil {
+		return nil, configErr("DB", "must not be nil")
+	}
+	if h == nil {
+		return nil, configErr("Handler", "must not be nil")
+	}
+	in, err := newInbox(namespace, opts)
+	if err != nil {
+		return nil, err
+	}
+	return consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) (err error) {
+		key, err := in.keyOf(m)
+		if err != nil {
+			return err
+		}
+		tx, err := db.Begin(ctx)
+		if err != nil {
+			return fmt.Errorf("pgstore: inbox: begin: %w", err)
+		}
+		defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // a no-op after Commit
+		tag, err := tx.Exec(ctx, in.insertSQL, key, in.retention)
+		if err != nil {
+			return fmt.Errorf("pgstore: inbox: record key %q: %w", key, err)
+		}
+		if tag.RowsAffected() == 0 {
+			return nil // committed before: a duplicate
+		}
+		if err := h(ctx, tx, m); err != nil {
+			return err
+		}
+		if err := tx.Commit(ctx); err != nil {
+			return fmt.Errorf("pgstore: inbox: commit %q: %w", key, err)
+		}
+		return nil
+	}), nil
+}
+
+// SQLInbox is Inbox for database/sql over PostgreSQL (the pgx stdlib driver,
+// lib/pq): the same table, the same guarantee, with a *sql.Tx.
+func SQLInbox(db *sql.DB, namespace string, h SQLTxHandler, opts ...Option) (consumer.Handler, error) {
+	if db == nil {
+		return nil, configErr("DB", "must not be nil")
+	}
+	if h == nil {
+		return nil, configErr("Handler", "must not be nil")
+	}
+	in, err := newInbox(namespace, opts)
+	if err != nil {
+		return nil, err
+	}
+	return consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		key, err := in.keyOf(m)
+		if err != nil {
+			return err
+		}
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			return fmt.Errorf("pgstore: inbox: begin: %w", err)
+		}
+		defer func() { _ = tx.Rollback() }() // a no-op after Commit
+		res, err := tx.ExecContext(ctx, in.insertSQL, key, in.retention)
+		if err != nil {
+			return fmt.Errorf("pgstore: inbox: record key %q: %w", key, err)
+		}
+		n, err := res.RowsAffected()
+		if err != nil {
+			return fmt.Errorf("pgstore: inbox: record key %q: %w", key, err)
+		}
+		if n == 0 {
+			return nil // committed before: a duplicate
+		}
+		if err := h(ctx, tx, m); err != nil {
+			return err
+		}
+		if err := tx.Commit(); err != nil {
+			return fmt.Errorf("pgstore: inbox: commit %q: %w", key, err)
+		}
+		return nil
+	}), nil
+}

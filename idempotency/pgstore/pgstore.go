@@ -1,0 +1,306 @@
+// Package pgstore keeps idempotency keys in PostgreSQL, over pgx/v5.
+//
+// It offers two ways to make a handler's effects happen once.
+//
+// Store is an idempotency.Store for the idempotency middleware: a claim is one
+// statement (one round trip), and so are completion and release. Any handler
+// can use it, whatever its effects are: calls to other services, e-mails,
+// writes to another database. Its one gap is the window between the handler's
+// effect and the recorded completion: a worker that dies in it leaves a claim
+// that expires, and the redelivery runs the handler again.
+//
+// Inbox (pgx.Tx) and SQLInbox (database/sql) close that gap for handlers whose
+// effects are writes to this same database: the handler receives a
+// transaction in which the key was already inserted, makes its own writes in
+// it, and the key and the writes commit together or not at all. A redelivery
+// finds the key committed and is acknowledged without running the handler; a
+// failed handler rolls back, key included, and the redelivery runs it. There
+// is no lease and no completion step: a duplicate that arrives while the first
+// delivery's transaction is still open waits for it (on the key's row lock)
+// and then either finds the key committed or takes it over after a rollback.
+// The inbox costs one statement beyond the handler's own transaction.
+//
+// Both keep their keys in one table (default ferry_idempotency_keys), whose
+// schema is the SQL migration in migrations/ (SQL returns it for another
+// table name; Migrate applies it). Expired keys stay in the table, counted as
+// absent, until Cleanup deletes them; run it periodically
+// (idempotency.CleanEvery). Use one namespace with either the middleware or
+// the inbox, never both: the inbox reads any live row as done.
+//
+// Times are the database server's clock (now()), so workers on machines with
+// skewed clocks agree on when a lease ends.
+package pgstore
+
+import (
+	"context"
+	"embed"
+	"fmt"
+	"io/fs"
+	"regexp"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/idempotency"
+)
+
+// DefaultTable is the name of the keys table unless WithTable says otherwise.
+const DefaultTable = "ferry_idempotency_keys"
+
+//go:embed migrations/*.sql
+var migrations embed.FS
+
+// Migrations holds the schema as SQL files, applied in name order, for the
+// default table name. Use them with your own migration tool, or call Migrate.
+var Migrations fs.FS = migrations
+
+// DB is what the Store needs from a connection: *pgxpool.Pool, *pgx.Conn
+// and pgx.Tx all are one.
+type DB interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// Beginner starts transactions: *pgxpool.Pool and *pgx.Conn are one.
+type Beginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// Option configures a Store, Migrate, Inbox or SQLInbox. An invalid value
+// makes the constructor fail with a *consumer.ConfigError naming the field.
+type Option func(*config) error
+
+type config struct {
+	table     string
+	retention time.Duration
+	key       idempotency.KeyFunc
+}
+
+func defaultConfig() config {
+	return config{table: DefaultTable, retention: idempotency.DefaultRetention, key: idempotency.DefaultKey}
+}
+
+func configErr(field, format string, args ...any) error {
+	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
+}
+
+var tableName = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,39}$`)
+
+// WithTable sets the keys table: lower-case letters, digits and '_', at most
+// 40 characters, unqualified (it is found through the search_path). Default
+// DefaultTable (ferry_idempotency_keys).
+func WithTable(name string) Option {
+	return func(c *config) error {
+		if !tableName.MatchString(name) {
+			return configErr("Table", "must match %s, got %q", tableName, name)
+		}
+		c.table = name
+		return nil
+	}
+}
+
+// WithRetention sets how long the inbox keeps a key (Inbox and SQLInbox
+// only; the middleware's retention is idempotency.WithRetention). Default
+// idempotency.DefaultRetention (15 days).
+func WithRetention(d time.Duration) Option {
+	return func(c *config) error {
+		if d <= 0 {
+			return configErr("Retention", "must be > 0, got %s", d)
+		}
+		c.retention = d
+		return nil
+	}
+}
+
+// WithKey sets how the inbox derives a message's key (Inbox and SQLInbox
+// only). Default idempotency.DefaultKey.
+func WithKey(f idempotency.KeyFunc) Option {
+	return func(c *config) error {
+		if f == nil {
+			return configErr("Key", "must not be nil")
+		}
+		c.key = f
+		return nil
+	}
+}
+
+func buildConfig(opts []Option) (config, error) {
+	c := defaultConfig()
+	for _, o := range opts {
+		if o == nil {
+			continue
+		}
+		if err := o(&c); err != nil {
+			return c, err
+		}
+	}
+	return c, nil
+}
+
+// SQL returns the schema migration for the keys table named table (all the
+// files of Migrations, in order), for use with your own migration tool.
+func SQL(table string) (string, error) {
+	c, err := buildConfig([]Option{WithTable(table)})
+	if err != nil {
+		return "", err
+	}
+	return render(c.table)
+}
+
+func render(table string) (string, error) {
+	names, err := fs.Glob(migrations, "migrations/*.sql")
+	if err != nil {
+		return "", err
+	}
+	sort.Strings(names)
+	var b strings.Builder
+	for _, n := range names {
+		text, err := migrations.ReadFile(n)
+		if err != nil {
+			return "", err
+		}
+		b.WriteString(strings.ReplaceAll(string(text), DefaultTable, table))
+		b.WriteString("\n")
+	}
+	return b.String(), nil
+}
+
+// Migrate creates the keys table and its index if they do not exist. It is
+// safe to call from many processes at once (it serialises on an advisory
+// lock) and to call again.
+func Migrate(ctx context.Context, db Beginner, opts ...Option) error {
+	c, err := buildConfig(opts)
+	if err != nil {
+		return err
+	}
+	schema, err := render(c.table)
+	if err != nil {
+		return fmt.Errorf("pgstore: migrate: %w", err)
+	}
+	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock(hashtext('ferry-idempotency-migrate'))"); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, schema)
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("pgstore: migrate table %s: %w", c.table, err)
+	}
+	return nil
+}
+
+// Store is an idempotency.Store and idempotency.Cleaner in PostgreSQL. Claim,
+// Complete and Release are one statement each.
+type Store struct {
+	db                                DB
+	table                             string
+	claimSQL, completeSQL, releaseSQL string
+	cleanupSQL                        string
+}
+
+var _ interface {
+	idempotency.Store
+	idempotency.Cleaner
+} = (*Store)(nil)
+
+// New returns a Store over db, whose table Migrate created. Only WithTable
+// applies.
+func New(db DB, opts ...Option) (*Store, error) {
+	if db == nil {
+		return nil, configErr("DB", "must not be nil")
+	}
+	c, err := buildConfig(opts)
+	if err != nil {
+		return nil, err
+	}
+	t := c.table
+	return &Store{
+		db:    db,
+		table: t,
+		// An expired row is taken over; a live one is left as it was (the
+		// CASEs), and the statement always returns the row as it is now, so a
+		// claim is one round trip whatever it finds.
+		claimSQL: `INSERT INTO ` + t + ` AS k (key, token, done, expires_at)
+VALUES ($1, $2, false, now() + $3::bigint * interval '1 millisecond')
+ON CONFLICT (key) DO UPDATE SET
+  token      = CASE WHEN k.expires_at <= now() THEN excluded.token      ELSE k.token      END,
+  done       = CASE WHEN k.expires_at <= now() THEN false               ELSE k.done       END,
+  expires_at = CASE WHEN k.expires_at <= now() THEN excluded.expires_at ELSE k.expires_at END
+RETURNING k.token = $2, k.done, (extract(epoch FROM k.expires_at - now()) * 1000)::bigint`,
+		completeSQL: `UPDATE ` + t + ` SET token = '', done = true, expires_at = now() + $3::bigint * interval '1 millisecond'
+WHERE key = $1 AND token = $2 AND NOT done`,
+		releaseSQL: `DELETE FROM ` + t + ` WHERE key = $1 AND token = $2 AND NOT done`,
+		cleanupSQL: `DELETE FROM ` + t + ` WHERE key IN (
+  SELECT key FROM ` + t + ` WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED
+) AND expires_at <= now()`,
+	}, nil
+}
+
+// Claim implements idempotency.Store.
+func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (idempotency.Claim, error) {
+	tok := idempotency.NewToken()
+	var (
+		mine, done bool
+		leftMS     int64
+	)
+	err := s.db.QueryRow(ctx, s.claimSQL, key, tok, lease.Milliseconds()).Scan(&mine, &done, &leftMS)
+	if err != nil {
+		return idempotency.Claim{}, fmt.Errorf("pgstore: claim: %w", err)
+	}
+	switch {
+	case mine:
+		return idempotency.Claim{Status: idempotency.Claimed, Token: tok}, nil
+	case done:
+		return idempotency.Claim{Status: idempotency.Done}, nil
+	}
+	return idempotency.Claim{Status: idempotency.InProgress, LeaseLeft: time.Duration(max(leftMS, 0)) * time.Millisecond}, nil
+}
+
+// Complete implements idempotency.Store.
+func (s *Store) Complete(ctx context.Context, key, token string, retention time.Duration) error {
+	return s.settle(ctx, "complete", s.completeSQL, key, token, retention.Milliseconds())
+}
+
+// Release implements idempotency.Store.
+func (s *Store) Release(ctx context.Context, key, token string) error {
+	return s.settle(ctx, "release", s.releaseSQL, key, token)
+}
+
+func (s *Store) settle(ctx context.Context, op, sql, key, token string, args ...any) error {
+	if token == "" {
+		return idempotency.ErrNotOwner
+	}
+	tag, err := s.db.Exec(ctx, sql, append([]any{key, token}, args...)...)
+	if err != nil {
+		return fmt.Errorf("pgstore: %s: %w", op, err)
+	}
+	if tag.RowsAffected() == 0 {
+		return idempotency.ErrNotOwner
+	}
+	return nil
+}
+
+// cleanupBatch bounds the rows one DELETE of Cleanup removes, so that it
+// never holds many locks for long.
+const cleanupBatch = 5000
+
+// Cleanup implements idempotency.Cleaner: it deletes the rows whose lease
+// or retention ended, in batches, and returns how many it deleted.
+func (s *Store) Cleanup(ctx context.Context) (int64, error) {
+	var total int64
+	for {
+		tag, err := s.db.Exec(ctx, s.cleanupSQL, cleanupBatch)
+		if err != nil {
+			return total, fmt.Errorf("pgstore: cleanup: %w", err)
+		}
+		total += tag.RowsAffected()
+		if tag.RowsAffected() < cleanupBatch {
+			return total, nil
+		}
+	}
+}

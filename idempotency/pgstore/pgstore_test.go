@@ -1,0 +1,338 @@
+package pgstore_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"go.uber.org/goleak"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/idempotency"
+	"github.com/ferrymq/ferry/idempotency/pgstore"
+	"github.com/ferrymq/ferry/idempotency/storetest"
+	"github.com/ferrymq/ferry/internal/testenv"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func ctxFor(t testing.TB) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func newPool(t testing.TB, url string, conns int32) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = conns
+	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Close)
+	return p
+}
+
+// testPool connects to the real PostgreSQL of integration/brokers.sh.
+func testPool(t testing.TB) *pgxpool.Pool {
+	t.Helper()
+	return newPool(t, testenv.RequirePostgres(t), 24)
+}
+
+// freshTable creates a keys table of its own for t and drops it afterwards.
+func freshTable(t testing.TB, p *pgxpool.Pool) string {
+	t.Helper()
+	name := strings.ReplaceAll(testenv.UniqueName(t, "idem"), "-", "_")
+	if err := pgstore.Migrate(ctxFor(t), p, pgstore.WithTable(name)); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = p.Exec(context.Background(), "DROP TABLE IF EXISTS "+name) })
+	return name
+}
+
+// effectTable is the handler's effect: a row per run, in a table with no
+// unique constraint, so that a second run shows as a second row.
+type effectTable struct {
+	p    *pgxpool.Pool
+	name string
+}
+
+func newEffect(t testing.TB, p *pgxpool.Pool) *effectTable {
+	t.Helper()
+	name := strings.ReplaceAll(testenv.UniqueName(t, "effect"), "-", "_")
+	if _, err := p.Exec(ctxFor(t), "CREATE TABLE "+name+" (key text NOT NULL, at timestamptz NOT NULL DEFAULT now())"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = p.Exec(context.Background(), "DROP TABLE IF EXISTS "+name) })
+	return &effectTable{p: p, name: name}
+}
+
+func (e *effectTable) insertSQL() string { return "INSERT INTO " + e.name + " (key) VALUES ($1)" }
+
+func (e *effectTable) Apply(ctx context.Context, key string) error {
+	_, err := e.p.Exec(ctx, e.insertSQL(), key)
+	return err
+}
+
+func (e *effectTable) Counts(ctx context.Context) (map[string]int, error) {
+	rows, err := e.p.Query(ctx, "SELECT key, count(*) FROM "+e.name+" GROUP BY key")
+	if err != nil {
+		return nil, err
+	}
+	m := map[string]int{}
+	var k string
+	var n int
+	_, err = pgx.ForEachRow(rows, []any{&k, &n}, func() error { m[k] = n; return nil })
+	return m, err
+}
+
+func TestStore(t *testing.T) {
+	p := testPool(t)
+	storetest.Run(t, storetest.Config{
+		NewStore: func(t *testing.T) idempotency.Store {
+			s, err := pgstore.New(p, pgstore.WithTable(freshTable(t, p)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			return s
+		},
+		NewEffect: func(t *testing.T) storetest.Effect { return newEffect(t, p) },
+	})
+}
+
+func TestInboxExactlyOnce(t *testing.T) {
+	p := testPool(t)
+	e := newEffect(t, p)
+	h, err := pgstore.Inbox(p, "inbox", func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+		_, err := tx.Exec(ctx, e.insertSQL(), m.Header(idempotency.EventIDHeader))
+		return err
+	}, pgstore.WithTable(freshTable(t, p)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	storetest.ExactlyOnce(t, h, e, 10000, 3, 16)
+}
+
+func TestSQLInboxExactlyOnce(t *testing.T) {
+	p := testPool(t)
+	e := newEffect(t, p)
+	db := stdlib.OpenDBFromPool(p)
+	t.Cleanup(func() { db.Close() })
+	h, err := pgstore.SQLInbox(db, "inbox", func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error {
+		_, err := tx.ExecContext(ctx, e.insertSQL(), m.Header(idempotency.EventIDHeader))
+		return err
+	}, pgstore.WithTable(freshTable(t, p)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	storetest.ExactlyOnce(t, h, e, 10000, 3, 16)
+}
+
+func TestInboxHandlerErrorRollsBackKeyAndWrites(t *testing.T) {
+	p := testPool(t)
+	ctx := ctxFor(t)
+	e := newEffect(t, p)
+	boom := consumer.Permanent(errors.New("boom"))
+	var calls atomic.Int32
+	h, err := pgstore.Inbox(p, "inbox", func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+		if _, err := tx.Exec(ctx, e.insertSQL(), m.Header(idempotency.EventIDHeader)); err != nil {
+			return err
+		}
+		if calls.Add(1) == 1 {
+			return boom // after its write: the write must roll back too
+		}
+		return nil
+	}, pgstore.WithTable(freshTable(t, p)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Handle(ctx, storetest.Message("ev", 1)); err != boom {
+		t.Fatalf("first delivery = %v, want the handler's error unchanged", err)
+	}
+	for copy := 2; copy <= 3; copy++ {
+		if err := h.Handle(ctx, storetest.Message("ev", copy)); err != nil {
+			t.Fatalf("delivery %d: %v", copy, err)
+		}
+	}
+	if n := calls.Load(); n != 2 {
+		t.Errorf("handler ran %d times, want 2", n)
+	}
+	got, err := e.Counts(ctx)
+	if err != nil || got["ev"] != 1 || len(got) != 1 {
+		t.Fatalf("effects = %v, %v; want ev once", got, err)
+	}
+}
+
+func TestInboxDuplicateWaitsForOpenTransaction(t *testing.T) {
+	p := testPool(t)
+	ctx := ctxFor(t)
+	e := newEffect(t, p)
+	entered := make(chan struct{})
+	proceed := make(chan struct{})
+	var calls atomic.Int32
+	table := freshTable(t, p)
+	h, err := pgstore.Inbox(p, "inbox", func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+		if calls.Add(1) == 1 {
+			close(entered)
+			<-proceed
+		}
+		_, err := tx.Exec(ctx, e.insertSQL(), m.Header(idempotency.EventIDHeader))
+		return err
+	}, pgstore.WithTable(table))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, 2)
+	wg.Go(func() { errs[0] = h.Handle(ctx, storetest.Message("ev", 1)) })
+	<-entered
+	wg.Go(func() { errs[1] = h.Handle(ctx, storetest.Message("ev", 2)) }) // blocks on the key's row
+	// Wait until the duplicate's key insert waits on the first transaction's lock.
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var waiting int
+		err := p.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO ' || $1::text || '%'`, table).Scan(&waiting)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if waiting == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the duplicate never waited on the first delivery's open transaction")
+		}
+		time.Sleep(10 * time.Millisecond) // poll interval
+	}
+	close(proceed)
+	wg.Wait()
+	if errs[0] != nil || errs[1] != nil {
+		t.Fatalf("deliveries = %v", errs)
+	}
+	if n := calls.Load(); n != 1 {
+		t.Fatalf("handler ran %d times, want 1", n)
+	}
+}
+
+func TestInboxDuplicateOfCommittedKeySkipsHandler(t *testing.T) {
+	p := testPool(t)
+	ctx := ctxFor(t)
+	var calls atomic.Int32
+	h, err := pgstore.Inbox(p, "inbox", func(context.Context, pgx.Tx, *consumer.Message) error {
+		calls.Add(1)
+		return nil
+	}, pgstore.WithTable(freshTable(t, p)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for copy := range 3 {
+		if err := h.Handle(ctx, storetest.Message("ev", copy)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := calls.Load(); n != 1 {
+		t.Fatalf("handler ran %d times, want 1", n)
+	}
+}
+
+// deadURL points at a port where nothing listens: a real client against a
+// dead address.
+const deadURL = "postgres://ferry:ferry@127.0.0.1:1/ferry?sslmode=disable&connect_timeout=5"
+
+func TestUnreachablePostgresIsNotAckedAndHandlerNotCalled(t *testing.T) {
+	p := newPool(t, deadURL, 2)
+	ctx := ctxFor(t)
+	s, err := pgstore.New(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mw, err := idempotency.New(s, "billing")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int32
+	h := mw(consumer.HandlerFunc(func(context.Context, *consumer.Message) error { calls.Add(1); return nil }))
+	err = h.Handle(ctx, storetest.Message("ev", 1))
+	var ra *consumer.RetryAfterError
+	if err == nil || consumer.IsPermanent(err) || errors.As(err, &ra) {
+		t.Fatalf("middleware = %v, want a plain error (not acked, redelivered)", err)
+	}
+
+	in, err := pgstore.Inbox(p, "billing", func(context.Context, pgx.Tx, *consumer.Message) error { calls.Add(1); return nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := in.Handle(ctx, storetest.Message("ev", 1)); err == nil || consumer.IsPermanent(err) {
+		t.Fatalf("inbox = %v, want a plain error", err)
+	}
+	if n := calls.Load(); n != 0 {
+		t.Fatalf("handler ran %d times without a reachable store", n)
+	}
+}
+
+func TestMigrateIsRepeatableAndConcurrent(t *testing.T) {
+	p := testPool(t)
+	ctx := ctxFor(t)
+	name := freshTable(t, p)
+	var wg sync.WaitGroup
+	errs := make([]error, 4)
+	for i := range errs {
+		wg.Go(func() { errs[i] = pgstore.Migrate(ctx, p, pgstore.WithTable(name)) })
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil {
+			t.Fatalf("Migrate again: %v", err)
+		}
+	}
+	var n int
+	if err := p.QueryRow(ctx, "SELECT count(*) FROM pg_indexes WHERE tablename = $1", name).Scan(&n); err != nil || n != 2 {
+		t.Fatalf("indexes on %s = %d, %v; want 2 (primary key, expires_at)", name, n, err)
+	}
+}
+
+func TestSQLRendersTheTableName(t *testing.T) {
+	text, err := pgstore.SQL("my_keys")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(text, "CREATE TABLE IF NOT EXISTS my_keys (") || strings.Contains(text, pgstore.DefaultTable) {
+		t.Fatalf("SQL(my_keys) =\n%s", text)
+	}
+}
+
+func TestBadConfigurationNamesTheField(t *testing.T) {
+	var ce *consumer.ConfigError
+	if _, err := pgstore.SQL("drop table x;"); !errors.As(err, &ce) || ce.Field != "Table" {
+		t.Errorf("SQL(bad name) = %v, want a ConfigError naming Table", err)
+	}
+	if _, err := pgstore.New(nil); !errors.As(err, &ce) || ce.Field != "DB" {
+		t.Errorf("New(nil) = %v, want a ConfigError naming DB", err)
+	}
+	p := newPool(t, deadURL, 1)
+	if _, err := pgstore.New(p, pgstore.WithTable("Bad-Name")); !errors.As(err, &ce) || ce.Field != "Table" {
+		t.Errorf("New(bad table) = %v, want a ConfigError naming Table", err)
+	}
+	noop := func(context.Context, pgx.Tx, *consumer.Message) error { return nil }
+	if _, err := pgstore.Inbox(p, "", noop); !errors.As(err, &ce) || ce.Field != "Namespace" {
+		t.Errorf("Inbox(empty namespace) = %v, want a ConfigError naming Namespace", err)
+	}
+	if _, err := pgstore.Inbox(p, "x", nil); !errors.As(err, &ce) || ce.Field != "Handler" {
+		t.Errorf("Inbox(nil handler) = %v, want a ConfigError naming Handler", err)
+	}
+	if _, err := pgstore.Inbox(p, "x", noop, pgstore.WithRetention(0)); !errors.As(err, &ce) || ce.Field != "Retention" {
+		t.Errorf("Inbox(zero retention) = %v, want a ConfigError naming Retention", err)
+	}
+}
