@@ -1,0 +1,253 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"github.com/sony/gobreaker/v2"
+)
+
+// ErrBreakerOpen matches, through errors.Is, the error inside the Hold that
+// a Breaker returns while it does not let calls through.
+var ErrBreakerOpen = errors.New("circuit breaker open")
+
+// BreakerState is the state of a Breaker.
+type BreakerState uint8
+
+const (
+	// BreakerClosed lets every call through and counts failures.
+	BreakerClosed BreakerState = iota
+	// BreakerHalfOpen lets a few trial calls through after the open period;
+	// the others are held.
+	BreakerHalfOpen
+	// BreakerOpen lets no call through; messages are held.
+	BreakerOpen
+)
+
+func (s BreakerState) String() string {
+	switch s {
+	case BreakerClosed:
+		return "closed"
+	case BreakerHalfOpen:
+		return "half-open"
+	case BreakerOpen:
+		return "open"
+	}
+	return fmt.Sprintf("BreakerState(%d)", uint8(s))
+}
+
+// Breaker is a circuit breaker (over github.com/sony/gobreaker/v2) that
+// holds messages, instead of failing them, while the dependency behind the
+// handler is known to be down.
+//
+// Closed, it lets every message through and counts consecutive failures
+// among the errors that count (see BreakerCounts: by default every error but
+// a permanent one, a hold and a cancelled context, so a poison message never
+// opens the breaker for everyone). After Failures of them in a row it opens.
+//
+// Open, it does not call the handler: it returns Hold(ErrBreakerOpen, d),
+// with d the time left of the open period. The delivery loop keeps the
+// message and its lease (extending it where the broker needs it), does not
+// count an attempt, never dead-letters it, and stops fetching for d. After
+// OpenFor the breaker is half-open and lets Trials messages through; the
+// others are held a little longer (a quarter of OpenFor, at most a second). A
+// failed trial opens it again; Trials successful ones close it, and the
+// backlog drains by itself.
+//
+// State, Opened and Held make it observable, for metrics and health checks.
+// One Breaker guards one dependency: share it between the consumers that
+// call it. Build one with NewBreaker; its Wrap method is a Middleware.
+type Breaker struct {
+	cb       *gobreaker.CircuitBreaker[struct{}]
+	openFor  time.Duration
+	halfHold time.Duration
+	counts   func(error) bool
+	onChange func(from, to BreakerState)
+	errOpen  error
+
+	openedAt atomic.Int64 // unix nanoseconds of the last opening
+	opened   atomic.Int64
+	held     atomic.Int64
+}
+
+// BreakerOption configures NewBreaker.
+type BreakerOption func(*breakerConfig) error
+
+type breakerConfig struct {
+	name     string
+	failures int
+	openFor  time.Duration
+	trials   int
+	counts   func(error) bool
+	onChange func(from, to BreakerState)
+}
+
+// BreakerName names the breaker in its errors. Default "ferry".
+func BreakerName(name string) BreakerOption {
+	return func(c *breakerConfig) error {
+		if name == "" {
+			return configErr("Breaker.Name", "must not be empty")
+		}
+		c.name = name
+		return nil
+	}
+}
+
+// BreakerFailures sets how many counted failures in a row open the breaker.
+// Default 5.
+func BreakerFailures(n int) BreakerOption {
+	return func(c *breakerConfig) error {
+		if n < 1 {
+			return configErr("Breaker.Failures", "must be >= 1, got %d", n)
+		}
+		c.failures = n
+		return nil
+	}
+}
+
+// BreakerOpenFor sets how long the breaker stays open before it lets a trial
+// through. Default 10s.
+func BreakerOpenFor(d time.Duration) BreakerOption {
+	return func(c *breakerConfig) error {
+		if d <= 0 {
+			return configErr("Breaker.OpenFor", "must be > 0, got %s", d)
+		}
+		c.openFor = d
+		return nil
+	}
+}
+
+// BreakerTrials sets how many trial calls the half-open breaker lets through,
+// and how many of them must succeed to close it. Default 1.
+func BreakerTrials(n int) BreakerOption {
+	return func(c *breakerConfig) error {
+		if n < 1 || n > 1<<20 {
+			return configErr("Breaker.Trials", "must be between 1 and 2^20, got %d", n)
+		}
+		c.trials = n
+		return nil
+	}
+}
+
+// BreakerCounts chooses which errors count as failures of the dependency;
+// the others neither open nor close the breaker. A hold never counts,
+// whatever counts says. Default DefaultBreakerCounts.
+func BreakerCounts(counts func(err error) bool) BreakerOption {
+	return func(c *breakerConfig) error {
+		if counts == nil {
+			return configErr("Breaker.Counts", "must not be nil")
+		}
+		c.counts = counts
+		return nil
+	}
+}
+
+// BreakerOnStateChange sets a function called on every change of state, for
+// logs and metrics. It runs under the breaker's lock: keep it short and do
+// not call the breaker from it. Default none.
+func BreakerOnStateChange(f func(from, to BreakerState)) BreakerOption {
+	return func(c *breakerConfig) error {
+		c.onChange = f
+		return nil
+	}
+}
+
+// DefaultBreakerCounts counts every error as a failure of the dependency
+// except a permanent error (bad input says nothing about the dependency), a
+// hold, and context.Canceled (the consumer is shutting down).
+func DefaultBreakerCounts(err error) bool {
+	return !IsPermanent(err) && !errors.Is(err, ErrHeld) && !errors.Is(err, context.Canceled)
+}
+
+// NewBreaker returns a closed Breaker. It fails with a *ConfigError naming
+// the field when an option is invalid.
+func NewBreaker(opts ...BreakerOption) (*Breaker, error) {
+	c := breakerConfig{name: "ferry", failures: 5, openFor: 10 * time.Second, trials: 1, counts: DefaultBreakerCounts}
+	for _, o := range opts {
+		if o == nil {
+			continue
+		}
+		if err := o(&c); err != nil {
+			return nil, err
+		}
+	}
+	b := &Breaker{
+		openFor:  c.openFor,
+		halfHold: min(max(c.openFor/4, time.Millisecond), time.Second),
+		counts:   c.counts,
+		onChange: c.onChange,
+		errOpen:  fmt.Errorf("ferry: breaker %q: %w", c.name, ErrBreakerOpen),
+	}
+	failures := uint32(c.failures)
+	b.cb = gobreaker.NewCircuitBreaker[struct{}](gobreaker.Settings{
+		Name:        c.name,
+		MaxRequests: uint32(c.trials),
+		Timeout:     c.openFor,
+		ReadyToTrip: func(n gobreaker.Counts) bool { return n.ConsecutiveFailures >= failures },
+		IsExcluded: func(err error) bool {
+			return err != nil && (errors.Is(err, ErrHeld) || !b.counts(err))
+		},
+		OnStateChange: func(_ string, from, to gobreaker.State) {
+			if to == gobreaker.StateOpen {
+				b.openedAt.Store(time.Now().UnixNano())
+				b.opened.Add(1)
+			}
+			if b.onChange != nil {
+				b.onChange(fromGobreaker(from), fromGobreaker(to))
+			}
+		},
+	})
+	return b, nil
+}
+
+func fromGobreaker(s gobreaker.State) BreakerState {
+	switch s {
+	case gobreaker.StateOpen:
+		return BreakerOpen
+	case gobreaker.StateHalfOpen:
+		return BreakerHalfOpen
+	}
+	return BreakerClosed
+}
+
+// State returns the breaker's state now.
+func (b *Breaker) State() BreakerState { return fromGobreaker(b.cb.State()) }
+
+// Opened returns how many times the breaker has opened.
+func (b *Breaker) Opened() int64 { return b.opened.Load() }
+
+// Held returns how many times the breaker held a message instead of calling
+// the handler.
+func (b *Breaker) Held() int64 { return b.held.Load() }
+
+// Wrap returns next guarded by the breaker. b.Wrap is a Middleware.
+func (b *Breaker) Wrap(next Handler) Handler {
+	return HandlerFunc(func(ctx context.Context, m *Message) error {
+		ran := false
+		_, err := b.cb.Execute(func() (struct{}, error) {
+			ran = true
+			return struct{}{}, next.Handle(ctx, m)
+		})
+		switch {
+		case err == nil || ran:
+			return err
+		case errors.Is(err, gobreaker.ErrOpenState):
+			b.held.Add(1)
+			return Hold(b.errOpen, b.remaining())
+		case errors.Is(err, gobreaker.ErrTooManyRequests):
+			b.held.Add(1)
+			return Hold(b.errOpen, b.halfHold)
+		}
+		return err
+	})
+}
+
+// remaining returns the time left of the open period, at least a
+// millisecond.
+func (b *Breaker) remaining() time.Duration {
+	left := time.Until(time.Unix(0, b.openedAt.Load()).Add(b.openFor))
+	return max(left, time.Millisecond)
+}

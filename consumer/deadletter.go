@@ -1,0 +1,370 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"os"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+	"unicode/utf8"
+)
+
+// Headers that DeadLetter adds to a dead-lettered message. The body, the key
+// and the message's own headers travel unchanged beside them (a header of the
+// same name from an earlier dead-lettering is overwritten).
+const (
+	// HeaderDLQSource is the topic or queue the message came from.
+	HeaderDLQSource = "ferry-dlq-source"
+	// HeaderDLQMessageID is the broker's id of the original message.
+	HeaderDLQMessageID = "ferry-dlq-message-id"
+	// HeaderDLQKey is the original message's key (absent when empty).
+	HeaderDLQKey = "ferry-dlq-key"
+	// HeaderDLQLane is the original lane: the Kafka partition or the SQS FIFO
+	// message group (absent where the broker has none).
+	HeaderDLQLane = "ferry-dlq-lane"
+	// HeaderDLQOffset is the original offset in its lane, in decimal (absent
+	// where the broker has none).
+	HeaderDLQOffset = "ferry-dlq-offset"
+	// HeaderDLQAttempts is how many times the handler ran, counted as
+	// DeadLetter describes, in decimal.
+	HeaderDLQAttempts = "ferry-dlq-attempts"
+	// HeaderDLQDeliveries is the broker's delivery count (Message.Attempt) at
+	// the last failure, in decimal.
+	HeaderDLQDeliveries = "ferry-dlq-deliveries"
+	// HeaderDLQReason is why the message was dead-lettered: "permanent" or
+	// "max-attempts".
+	HeaderDLQReason = "ferry-dlq-reason"
+	// HeaderDLQError is the text of the last error, cut to 2 KiB.
+	HeaderDLQError = "ferry-dlq-error"
+	// HeaderDLQErrorKind classifies the last error: "permanent", "panic",
+	// "timeout" or "error".
+	HeaderDLQErrorKind = "ferry-dlq-error-kind"
+	// HeaderDLQErrorType is the Go type of the innermost error in the last
+	// error's chain, such as "*json.SyntaxError" or "*consumer.PanicError".
+	HeaderDLQErrorType = "ferry-dlq-error-type"
+	// HeaderDLQFirstFailure is the time of the first failure, RFC 3339 with
+	// nanoseconds, UTC. It is exact when every attempt ran within the last
+	// delivery. The broker keeps nothing for us across redeliveries, so when
+	// earlier deliveries failed too it is the time the broker took the
+	// message (Message.PublishedAt, which no failure can precede), or, where
+	// the broker does not say, the first failure of the last delivery.
+	HeaderDLQFirstFailure = "ferry-dlq-first-failure"
+	// HeaderDLQLastFailure is the time of the last failure, RFC 3339 with
+	// nanoseconds, UTC.
+	HeaderDLQLastFailure = "ferry-dlq-last-failure"
+	// HeaderDLQPublishedAt is when the broker took the original message,
+	// where it says so, RFC 3339 with nanoseconds, UTC.
+	HeaderDLQPublishedAt = "ferry-dlq-published-at"
+	// HeaderDLQConsumer is the name of the consumer that gave up.
+	HeaderDLQConsumer = "ferry-dlq-consumer"
+	// HeaderDLQHost is the host name of the process that gave up.
+	HeaderDLQHost = "ferry-dlq-host"
+)
+
+// Values of HeaderDLQReason.
+const (
+	DLQReasonPermanent   = "permanent"
+	DLQReasonMaxAttempts = "max-attempts"
+)
+
+const maxErrorHeader = 2 << 10
+
+// DeadLetter moves a message that cannot be handled to a dead-letter
+// destination, and only then acknowledges it.
+//
+// A message is dead-lettered when its handler failed with a permanent error
+// (at once, after one attempt), or when it failed and its attempts are spent.
+// It is published through any Publisher to the destination with its body and
+// key unchanged and headers that tell what happened (HeaderDLQSource and the
+// other HeaderDLQ constants). Only when the publish succeeded does DeadLetter
+// return nil, so that the delivery loop acknowledges the original. When the
+// publish fails, DeadLetter returns a *DeadLetterError: nothing is
+// acknowledged and the message comes back later, to be dead-lettered then.
+//
+// A message is never dead-lettered when it was held (Hold, from a circuit
+// breaker: it was not attempted), nor when the delivery's context was
+// cancelled (shutdown, a revoked lane): those go back to the broker.
+//
+// # Counting attempts
+//
+// The broker counts deliveries (Message.Attempt); Retry runs the handler
+// several times within one delivery. Attempts are counted as
+//
+//	attempts = (Message.Attempt - 1) * runs per delivery + the run of this delivery
+//
+// where "runs per delivery" is the Retry middleware's Attempts (1 without
+// Retry). The count reaches MaxAttempts after exactly MaxAttempts runs when
+// every earlier delivery used its whole budget, which it does unless it was
+// cut short (a crash, a shutdown, Retry's MaxElapsed, a RetryAfter from the
+// handler); then the earlier delivery is counted as if it had, so a message
+// never runs more than MaxAttempts times. Runs cut short by a hold (an open
+// breaker) are not counted: the dependency was down, the message is not to
+// blame.
+//
+// DeadLetter and Retry find each other through the delivery's context, so
+// the rule holds whichever of them is outside: outside Retry, DeadLetter
+// tells Retry to stop at MaxAttempts and judges Retry's final error; inside
+// Retry, it dead-letters on the run that reaches MaxAttempts (and lets
+// earlier failures through for Retry to retry). Either way the handler runs
+// exactly MaxAttempts times before the message is dead-lettered.
+//
+// Build one with NewDeadLetter; its Wrap method is a Middleware.
+type DeadLetter struct {
+	pub         Publisher
+	dest        string
+	maxAttempts int
+	name        string
+	host        string
+	logger      *slog.Logger
+
+	count    atomic.Int64
+	failures atomic.Int64
+}
+
+// DeadLetterOption configures NewDeadLetter.
+type DeadLetterOption func(*DeadLetter) error
+
+// DeadLetterMaxAttempts sets after how many failed attempts a message is
+// dead-lettered. Default 5.
+func DeadLetterMaxAttempts(n int) DeadLetterOption {
+	return func(d *DeadLetter) error {
+		if n < 1 {
+			return configErr("DeadLetter.MaxAttempts", "must be >= 1, got %d", n)
+		}
+		d.maxAttempts = n
+		return nil
+	}
+}
+
+// DeadLetterConsumerName sets the consumer name written in
+// HeaderDLQConsumer. Default "ferry" (the default of WithName).
+func DeadLetterConsumerName(name string) DeadLetterOption {
+	return func(d *DeadLetter) error {
+		if name == "" {
+			return configErr("DeadLetter.ConsumerName", "must not be empty")
+		}
+		d.name = name
+		return nil
+	}
+}
+
+// DeadLetterLogger sets where DeadLetter logs each dead-lettering (Warn) and
+// each failed dead-letter publish (Error). Default slog.Default().
+func DeadLetterLogger(l *slog.Logger) DeadLetterOption {
+	return func(d *DeadLetter) error {
+		if l == nil {
+			return configErr("DeadLetter.Logger", "must not be nil")
+		}
+		d.logger = l
+		return nil
+	}
+}
+
+// NewDeadLetter returns a DeadLetter that publishes through pub to
+// destination. It fails with a *ConfigError naming the field when pub is
+// nil, destination is empty or an option is invalid.
+func NewDeadLetter(pub Publisher, destination string, opts ...DeadLetterOption) (*DeadLetter, error) {
+	if pub == nil {
+		return nil, configErr("DeadLetter.Publisher", "must not be nil")
+	}
+	if destination == "" {
+		return nil, configErr("DeadLetter.Destination", "must not be empty")
+	}
+	host, _ := os.Hostname()
+	d := &DeadLetter{pub: pub, dest: destination, maxAttempts: 5, name: "ferry", host: host}
+	for _, o := range opts {
+		if o == nil {
+			continue
+		}
+		if err := o(d); err != nil {
+			return nil, err
+		}
+	}
+	if d.logger == nil {
+		d.logger = slog.Default()
+	}
+	return d, nil
+}
+
+// Count returns how many messages this DeadLetter has dead-lettered (each
+// publish that succeeded). A count that grows is worth an alert.
+func (d *DeadLetter) Count() int64 { return d.count.Load() }
+
+// PublishFailures returns how many dead-letter publishes failed (each left
+// its message unacknowledged, to come back later).
+func (d *DeadLetter) PublishFailures() int64 { return d.failures.Load() }
+
+// MaxAttempts returns the number of attempts after which a message is
+// dead-lettered.
+func (d *DeadLetter) MaxAttempts() int { return d.maxAttempts }
+
+// Wrap returns next wrapped in the dead-letter behaviour. d.Wrap is a
+// Middleware.
+func (d *DeadLetter) Wrap(next Handler) Handler {
+	return HandlerFunc(func(ctx context.Context, m *Message) error {
+		return d.handle(ctx, m, next)
+	})
+}
+
+// DeadLetterError says a message should have been dead-lettered but the
+// publish to the dead-letter destination failed; the message was not
+// acknowledged and comes back later. It unwraps to the publish error only:
+// the handler's error (Cause) may be permanent, but this failure is not.
+type DeadLetterError struct {
+	Destination string
+	Err         error // the publish error
+	Cause       error // the handler's error that made the message dead
+}
+
+func (e *DeadLetterError) Error() string {
+	return fmt.Sprintf("ferry: dead-letter publish to %q failed: %v (handler error: %v)", e.Destination, e.Err, e.Cause)
+}
+
+// Unwrap returns the publish error.
+func (e *DeadLetterError) Unwrap() error { return e.Err }
+
+func (d *DeadLetter) handle(ctx context.Context, m *Message, next Handler) error {
+	ctx, rec := withRecord(ctx)
+	rec.maxAttempts = d.maxAttempts
+	err := next.Handle(ctx, m)
+	if err == nil || errors.Is(err, ErrHeld) {
+		return err
+	}
+	var dle *DeadLetterError
+	if errors.As(err, &dle) {
+		return err // a DeadLetter inside already tried and failed
+	}
+	if errors.Is(ctx.Err(), context.Canceled) {
+		return err // shutdown or a revoked lane: back to the broker
+	}
+	reason := DLQReasonMaxAttempts
+	if IsPermanent(err) {
+		reason = DLQReasonPermanent
+	} else if rec.attempts(m) < d.maxAttempts {
+		return err
+	}
+	return d.deadLetter(ctx, m, rec, reason, err)
+}
+
+func (d *DeadLetter) deadLetter(ctx context.Context, m *Message, rec *record, reason string, cause error) error {
+	now := time.Now()
+	first := rec.first
+	if first.IsZero() {
+		first = now
+	}
+	if m.Attempt > 1 && !m.PublishedAt.IsZero() && m.PublishedAt.Before(first) {
+		first = m.PublishedAt
+	}
+	attempts := rec.attempts(m)
+
+	h := make(map[string]string, len(m.Headers)+16)
+	maps.Copy(h, m.Headers)
+	h[HeaderDLQSource] = m.Source
+	h[HeaderDLQMessageID] = m.ID
+	setIf(h, HeaderDLQKey, m.Key)
+	setIf(h, HeaderDLQLane, m.Lane)
+	if m.Offset >= 0 {
+		h[HeaderDLQOffset] = strconv.FormatInt(m.Offset, 10)
+	} else {
+		delete(h, HeaderDLQOffset)
+	}
+	h[HeaderDLQAttempts] = strconv.Itoa(attempts)
+	h[HeaderDLQDeliveries] = strconv.Itoa(max(m.Attempt, 1))
+	h[HeaderDLQReason] = reason
+	h[HeaderDLQError] = truncateUTF8(cause.Error(), maxErrorHeader)
+	h[HeaderDLQErrorKind] = errorKind(cause)
+	h[HeaderDLQErrorType] = errorType(cause)
+	h[HeaderDLQFirstFailure] = first.UTC().Format(time.RFC3339Nano)
+	h[HeaderDLQLastFailure] = now.UTC().Format(time.RFC3339Nano)
+	if !m.PublishedAt.IsZero() {
+		h[HeaderDLQPublishedAt] = m.PublishedAt.UTC().Format(time.RFC3339Nano)
+	} else {
+		delete(h, HeaderDLQPublishedAt)
+	}
+	h[HeaderDLQConsumer] = d.name
+	setIf(h, HeaderDLQHost, d.host)
+
+	pubCtx := ctx
+	if ctx.Err() != nil {
+		// Only a deadline of an outer Timeout gets here; the publish still
+		// deserves its own time.
+		var cancel context.CancelFunc
+		pubCtx, cancel = context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+		defer cancel()
+	}
+	msg := Message{ID: m.ID, Key: m.Key, Body: m.Body, Headers: h, Offset: -1}
+	if perr := d.pub.Publish(pubCtx, d.dest, msg); perr != nil {
+		d.failures.Add(1)
+		d.logger.LogAttrs(ctx, slog.LevelError, "ferry: dead-letter publish failed; the message stays unacknowledged",
+			slog.String("destination", d.dest), slog.String("source", m.Source), slog.String("id", m.ID),
+			slog.Int("attempts", attempts), slog.String("reason", reason), slog.Any("error", perr))
+		return &DeadLetterError{Destination: d.dest, Err: perr, Cause: cause}
+	}
+	d.count.Add(1)
+	d.logger.LogAttrs(ctx, slog.LevelWarn, "ferry: message dead-lettered",
+		slog.String("destination", d.dest), slog.String("source", m.Source), slog.String("id", m.ID),
+		slog.Int("attempts", attempts), slog.String("reason", reason), slog.Any("error", cause))
+	return nil
+}
+
+func setIf(h map[string]string, k, v string) {
+	if v != "" {
+		h[k] = v
+	} else {
+		delete(h, k)
+	}
+}
+
+// errorKind classifies err for HeaderDLQErrorKind.
+func errorKind(err error) string {
+	var p *PanicError
+	var t *TimeoutError
+	switch {
+	case IsPermanent(err):
+		return "permanent"
+	case errors.As(err, &p):
+		return "panic"
+	case errors.As(err, &t), errors.Is(err, context.DeadlineExceeded):
+		return "timeout"
+	}
+	return "error"
+}
+
+// errorType returns the Go type of the innermost error of err's chain,
+// following the first branch of a joined error.
+func errorType(err error) string {
+	for {
+		var next error
+		switch u := err.(type) {
+		case interface{ Unwrap() error }:
+			next = u.Unwrap()
+		case interface{ Unwrap() []error }:
+			if errs := u.Unwrap(); len(errs) > 0 {
+				next = errs[0]
+			}
+		}
+		if next == nil {
+			return fmt.Sprintf("%T", err)
+		}
+		err = next
+	}
+}
+
+func truncateUTF8(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	s = s[:n]
+	for i := 0; i < utf8.UTFMax-1 && len(s) > 0; i++ {
+		if r, size := utf8.DecodeLastRuneInString(s); r != utf8.RuneError || size != 1 {
+			break
+		}
+		s = s[:len(s)-1] // a rune cut in two
+	}
+	return strings.ToValidUTF8(s, "")
+}

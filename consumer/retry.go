@@ -1,0 +1,283 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// Retry runs a failing handler again within one delivery, with exponential
+// backoff and full jitter, and hands the message back to the broker with a
+// growing, jittered delay once its budget for the delivery is spent.
+//
+// A run that returns a plain error (or a panic turned into a *PanicError by
+// Recover, or a timeout) is run again after a random delay between zero and
+// the capped exponential step: Initial, then Initial*Multiplier, and so on up
+// to MaxInterval. Retry stops at once, and returns the error as it is, when:
+//
+//   - the error is permanent (Permanent): no retry can fix it;
+//   - the message was held (Hold, from a circuit breaker): it was not
+//     attempted, and the delivery loop keeps it;
+//   - the handler asked for a delay of its own (RetryAfter): the broker
+//     honours it;
+//   - the delivery's context is done (shutdown, or a lost lane);
+//   - a dead-letter publish failed (*DeadLetterError): the message must go
+//     back to the broker untouched.
+//
+// When the runs of a delivery are spent (Attempts runs, or MaxElapsed time,
+// or the message's MaxAttempts of a DeadLetter middleware reached), Retry
+// returns RetryAfter(lastErr, d): the broker delivers the message again no
+// sooner than d, where d keeps growing with Message.Attempt (the exponential
+// continued from the runs already made, capped at RedeliveryMax) and is
+// jittered over [d/2, d], so messages that failed together do not come back
+// together and none comes back immediately.
+//
+// How runs are counted across redeliveries, and how that agrees with a
+// DeadLetter middleware on either side of Retry, is described on DeadLetter.
+//
+// Build one with NewRetry; its Wrap method is a Middleware.
+type Retry struct {
+	attempts      int
+	maxElapsed    time.Duration
+	redeliveryMax time.Duration
+	b             backoff
+	sleep         func(ctx context.Context, d time.Duration) error // tests replace it
+}
+
+// RetryOption configures NewRetry.
+type RetryOption func(*Retry) error
+
+// RetryAttempts sets how many times a delivery runs the handler in process,
+// the first run included. 1 makes no in-process retry: each failure goes back
+// to the broker with a jittered, growing delay. Default 3.
+func RetryAttempts(n int) RetryOption {
+	return func(r *Retry) error {
+		if n < 1 {
+			return configErr("Retry.Attempts", "must be >= 1, got %d", n)
+		}
+		r.attempts = n
+		return nil
+	}
+}
+
+// RetryInitial sets the first backoff step. Default 100ms.
+func RetryInitial(d time.Duration) RetryOption {
+	return func(r *Retry) error {
+		if d <= 0 {
+			return configErr("Retry.Initial", "must be > 0, got %s", d)
+		}
+		r.b.initial = d
+		return nil
+	}
+}
+
+// RetryMultiplier sets the growth of each backoff step over the one before.
+// Default 2.
+func RetryMultiplier(f float64) RetryOption {
+	return func(r *Retry) error {
+		if !(f >= 1) || f > 1e6 {
+			return configErr("Retry.Multiplier", "must be between 1 and 1e6, got %g", f)
+		}
+		r.b.multiplier = f
+		return nil
+	}
+}
+
+// RetryMaxInterval caps one in-process backoff step. Default 2s.
+func RetryMaxInterval(d time.Duration) RetryOption {
+	return func(r *Retry) error {
+		if d <= 0 {
+			return configErr("Retry.MaxInterval", "must be > 0, got %s", d)
+		}
+		r.b.max = d
+		return nil
+	}
+}
+
+// RetryMaxElapsed bounds the time one delivery spends in Retry: no further
+// run starts when its backoff would end past this bound since the first run
+// began, and the message goes back to the broker instead. Default 10s.
+func RetryMaxElapsed(d time.Duration) RetryOption {
+	return func(r *Retry) error {
+		if d <= 0 {
+			return configErr("Retry.MaxElapsed", "must be > 0, got %s", d)
+		}
+		r.maxElapsed = d
+		return nil
+	}
+}
+
+// RetryRedeliveryMax caps the delay with which a message whose in-process
+// budget is spent goes back to the broker. Default 1m. (SQS accepts at most
+// 12h.)
+func RetryRedeliveryMax(d time.Duration) RetryOption {
+	return func(r *Retry) error {
+		if d <= 0 {
+			return configErr("Retry.RedeliveryMax", "must be > 0, got %s", d)
+		}
+		r.redeliveryMax = d
+		return nil
+	}
+}
+
+// RetryJitter turns jitter on or off. With jitter off every delay is the
+// exponential step itself, and consumers that failed together retry
+// together; turn it off only to make delays predictable in a test. Default
+// on.
+func RetryJitter(on bool) RetryOption {
+	return func(r *Retry) error {
+		r.b.jitter = on
+		return nil
+	}
+}
+
+// NewRetry returns a Retry. It fails with a *ConfigError naming the field
+// when an option is invalid, or when MaxInterval is below Initial.
+func NewRetry(opts ...RetryOption) (*Retry, error) {
+	r := &Retry{
+		attempts:      3,
+		maxElapsed:    10 * time.Second,
+		redeliveryMax: time.Minute,
+		b:             backoff{initial: 100 * time.Millisecond, multiplier: 2, max: 2 * time.Second, jitter: true},
+		sleep:         sleepCtx,
+	}
+	for _, o := range opts {
+		if o == nil {
+			continue
+		}
+		if err := o(r); err != nil {
+			return nil, err
+		}
+	}
+	if r.b.max < r.b.initial {
+		return nil, configErr("Retry.MaxInterval", "%s is below Initial %s", r.b.max, r.b.initial)
+	}
+	return r, nil
+}
+
+// Wrap returns next wrapped in the retry behaviour. r.Wrap is a Middleware.
+func (r *Retry) Wrap(next Handler) Handler {
+	return HandlerFunc(func(ctx context.Context, m *Message) error {
+		return r.handle(ctx, m, next)
+	})
+}
+
+func (r *Retry) handle(ctx context.Context, m *Message, next Handler) error {
+	ctx, rec := withRecord(ctx)
+	rec.perDelivery = r.attempts
+
+	start := time.Now()
+	for run := 1; ; run++ {
+		rec.run = run
+		err := next.Handle(ctx, m)
+		if err == nil {
+			return nil
+		}
+		if stopsRetry(ctx, err) {
+			return err
+		}
+		rec.failed(time.Now())
+		if run >= r.attempts || rec.spent(m) {
+			return r.giveBack(m, err)
+		}
+		d := r.b.inProcess(run)
+		if time.Since(start)+d > r.maxElapsed {
+			return r.giveBack(m, err)
+		}
+		if serr := r.sleep(ctx, d); serr != nil {
+			return err
+		}
+	}
+}
+
+// giveBack returns err to the broker with the redelivery delay for m.
+func (r *Retry) giveBack(m *Message, err error) error {
+	tries := max(m.Attempt, 1) * r.attempts
+	return RetryAfter(err, r.b.redelivery(tries, r.redeliveryMax))
+}
+
+// stopsRetry reports whether err ends the in-process retries at once.
+func stopsRetry(ctx context.Context, err error) bool {
+	if ctx.Err() != nil || IsPermanent(err) || errors.Is(err, ErrHeld) {
+		return true
+	}
+	var ra *RetryAfterError
+	if errors.As(err, &ra) {
+		return true
+	}
+	var dl *DeadLetterError
+	return errors.As(err, &dl)
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	if d <= 0 {
+		return ctx.Err()
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// record is what the layers of one delivery share about its runs: Retry
+// writes how many runs it makes per delivery and which run is going on,
+// DeadLetter writes its MaxAttempts. It travels in the delivery's context, so
+// it reaches every layer whatever order they were composed in.
+type record struct {
+	perDelivery int // Retry's runs per delivery; 0 without Retry (counts as 1)
+	run         int // the current run of this delivery, from 1; 0 without Retry
+	maxAttempts int // DeadLetter's MaxAttempts; 0 without DeadLetter
+	first, last time.Time
+}
+
+type recordKey struct{}
+
+// recordCtx carries a record; one allocation gives both the context and the
+// record.
+type recordCtx struct {
+	context.Context
+	rec record
+}
+
+func (c *recordCtx) Value(key any) any {
+	if _, ok := key.(recordKey); ok {
+		return &c.rec
+	}
+	return c.Context.Value(key)
+}
+
+// withRecord returns the delivery's record, adding one to ctx when there is
+// none yet.
+func withRecord(ctx context.Context) (context.Context, *record) {
+	if rec, ok := ctx.Value(recordKey{}).(*record); ok {
+		return ctx, rec
+	}
+	c := &recordCtx{Context: ctx}
+	return c, &c.rec
+}
+
+// attempts returns the number of the current run of m across deliveries:
+// (Attempt-1) * runs per delivery + the run of this delivery. See DeadLetter.
+func (r *record) attempts(m *Message) int {
+	per := max(r.perDelivery, 1)
+	run := max(r.run, 1)
+	return (max(m.Attempt, 1)-1)*per + run
+}
+
+// spent reports whether a DeadLetter's MaxAttempts is reached by the
+// current run.
+func (r *record) spent(m *Message) bool {
+	return r.maxAttempts > 0 && r.attempts(m) >= r.maxAttempts
+}
+
+// failed notes a failed run at now.
+func (r *record) failed(now time.Time) {
+	if r.first.IsZero() {
+		r.first = now
+	}
+	r.last = now
+}
