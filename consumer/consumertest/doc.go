@@ -1,0 +1,103 @@
+// Package consumertest is the conformance suite that every Ferry broker
+// driver passes: the memory broker in its unit tests, the Kafka, SQS and
+// RabbitMQ adapters against real brokers in integration/, and any driver a
+// user writes. A new broker is done when it passes the suite.
+//
+// # What it checks
+//
+// The suite checks the contract of a consumer.Consumer as a user sees it:
+// only by publishing messages, running a handler and watching what the
+// handler is given (message ids, bodies, attempts, timing). It knows nothing
+// of any broker, so the same tests hold every driver to the same guarantees:
+//
+//   - every message is delivered, once, when handlers succeed;
+//   - a failed handler's message comes back, with the same ID and the next
+//     Attempt, until it succeeds, and then never again;
+//   - a message returned with consumer.RetryAfter(err, d) does not come back
+//     before d;
+//   - in at-most-once mode no message is delivered twice, even when its
+//     handler fails or panics;
+//   - on an ordered source (SQS FIFO groups, Kafka partitions) each key's
+//     messages complete one at a time in publish order while several
+//     handlers run, by lane and with consumer.OrderByKey;
+//   - a consumer never runs more handlers than its concurrency, nor holds
+//     more unacknowledged messages than consumer.WithMaxInFlight;
+//   - a handler that runs three times the lease keeps its message: a second
+//     consumer polling the same source never gets it;
+//   - cancelling Run while a handler runs past the shutdown grace loses
+//     nothing, and a handler that finishes within the grace is acked;
+//   - a panic is redelivered and Run carries on;
+//   - bodies (every byte value, empty, 1 MiB), keys and unicode headers
+//     arrive as published;
+//   - two consumers of one source never handle the same message at once;
+//   - Run returns nil soon after its context ends, and an error for a nil
+//     handler;
+//   - a consumer.Hold does not count as an attempt.
+//
+// Each check is a subtest named after its clause, such as
+// HandlerErrorRedeliversWithNextAttempt, and runs on a fresh source. Waits
+// for something that must happen are bounded (30 s), and watches for
+// something that must not happen last a second or two, or the short lease
+// and a second more, so the suite is slow only when the driver is wrong. On
+// the memory broker it takes about 20 s under -race.
+//
+// # Running it for an adapter
+//
+// Write a Harness: four methods that create a fresh source, hand out a
+// Publisher, build a Consumer over a source with the suite's options, and
+// say what the broker can do. Then call Run from a test. A sketch for a
+// Kafka adapter (the kafka names and the topic helpers are illustrative):
+//
+//	func TestConformance(t *testing.T) {
+//		consumertest.Run(t, &harness{addr: testenv.RequireKafka(t)[0]})
+//	}
+//
+//	type harness struct{ addr string }
+//
+//	func (h *harness) NewSource(t *testing.T, cfg consumertest.SourceConfig) string {
+//		topic := testenv.UniqueName(t, "conformance")
+//		createTopic(t, h.addr, topic, partitions(cfg.Ordered)) // your own helper
+//		t.Cleanup(func() { deleteTopic(h.addr, topic) })
+//		return topic
+//	}
+//
+//	func (h *harness) Publisher(t *testing.T) consumer.Publisher {
+//		p, err := kafka.NewPublisher(kafka.Config{Brokers: []string{h.addr}})
+//		if err != nil {
+//			t.Fatal(err)
+//		}
+//		t.Cleanup(func() { p.Close() })
+//		return p
+//	}
+//
+//	func (h *harness) NewConsumer(t *testing.T, source string, opts ...consumer.Option) consumer.Consumer {
+//		c, err := kafka.NewConsumer(kafka.Config{
+//			Brokers: []string{h.addr},
+//			Group:   source + "-group", // every consumer of a source in one group
+//			Topics:  []string{source},
+//		}, opts...)
+//		if err != nil {
+//			t.Fatal(err)
+//		}
+//		return c
+//	}
+//
+//	func (h *harness) Capabilities() consumertest.Capabilities {
+//		// A log: no lease, no redelivery by the broker, ordered partitions.
+//		return consumertest.Capabilities{Ordered: true}
+//	}
+//
+// Run it like any test: go test -race -run TestConformance ./yourpackage,
+// or one clause with -run 'TestConformance/RetryAfter'. A failure names the
+// clause, what was expected and what the handler saw; the loop's own logs
+// are in the test output (shown with -v or on failure).
+//
+// A harness whose broker can count a source's unacknowledged messages may
+// also implement InFlightCounter, and the in-flight test then checks that
+// count too. The memory broker's harness in memory/conformance_test.go is a
+// complete, short example.
+//
+// The suite runs its subtests one after another, never in parallel: several
+// of them watch timing, and a loaded machine running many brokers at once is
+// where flaky suites come from.
+package consumertest
