@@ -252,6 +252,9 @@ func (d *DeadLetter) handle(ctx context.Context, m *Message, next Handler) error
 }
 
 func (d *DeadLetter) deadLetter(ctx context.Context, m *Message, rec *record, reason string, cause error) error {
+	if ra, ok := cause.(*RetryAfterError); ok {
+		cause = ra.Err // Retry's way of giving the message back, not the story
+	}
 	now := time.Now()
 	first := rec.first
 	if first.IsZero() {
@@ -306,6 +309,7 @@ func (d *DeadLetter) deadLetter(ctx context.Context, m *Message, rec *record, re
 		return &DeadLetterError{Destination: d.dest, Err: perr, Cause: cause}
 	}
 	d.count.Add(1)
+	rec.deadLettered = true
 	d.logger.LogAttrs(ctx, slog.LevelWarn, "ferry: message dead-lettered",
 		slog.String("destination", d.dest), slog.String("source", m.Source), slog.String("id", m.ID),
 		slog.Int("attempts", attempts), slog.String("reason", reason), slog.Any("error", cause))

@@ -231,6 +231,9 @@ type record struct {
 	perDelivery int // Retry's runs per delivery; 0 without Retry (counts as 1)
 	run         int // the current run of this delivery, from 1; 0 without Retry
 	maxAttempts int // DeadLetter's MaxAttempts; 0 without DeadLetter
+	// deadLettered is set once DeadLetter has published the message: its nil
+	// means "settled", and an outer Timeout must not turn it into a failure.
+	deadLettered bool
 	first, last time.Time
 }
 

@@ -36,18 +36,20 @@ func (e *TimeoutError) Is(target error) bool { return target == context.Deadline
 // idempotent handler makes running it again safe. Timeout does not abandon
 // the handler: the message is settled when the handler returns. A deadline
 // that ran out on an outer context (not this one) is not Timeout's failure,
-// and the handler's result passes through. d <= 0 sets no deadline.
+// and the handler's result passes through; so does the nil of a DeadLetter
+// inside Timeout that dead-lettered the message. d <= 0 sets no deadline.
 func Timeout(d time.Duration) Middleware {
 	return func(next Handler) Handler {
 		if d <= 0 {
 			return next
 		}
 		return HandlerFunc(func(ctx context.Context, m *Message) error {
+			ctx, rec := withRecord(ctx)
 			tctx, cancel := context.WithTimeout(ctx, d)
 			err := next.Handle(tctx, m)
 			expired := tctx.Err() != nil && ctx.Err() == nil
 			cancel()
-			if expired {
+			if expired && !(err == nil && rec.deadLettered) {
 				return &TimeoutError{Timeout: d, Err: err}
 			}
 			return err

@@ -1,0 +1,79 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"testing"
+	"time"
+)
+
+func quietDLQ() StandardOption {
+	return StandardDeadLetter(DeadLetterLogger(slog.New(slog.DiscardHandler)))
+}
+
+func TestStandardRetriesPanicsCountsThemAndDeadLettersThem(t *testing.T) {
+	pub := &recordingPublisher{}
+	st, err := Standard(pub, "dlq", quietDLQ(), StandardDeadLetter(DeadLetterMaxAttempts(3)),
+		StandardRetry(RetryAttempts(3)), StandardBreaker(BreakerFailures(100)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var slept []time.Duration
+	noSleep(st.Retry, &slept)
+	runs := 0
+	h := st.Wrap(HandlerFunc(func(context.Context, *Message) error { runs++; panic("boom") }))
+	if err := h.Handle(context.Background(), &Message{ID: "p", Attempt: 1}); err != nil {
+		t.Fatalf("Handle = %v, want nil (dead-lettered)", err)
+	}
+	if runs != 3 || st.DeadLetter.Count() != 1 || pub.got[0].Headers[HeaderDLQErrorKind] != "panic" {
+		t.Errorf("runs %d, dead-lettered %d, headers %v", runs, st.DeadLetter.Count(), pub.got)
+	}
+}
+
+func TestStandardBreakerSeesEveryCallAndHoldsTheRest(t *testing.T) {
+	pub := &recordingPublisher{}
+	st, err := Standard(pub, "dlq", quietDLQ(), StandardRetry(RetryAttempts(10)),
+		StandardBreaker(BreakerFailures(2), BreakerOpenFor(time.Hour)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var slept []time.Duration
+	noSleep(st.Retry, &slept)
+	calls := 0
+	h := st.Wrap(HandlerFunc(func(context.Context, *Message) error { calls++; return errDown }))
+	err = h.Handle(context.Background(), &Message{ID: "m", Attempt: 1})
+	if !errors.Is(err, ErrHeld) || calls != 2 {
+		t.Fatalf("err = %v after %d calls; want a hold after 2 (the breaker inside Retry counts each call)", err, calls)
+	}
+	if st.DeadLetter.Count() != 0 || st.Breaker.State() != BreakerOpen {
+		t.Errorf("dead-lettered %d, breaker %s", st.DeadLetter.Count(), st.Breaker.State())
+	}
+}
+
+func TestStandardSharesABreaker(t *testing.T) {
+	b := mustBreaker(t)
+	st, err := Standard(&recordingPublisher{}, "dlq", StandardUseBreaker(b))
+	if err != nil || st.Breaker != b {
+		t.Fatalf("Standard = %v, %v", st, err)
+	}
+	if _, err := Standard(&recordingPublisher{}, "dlq", StandardUseBreaker(b), StandardBreaker(BreakerFailures(2))); err == nil {
+		t.Error("a shared breaker with breaker options was accepted")
+	}
+}
+
+func TestStandardRejectsBadConfigNamingTheField(t *testing.T) {
+	for field, f := range map[string]func() error{
+		"DeadLetter.Publisher":   func() error { _, err := Standard(nil, "dlq"); return err },
+		"DeadLetter.Destination": func() error { _, err := Standard(&recordingPublisher{}, ""); return err },
+		"Retry.Attempts":         func() error { _, err := Standard(&recordingPublisher{}, "q", StandardRetry(RetryAttempts(0))); return err },
+		"Breaker.Failures":       func() error { _, err := Standard(&recordingPublisher{}, "q", StandardBreaker(BreakerFailures(0))); return err },
+		"Standard.Timeout":       func() error { _, err := Standard(&recordingPublisher{}, "q", StandardTimeout(-1)); return err },
+		"Standard.Breaker":       func() error { _, err := Standard(&recordingPublisher{}, "q", StandardUseBreaker(nil)); return err },
+	} {
+		var ce *ConfigError
+		if err := f(); !errors.As(err, &ce) || ce.Field != field {
+			t.Errorf("%s: err = %v, want a ConfigError naming it", field, err)
+		}
+	}
+}
