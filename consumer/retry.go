@@ -234,7 +234,7 @@ type record struct {
 	// deadLettered is set once DeadLetter has published the message: its nil
 	// means "settled", and an outer Timeout must not turn it into a failure.
 	deadLettered bool
-	first, last time.Time
+	first, last  time.Time
 }
 
 type recordKey struct{}

@@ -66,10 +66,16 @@ func TestStandardRejectsBadConfigNamingTheField(t *testing.T) {
 	for field, f := range map[string]func() error{
 		"DeadLetter.Publisher":   func() error { _, err := Standard(nil, "dlq"); return err },
 		"DeadLetter.Destination": func() error { _, err := Standard(&recordingPublisher{}, ""); return err },
-		"Retry.Attempts":         func() error { _, err := Standard(&recordingPublisher{}, "q", StandardRetry(RetryAttempts(0))); return err },
-		"Breaker.Failures":       func() error { _, err := Standard(&recordingPublisher{}, "q", StandardBreaker(BreakerFailures(0))); return err },
-		"Standard.Timeout":       func() error { _, err := Standard(&recordingPublisher{}, "q", StandardTimeout(-1)); return err },
-		"Standard.Breaker":       func() error { _, err := Standard(&recordingPublisher{}, "q", StandardUseBreaker(nil)); return err },
+		"Retry.Attempts": func() error {
+			_, err := Standard(&recordingPublisher{}, "q", StandardRetry(RetryAttempts(0)))
+			return err
+		},
+		"Breaker.Failures": func() error {
+			_, err := Standard(&recordingPublisher{}, "q", StandardBreaker(BreakerFailures(0)))
+			return err
+		},
+		"Standard.Timeout": func() error { _, err := Standard(&recordingPublisher{}, "q", StandardTimeout(-1)); return err },
+		"Standard.Breaker": func() error { _, err := Standard(&recordingPublisher{}, "q", StandardUseBreaker(nil)); return err },
 	} {
 		var ce *ConfigError
 		if err := f(); !errors.As(err, &ce) || ce.Field != field {

@@ -8,7 +8,7 @@ import (
 )
 
 func TestTimeoutGivesTheHandlerADeadline(t *testing.T) {
-	h := Timeout(5*time.Millisecond)(HandlerFunc(func(ctx context.Context, _ *Message) error {
+	h := Timeout(5 * time.Millisecond)(HandlerFunc(func(ctx context.Context, _ *Message) error {
 		if _, ok := ctx.Deadline(); !ok {
 			t.Error("no deadline on the handler's context")
 		}
