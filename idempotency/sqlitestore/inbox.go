@@ -1,0 +1,91 @@
+package sqlitestore
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"strings"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/idempotency"
+)
+
+// TxHandler handles a message inside the inbox's transaction: its writes
+// through tx commit together with the message's key, or not at all. It must
+// not commit or roll back tx.
+type TxHandler func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error
+
+// Inbox returns a Handler that runs h once per key, in a transaction that
+// also records the key: see the package documentation. namespace is the
+// consumer's name, as for idempotency.New. WithTable, WithRetention and
+// WithKey apply.
+//
+// The key's insert is prepared here, so Inbox fails if the table does not
+// exist; the statement lives as long as db.
+//
+// A handler error rolls back and is returned unchanged; a duplicate is
+// acknowledged (nil) without calling h; a database error is returned wrapped,
+// and h is not called.
+func Inbox(db *sql.DB, namespace string, h TxHandler, opts ...Option) (consumer.Handler, error) {
+	if db == nil {
+		return nil, configErr("DB", "must not be nil")
+	}
+	if h == nil {
+		return nil, configErr("Handler", "must not be nil")
+	}
+	if namespace == "" {
+		return nil, configErr("Namespace", "must not be empty")
+	}
+	if strings.Contains(namespace, ":") {
+		return nil, configErr("Namespace", "must not contain ':', got %q", namespace)
+	}
+	c, err := buildConfig(opts)
+	if err != nil {
+		return nil, err
+	}
+	prefix := idempotency.Key(namespace, "")
+	retention := c.retention.Milliseconds()
+	// ?1 key, ?2 now, ?3 retention end. A key whose retention ended (not yet
+	// cleaned up) is taken over; a live one inserts nothing.
+	insertSQL := `INSERT INTO ` + c.table + ` (key, token, done, expires_at) VALUES (?1, '', 1, ?3)
+ON CONFLICT (key) DO UPDATE SET token = '', done = 1, expires_at = excluded.expires_at
+WHERE expires_at <= ?2`
+	insert, err := db.PrepareContext(context.Background(), insertSQL)
+	if err != nil {
+		return nil, fmt.Errorf("sqlitestore: inbox: prepare (has Migrate created table %s?): %w", c.table, err)
+	}
+	return consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		k, err := c.key(m)
+		if err != nil {
+			return consumer.Permanent(fmt.Errorf("%w: %w", idempotency.ErrNoKey, err))
+		}
+		if k == "" {
+			return consumer.Permanent(fmt.Errorf("%w (message %q from %q)", idempotency.ErrNoKey, m.ID, m.Source))
+		}
+		key := prefix + k
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			return fmt.Errorf("sqlitestore: inbox: begin: %w", err)
+		}
+		defer func() { _ = tx.Rollback() }() // a no-op after Commit
+		now := c.now().UnixMilli()
+		res, err := tx.StmtContext(ctx, insert).ExecContext(ctx, key, now, now+retention)
+		if err != nil {
+			return fmt.Errorf("sqlitestore: inbox: record key %q: %w", key, err)
+		}
+		n, err := res.RowsAffected()
+		if err != nil {
+			return fmt.Errorf("sqlitestore: inbox: record key %q: %w", key, err)
+		}
+		if n == 0 {
+			return nil // committed before: a duplicate
+		}
+		if err := h(ctx, tx, m); err != nil {
+			return err
+		}
+		if err := tx.Commit(); err != nil {
+			return fmt.Errorf("sqlitestore: inbox: commit %q: %w", key, err)
+		}
+		return nil
+	}), nil
+}

@@ -1,0 +1,335 @@
+// Package sqlitestore keeps idempotency keys in SQLite, through database/sql
+// with modernc.org/sqlite (pure Go, no cgo): the embedded default for a
+// single node.
+//
+// Store is an idempotency.Store for the idempotency middleware; claim,
+// completion and release are one statement each. Inbox is the transactional
+// inbox: the handler receives a *sql.Tx in which the message's key was
+// already inserted, so the key and the handler's own writes commit together
+// or not at all, and there is no completion step to lose (see package
+// idempotency for the guarantee).
+//
+// SQLite allows one writer at a time, and its busy handler (which makes a
+// writer sleep and try again while another holds the lock) is neither fair
+// nor quick: many goroutines writing through many connections starve one
+// another into SQLITE_BUSY. Open therefore returns a *sql.DB with a single
+// connection, so that goroutines queue in database/sql, in order, instead of
+// in SQLite; with a WAL journal, a busy timeout of 10 s (for other processes
+// that open the file) and BEGIN IMMEDIATE transactions. With one connection,
+// an Inbox handler must do its work through the *sql.Tx it receives, never
+// through the *sql.DB (which would wait for the connection the transaction
+// holds). A *sql.DB opened otherwise should be set up the same way.
+//
+// Leases and retention are measured with this process's clock, which is
+// right for a database file that one node uses. Expired keys stay in the
+// table, counted as absent, until Cleanup deletes them; run it periodically
+// (idempotency.CleanEvery). Use one namespace with either the middleware or
+// the inbox, never both: the inbox reads any live row as done.
+package sqlitestore
+
+import (
+	"context"
+	"database/sql"
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net/url"
+	"regexp"
+	"sort"
+	"strings"
+	"time"
+
+	_ "modernc.org/sqlite" // the "sqlite" database/sql driver
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/idempotency"
+)
+
+// DefaultTable is the name of the keys table unless WithTable says otherwise.
+const DefaultTable = "ferry_idempotency_keys"
+
+//go:embed migrations/*.sql
+var migrations embed.FS
+
+// Migrations holds the schema as SQL files, applied in name order, for the
+// default table name. Use them with your own migration tool, or call Migrate.
+var Migrations fs.FS = migrations
+
+// Open opens (creating it if needed) the SQLite database file at path with
+// the settings the package documentation describes.
+func Open(path string) (*sql.DB, error) {
+	if path == "" {
+		return nil, &consumer.ConfigError{Field: "Path", Reason: "must not be empty"}
+	}
+	q := url.Values{}
+	q.Add("_pragma", "busy_timeout(10000)")
+	q.Add("_pragma", "journal_mode(WAL)")
+	q.Add("_pragma", "synchronous(NORMAL)")
+	q.Add("_txlock", "immediate")
+	db, err := sql.Open("sqlite", "file:"+path+"?"+q.Encode())
+	if err != nil {
+		return nil, fmt.Errorf("sqlitestore: open %s: %w", path, err)
+	}
+	db.SetMaxOpenConns(1)
+	return db, nil
+}
+
+// Option configures a Store, Migrate or Inbox. An invalid value makes the
+// constructor fail with a *consumer.ConfigError naming the field.
+type Option func(*config) error
+
+type config struct {
+	table     string
+	retention time.Duration
+	key       idempotency.KeyFunc
+	now       func() time.Time
+}
+
+func configErr(field, format string, args ...any) error {
+	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
+}
+
+var tableName = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,39}$`)
+
+// WithTable sets the keys table: lower-case letters, digits and '_', at most
+// 40 characters. Default DefaultTable (ferry_idempotency_keys).
+func WithTable(name string) Option {
+	return func(c *config) error {
+		if !tableName.MatchString(name) {
+			return configErr("Table", "must match %s, got %q", tableName, name)
+		}
+		c.table = name
+		return nil
+	}
+}
+
+// WithRetention sets how long the inbox keeps a key (Inbox only; the
+// middleware's retention is idempotency.WithRetention). Default
+// idempotency.DefaultRetention (15 days).
+func WithRetention(d time.Duration) Option {
+	return func(c *config) error {
+		if d <= 0 {
+			return configErr("Retention", "must be > 0, got %s", d)
+		}
+		c.retention = d
+		return nil
+	}
+}
+
+// WithKey sets how the inbox derives a message's key (Inbox only). Default
+// idempotency.DefaultKey.
+func WithKey(f idempotency.KeyFunc) Option {
+	return func(c *config) error {
+		if f == nil {
+			return configErr("Key", "must not be nil")
+		}
+		c.key = f
+		return nil
+	}
+}
+
+func buildConfig(opts []Option) (config, error) {
+	c := config{table: DefaultTable, retention: idempotency.DefaultRetention, key: idempotency.DefaultKey, now: time.Now}
+	for _, o := range opts {
+		if o == nil {
+			continue
+		}
+		if err := o(&c); err != nil {
+			return c, err
+		}
+	}
+	return c, nil
+}
+
+// SQL returns the schema migration for the keys table named table.
+func SQL(table string) (string, error) {
+	c, err := buildConfig([]Option{WithTable(table)})
+	if err != nil {
+		return "", err
+	}
+	return render(c.table)
+}
+
+func render(table string) (string, error) {
+	names, err := fs.Glob(migrations, "migrations/*.sql")
+	if err != nil {
+		return "", err
+	}
+	sort.Strings(names)
+	var b strings.Builder
+	for _, n := range names {
+		text, err := migrations.ReadFile(n)
+		if err != nil {
+			return "", err
+		}
+		b.WriteString(strings.ReplaceAll(string(text), DefaultTable, table))
+		b.WriteString("\n")
+	}
+	return b.String(), nil
+}
+
+// Migrate creates the keys table and its index if they do not exist, in one
+// transaction. It is safe to call again.
+func Migrate(ctx context.Context, db *sql.DB, opts ...Option) error {
+	if db == nil {
+		return configErr("DB", "must not be nil")
+	}
+	c, err := buildConfig(opts)
+	if err != nil {
+		return err
+	}
+	schema, err := render(c.table)
+	if err != nil {
+		return fmt.Errorf("sqlitestore: migrate: %w", err)
+	}
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("sqlitestore: migrate table %s: %w", c.table, err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	if _, err := tx.ExecContext(ctx, schema); err != nil {
+		return fmt.Errorf("sqlitestore: migrate table %s: %w", c.table, err)
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("sqlitestore: migrate table %s: %w", c.table, err)
+	}
+	return nil
+}
+
+// Store is an idempotency.Store and idempotency.Cleaner in SQLite.
+type Store struct {
+	db                              *sql.DB
+	now                             func() time.Time
+	claim, complete, release, clean *sql.Stmt
+}
+
+var _ interface {
+	idempotency.Store
+	idempotency.Cleaner
+} = (*Store)(nil)
+
+// New returns a Store over db, whose table Migrate created, with its
+// statements prepared (so it fails if the table does not exist). Only
+// WithTable applies. Close releases the statements.
+func New(db *sql.DB, opts ...Option) (*Store, error) {
+	if db == nil {
+		return nil, configErr("DB", "must not be nil")
+	}
+	c, err := buildConfig(opts)
+	if err != nil {
+		return nil, err
+	}
+	t := c.table
+	s := &Store{db: db, now: c.now}
+	for _, p := range []struct {
+		dst  **sql.Stmt
+		text string
+	}{
+		// ?1 key, ?2 token, ?3 now, ?4 lease end. An expired row is taken
+		// over, a live one left as it was; the row is always returned.
+		{&s.claim, `INSERT INTO ` + t + ` (key, token, done, expires_at) VALUES (?1, ?2, 0, ?4)
+ON CONFLICT (key) DO UPDATE SET
+  token      = CASE WHEN expires_at <= ?3 THEN excluded.token      ELSE token      END,
+  done       = CASE WHEN expires_at <= ?3 THEN 0                   ELSE done       END,
+  expires_at = CASE WHEN expires_at <= ?3 THEN excluded.expires_at ELSE expires_at END
+RETURNING token = ?2, done, expires_at - ?3`},
+		{&s.complete, `UPDATE ` + t + ` SET token = '', done = 1, expires_at = ?3 WHERE key = ?1 AND token = ?2 AND done = 0`},
+		{&s.release, `DELETE FROM ` + t + ` WHERE key = ?1 AND token = ?2 AND done = 0`},
+		{&s.clean, `DELETE FROM ` + t + ` WHERE key IN (SELECT key FROM ` + t + ` WHERE expires_at <= ?1 LIMIT ?2)`},
+	} {
+		stmt, err := db.PrepareContext(context.Background(), p.text)
+		if err != nil {
+			s.Close()
+			return nil, fmt.Errorf("sqlitestore: prepare (has Migrate created table %s?): %w", t, err)
+		}
+		*p.dst = stmt
+	}
+	return s, nil
+}
+
+// Close releases the store's prepared statements. It does not close the
+// *sql.DB.
+func (s *Store) Close() error {
+	var errs []error
+	for _, st := range []*sql.Stmt{s.claim, s.complete, s.release, s.clean} {
+		if st != nil {
+			errs = append(errs, st.Close())
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Claim implements idempotency.Store.
+func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (idempotency.Claim, error) {
+	tok := idempotency.NewToken()
+	now := s.now().UnixMilli()
+	var (
+		mine, done bool
+		leftMS     int64
+	)
+	err := s.claim.QueryRowContext(ctx, key, tok, now, now+lease.Milliseconds()).Scan(&mine, &done, &leftMS)
+	if err != nil {
+		return idempotency.Claim{}, fmt.Errorf("sqlitestore: claim: %w", err)
+	}
+	switch {
+	case mine:
+		return idempotency.Claim{Status: idempotency.Claimed, Token: tok}, nil
+	case done:
+		return idempotency.Claim{Status: idempotency.Done}, nil
+	}
+	return idempotency.Claim{Status: idempotency.InProgress, LeaseLeft: time.Duration(max(leftMS, 0)) * time.Millisecond}, nil
+}
+
+// Complete implements idempotency.Store.
+func (s *Store) Complete(ctx context.Context, key, token string, retention time.Duration) error {
+	return s.settle(ctx, "complete", s.complete, key, token, s.now().UnixMilli()+retention.Milliseconds())
+}
+
+// Release implements idempotency.Store.
+func (s *Store) Release(ctx context.Context, key, token string) error {
+	return s.settle(ctx, "release", s.release, key, token)
+}
+
+func (s *Store) settle(ctx context.Context, op string, st *sql.Stmt, key, token string, args ...any) error {
+	if token == "" {
+		return idempotency.ErrNotOwner
+	}
+	res, err := st.ExecContext(ctx, append([]any{key, token}, args...)...)
+	if err != nil {
+		return fmt.Errorf("sqlitestore: %s: %w", op, err)
+	}
+	n, err := res.RowsAffected()
+	if err != nil {
+		return fmt.Errorf("sqlitestore: %s: %w", op, err)
+	}
+	if n == 0 {
+		return idempotency.ErrNotOwner
+	}
+	return nil
+}
+
+// cleanupBatch bounds the rows one DELETE of Cleanup removes, so that it
+// never holds the write lock for long.
+const cleanupBatch = 5000
+
+// Cleanup implements idempotency.Cleaner: it deletes the rows whose lease or
+// retention ended, in batches, and returns how many it deleted.
+func (s *Store) Cleanup(ctx context.Context) (int64, error) {
+	var total int64
+	now := s.now().UnixMilli()
+	for {
+		res, err := s.clean.ExecContext(ctx, now, cleanupBatch)
+		if err != nil {
+			return total, fmt.Errorf("sqlitestore: cleanup: %w", err)
+		}
+		n, err := res.RowsAffected()
+		if err != nil {
+			return total, fmt.Errorf("sqlitestore: cleanup: %w", err)
+		}
+		total += n
+		if n < cleanupBatch {
+			return total, nil
+		}
+	}
+}
