@@ -3,6 +3,7 @@ package memory_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -616,5 +617,53 @@ func TestWaitingFetchSeesAnEarlierDeadline(t *testing.T) {
 			t.Fatalf("attempt %d: fetched %v", attempt, ids(ms))
 		}
 		m = ms[0]
+	}
+}
+
+// A message held in flight for long while thousands behind it are acked
+// neither keeps them alive nor loses its own place.
+func TestLongHeldMessageAmongManyAcked(t *testing.T) {
+	b := newBroker(t)
+	d := newDriver(t, b, "q")
+	const n = 3000
+	batch := make([]consumer.Message, n)
+	for i := range batch {
+		batch[i] = msg("", "x")
+	}
+	publish(t, b, "q", batch...)
+	held := fetch(t, d, 1)[0]
+	for acked := 1; acked < n; {
+		ms := fetch(t, d, 100)
+		ss := make([]driver.Settlement, len(ms))
+		for i, m := range ms {
+			ss[i] = ack(m)
+		}
+		settle(t, d, ss...)
+		acked += len(ms)
+	}
+	got := b.Messages("q")
+	if len(got) != 1 || got[0].ID != held.ID {
+		t.Fatalf("Messages = %d messages, want only the held one", len(got))
+	}
+	publish(t, b, "q", msg("late", "y"))
+	if got := b.Messages("q"); len(got) != 2 || got[0].ID != held.ID || got[1].ID != "late" {
+		t.Fatalf("Messages = %v, want the held message, then late", got)
+	}
+	wantStats(t, b, "q", memory.QueueStats{Visible: 1, InFlight: 1, Acked: n - 1})
+}
+
+// A FIFO group that emptied out and is used again delivers again.
+func TestFIFOGroupIsReusedAfterItEmptied(t *testing.T) {
+	b := newBroker(t)
+	createQueue(t, b, "q.fifo", memory.QueueConfig{FIFO: true})
+	d := newDriver(t, b, "q.fifo")
+	for i := range 3 {
+		id := fmt.Sprintf("a%d", i)
+		publish(t, b, "q.fifo", consumer.Message{ID: id, Key: "a"})
+		m := fetch(t, d, 10)
+		if len(m) != 1 || m[0].ID != id {
+			t.Fatalf("round %d: fetched %v, want [%s]", i, ids(m), id)
+		}
+		settle(t, d, ack(m[0]))
 	}
 }

@@ -31,15 +31,6 @@ func (r *ring[T]) pushBack(v T) {
 	r.n++
 }
 
-func (r *ring[T]) pushFront(v T) {
-	if r.n == len(r.buf) {
-		r.grow()
-	}
-	r.head = (r.head - 1) & (len(r.buf) - 1)
-	r.buf[r.head] = v
-	r.n++
-}
-
 // front returns the first element; the ring must not be empty.
 func (r *ring[T]) front() T { return r.buf[r.head] }
 
