@@ -1,0 +1,93 @@
+package consumertest_test
+
+import (
+	"context"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/consumertest"
+	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/memory"
+)
+
+// memHarness runs the suite on the memory broker, with one broker per test,
+// optionally broken on purpose (see sabotage_test.go).
+type memHarness struct {
+	seq atomic.Int64
+	// brokers maps each test to its broker; the suite calls the harness from
+	// the test's own goroutine, one test at a time.
+	brokers map[*testing.T]*memory.Broker
+
+	// wrap, when set, breaks every consumer the harness makes.
+	wrap func(consumer.Consumer) consumer.Consumer
+	// noExtend hides the driver's lease extension from the loop.
+	noExtend bool
+}
+
+var _ consumertest.Harness = (*memHarness)(nil)
+
+func (h *memHarness) broker(t *testing.T) *memory.Broker {
+	if b, ok := h.brokers[t]; ok {
+		return b
+	}
+	if h.brokers == nil {
+		h.brokers = make(map[*testing.T]*memory.Broker)
+	}
+	b := memory.New(memory.WithAutoCreate(false))
+	h.brokers[t] = b
+	t.Cleanup(func() {
+		delete(h.brokers, t)
+		_ = b.Close()
+	})
+	return b
+}
+
+func (h *memHarness) NewSource(t *testing.T, cfg consumertest.SourceConfig) string {
+	name := "suite-" + strconv.FormatInt(h.seq.Add(1), 10)
+	if err := h.broker(t).CreateQueue(name, memory.QueueConfig{VisibilityTimeout: cfg.Lease, FIFO: cfg.Ordered}); err != nil {
+		t.Fatalf("create queue %q: %v", name, err)
+	}
+	return name
+}
+
+func (h *memHarness) Publisher(t *testing.T) consumer.Publisher { return h.broker(t) }
+
+func (h *memHarness) NewConsumer(t *testing.T, source string, opts ...consumer.Option) consumer.Consumer {
+	d, err := h.broker(t).Driver(source)
+	if err != nil {
+		t.Fatalf("driver for %q: %v", source, err)
+	}
+	if h.noExtend {
+		d = plainDriver{d}
+	}
+	l, err := consumer.New(d, opts...)
+	if err != nil {
+		t.Fatalf("new consumer of %q: %v", source, err)
+	}
+	if h.wrap != nil {
+		return h.wrap(l)
+	}
+	return l
+}
+
+func (h *memHarness) Capabilities() consumertest.Capabilities {
+	return consumertest.Capabilities{Ordered: true, Lease: time.Second, Redelivers: true}
+}
+
+// plainDriver shows the loop only driver.Driver, hiding Extend.
+type plainDriver struct{ d driver.Driver }
+
+func (p plainDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([]driver.Message, error) {
+	return p.d.Fetch(ctx, dst, max)
+}
+
+func (p plainDriver) Settle(ctx context.Context, batch []driver.Settlement) error {
+	return p.d.Settle(ctx, batch)
+}
+
+func (p plainDriver) Capabilities() driver.Capabilities { return p.d.Capabilities() }
+
+func (p plainDriver) Close() error { return p.d.Close() }
