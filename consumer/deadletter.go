@@ -142,7 +142,8 @@ func DeadLetterMaxAttempts(n int) DeadLetterOption {
 }
 
 // DeadLetterConsumerName sets the consumer name written in
-// HeaderDLQConsumer. Default "ferry" (the default of WithName).
+// HeaderDLQConsumer. Default the name of the Loop running the handler
+// (WithName, read through ConsumerName), or "ferry" outside a Loop.
 func DeadLetterConsumerName(name string) DeadLetterOption {
 	return func(d *DeadLetter) error {
 		if name == "" {
@@ -176,7 +177,7 @@ func NewDeadLetter(pub Publisher, destination string, opts ...DeadLetterOption) 
 		return nil, configErr("DeadLetter.Destination", "must not be empty")
 	}
 	host, _ := os.Hostname()
-	d := &DeadLetter{pub: pub, dest: destination, maxAttempts: 5, name: "ferry", host: host}
+	d := &DeadLetter{pub: pub, dest: destination, maxAttempts: 5, host: host}
 	for _, o := range opts {
 		if o == nil {
 			continue
@@ -289,7 +290,11 @@ func (d *DeadLetter) deadLetter(ctx context.Context, m *Message, rec *record, re
 	} else {
 		delete(h, HeaderDLQPublishedAt)
 	}
-	h[HeaderDLQConsumer] = d.name
+	if d.name != "" {
+		h[HeaderDLQConsumer] = d.name
+	} else {
+		h[HeaderDLQConsumer] = ConsumerName(ctx)
+	}
 	setIf(h, HeaderDLQHost, d.host)
 
 	pubCtx := ctx

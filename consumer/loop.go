@@ -107,6 +107,18 @@ func (l *Loop) Lag(ctx context.Context) (Lag, error) {
 	return r.Lag(ctx)
 }
 
+type nameKey struct{}
+
+// ConsumerName returns the name (WithName) of the Loop whose handler got
+// ctx, or "ferry" when ctx did not come from a Loop. Middleware uses it to
+// namespace keys and label dead letters.
+func ConsumerName(ctx context.Context) string {
+	if n, ok := ctx.Value(nameKey{}).(string); ok {
+		return n
+	}
+	return "ferry"
+}
+
 // delivery is one message while the loop holds it. The dispatcher goroutine
 // owns every field except err, which the worker running it writes before it
 // hands the delivery back.
@@ -244,7 +256,8 @@ func (l *Loop) Run(ctx context.Context, h Handler) error {
 	}
 	r.timer.Stop()
 	r.head.next, r.head.prev = &r.head, &r.head
-	r.handlerCtx, r.cancelHandler = context.WithCancel(context.WithoutCancel(ctx))
+	r.handlerCtx, r.cancelHandler = context.WithCancel(
+		context.WithValue(context.WithoutCancel(ctx), nameKey{}, l.cfg.name))
 	defer r.cancelHandler()
 	if l.revoker != nil {
 		r.lanes = make(map[string]*laneState)

@@ -444,3 +444,26 @@ func TestGraceOverCancelsHandlersAndLeavesTheirMessages(t *testing.T) {
 		t.Fatalf("the cancelled handler's message settled %v, want a return", acts)
 	}
 }
+
+func TestHandlersSeeTheConsumerName(t *testing.T) {
+	drv := newScriptLog(true)
+	drv.add("", 1)
+	l, err := New(drv, WithName("billing"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan string, 1)
+	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
+		got <- ConsumerName(ctx)
+		return nil
+	}))
+	if name := <-got; name != "billing" {
+		t.Fatalf("ConsumerName = %q, want billing", name)
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if ConsumerName(context.Background()) != "ferry" {
+		t.Fatal("ConsumerName outside a loop is not the default")
+	}
+}

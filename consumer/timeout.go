@@ -45,10 +45,10 @@ func Timeout(d time.Duration) Middleware {
 		}
 		return HandlerFunc(func(ctx context.Context, m *Message) error {
 			ctx, rec := withRecord(ctx)
-			tctx, cancel := context.WithTimeout(ctx, d)
+			tctx, release := withLazyDeadline(ctx, d)
 			err := next.Handle(tctx, m)
-			expired := tctx.Err() != nil && ctx.Err() == nil
-			cancel()
+			expired := tctx.expired()
+			release()
 			if expired && !(err == nil && rec.deadLettered) {
 				return &TimeoutError{Timeout: d, Err: err}
 			}
