@@ -169,7 +169,7 @@ func render(table string) (string, error) {
 	return b.String(), nil
 }
 
-// Migrate creates the keys table and its index if they do not exist. It is
+// Migrate creates the keys table if it does not exist. It is
 // safe to call from many processes at once (it serialises on an advisory
 // lock) and to call again.
 func Migrate(ctx context.Context, db Beginner, opts ...Option) error {
@@ -236,7 +236,7 @@ RETURNING k.token = $2, k.done, (extract(epoch FROM k.expires_at - now()) * 1000
 WHERE key = $1 AND token = $2 AND NOT done`,
 		releaseSQL: `DELETE FROM ` + t + ` WHERE key = $1 AND token = $2 AND NOT done`,
 		cleanupSQL: `DELETE FROM ` + t + ` WHERE key IN (
-  SELECT key FROM ` + t + ` WHERE expires_at <= now() LIMIT $1 FOR UPDATE SKIP LOCKED
+  SELECT key FROM ` + t + ` WHERE expires_at <= now() FOR UPDATE SKIP LOCKED
 ) AND expires_at <= now()`,
 	}, nil
 }
@@ -285,22 +285,14 @@ func (s *Store) settle(ctx context.Context, op, sql, key, token string, args ...
 	return nil
 }
 
-// cleanupBatch bounds the rows one DELETE of Cleanup removes, so that it
-// never holds many locks for long.
-const cleanupBatch = 5000
-
 // Cleanup implements idempotency.Cleaner: it deletes the rows whose lease
-// or retention ended, in batches, and returns how many it deleted.
+// or retention ended, in one statement (a scan of the table), and returns how
+// many it deleted. Rows locked by a claim taking an expired key over are
+// skipped.
 func (s *Store) Cleanup(ctx context.Context) (int64, error) {
-	var total int64
-	for {
-		tag, err := s.db.Exec(ctx, s.cleanupSQL, cleanupBatch)
-		if err != nil {
-			return total, fmt.Errorf("pgstore: cleanup: %w", err)
-		}
-		total += tag.RowsAffected()
-		if tag.RowsAffected() < cleanupBatch {
-			return total, nil
-		}
+	tag, err := s.db.Exec(ctx, s.cleanupSQL)
+	if err != nil {
+		return 0, fmt.Errorf("pgstore: cleanup: %w", err)
 	}
+	return tag.RowsAffected(), nil
 }
