@@ -169,7 +169,7 @@ func render(table string) (string, error) {
 	return b.String(), nil
 }
 
-// Migrate creates the keys table and its index if they do not exist, in one
+// Migrate creates the keys table if it does not exist, in one
 // transaction. It is safe to call again.
 func Migrate(ctx context.Context, db *sql.DB, opts ...Option) error {
 	if db == nil {
