@@ -282,6 +282,14 @@ func TestUnreachablePostgresIsNotAckedAndHandlerNotCalled(t *testing.T) {
 	}
 }
 
+func TestUnreachablePostgresThroughDeliveryLoop(t *testing.T) {
+	s, err := pgstore.New(newPool(t, deadURL, 2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	storetest.StoreDown(t, s)
+}
+
 func TestMigrateIsRepeatableAndConcurrent(t *testing.T) {
 	p := testPool(t)
 	ctx := ctxFor(t)

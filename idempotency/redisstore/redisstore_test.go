@@ -103,6 +103,16 @@ func TestUnreachableRedisIsNotAckedAndHandlerNotCalled(t *testing.T) {
 	}
 }
 
+func TestUnreachableRedisThroughDeliveryLoop(t *testing.T) {
+	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1, DialTimeout: 5 * time.Second})
+	t.Cleanup(func() { c.Close() })
+	s, err := redisstore.New(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	storetest.StoreDown(t, s)
+}
+
 func TestCompletedKeyExpiresWithRetentionTTL(t *testing.T) {
 	c := newClient(t, testenv.RequireRedis(t))
 	ctx := context.Background()
