@@ -38,7 +38,8 @@ func ExampleInbox() {
 // The store behind the idempotency middleware, for handlers whose effects
 // are not writes to this database; with a cleaner that runs hourly.
 func ExampleNew() {
-	ctx := context.Background()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel() // stops the cleaner
 	pool, err := pgxpool.New(ctx, "postgres://ferry:ferry@127.0.0.1:5432/ferry")
 	if err != nil {
 		log.Fatal(err)
