@@ -56,11 +56,19 @@ ports_of() { # every port a service listens on
 
 CHECKER=$STATE/bin/brokercheck
 
+# build_checker builds internal/testenv/cmd/brokercheck, with -race where it
+# can: then the client libraries it compiles are the ones `go test -race` needs.
 build_checker() {
 	command -v go >/dev/null || die "go is not on PATH (it builds the readiness checker internal/testenv/cmd/brokercheck)"
 	mkdir -p "$STATE/bin"
-	(cd "$ROOT" && go build -o "$CHECKER" ./internal/testenv/cmd/brokercheck) ||
+	(
+		cd "$ROOT"
+		go build -race -o "$CHECKER" ./internal/testenv/cmd/brokercheck >"$STATE/bin/build.log" 2>&1 ||
+			go build -o "$CHECKER" ./internal/testenv/cmd/brokercheck >>"$STATE/bin/build.log" 2>&1
+	) || {
+		cat "$STATE/bin/build.log" >&2
 		die "could not build internal/testenv/cmd/brokercheck"
+	}
 }
 
 # ---------------------------------------------------------------- processes
@@ -154,24 +162,28 @@ jars_exist() {
 	done < <(tr ':' '\n' <"$1")
 }
 
-# resolve_classpath NAME: the runtime classpath of integration/NAME/pom.xml,
-# from Maven's cache when it has it, cached in the state folder by the pom's hash.
-resolve_classpath() {
-	local name=$1 pom=$ROOT/integration/$1/pom.xml out=$STATE/$1/classpath.txt
-	local sum
-	sum=$(sha256sum "$pom" | cut -d' ' -f1)
-	if [[ -s $out && -f $out.sha && $(cat "$out.sha") == "$sum" ]] && jars_exist "$out"; then
+# resolve_classpaths: the runtime classpaths of integration/kafka/pom.xml and
+# integration/elasticmq/pom.xml, in one Maven run over integration/pom.xml,
+# from Maven's cache when it has them; kept in the state folder by the poms' hash.
+resolve_classpaths() {
+	local d=$STATE/classpath sum
+	sum=$(cat "$ROOT"/integration/pom.xml "$ROOT"/integration/kafka/pom.xml "$ROOT"/integration/elasticmq/pom.xml | sha256sum | cut -d' ' -f1)
+	if [[ -f $d/sha && $(cat "$d/sha") == "$sum" ]] &&
+		jars_exist "$d/kafka.classpath" && jars_exist "$d/elasticmq.classpath"; then
 		return 0
 	fi
-	mkdir -p "$STATE/$name"
+	command -v mvn >/dev/null || die "mvn is not on PATH"
+	mkdir -p "$d"
+	rm -f "$d/sha"
+	local mvn=(mvn -B -q -T 2 -f "$ROOT/integration/pom.xml" dependency:build-classpath -Dferry.classpath.dir="$d")
 	# Offline first (a warm cache needs no network), then online.
-	if ! mvn -B -q -o -f "$pom" dependency:build-classpath -Dmdep.outputFile="$out" >"$STATE/$name/mvn.log" 2>&1; then
-		mvn -B -q -f "$pom" dependency:build-classpath -Dmdep.outputFile="$out" >"$STATE/$name/mvn.log" 2>&1 || {
-			tail -n 30 "$STATE/$name/mvn.log" >&2
-			die "maven could not resolve integration/$name/pom.xml (log: $STATE/$name/mvn.log)"
+	if ! "${mvn[@]}" -o >"$d/mvn.log" 2>&1; then
+		"${mvn[@]}" >"$d/mvn.log" 2>&1 || {
+			tail -n 30 "$d/mvn.log" >&2
+			die "maven could not resolve integration/pom.xml (log: $d/mvn.log)"
 		}
 	fi
-	echo "$sum" >"$out.sha"
+	echo "$sum" >"$d/sha"
 }
 
 # ---------------------------------------------------------------- state folder
@@ -292,7 +304,7 @@ jvm_start() { # jvm_start PIDFILE OUT ARGS...: start java in the background
 
 start_kafka() {
 	local d=$STATE/kafka cp
-	cp=$(cat "$d/classpath.txt")
+	cp=$(cat "$STATE/classpath/kafka.classpath")
 	mkdir -p "$d/data" "$d/logs"
 	sed "s|@STATE@|$STATE|g" "$CONF/kafka-server.properties" >"$d/server.properties"
 	cp "$CONF/kafka-log4j2.properties" "$d/log4j2.properties"
@@ -311,7 +323,7 @@ start_sqs() {
 	cp "$CONF/elasticmq.conf" "$d/elasticmq.conf"
 	jvm_start "$d/elasticmq.pid" "$d/elasticmq.log" -Xms64m -Xmx256m -XX:+UseSerialGC -XX:+ExitOnOutOfMemoryError \
 		-Djava.awt.headless=true -Dconfig.file="$d/elasticmq.conf" \
-		-cp "$(cat "$d/classpath.txt")" org.elasticmq.server.Main
+		-cp "$(cat "$STATE/classpath/elasticmq.classpath")" org.elasticmq.server.Main
 }
 
 stop_service() {
@@ -334,12 +346,12 @@ stop_service() {
 
 versions() { # versions for the checker's lines, from what we run
 	local v
-	if [[ -s $STATE/kafka/classpath.txt ]]; then
-		v=$(tr ':' '\n' <"$STATE/kafka/classpath.txt" | sed -n 's|.*/kafka_2.13-\(.*\)\.jar$|\1|p' | head -n1)
+	if [[ -s $STATE/classpath/kafka.classpath ]]; then
+		v=$(tr ':' '\n' <"$STATE/classpath/kafka.classpath" | sed -n 's|.*/kafka_2.13-\(.*\)\.jar$|\1|p' | head -n1)
 		[[ -n $v ]] && echo "-version=kafka=$v"
 	fi
-	if [[ -s $STATE/elasticmq/classpath.txt ]]; then
-		v=$(tr ':' '\n' <"$STATE/elasticmq/classpath.txt" | sed -n 's|.*/elasticmq-server_2.13-\(.*\)\.jar$|\1|p' | head -n1)
+	if [[ -s $STATE/classpath/elasticmq.classpath ]]; then
+		v=$(tr ':' '\n' <"$STATE/classpath/elasticmq.classpath" | sed -n 's|.*/elasticmq-server_2.13-\(.*\)\.jar$|\1|p' | head -n1)
 		[[ -n $v ]] && echo "-version=sqs=elasticmq-$v"
 	fi
 	return 0
@@ -386,27 +398,29 @@ cmd_up() {
 
 	if ((${#todo[@]})); then
 		log "starting: ${todo[*]}"
-		ensure_packages
-		local want_jvm="" pids=() names=()
-		[[ " ${todo[*]} " == *" kafka "* ]] && want_jvm+=" kafka"
-		[[ " ${todo[*]} " == *" sqs "* ]] && want_jvm+=" sqs"
-		if [[ -n $want_jvm ]]; then
-			(
-				[[ $want_jvm == *kafka* ]] && resolve_classpath kafka
-				[[ $want_jvm == *sqs* ]] && resolve_classpath elasticmq
-				[[ $want_jvm == *sqs* ]] && { start_sqs || exit 1; }
-				[[ $want_jvm == *kafka* ]] && { start_kafka || exit 1; }
-				exit 0
-			) &
-			pids+=($!) names+=("kafka/sqs")
+		# Three things at once: the checker compiles, Maven resolves the
+		# jars, apt installs the packages.
+		build_checker &
+		local build_pid=$! mvn_pid="" want_jvm=""
+		[[ " ${todo[*]} " == *" kafka "* || " ${todo[*]} " == *" sqs "* ]] && want_jvm=1
+		if [[ -n $want_jvm ]] && command -v java >/dev/null && command -v mvn >/dev/null; then
+			resolve_classpaths &
+			mvn_pid=$!
 		fi
-		for svc in rabbitmq postgres redis; do
-			[[ " ${todo[*]} " == *" $svc "* ]] || continue
+		ensure_packages
+		if [[ -n $want_jvm ]]; then
+			if [[ -n $mvn_pid ]]; then
+				wait "$mvn_pid" || exit 1
+			else
+				resolve_classpaths
+			fi
+		fi
+
+		local pids=() names=()
+		for svc in "${todo[@]}"; do
 			("start_$svc") &
 			pids+=($!) names+=("$svc")
 		done
-		# The checker builds while the services start.
-		build_checker
 		local i failed=0
 		for i in "${!pids[@]}"; do
 			if ! wait "${pids[$i]}"; then
@@ -418,6 +432,7 @@ cmd_up() {
 			for svc in "${todo[@]}"; do tail_logs "$svc" 30; done
 			exit 1
 		fi
+		wait "$build_pid" || exit 1
 	else
 		build_checker
 	fi
