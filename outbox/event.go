@@ -1,0 +1,93 @@
+package outbox
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/outbox/internal/row"
+)
+
+// EventIDHeader is the header that carries an event's id on every message
+// the relay publishes. It is the header the idempotency middleware reads by
+// default (idempotency.EventIDHeader has the same value), so an event that is
+// published twice (after a relay crash between publish and delete) is handled
+// once downstream.
+const EventIDHeader = "ferry-event-id"
+
+// Lanes is how many lanes events are spread over: an event's lane is the
+// FNV-1a hash of its key modulo Lanes (of its id when the key is empty).
+// Relays lease whole lanes, so every event of one key is published by one
+// relay at a time, in order. The number is part of the schema.
+const Lanes = row.Lanes
+
+// Event is one event to publish once the caller's transaction commits.
+type Event struct {
+	// ID identifies the event for good; it travels in the EventIDHeader
+	// header and in consumer.Message.ID. Left empty, a random UUID is
+	// assigned when the event is written.
+	ID string
+	// Destination is the topic or queue the event is published to. Required.
+	Destination string
+	// Key orders and routes the event: events of one key are published in
+	// the order their transactions committed. It may be empty, in which case
+	// the event is ordered with nothing.
+	Key string
+	// Body is the payload, published byte for byte.
+	Body []byte
+	// Headers are published with the event, together with EventIDHeader.
+	Headers map[string]string
+}
+
+// ErrInvalidEvent matches, through errors.Is, every *EventError.
+var ErrInvalidEvent = errors.New("outbox: invalid event")
+
+// EventError says why an event was refused at write time. Nothing of the
+// call that returned it was written, so the caller's transaction can roll
+// back or carry on without it.
+type EventError struct {
+	// Index is the event's position in the call.
+	Index int
+	// ID is the event's id (assigned when the caller left it empty).
+	ID string
+	// Field is what was wrong: "Destination", "Size" or "Headers".
+	Field string
+	// Reason says how.
+	Reason string
+}
+
+func (e *EventError) Error() string {
+	return fmt.Sprintf("outbox: event #%d (id %s): %s %s", e.Index, e.ID, e.Field, e.Reason)
+}
+
+// Is reports whether target is ErrInvalidEvent.
+func (e *EventError) Is(target error) bool { return target == ErrInvalidEvent }
+
+// WriterOption configures a writer (postgres.NewWriter, sqlite.NewWriter).
+// An option given a bad value makes the constructor fail with a
+// *consumer.ConfigError naming the field.
+type WriterOption func(*row.Config) error
+
+// WithMaxEventSize refuses, at write time, events whose body, key and
+// headers add up to more than n bytes. Default 256 KiB, the largest message
+// SQS takes.
+func WithMaxEventSize(n int) WriterOption {
+	return func(c *row.Config) error {
+		if n <= 0 {
+			return &consumer.ConfigError{Field: "MaxEventSize", Reason: fmt.Sprintf("must be > 0, got %d", n)}
+		}
+		c.MaxEventSize = n
+		return nil
+	}
+}
+
+// WithNotify chooses whether a transaction that wrote events wakes the
+// relays on commit (PostgreSQL NOTIFY; SQLite an in-process wake). Default
+// true. Without it relays find new events by polling only, and commits do
+// not take PostgreSQL's notification lock.
+func WithNotify(on bool) WriterOption {
+	return func(c *row.Config) error {
+		c.Notify = on
+		return nil
+	}
+}

@@ -1,0 +1,208 @@
+// Package row holds what the outbox's database packages share: the writer's
+// configuration and the checks and encoding an event gets before it is
+// inserted.
+package row
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"hash/fnv"
+	"sort"
+	"time"
+)
+
+// Lanes is the number of lanes events are spread over (see outbox.Lanes).
+const Lanes = 64
+
+// Config is the writer configuration set by outbox.WriterOption.
+type Config struct {
+	MaxEventSize int
+	Notify       bool
+}
+
+// DefaultConfig returns the defaults documented on the options.
+func DefaultConfig() Config { return Config{MaxEventSize: 256 << 10, Notify: true} }
+
+// Event mirrors outbox.Event (kept here to avoid an import cycle).
+type Event struct {
+	ID          string
+	Destination string
+	Key         string
+	Body        []byte
+	Headers     map[string]string
+}
+
+// Row is an event ready to insert.
+type Row struct {
+	EventID     string
+	Lane        int
+	Destination string
+	Key         string
+	Body        []byte
+	Headers     []byte // JSON object, or nil
+	KeyHash     int32  // for per-key write serialisation
+}
+
+// NewID returns a random UUID (version 4) string.
+func NewID() string {
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		panic("outbox: crypto/rand: " + err.Error())
+	}
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	var s [36]byte
+	hex.Encode(s[0:8], b[0:4])
+	s[8] = '-'
+	hex.Encode(s[9:13], b[4:6])
+	s[13] = '-'
+	hex.Encode(s[14:18], b[6:8])
+	s[18] = '-'
+	hex.Encode(s[19:23], b[8:10])
+	s[23] = '-'
+	hex.Encode(s[24:], b[10:])
+	return string(s[:])
+}
+
+// Hash32 is FNV-1a over s.
+func Hash32(s string) uint32 {
+	h := fnv.New32a()
+	h.Write([]byte(s))
+	return h.Sum32()
+}
+
+// LaneOf returns the lane of an event: by key, or by id when the key is empty.
+func LaneOf(key, id string) int {
+	if key == "" {
+		return int(Hash32(id) % Lanes)
+	}
+	return int(Hash32(key) % Lanes)
+}
+
+// Size is what counts against the size limit: body, key and headers.
+func Size(e *Event) int {
+	n := len(e.Body) + len(e.Key)
+	for k, v := range e.Headers {
+		n += len(k) + len(v)
+	}
+	return n
+}
+
+// ValidationError is built by the caller's package; Prepare reports through
+// the function it is given so the error type stays outbox's.
+type Invalid func(index int, id, field, reason string) error
+
+// Prepare checks and encodes events. It never changes the caller's events;
+// ids are generated for events without one.
+func Prepare(cfg Config, events []Event, invalid Invalid) ([]Row, error) {
+	rows := make([]Row, len(events))
+	for i := range events {
+		e := &events[i]
+		id := e.ID
+		if id == "" {
+			id = NewID()
+		}
+		if e.Destination == "" {
+			return nil, invalid(i, id, "Destination", "is empty")
+		}
+		if n := Size(e); n > cfg.MaxEventSize {
+			return nil, invalid(i, id, "Size", fmt.Sprintf("%d bytes is over the limit of %d bytes", n, cfg.MaxEventSize))
+		}
+		var hdr []byte
+		if len(e.Headers) > 0 {
+			var err error
+			if hdr, err = json.Marshal(e.Headers); err != nil {
+				return nil, invalid(i, id, "Headers", err.Error())
+			}
+		}
+		body := e.Body
+		if body == nil {
+			body = []byte{}
+		}
+		rows[i] = Row{
+			EventID:     id,
+			Lane:        LaneOf(e.Key, id),
+			Destination: e.Destination,
+			Key:         e.Key,
+			Body:        body,
+			Headers:     hdr,
+			KeyHash:     int32(Hash32(e.Key)),
+		}
+	}
+	return rows, nil
+}
+
+// KeyHashes returns the distinct key hashes of rows with a key, sorted, so
+// that transactions take their per-key locks in one global order.
+func KeyHashes(rows []Row) []int32 {
+	seen := map[int32]bool{}
+	var out []int32
+	for _, r := range rows {
+		if r.Key == "" || seen[r.KeyHash] {
+			continue
+		}
+		seen[r.KeyHash] = true
+		out = append(out, r.KeyHash)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i] < out[j] })
+	return out
+}
+
+// DecodeHeaders decodes a stored header object.
+func DecodeHeaders(b []byte) (map[string]string, error) {
+	if len(b) == 0 {
+		return nil, nil
+	}
+	var h map[string]string
+	if err := json.Unmarshal(b, &h); err != nil {
+		return nil, err
+	}
+	return h, nil
+}
+
+// Waker is a broadcast wake-up: Wake never blocks, and each subscriber's
+// channel holds at most one pending wake.
+type Waker struct {
+	C chan struct{}
+}
+
+// NewWaker returns a Waker.
+func NewWaker() *Waker { return &Waker{C: make(chan struct{}, 1)} }
+
+// Wake signals without blocking.
+func (w *Waker) Wake() {
+	select {
+	case w.C <- struct{}{}:
+	default:
+	}
+}
+
+// Sleep waits for d or ctx, whichever ends first, and reports whether ctx is
+// still live.
+func Sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
+
+// Apply applies writer options over the defaults.
+func Apply[O ~func(*Config) error](opts []O) (Config, error) {
+	c := DefaultConfig()
+	for _, o := range opts {
+		if o == nil {
+			continue
+		}
+		if err := o(&c); err != nil {
+			return c, err
+		}
+	}
+	return c, nil
+}

@@ -1,0 +1,16 @@
+// Package postgres keeps the outbox in PostgreSQL: the schema and Migrate,
+// a Writer that adds events in the caller's transaction (pgx.Tx through Add,
+// *sql.Tx of any PostgreSQL driver through AddSQL), and a Store over a pgx
+// pool for the outbox.Relay, which wakes on LISTEN/NOTIFY.
+//
+// Add takes a transaction-scoped advisory lock per key of the events it
+// writes, pg_advisory_xact_lock(0x46455259, hash of the key): two
+// transactions writing one key commit one after the other, so that ids
+// follow commit order per key (see the outbox package documentation). The
+// lock is held until the caller's transaction ends; keep those short.
+//
+// The tables (ferry_outbox, ferry_outbox_failed, ferry_outbox_lanes,
+// ferry_outbox_relays, ferry_outbox_migrations) are created in the first
+// schema of the connection's search_path; give each outbox a schema of its
+// own to run several in one database.
+package postgres

@@ -1,0 +1,7 @@
+package postgres
+
+import "github.com/ferrymq/ferry/consumer"
+
+func configErr(field, reason string) error {
+	return &consumer.ConfigError{Field: field, Reason: reason}
+}

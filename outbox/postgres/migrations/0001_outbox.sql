@@ -1,0 +1,42 @@
+-- Ferry transactional outbox, PostgreSQL, version 1.
+-- Events wait in ferry_outbox until a relay published them; id orders them.
+CREATE TABLE IF NOT EXISTS ferry_outbox (
+    id          bigserial   PRIMARY KEY,
+    event_id    text        NOT NULL,
+    lane        smallint    NOT NULL,
+    destination text        NOT NULL,
+    key         text        NOT NULL DEFAULT '',
+    body        bytea       NOT NULL,
+    headers     jsonb,
+    created_at  timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE INDEX IF NOT EXISTS ferry_outbox_lane_id ON ferry_outbox (lane, id);
+
+-- Events a publisher refused for good, with the reason.
+CREATE TABLE IF NOT EXISTS ferry_outbox_failed (
+    id          bigint      PRIMARY KEY,
+    event_id    text        NOT NULL,
+    lane        smallint    NOT NULL,
+    destination text        NOT NULL,
+    key         text        NOT NULL,
+    body        bytea       NOT NULL,
+    headers     jsonb,
+    created_at  timestamptz NOT NULL,
+    failed_at   timestamptz NOT NULL DEFAULT now(),
+    reason      text        NOT NULL
+);
+
+-- One row per lane: which relay holds it, and until when.
+CREATE TABLE IF NOT EXISTS ferry_outbox_lanes (
+    lane       smallint    PRIMARY KEY,
+    owner      text,
+    expires_at timestamptz
+);
+INSERT INTO ferry_outbox_lanes (lane)
+    SELECT generate_series(0, 63) ON CONFLICT (lane) DO NOTHING;
+
+-- Live relays, so that each can work out its fair share of the lanes.
+CREATE TABLE IF NOT EXISTS ferry_outbox_relays (
+    owner      text        PRIMARY KEY,
+    expires_at timestamptz NOT NULL
+);

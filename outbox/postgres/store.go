@@ -1,0 +1,201 @@
+package postgres
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/ferrymq/ferry/outbox"
+	"github.com/ferrymq/ferry/outbox/internal/row"
+)
+
+// Store is the relay's access to the outbox tables over a pgx pool. It
+// implements outbox.Store and outbox.Listener.
+type Store struct {
+	pool *pgxpool.Pool
+}
+
+var (
+	_ outbox.Store    = (*Store)(nil)
+	_ outbox.Listener = (*Store)(nil)
+)
+
+// NewStore returns a Store over pool. The tables are those of the pool's
+// search_path; apply Migrate first. It fails with a *consumer.ConfigError when
+// pool is nil.
+func NewStore(pool *pgxpool.Pool) (*Store, error) {
+	if pool == nil {
+		return nil, configErr("Pool", "must not be nil")
+	}
+	return &Store{pool: pool}, nil
+}
+
+func secs(d time.Duration) float64 { return d.Seconds() }
+
+// Lease implements outbox.Store. It runs in one transaction, using the
+// database's clock for every expiry.
+func (s *Store) Lease(ctx context.Context, owner string, ttl time.Duration) ([]int, error) {
+	var held []int
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		held = held[:0]
+		if _, err := tx.Exec(ctx, `INSERT INTO ferry_outbox_relays (owner, expires_at)
+			VALUES ($1, now() + make_interval(secs => $2))
+			ON CONFLICT (owner) DO UPDATE SET expires_at = excluded.expires_at`, owner, secs(ttl)); err != nil {
+			return err
+		}
+		if _, err := tx.Exec(ctx, `DELETE FROM ferry_outbox_relays WHERE expires_at < now() - interval '1 minute'`); err != nil {
+			return err
+		}
+		var live int
+		if err := tx.QueryRow(ctx, `SELECT count(*) FROM ferry_outbox_relays WHERE expires_at > now()`).Scan(&live); err != nil {
+			return err
+		}
+		rows, err := tx.Query(ctx, `UPDATE ferry_outbox_lanes SET expires_at = now() + make_interval(secs => $2)
+			WHERE owner = $1 RETURNING lane::int`, owner, secs(ttl))
+		if err != nil {
+			return err
+		}
+		if held, err = pgx.CollectRows(rows, pgx.RowTo[int]); err != nil {
+			return err
+		}
+		slices.Sort(held)
+		share := (outbox.Lanes + max(live, 1) - 1) / max(live, 1)
+		switch {
+		case len(held) > share:
+			give := held[share:]
+			if _, err := tx.Exec(ctx, `UPDATE ferry_outbox_lanes SET owner = NULL, expires_at = NULL
+				WHERE owner = $1 AND lane = ANY($2::int4[])`, owner, give); err != nil {
+				return err
+			}
+			held = held[:share]
+		case len(held) < share:
+			rows, err := tx.Query(ctx, `UPDATE ferry_outbox_lanes SET owner = $1, expires_at = now() + make_interval(secs => $2)
+				WHERE lane IN (SELECT lane FROM ferry_outbox_lanes
+					WHERE owner IS NULL OR expires_at <= now()
+					ORDER BY lane LIMIT $3 FOR UPDATE SKIP LOCKED)
+				RETURNING lane::int`, owner, secs(ttl), share-len(held))
+			if err != nil {
+				return err
+			}
+			more, err := pgx.CollectRows(rows, pgx.RowTo[int])
+			if err != nil {
+				return err
+			}
+			held = append(held, more...)
+			slices.Sort(held)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("outbox/postgres: lease lanes: %w", err)
+	}
+	return held, nil
+}
+
+// Release implements outbox.Store.
+func (s *Store) Release(ctx context.Context, owner string) error {
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `UPDATE ferry_outbox_lanes SET owner = NULL, expires_at = NULL WHERE owner = $1`, owner); err != nil {
+			return err
+		}
+		_, err := tx.Exec(ctx, `DELETE FROM ferry_outbox_relays WHERE owner = $1`, owner)
+		return err
+	})
+	if err != nil {
+		return fmt.Errorf("outbox/postgres: release lanes: %w", err)
+	}
+	return nil
+}
+
+// Fetch implements outbox.Store.
+func (s *Store) Fetch(ctx context.Context, lanes []int, max int) ([]outbox.Record, error) {
+	rows, err := s.pool.Query(ctx, `SELECT id, event_id, lane::int, destination, key, body, headers, created_at
+		FROM ferry_outbox WHERE lane = ANY($1::int4[]) ORDER BY id LIMIT $2`, lanes, max)
+	if err != nil {
+		return nil, fmt.Errorf("outbox/postgres: fetch: %w", err)
+	}
+	defer rows.Close()
+	var out []outbox.Record
+	for rows.Next() {
+		var (
+			r   outbox.Record
+			hdr []byte
+		)
+		if err := rows.Scan(&r.Seq, &r.ID, &r.Lane, &r.Destination, &r.Key, &r.Body, &hdr, &r.CreatedAt); err != nil {
+			return nil, fmt.Errorf("outbox/postgres: fetch: %w", err)
+		}
+		if r.Headers, err = row.DecodeHeaders(hdr); err != nil {
+			return nil, fmt.Errorf("outbox/postgres: fetch: headers of event %d: %w", r.Seq, err)
+		}
+		out = append(out, r)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("outbox/postgres: fetch: %w", err)
+	}
+	return out, nil
+}
+
+// Delete implements outbox.Store.
+func (s *Store) Delete(ctx context.Context, seqs []int64) error {
+	if _, err := s.pool.Exec(ctx, `DELETE FROM ferry_outbox WHERE id = ANY($1::int8[])`, seqs); err != nil {
+		return fmt.Errorf("outbox/postgres: delete: %w", err)
+	}
+	return nil
+}
+
+// Fail implements outbox.Store.
+func (s *Store) Fail(ctx context.Context, seq int64, reason string) error {
+	_, err := s.pool.Exec(ctx, `WITH d AS (DELETE FROM ferry_outbox WHERE id = $1 RETURNING *)
+		INSERT INTO ferry_outbox_failed (id, event_id, lane, destination, key, body, headers, created_at, reason)
+		SELECT id, event_id, lane, destination, key, body, headers, created_at, $2 FROM d
+		ON CONFLICT (id) DO NOTHING`, seq, reason)
+	if err != nil {
+		return fmt.Errorf("outbox/postgres: move event %d to the failed events: %w", seq, err)
+	}
+	return nil
+}
+
+// Backlog implements outbox.Store.
+func (s *Store) Backlog(ctx context.Context) (outbox.Backlog, error) {
+	var (
+		b   outbox.Backlog
+		age float64
+	)
+	err := s.pool.QueryRow(ctx, `SELECT count(*),
+			coalesce(extract(epoch FROM clock_timestamp() - min(created_at)), 0)::float8,
+			(SELECT count(*) FROM ferry_outbox_failed)
+		FROM ferry_outbox`).Scan(&b.Events, &age, &b.Failed)
+	if err != nil {
+		return b, fmt.Errorf("outbox/postgres: backlog: %w", err)
+	}
+	b.OldestAge = time.Duration(age * float64(time.Second))
+	return b, nil
+}
+
+// Listen implements outbox.Listener: it holds one connection of the pool
+// (taken out of it for good) listening on Channel.
+func (s *Store) Listen(ctx context.Context, wake func()) error {
+	c, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return fmt.Errorf("outbox/postgres: listen: %w", err)
+	}
+	conn := c.Hijack()
+	defer conn.Close(context.WithoutCancel(ctx))
+	if _, err := conn.Exec(ctx, `LISTEN `+Channel); err != nil {
+		return fmt.Errorf("outbox/postgres: listen: %w", err)
+	}
+	wake()
+	for {
+		if _, err := conn.WaitForNotification(ctx); err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("outbox/postgres: listen: %w", err)
+		}
+		wake()
+	}
+}

@@ -1,0 +1,431 @@
+package sqlite
+
+import (
+	"context"
+	"database/sql"
+	"embed"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net/url"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	_ "modernc.org/sqlite" // registers the "sqlite" database/sql driver
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/outbox"
+	"github.com/ferrymq/ferry/outbox/internal/row"
+)
+
+// Open opens the SQLite database file at path with modernc.org/sqlite and the
+// settings the outbox relies on: WAL journal (the relay reads while writers
+// write), a 10s busy timeout, and write transactions that take the write lock
+// when they begin (BEGIN IMMEDIATE), so that concurrent writers wait their
+// turn instead of failing. An in-memory database cannot be shared by writer
+// and relay connections; use a file.
+func Open(path string) (*sql.DB, error) {
+	if path == "" {
+		return nil, &consumer.ConfigError{Field: "Path", Reason: "must not be empty"}
+	}
+	q := url.Values{}
+	q.Add("_pragma", "busy_timeout(10000)")
+	q.Add("_pragma", "journal_mode(WAL)")
+	q.Add("_pragma", "synchronous(NORMAL)")
+	q.Set("_txlock", "immediate")
+	db, err := sql.Open("sqlite", "file:"+path+"?"+q.Encode())
+	if err != nil {
+		return nil, fmt.Errorf("outbox/sqlite: open %s: %w", path, err)
+	}
+	db.SetMaxOpenConns(1)
+	return db, nil
+}
+
+// Migrations holds the schema as plain SQL files, named NNNN_name.sql and
+// applied in that order. Migrate applies them and records each version in
+// ferry_outbox_migrations.
+//
+//go:embed migrations/*.sql
+var Migrations embed.FS
+
+// Migrate creates or upgrades the outbox tables in one transaction.
+func Migrate(ctx context.Context, db *sql.DB) error {
+	files, err := fs.Glob(Migrations, "migrations/*.sql")
+	if err != nil {
+		return err
+	}
+	sort.Strings(files)
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("outbox/sqlite: migrate: %w", err)
+	}
+	defer tx.Rollback()
+	if _, err := tx.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS ferry_outbox_migrations (
+		version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at INTEGER NOT NULL)`); err != nil {
+		return fmt.Errorf("outbox/sqlite: migrate: %w", err)
+	}
+	for _, f := range files {
+		name := strings.TrimPrefix(f, "migrations/")
+		v, err := strconv.Atoi(strings.SplitN(name, "_", 2)[0])
+		if err != nil {
+			return fmt.Errorf("outbox/sqlite: migration %s: no version number: %w", name, err)
+		}
+		var n int
+		if err := tx.QueryRowContext(ctx, `SELECT count(*) FROM ferry_outbox_migrations WHERE version = ?`, v).Scan(&n); err != nil {
+			return fmt.Errorf("outbox/sqlite: migrate: %w", err)
+		}
+		if n > 0 {
+			continue
+		}
+		b, err := Migrations.ReadFile(f)
+		if err != nil {
+			return err
+		}
+		if _, err := tx.ExecContext(ctx, string(b)); err != nil {
+			return fmt.Errorf("outbox/sqlite: migration %s: %w", name, err)
+		}
+		if _, err := tx.ExecContext(ctx, `INSERT INTO ferry_outbox_migrations (version, name, applied_at) VALUES (?, ?, ?)`,
+			v, name, time.Now().UnixMicro()); err != nil {
+			return fmt.Errorf("outbox/sqlite: migration %s: record: %w", name, err)
+		}
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("outbox/sqlite: migrate: commit: %w", err)
+	}
+	return nil
+}
+
+// Writer adds events to the outbox inside the caller's transaction. It is
+// safe for concurrent use and holds no connection.
+type Writer struct {
+	cfg row.Config
+}
+
+// NewWriter returns a Writer. It fails with a *consumer.ConfigError naming
+// the field when an option is invalid.
+func NewWriter(opts ...outbox.WriterOption) (*Writer, error) {
+	cfg, err := row.Apply(opts)
+	if err != nil {
+		return nil, err
+	}
+	return &Writer{cfg: cfg}, nil
+}
+
+const maxRowsPerInsert = 100 // 7 parameters each, under SQLite's default limit
+
+// Add writes events in tx: they are published once tx commits, and never if
+// it rolls back. An invalid event fails the whole call with an
+// *outbox.EventError before anything is written. SQLite runs one write
+// transaction at a time, so events of one key are numbered in commit order
+// without any lock of ours.
+func (w *Writer) Add(ctx context.Context, tx *sql.Tx, events ...outbox.Event) error {
+	if tx == nil {
+		return errors.New("outbox/sqlite: Add: nil transaction")
+	}
+	if len(events) == 0 {
+		return nil
+	}
+	in := make([]row.Event, len(events))
+	for i, e := range events {
+		in[i] = row.Event(e)
+	}
+	rows, err := row.Prepare(w.cfg, in, func(i int, id, field, reason string) error {
+		return &outbox.EventError{Index: i, ID: id, Field: field, Reason: reason}
+	})
+	if err != nil {
+		return err
+	}
+	now := time.Now().UnixMicro()
+	for len(rows) > 0 {
+		n := min(len(rows), maxRowsPerInsert)
+		var b strings.Builder
+		b.WriteString(`INSERT INTO ferry_outbox (event_id, lane, destination, key, body, headers, created_at) VALUES `)
+		args := make([]any, 0, 7*n)
+		for i, r := range rows[:n] {
+			if i > 0 {
+				b.WriteByte(',')
+			}
+			b.WriteString(`(?,?,?,?,?,?,?)`)
+			var hdr any
+			if r.Headers != nil {
+				hdr = string(r.Headers)
+			}
+			args = append(args, r.EventID, r.Lane, r.Destination, r.Key, r.Body, hdr, now)
+		}
+		if _, err := tx.ExecContext(ctx, b.String(), args...); err != nil {
+			return fmt.Errorf("outbox/sqlite: insert %d events: %w", n, err)
+		}
+		rows = rows[n:]
+	}
+	if w.cfg.Notify {
+		wakeAll()
+	}
+	return nil
+}
+
+// The in-process wake: Add signals every Store's Listen in the process.
+var (
+	subsMu sync.Mutex
+	subs   = map[chan struct{}]struct{}{}
+)
+
+func wakeAll() {
+	subsMu.Lock()
+	defer subsMu.Unlock()
+	for c := range subs {
+		select {
+		case c <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// Store is the relay's access to the outbox tables of a SQLite database. It
+// implements outbox.Store and outbox.Listener (the in-process wake).
+type Store struct {
+	db *sql.DB
+}
+
+var (
+	_ outbox.Store    = (*Store)(nil)
+	_ outbox.Listener = (*Store)(nil)
+)
+
+// NewStore returns a Store over db (best opened with Open). Apply Migrate
+// first. It fails with a *consumer.ConfigError when db is nil.
+func NewStore(db *sql.DB) (*Store, error) {
+	if db == nil {
+		return nil, &consumer.ConfigError{Field: "DB", Reason: "must not be nil"}
+	}
+	return &Store{db: db}, nil
+}
+
+// followUps are the extra wakes after an Add: Add runs before its
+// transaction commits, so the relay looks again a little later.
+var followUps = []time.Duration{time.Millisecond, 4 * time.Millisecond, 20 * time.Millisecond, 100 * time.Millisecond}
+
+// Listen implements outbox.Listener with the in-process wake: a Writer's Add
+// in this process wakes the relay, which then looks again over the next
+// 100ms while the writer's transaction commits. Writers in other processes
+// are found by polling.
+func (s *Store) Listen(ctx context.Context, wake func()) error {
+	c := make(chan struct{}, 1)
+	subsMu.Lock()
+	subs[c] = struct{}{}
+	subsMu.Unlock()
+	defer func() {
+		subsMu.Lock()
+		delete(subs, c)
+		subsMu.Unlock()
+	}()
+	wake()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-c:
+		}
+		wake()
+		for _, d := range followUps {
+			if !row.Sleep(ctx, d) {
+				return nil
+			}
+			wake()
+		}
+	}
+}
+
+func placeholders(n int) string {
+	return strings.TrimSuffix(strings.Repeat("?,", n), ",")
+}
+
+// Lease implements outbox.Store, with this host's clock for expiries.
+func (s *Store) Lease(ctx context.Context, owner string, ttl time.Duration) ([]int, error) {
+	held, err := s.lease(ctx, owner, ttl)
+	if err != nil {
+		return nil, fmt.Errorf("outbox/sqlite: lease lanes: %w", err)
+	}
+	return held, nil
+}
+
+func (s *Store) lease(ctx context.Context, owner string, ttl time.Duration) ([]int, error) {
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer tx.Rollback()
+	now := time.Now().UnixMilli()
+	exp := now + ttl.Milliseconds()
+	if _, err := tx.ExecContext(ctx, `INSERT INTO ferry_outbox_relays (owner, expires_at) VALUES (?, ?)
+		ON CONFLICT (owner) DO UPDATE SET expires_at = excluded.expires_at`, owner, exp); err != nil {
+		return nil, err
+	}
+	if _, err := tx.ExecContext(ctx, `DELETE FROM ferry_outbox_relays WHERE expires_at < ?`, now-60_000); err != nil {
+		return nil, err
+	}
+	var live int
+	if err := tx.QueryRowContext(ctx, `SELECT count(*) FROM ferry_outbox_relays WHERE expires_at > ?`, now).Scan(&live); err != nil {
+		return nil, err
+	}
+	held, err := lanes(tx.QueryContext(ctx, `UPDATE ferry_outbox_lanes SET expires_at = ? WHERE owner = ? RETURNING lane`, exp, owner))
+	if err != nil {
+		return nil, err
+	}
+	share := (outbox.Lanes + max(live, 1) - 1) / max(live, 1)
+	switch {
+	case len(held) > share:
+		give := held[share:]
+		args := []any{owner}
+		for _, l := range give {
+			args = append(args, l)
+		}
+		if _, err := tx.ExecContext(ctx, `UPDATE ferry_outbox_lanes SET owner = NULL, expires_at = NULL
+			WHERE owner = ? AND lane IN (`+placeholders(len(give))+`)`, args...); err != nil {
+			return nil, err
+		}
+		held = held[:share]
+	case len(held) < share:
+		more, err := lanes(tx.QueryContext(ctx, `UPDATE ferry_outbox_lanes SET owner = ?, expires_at = ?
+			WHERE lane IN (SELECT lane FROM ferry_outbox_lanes WHERE owner IS NULL OR expires_at <= ?
+				ORDER BY lane LIMIT ?)
+			RETURNING lane`, owner, exp, now, share-len(held)))
+		if err != nil {
+			return nil, err
+		}
+		held = append(held, more...)
+		slices.Sort(held)
+	}
+	return held, tx.Commit()
+}
+
+func lanes(rows *sql.Rows, err error) ([]int, error) {
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []int
+	for rows.Next() {
+		var l int
+		if err := rows.Scan(&l); err != nil {
+			return nil, err
+		}
+		out = append(out, l)
+	}
+	slices.Sort(out)
+	return out, rows.Err()
+}
+
+// Release implements outbox.Store.
+func (s *Store) Release(ctx context.Context, owner string) error {
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("outbox/sqlite: release lanes: %w", err)
+	}
+	defer tx.Rollback()
+	if _, err := tx.ExecContext(ctx, `UPDATE ferry_outbox_lanes SET owner = NULL, expires_at = NULL WHERE owner = ?`, owner); err != nil {
+		return fmt.Errorf("outbox/sqlite: release lanes: %w", err)
+	}
+	if _, err := tx.ExecContext(ctx, `DELETE FROM ferry_outbox_relays WHERE owner = ?`, owner); err != nil {
+		return fmt.Errorf("outbox/sqlite: release lanes: %w", err)
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("outbox/sqlite: release lanes: %w", err)
+	}
+	return nil
+}
+
+// Fetch implements outbox.Store.
+func (s *Store) Fetch(ctx context.Context, lanes []int, max int) ([]outbox.Record, error) {
+	args := make([]any, 0, len(lanes)+1)
+	for _, l := range lanes {
+		args = append(args, l)
+	}
+	args = append(args, max)
+	rows, err := s.db.QueryContext(ctx, `SELECT id, event_id, lane, destination, key, body, headers, created_at
+		FROM ferry_outbox WHERE lane IN (`+placeholders(len(lanes))+`) ORDER BY id LIMIT ?`, args...)
+	if err != nil {
+		return nil, fmt.Errorf("outbox/sqlite: fetch: %w", err)
+	}
+	defer rows.Close()
+	var out []outbox.Record
+	for rows.Next() {
+		var (
+			r       outbox.Record
+			hdr     sql.NullString
+			created int64
+		)
+		if err := rows.Scan(&r.Seq, &r.ID, &r.Lane, &r.Destination, &r.Key, &r.Body, &hdr, &created); err != nil {
+			return nil, fmt.Errorf("outbox/sqlite: fetch: %w", err)
+		}
+		if hdr.Valid {
+			if r.Headers, err = row.DecodeHeaders([]byte(hdr.String)); err != nil {
+				return nil, fmt.Errorf("outbox/sqlite: fetch: headers of event %d: %w", r.Seq, err)
+			}
+		}
+		r.CreatedAt = time.UnixMicro(created)
+		out = append(out, r)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("outbox/sqlite: fetch: %w", err)
+	}
+	return out, nil
+}
+
+// Delete implements outbox.Store.
+func (s *Store) Delete(ctx context.Context, seqs []int64) error {
+	for len(seqs) > 0 {
+		n := min(len(seqs), 500)
+		args := make([]any, n)
+		for i, s := range seqs[:n] {
+			args[i] = s
+		}
+		if _, err := s.db.ExecContext(ctx, `DELETE FROM ferry_outbox WHERE id IN (`+placeholders(n)+`)`, args...); err != nil {
+			return fmt.Errorf("outbox/sqlite: delete: %w", err)
+		}
+		seqs = seqs[n:]
+	}
+	return nil
+}
+
+// Fail implements outbox.Store.
+func (s *Store) Fail(ctx context.Context, seq int64, reason string) error {
+	tx, err := s.db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("outbox/sqlite: fail event %d: %w", seq, err)
+	}
+	defer tx.Rollback()
+	if _, err := tx.ExecContext(ctx, `INSERT OR IGNORE INTO ferry_outbox_failed
+		(id, event_id, lane, destination, key, body, headers, created_at, failed_at, reason)
+		SELECT id, event_id, lane, destination, key, body, headers, created_at, ?, ? FROM ferry_outbox WHERE id = ?`,
+		time.Now().UnixMicro(), reason, seq); err != nil {
+		return fmt.Errorf("outbox/sqlite: fail event %d: %w", seq, err)
+	}
+	if _, err := tx.ExecContext(ctx, `DELETE FROM ferry_outbox WHERE id = ?`, seq); err != nil {
+		return fmt.Errorf("outbox/sqlite: fail event %d: %w", seq, err)
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("outbox/sqlite: fail event %d: %w", seq, err)
+	}
+	return nil
+}
+
+// Backlog implements outbox.Store.
+func (s *Store) Backlog(ctx context.Context) (outbox.Backlog, error) {
+	var (
+		b      outbox.Backlog
+		oldest sql.NullInt64
+	)
+	err := s.db.QueryRowContext(ctx, `SELECT count(*), min(created_at), (SELECT count(*) FROM ferry_outbox_failed) FROM ferry_outbox`).
+		Scan(&b.Events, &oldest, &b.Failed)
+	if err != nil {
+		return b, fmt.Errorf("outbox/sqlite: backlog: %w", err)
+	}
+	if oldest.Valid {
+		b.OldestAge = max(time.Since(time.UnixMicro(oldest.Int64)), 0)
+	}
+	return b, nil
+}

@@ -1,0 +1,106 @@
+package outbox_test
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/ferrymq/ferry/internal/testenv"
+	"github.com/ferrymq/ferry/memory"
+	"github.com/ferrymq/ferry/outbox"
+	"github.com/ferrymq/ferry/outbox/postgres"
+)
+
+// TestPostgresDatabaseSQLWriter writes through database/sql (pgx's stdlib
+// driver here; any PostgreSQL driver works) into a schema made by MigrateSQL,
+// and a relay over pgx publishes what committed.
+func TestPostgresDatabaseSQLWriter(t *testing.T) {
+	url := testenv.RequirePostgres(t)
+	ctx := ctxFor(t, 60*time.Second)
+	schema := strings.ReplaceAll(testenv.UniqueName(t, "outbox-sql"), "-", "_")
+	admin, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Exec(ctx, `CREATE SCHEMA `+schema); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		admin.Exec(context.Background(), `DROP SCHEMA `+schema+` CASCADE`)
+		admin.Close(context.Background())
+	}()
+
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	db := stdlib.OpenDB(*cfg.ConnConfig.Copy())
+	defer db.Close()
+	for range 2 { // Migrate twice: the second run has nothing to do
+		if err := postgres.MigrateSQL(ctx, db); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var versions int
+	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM ferry_outbox_migrations`).Scan(&versions); err != nil || versions != 1 {
+		t.Fatalf("migrations recorded: %d, %v", versions, err)
+	}
+
+	w, err := postgres.NewWriter(outbox.WithMaxEventSize(10))
+	if err != nil {
+		t.Fatal(err)
+	}
+	write := func(ev outbox.Event, commit bool) error {
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			return err
+		}
+		defer tx.Rollback()
+		if err := w.AddSQL(ctx, tx, ev); err != nil {
+			return err
+		}
+		if commit {
+			return tx.Commit()
+		}
+		return nil
+	}
+	if err := write(outbox.Event{ID: "big", Destination: queue, Body: []byte("more than ten bytes")}, true); !errors.Is(err, outbox.ErrInvalidEvent) {
+		t.Fatalf("oversized event: %v", err)
+	}
+	if err := write(outbox.Event{ID: "rolled-back", Destination: queue, Key: "k"}, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := write(outbox.Event{ID: "committed", Destination: queue, Key: "k", Body: []byte("hi"),
+		Headers: map[string]string{"a": "b"}}, true); err != nil {
+		t.Fatal(err)
+	}
+
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	st, err := postgres.NewStore(pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	br := memory.New()
+	defer br.Close()
+	_, stop := runRelay(t, st, br, fast()...)
+	defer stop()
+	eventually(t, 30*time.Second, "the committed event was not published", func() bool {
+		bl, err := st.Backlog(ctx)
+		return err == nil && bl.Events == 0
+	})
+	msgs := br.Messages(queue)
+	if len(msgs) != 1 || msgs[0].ID != "committed" || msgs[0].Header("a") != "b" || string(msgs[0].Body) != "hi" {
+		t.Fatalf("published %+v", msgs)
+	}
+}
