@@ -29,7 +29,8 @@
 //   - a panic is redelivered and Run carries on;
 //   - bodies (every byte value, empty, 1 MiB), keys and unicode headers
 //     arrive as published;
-//   - two consumers of one source never handle the same message at once;
+//   - two consumers of one source never handle the same message at once,
+//     nor again after one of them handled it successfully;
 //   - Run returns nil soon after its context ends, and an error for a nil
 //     handler;
 //   - a consumer.Hold does not count as an attempt.

@@ -19,8 +19,8 @@ type Harness interface {
 	// cannot create one.
 	NewSource(t *testing.T, cfg SourceConfig) string
 
-	// Publisher returns a Publisher for the broker. The suite publishes with
-	// it and with nothing else.
+	// Publisher returns a Publisher for the broker. The suite asks for one
+	// per test, publishes with it and with nothing else.
 	Publisher(t *testing.T) consumer.Publisher
 
 	// NewConsumer returns a new Consumer of source, built with opts (the

@@ -25,6 +25,8 @@ type memHarness struct {
 	wrap func(consumer.Consumer) consumer.Consumer
 	// noExtend hides the driver's lease extension from the loop.
 	noExtend bool
+	// giveBack returns every message to the queue as soon as it is fetched.
+	giveBack bool
 }
 
 var _ consumertest.Harness = (*memHarness)(nil)
@@ -63,6 +65,9 @@ func (h *memHarness) NewConsumer(t *testing.T, source string, opts ...consumer.O
 	if h.noExtend {
 		d = plainDriver{d}
 	}
+	if h.giveBack {
+		d = givingBackDriver{plainDriver{d}}
+	}
 	l, err := consumer.New(d, opts...)
 	if err != nil {
 		t.Fatalf("new consumer of %q: %v", source, err)
@@ -91,3 +96,20 @@ func (p plainDriver) Settle(ctx context.Context, batch []driver.Settlement) erro
 func (p plainDriver) Capabilities() driver.Capabilities { return p.d.Capabilities() }
 
 func (p plainDriver) Close() error { return p.d.Close() }
+
+// givingBackDriver returns each message to the queue the moment it fetched
+// it, so that it is handled here and can be fetched again elsewhere.
+type givingBackDriver struct{ plainDriver }
+
+func (g givingBackDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([]driver.Message, error) {
+	n := len(dst)
+	dst, err := g.d.Fetch(ctx, dst, max)
+	var back []driver.Settlement
+	for _, m := range dst[n:] {
+		back = append(back, driver.Settlement{Handle: m.Handle, Action: driver.Return})
+	}
+	if len(back) > 0 {
+		_ = g.d.Settle(ctx, back)
+	}
+	return dst, err
+}

@@ -18,9 +18,13 @@ import (
 // The suite's clocks. They are generous on purpose: the suite runs against
 // remote brokers and on loaded two-core machines, and none of them is a
 // claim about speed.
+//
+// patience is how long the suite waits for something that must happen. It
+// is a variable only so that the suite's own tests can shorten it for runs
+// that are meant to fail.
+var patience = 30 * time.Second
+
 const (
-	// patience is how long the suite waits for something that must happen.
-	patience = 30 * time.Second
 	// quiet is how long the suite watches for something that must not happen.
 	quiet = 1500 * time.Millisecond
 	// returnMargin is how long Run may take to return after its context
@@ -43,6 +47,8 @@ type suite struct {
 	t    *testing.T
 	h    Harness
 	caps Capabilities
+
+	pub consumer.Publisher // from the harness, on first use
 
 	mu   sync.Mutex
 	runs []*run
@@ -82,7 +88,12 @@ func (s *suite) publish(src string, msgs ...consumer.Message) {
 	s.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), patience)
 	defer cancel()
-	if err := s.h.Publisher(s.t).Publish(ctx, src, msgs...); err != nil {
+	if s.pub == nil {
+		if s.pub = s.h.Publisher(s.t); s.pub == nil {
+			s.t.Fatal("harness: Publisher returned nil")
+		}
+	}
+	if err := s.pub.Publish(ctx, src, msgs...); err != nil {
 		s.t.Fatalf("publish %d message(s) to %q: %v", len(msgs), src, err)
 	}
 }

@@ -89,23 +89,108 @@ var sabotages = map[string]struct {
 	"nil-handler-runs": {"NilHandlerIsAnError", func() *memHarness {
 		return wrapped(nil, true)
 	}},
-	// Each message acked at once and handled in the background after a
-	// pause that shrinks along the key's sequence (the ordering test's body),
-	// so later messages of a key overtake earlier ones.
+	// Later messages of a key overtake earlier ones.
 	"overtake": {"OrderedSourceKeepsKeyOrderWithConcurrency", func() *memHarness {
+		return wrapped(overtake, false)
+	}},
+	// Hold treated as a failure: holds burn attempts.
+	"hold-counts": {"HoldDoesNotCountAsAnAttempt", func() *memHarness {
 		return wrapped(func(h consumer.Handler) consumer.Handler {
 			return consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
-				c := *m
-				seq, _ := strconv.Atoi(string(m.Body))
-				go func() {
-					time.Sleep(time.Duration(20-seq) * 5 * time.Millisecond)
-					_ = h.Handle(context.WithoutCancel(ctx), &c)
-				}()
-				return nil
+				if err := h.Handle(ctx, m); errors.Is(err, consumer.ErrHeld) {
+					return errors.New("held, counted as a failure")
+				} else {
+					return err
+				}
 			})
 		}, false)
 	}},
+	// Attempt never counted, seen through plain handler errors.
+	"attempt-stuck-on-error": {"HandlerErrorRedeliversWithNextAttempt", func() *memHarness {
+		return wrapped(func(h consumer.Handler) consumer.Handler {
+			return consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+				m.Attempt = 1
+				return h.Handle(ctx, m)
+			})
+		}, false)
+	}},
+	// A failed handler run again in process, whatever the delivery mode.
+	"retry-in-process": {"AtMostOnceNeverRedelivers", func() *memHarness {
+		return wrapped(func(h consumer.Handler) consumer.Handler {
+			return consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+				if err := h.Handle(ctx, m); err == nil {
+					return nil
+				}
+				return h.Handle(ctx, m)
+			})
+		}, false)
+	}},
+	// Handlers cancelled the moment Run's context ends: no shutdown grace.
+	"no-grace": {"ShutdownLetsRunningHandlerFinishAndAcks", func() *memHarness {
+		return &memHarness{wrap: func(c consumer.Consumer) consumer.Consumer {
+			return consumerFunc(func(ctx context.Context, h consumer.Handler) error {
+				return c.Run(ctx, consumer.HandlerFunc(func(hctx context.Context, m *consumer.Message) error {
+					hctx, cancel := context.WithCancel(hctx)
+					defer cancel()
+					defer context.AfterFunc(ctx, cancel)()
+					return h.Handle(hctx, m)
+				}))
+			})
+		}}
+	}},
+	// A handler cut short by shutdown reported as a success: the message is
+	// acked and lost.
+	"ack-on-shutdown": {"CancelMidHandlerLosesNothing", func() *memHarness {
+		return wrapped(func(h consumer.Handler) consumer.Handler {
+			return consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+				err := h.Handle(ctx, m)
+				if ctx.Err() != nil {
+					return nil
+				}
+				return err
+			})
+		}, false)
+	}},
+	// Run lingers long after its context ended.
+	"slow-return": {"RunReturnsPromptlyAfterCancel", func() *memHarness {
+		return &memHarness{wrap: func(c consumer.Consumer) consumer.Consumer {
+			return consumerFunc(func(ctx context.Context, h consumer.Handler) error {
+				err := c.Run(ctx, h)
+				time.Sleep(10 * time.Second)
+				return err
+			})
+		}}
+	}},
+	// Every message given back to the queue as soon as it is fetched, while
+	// its handler runs: the other consumer takes it too.
+	"give-back": {"TwoConsumersNeverHoldTheSameMessage", func() *memHarness {
+		return &memHarness{giveBack: true}
+	}},
+	// As "overtake", under OrderByKey.
+	"overtake-by-key": {"OrderByKeyKeepsKeyOrderWithConcurrency", func() *memHarness {
+		return wrapped(overtake, false)
+	}},
 }
+
+// overtake acks each message at once and handles it in the background after
+// a pause that shrinks along the key's sequence (the ordering test's body),
+// so later messages of a key overtake earlier ones.
+func overtake(h consumer.Handler) consumer.Handler {
+	return consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		c := *m
+		seq, _ := strconv.Atoi(string(m.Body))
+		go func() {
+			time.Sleep(time.Duration(20-seq) * 5 * time.Millisecond)
+			_ = h.Handle(context.WithoutCancel(ctx), &c)
+		}()
+		return nil
+	})
+}
+
+// consumerFunc turns a function into a consumer.Consumer.
+type consumerFunc func(ctx context.Context, h consumer.Handler) error
+
+func (f consumerFunc) Run(ctx context.Context, h consumer.Handler) error { return f(ctx, h) }
 
 // wrapped returns a harness whose consumers run every handler through mw
 // and, when nilRuns, run a no-op handler in place of a nil one.
@@ -142,6 +227,9 @@ func TestSabotaged(t *testing.T) {
 	if !ok {
 		t.Fatalf("unknown sabotage %q", name)
 	}
+	// The sabotaged clause fails whether its waits give up after 30 s or
+	// after 5 s; the child need not take the long way.
+	t.Cleanup(consumertest.SetPatience(5 * time.Second))
 	consumertest.Run(t, sb.harness())
 }
 
