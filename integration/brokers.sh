@@ -212,7 +212,7 @@ as_user() { # as_user USER CMD...: run CMD as USER when we are root
 	local u=$1
 	shift
 	if [[ $(id -u) == 0 ]]; then
-		runuser -u "$u" -- "$@"
+		(cd / && runuser -u "$u" -- "$@") # from a folder the user can read
 	else
 		"$@"
 	fi
