@@ -15,8 +15,6 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/goleak"
-
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/memory"
 )
@@ -34,8 +32,6 @@ type scenario struct {
 
 func newScenario(t *testing.T, name string, visibility time.Duration) *scenario {
 	t.Helper()
-	ignore := goleak.IgnoreCurrent()
-	t.Cleanup(func() { goleak.VerifyNone(t, ignore) })
 	b := memory.New(memory.WithAutoCreate(false))
 	t.Cleanup(func() { _ = b.Close() })
 	s := &scenario{t: t, b: b, queue: name, dlq: name + "-dlq"}
