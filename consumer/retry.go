@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"errors"
+	"sync/atomic"
 	"time"
 )
 
@@ -42,7 +43,17 @@ type Retry struct {
 	redeliveryMax time.Duration
 	b             backoff
 	sleep         func(ctx context.Context, d time.Duration) error // tests replace it
+
+	retries   atomic.Int64 // in-process re-runs
+	givenBack atomic.Int64 // deliveries returned to the broker with a delay
 }
+
+// Retries returns how many times Retry ran a handler again in process.
+func (r *Retry) Retries() int64 { return r.retries.Load() }
+
+// GivenBack returns how many deliveries Retry returned to the broker with a
+// redelivery delay after spending its in-process budget.
+func (r *Retry) GivenBack() int64 { return r.givenBack.Load() }
 
 // RetryOption configures NewRetry.
 type RetryOption func(*Retry) error
@@ -187,11 +198,13 @@ func (r *Retry) handle(ctx context.Context, m *Message, next Handler) error {
 		if serr := r.sleep(ctx, d); serr != nil {
 			return err
 		}
+		r.retries.Add(1)
 	}
 }
 
 // giveBack returns err to the broker with the redelivery delay for m.
 func (r *Retry) giveBack(m *Message, err error) error {
+	r.givenBack.Add(1)
 	tries := max(m.Attempt, 1) * r.attempts
 	return RetryAfter(err, r.b.redelivery(tries, r.redeliveryMax))
 }
