@@ -1,0 +1,416 @@
+package demo
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/idempotency"
+	"github.com/ferrymq/ferry/idempotency/sqlitestore"
+)
+
+// billingNamespace names the billing service for idempotency: both of its
+// instances share it, so an event is paid once by the service, whichever
+// instance gets it.
+const billingNamespace = "billing"
+
+// inboxTable is the transactional inbox's own keys table: the middleware's
+// keys live in sqlitestore.DefaultTable, and the two must not share one.
+const inboxTable = "billing_inbox"
+
+const paymentsSchema = `CREATE TABLE IF NOT EXISTS payments (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    order_id     TEXT    NOT NULL,  -- no unique constraint: the verdict counts double payments
+    event_id     TEXT    NOT NULL,
+    amount_cents INTEGER NOT NULL,
+    consumer     TEXT    NOT NULL,
+    paid_at      INTEGER NOT NULL
+)`
+
+// billing is the billing service: the handler both of its consumers run,
+// and what it counts.
+type billing struct {
+	db    *sql.DB
+	api   *payments
+	stack *consumer.Stack
+	store *countingStore // nil without idempotency
+
+	handler consumer.Handler
+	inboxH  consumer.Handler // nil without idempotency
+
+	paid          atomic.Int64 // payment rows written
+	inboxSkipped  atomic.Int64 // duplicates the inbox suppressed
+	retries       atomic.Int64 // handler runs after the first for the same event
+	mu            sync.Mutex
+	runs          map[string]int      // handler runs per event id
+	deliveredTo   map[string][]string // message id -> consumers it was delivered to, after the kill
+	watchingKills bool
+}
+
+func newBilling(ctx context.Context, path string, c Config, pub consumer.Publisher, dlq string, api *payments, log *slog.Logger) (*billing, error) {
+	db, err := sqlitestore.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	b := &billing{db: db, api: api, runs: make(map[string]int), deliveredTo: make(map[string][]string)}
+	if err := b.setUp(ctx, c, pub, dlq, log); err != nil {
+		db.Close()
+		return nil, err
+	}
+	return b, nil
+}
+
+func (b *billing) setUp(ctx context.Context, c Config, pub consumer.Publisher, dlq string, log *slog.Logger) error {
+	if _, err := b.db.ExecContext(ctx, paymentsSchema); err != nil {
+		return fmt.Errorf("demo: billing: create payments: %w", err)
+	}
+	timeout := c.handlerTimeout()
+	stack, err := consumer.Standard(pub, dlq,
+		consumer.StandardRetry(
+			consumer.RetryAttempts(3),
+			consumer.RetryInitial(100*time.Millisecond),
+			consumer.RetryMaxInterval(time.Second),
+			consumer.RetryRedeliveryMax(3*time.Second)),
+		consumer.StandardBreaker(
+			consumer.BreakerName("payments-api"),
+			consumer.BreakerFailures(5),
+			consumer.BreakerOpenFor(c.openFor()),
+			consumer.BreakerCounts(countsAgainstAPI)),
+		consumer.StandardDeadLetter(
+			consumer.DeadLetterMaxAttempts(6),
+			consumer.DeadLetterLogger(log)),
+		consumer.StandardTimeout(timeout))
+	if err != nil {
+		return err
+	}
+	b.stack = stack
+
+	pay := consumer.JSON(b.pay)
+	mws := append([]consumer.Middleware{b.recordDelivery}, stack.Middleware()...)
+	if c.DisableIdempotency {
+		b.handler = consumer.Chain(pay, mws...)
+		return nil
+	}
+	for _, table := range []string{sqlitestore.DefaultTable, inboxTable} {
+		if err := sqlitestore.Migrate(ctx, b.db, sqlitestore.WithTable(table)); err != nil {
+			return err
+		}
+	}
+	st, err := sqlitestore.New(b.db)
+	if err != nil {
+		return err
+	}
+	b.store = &countingStore{Store: st}
+	if b.inboxH, err = sqlitestore.Inbox(b.db, billingNamespace, inboxTx, sqlitestore.WithTable(inboxTable)); err != nil {
+		return err
+	}
+	// A duplicate that finds its key in progress comes back after this
+	// delay; two such returns must outlast the longest run, or a third would
+	// spend the message's attempts.
+	dedup, err := idempotency.New(b.store, billingNamespace,
+		idempotency.WithLease(max(30*time.Second, 4*timeout)),
+		idempotency.WithInProgressDelay(timeout*3/5),
+		idempotency.WithLogger(log))
+	if err != nil {
+		return err
+	}
+	b.handler = consumer.Chain(pay, append(mws, dedup)...)
+	return nil
+}
+
+// countsAgainstAPI is the breaker's rule: only the payments API's own
+// failures say it is down. The frozen customer's transient error is the
+// customer's problem, not the API's.
+func countsAgainstAPI(err error) bool {
+	return consumer.DefaultBreakerCounts(err) &&
+		(errors.Is(err, errUnavailable) || errors.Is(err, context.DeadlineExceeded))
+}
+
+type paymentKey struct{}
+
+// payment is what pay hands to the inbox's transaction, and learns back.
+type payment struct {
+	ev       OrderPlaced
+	consumer string
+	written  bool
+}
+
+// pay handles one OrderPlaced event: charge through the payments API, then
+// record the payment.
+func (b *billing) pay(ctx context.Context, ev OrderPlaced, m *consumer.Message) error {
+	eventID := m.Header(idempotency.EventIDHeader)
+	b.mu.Lock()
+	b.runs[eventID]++
+	again := b.runs[eventID] > 1
+	b.mu.Unlock()
+	if again {
+		b.retries.Add(1)
+	}
+	if ev.OrderID == "" {
+		return consumer.Permanent(errors.New("order_id is empty"))
+	}
+	if ev.Customer == frozenCustomer {
+		return fmt.Errorf("order %s: %w", ev.OrderID, errUnderReview)
+	}
+	name := consumer.ConsumerName(ctx)
+	if err := b.api.Charge(ctx, name, ev.OrderID); err != nil {
+		return err
+	}
+	p := &payment{ev: ev, consumer: name}
+	var err error
+	if b.store == nil {
+		err = b.writePlain(ctx, m, p)
+	} else {
+		err = b.inbox(ctx, m, p)
+	}
+	if err != nil {
+		return err
+	}
+	if p.written {
+		b.paid.Add(1)
+	} else {
+		b.inboxSkipped.Add(1)
+	}
+	return nil
+}
+
+// inbox writes the payment through the transactional inbox: the event's
+// id and the row commit together.
+func (b *billing) inbox(ctx context.Context, m *consumer.Message, p *payment) error {
+	return b.inboxH.Handle(context.WithValue(ctx, paymentKey{}, p), m)
+}
+
+var errNoPayment = errors.New("demo: inbox handler called without a payment")
+
+// inboxTx is the inbox's transaction: the payment row, beside the key the
+// inbox already inserted.
+func inboxTx(ctx context.Context, tx *sql.Tx, m *consumer.Message) error {
+	p, ok := ctx.Value(paymentKey{}).(*payment)
+	if !ok {
+		return errNoPayment
+	}
+	if err := insertPayment(ctx, tx, m, p); err != nil {
+		return err
+	}
+	p.written = true
+	return nil
+}
+
+// writePlain writes the payment with no idempotency at all.
+func (b *billing) writePlain(ctx context.Context, m *consumer.Message, p *payment) error {
+	tx, err := b.db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("demo: pay %s: %w", p.ev.OrderID, err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	if err := insertPayment(ctx, tx, m, p); err != nil {
+		return err
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("demo: pay %s: commit: %w", p.ev.OrderID, err)
+	}
+	p.written = true
+	return nil
+}
+
+func insertPayment(ctx context.Context, tx *sql.Tx, m *consumer.Message, p *payment) error {
+	_, err := tx.ExecContext(ctx, `INSERT INTO payments (order_id, event_id, amount_cents, consumer, paid_at) VALUES (?, ?, ?, ?, ?)`,
+		p.ev.OrderID, m.Header(idempotency.EventIDHeader), p.ev.AmountCents, p.consumer, time.Now().UnixMilli())
+	if err != nil {
+		return fmt.Errorf("demo: pay %s: %w", p.ev.OrderID, err)
+	}
+	return nil
+}
+
+// recordDelivery notes, once a consumer was killed, which consumer each
+// message is delivered to, to show the survivor taking over.
+func (b *billing) recordDelivery(next consumer.Handler) consumer.Handler {
+	return consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		b.mu.Lock()
+		if b.watchingKills {
+			b.deliveredTo[m.ID] = append(b.deliveredTo[m.ID], consumer.ConsumerName(ctx))
+		}
+		b.mu.Unlock()
+		return next.Handle(ctx, m)
+	})
+}
+
+// watchTakeovers starts recording deliveries.
+func (b *billing) watchTakeovers() {
+	b.mu.Lock()
+	b.watchingKills = true
+	b.mu.Unlock()
+}
+
+// takenOver counts the messages of ids that were delivered to survivor.
+func (b *billing) takenOver(ids []string, survivor string) int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	n := 0
+	for _, id := range ids {
+		for _, c := range b.deliveredTo[id] {
+			if c == survivor {
+				n++
+				break
+			}
+		}
+	}
+	return n
+}
+
+// suppressed is how many duplicates idempotency kept from paying twice.
+func (b *billing) suppressed() int64 {
+	n := b.inboxSkipped.Load()
+	if b.store != nil {
+		n += b.store.done.Load()
+	}
+	return n
+}
+
+// paymentsPerOrder counts the payment rows of each order.
+func (b *billing) paymentsPerOrder(ctx context.Context) (map[string]int, error) {
+	rows, err := b.db.QueryContext(ctx, `SELECT order_id, count(*) FROM payments GROUP BY order_id`)
+	if err != nil {
+		return nil, fmt.Errorf("demo: read payments: %w", err)
+	}
+	defer rows.Close()
+	out := make(map[string]int)
+	for rows.Next() {
+		var (
+			id string
+			n  int
+		)
+		if err := rows.Scan(&id, &n); err != nil {
+			return nil, fmt.Errorf("demo: read payments: %w", err)
+		}
+		out[id] = n
+	}
+	return out, rows.Err()
+}
+
+func (b *billing) close() error {
+	if b.store != nil {
+		_ = b.store.Close()
+	}
+	return b.db.Close()
+}
+
+// countingStore counts the claims that found their key done: the
+// duplicates the idempotency middleware acknowledged without running the
+// handler. (The middleware keeps no counter of its own.)
+type countingStore struct {
+	*sqlitestore.Store
+	done atomic.Int64
+}
+
+func (s *countingStore) Claim(ctx context.Context, key string, lease time.Duration) (idempotency.Claim, error) {
+	cl, err := s.Store.Claim(ctx, key, lease)
+	if err == nil && cl.Status == idempotency.Done {
+		s.done.Add(1)
+	}
+	return cl, err
+}
+
+// killable wraps a consumer's driver so that the consumer can be killed:
+// from the kill on, nothing it says reaches the broker (no ack, no return,
+// no lease extension), as when its process dies. The messages it held come
+// back when their visibility timeout ends.
+type killable struct {
+	driver.Driver
+	ext driver.Extender
+	lag driver.LagReporter
+
+	mu       sync.Mutex
+	dead     bool
+	held     map[any]string // handle -> message id, fetched and not settled
+	orphaned []string       // message ids held at the kill, or fetched after it
+}
+
+func newKillable(d driver.Driver) (*killable, error) {
+	ext, ok := d.(driver.Extender)
+	if !ok {
+		return nil, errors.New("demo: the memory driver no longer implements driver.Extender")
+	}
+	lag, _ := d.(driver.LagReporter)
+	return &killable{Driver: d, ext: ext, lag: lag, held: make(map[any]string)}, nil
+}
+
+var errKilled = errors.New("demo: consumer killed")
+
+func (k *killable) Fetch(ctx context.Context, dst []driver.Message, max int) ([]driver.Message, error) {
+	n := len(dst)
+	out, err := k.Driver.Fetch(ctx, dst, max)
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	for _, m := range out[n:] {
+		if k.dead {
+			k.orphaned = append(k.orphaned, m.ID)
+		} else {
+			k.held[m.Handle] = m.ID
+		}
+	}
+	if k.dead {
+		return out[:n], errKilled
+	}
+	return out, err
+}
+
+func (k *killable) Settle(ctx context.Context, batch []driver.Settlement) error {
+	k.mu.Lock()
+	if k.dead {
+		k.mu.Unlock()
+		return nil
+	}
+	for _, s := range batch {
+		delete(k.held, s.Handle)
+	}
+	k.mu.Unlock()
+	return k.Driver.Settle(ctx, batch)
+}
+
+func (k *killable) Lease() time.Duration { return k.ext.Lease() }
+
+func (k *killable) Extend(ctx context.Context, handles []any, d time.Duration) error {
+	k.mu.Lock()
+	dead := k.dead
+	k.mu.Unlock()
+	if dead {
+		return nil
+	}
+	return k.ext.Extend(ctx, handles, d)
+}
+
+func (k *killable) Lag(ctx context.Context) (driver.Lag, error) {
+	if k.lag == nil {
+		return driver.Lag{}, consumer.ErrLagUnsupported
+	}
+	return k.lag.Lag(ctx)
+}
+
+// kill cuts the consumer off the broker and returns the ids of the
+// messages it held.
+func (k *killable) kill() []string {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.dead = true
+	for _, id := range k.held {
+		k.orphaned = append(k.orphaned, id)
+	}
+	clear(k.held)
+	return append([]string(nil), k.orphaned...)
+}
+
+// orphans returns the ids of the messages the consumer held when it was
+// killed or fetched after.
+func (k *killable) orphans() []string {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return append([]string(nil), k.orphaned...)
+}

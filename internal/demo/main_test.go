@@ -1,0 +1,13 @@
+package demo
+
+import (
+	"testing"
+
+	"go.uber.org/goleak"
+)
+
+// Every goroutine a run starts (relay, consumers, producer, killer, status)
+// has stopped when Run returns.
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
