@@ -1,0 +1,196 @@
+// Command ferry is Ferry's command line. Its first command, demo, runs the
+// whole story of Ferry on the embedded default (the memory broker, with the
+// outbox and the idempotency store in SQLite in a temporary folder) and
+// checks its invariants:
+//
+//	go run ./cmd/ferry demo
+//
+// It exits 0 when every invariant holds, 1 when one broke (the verdict names
+// it) or the demo itself failed, 2 on bad usage, and 130 when interrupted.
+//
+// Usage:
+//
+//	ferry demo [-orders n] [-steady d] [-slow d] [-failing d] [-protected d] [-recovered d] [-seed n] [-quiet]
+//	ferry help [command]
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strings"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/demo"
+)
+
+// Exit codes.
+const (
+	exitOK          = 0
+	exitFailed      = 1 // an invariant broke, or the demo could not run
+	exitUsage       = 2
+	exitInterrupted = 130
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+const usage = `Usage: ferry <command> [flags]
+
+Commands:
+  demo    run the whole story on the embedded default and check its invariants
+  help    show this help, or a command's: ferry help demo
+`
+
+// run runs the command line args and returns the exit code.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	return runWith(ctx, args, stdout, stderr, nil)
+}
+
+// runWith is run with a hook that changes the demo's configuration after
+// the flags are parsed (tests break invariants with it).
+func runWith(ctx context.Context, args []string, stdout, stderr io.Writer, tweak func(*demo.Config)) int {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return exitUsage
+	}
+	switch cmd, rest := args[0], args[1:]; cmd {
+	case "demo":
+		return runDemo(ctx, rest, stdout, stderr, tweak)
+	case "help", "-h", "-help", "--help":
+		return help(rest, stdout, stderr)
+	default:
+		fmt.Fprintf(stderr, "ferry: unknown command %q\n\n%s", cmd, usage)
+		return exitUsage
+	}
+}
+
+func help(args []string, stdout, stderr io.Writer) int {
+	switch {
+	case len(args) == 0:
+		fmt.Fprint(stdout, usage)
+		return exitOK
+	case len(args) == 1 && args[0] == "demo":
+		fs, _ := demoFlags(stdout)
+		fs.Usage()
+		return exitOK
+	case len(args) == 1 && args[0] == "help":
+		fmt.Fprint(stdout, usage)
+		return exitOK
+	}
+	fmt.Fprintf(stderr, "ferry help: unknown command %q\n\n%s", strings.Join(args, " "), usage)
+	return exitUsage
+}
+
+const demoUsage = `Usage: ferry demo [flags]
+
+Runs an order service that writes orders and their events through a
+transactional outbox, a relay, and two billing consumers that pay each order
+through the standard middleware and idempotency, on the embedded memory broker
+and SQLite. The payments API they call is steady, then slow, then down
+(failing, then protected by the breaker), then recovered. Some events are
+poison, some are published twice on purpose, and one consumer is killed
+mid-handler. A status line shows the progress every second; at the end the
+verdict checks that every order was paid exactly once, every poison message is
+in the dead-letter queue with its reason, no good message is, and nothing was
+lost.
+
+Exit status: 0 if every invariant holds; 1 if one broke (the verdict names it)
+or the demo could not run; 2 for bad usage; 130 when interrupted.
+
+Flags:
+`
+
+// demoFlags returns the demo's flag set, writing errors and usage to w, and
+// the configuration its flags fill in.
+func demoFlags(w io.Writer) (*flag.FlagSet, *demo.Config) {
+	cfg := demo.DefaultConfig()
+	fs := flag.NewFlagSet("ferry demo", flag.ContinueOnError)
+	fs.SetOutput(w)
+	fs.IntVar(&cfg.Orders, "orders", cfg.Orders, fmt.Sprintf("number of orders to commit (at least %d)", demo.MinOrders))
+	fs.DurationVar(&cfg.Steady, "steady", cfg.Steady, "length of the steady phase")
+	fs.DurationVar(&cfg.Slow, "slow", cfg.Slow, "length of the slow phase (the payments API's latency climbs)")
+	fs.DurationVar(&cfg.Failing, "failing", cfg.Failing, "length of the failing phase (the payments API is down)")
+	fs.DurationVar(&cfg.Protected, "protected", cfg.Protected, "length of the protected phase (still down; the breaker holds)")
+	fs.DurationVar(&cfg.Recovered, "recovered", cfg.Recovered, "longest the recovered phase may take to drain the backlog")
+	fs.Uint64Var(&cfg.Seed, "seed", cfg.Seed, "random seed: runs with one seed commit the same orders and reach the same verdict")
+	fs.BoolVar(&cfg.Quiet, "quiet", false, "print the verdict only")
+	fs.Usage = func() {
+		fmt.Fprint(w, demoUsage)
+		fs.PrintDefaults()
+	}
+	return fs, &cfg
+}
+
+// flagOf names the flag that sets a Config field, for error messages.
+var flagOf = map[string]string{
+	"Orders": "-orders", "Steady": "-steady", "Slow": "-slow", "Failing": "-failing",
+	"Protected": "-protected", "Recovered": "-recovered",
+}
+
+func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer, tweak func(*demo.Config)) int {
+	fs, cfg := demoFlags(stderr)
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return exitOK
+		}
+		return exitUsage // the flag package printed the error and the usage
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "ferry demo: unexpected argument %q\n", fs.Arg(0))
+		fs.Usage()
+		return exitUsage
+	}
+	cfg.Out = stdout
+	cfg.IsTerminal, cfg.Width = terminal(stdout)
+	if tweak != nil {
+		tweak(cfg)
+	}
+	if err := cfg.Validate(); err != nil {
+		var ce *consumer.ConfigError
+		if errors.As(err, &ce) && flagOf[ce.Field] != "" {
+			fmt.Fprintf(stderr, "ferry demo: invalid value for %s: %s\n", flagOf[ce.Field], ce.Reason)
+		} else {
+			fmt.Fprintf(stderr, "ferry demo: %v\n", err)
+		}
+		fs.Usage()
+		return exitUsage
+	}
+
+	v, err := demo.Run(ctx, *cfg)
+	switch {
+	case errors.Is(err, context.Canceled) && ctx.Err() != nil:
+		fmt.Fprintln(stderr, "ferry demo: interrupted")
+		return exitInterrupted
+	case err != nil:
+		fmt.Fprintf(stderr, "ferry demo: %v\n", err)
+		return exitFailed
+	case !v.OK():
+		fmt.Fprintf(stderr, "ferry demo: invariant broken: %s\n", strings.Join(v.Broken(), ", "))
+		return exitFailed
+	}
+	return exitOK
+}
+
+// terminal reports whether w is a terminal, and its width in columns when
+// it can tell (0 otherwise). TERM=dumb counts as no terminal: it cannot
+// rewrite a line in place.
+func terminal(w io.Writer) (bool, int) {
+	f, ok := w.(*os.File)
+	if !ok || os.Getenv("TERM") == "dumb" {
+		return false, 0
+	}
+	st, err := f.Stat()
+	if err != nil || st.Mode()&os.ModeCharDevice == 0 {
+		return false, 0
+	}
+	return true, width(f)
+}

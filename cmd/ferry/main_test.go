@@ -1,0 +1,175 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/ferrymq/ferry/internal/demo"
+)
+
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
+
+// short are the flags of a whole run in a few seconds.
+var short = []string{"-orders", "40", "-steady", "1s", "-slow", "1s", "-failing", "500ms", "-protected", "1s", "-recovered", "30s"}
+
+func ferry(t *testing.T, tweak func(*demo.Config), args ...string) (code int, stdout, stderr string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var out, errOut bytes.Buffer
+	code = runWith(ctx, args, &out, &errOut, tweak)
+	return code, out.String(), errOut.String()
+}
+
+func TestBadUsageExitsTwoWithUsage(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		args []string
+		want string // in stderr
+	}{
+		{"no command", nil, "Usage: ferry <command>"},
+		{"unknown command", []string{"deploy"}, `unknown command "deploy"`},
+		{"unknown flag", []string{"demo", "-fast"}, "flag provided but not defined: -fast"},
+		{"unknown double-dash flag", []string{"demo", "--turbo"}, "flag provided but not defined: -turbo"},
+		{"orders not a number", []string{"demo", "-orders", "many"}, `invalid value "many" for flag -orders`},
+		{"too few orders", []string{"demo", "-orders", "3"}, "invalid value for -orders: must be at least 20, got 3"},
+		{"zero phase", []string{"demo", "-slow", "0s"}, "invalid value for -slow: must be > 0"},
+		{"negative phase", []string{"demo", "-recovered", "-1s"}, "invalid value for -recovered: must be > 0"},
+		{"duration without unit", []string{"demo", "-steady", "5"}, `invalid value "5" for flag -steady`},
+		{"bad seed", []string{"demo", "-seed", "-1"}, `invalid value "-1" for flag -seed`},
+		{"stray argument", []string{"demo", "now"}, `unexpected argument "now"`},
+		{"help for an unknown command", []string{"help", "deploy"}, `unknown command "deploy"`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			code, stdout, stderr := ferry(t, nil, tc.args...)
+			if code != exitUsage {
+				t.Errorf("exit %d, want %d", code, exitUsage)
+			}
+			if !strings.Contains(stderr, tc.want) {
+				t.Errorf("stderr lacks %q:\n%s", tc.want, stderr)
+			}
+			if !strings.Contains(stderr, "Usage: ferry") {
+				t.Errorf("stderr lacks the usage:\n%s", stderr)
+			}
+			if stdout != "" {
+				t.Errorf("stdout not empty: %q", stdout)
+			}
+		})
+	}
+}
+
+func TestHelpExitsZero(t *testing.T) {
+	for _, args := range [][]string{{"help"}, {"-h"}, {"--help"}, {"help", "demo"}} {
+		code, stdout, _ := ferry(t, nil, args...)
+		if code != exitOK || !strings.Contains(stdout, "Usage: ferry") {
+			t.Errorf("%v: exit %d, stdout %q; want 0 and the usage", args, code, stdout)
+		}
+	}
+	code, stdout, _ := ferry(t, nil, "help", "demo")
+	for _, flag := range []string{"-orders", "-steady", "-slow", "-failing", "-protected", "-recovered", "-seed", "-quiet"} {
+		if code != exitOK || !strings.Contains(stdout, flag) {
+			t.Errorf("ferry help demo does not document %s", flag)
+		}
+	}
+	// demo -h prints the demo's usage to stderr (flag's convention) and exits 0.
+	code, _, stderr := ferry(t, nil, "demo", "-h")
+	if code != exitOK || !strings.Contains(stderr, "Usage: ferry demo") {
+		t.Errorf("demo -h: exit %d, stderr %q", code, stderr)
+	}
+}
+
+// A short run holds every invariant and exits 0, with status lines on a
+// non-terminal stdout.
+func TestDemoExitsZeroWhenEveryInvariantHolds(t *testing.T) {
+	code, stdout, stderr := ferry(t, nil, append([]string{"demo"}, short...)...)
+	t.Logf("stdout:\n%s\nstderr:\n%s", stdout, stderr)
+	if code != exitOK {
+		t.Fatalf("exit %d, want 0", code)
+	}
+	for _, want := range []string{"-- phase recovered", "breaker", "verdict: all invariants hold"} {
+		if !strings.Contains(stdout, want) {
+			t.Errorf("stdout lacks %q", want)
+		}
+	}
+	if strings.Contains(stdout, "\r") {
+		t.Error("stdout is not a terminal, yet the status line is rewritten in place")
+	}
+}
+
+// With idempotency switched off the duplicates are paid twice: the demo
+// names the broken invariant and exits 1. -quiet prints the verdict only.
+func TestDemoExitsOneNamingTheBrokenInvariant(t *testing.T) {
+	code, stdout, stderr := ferry(t, func(c *demo.Config) { c.DisableIdempotency = true },
+		append([]string{"demo", "-quiet"}, short...)...)
+	t.Logf("stdout:\n%s\nstderr:\n%s", stdout, stderr)
+	if code != exitFailed {
+		t.Fatalf("exit %d, want %d", code, exitFailed)
+	}
+	if !strings.Contains(stderr, "invariant broken: exactly once") {
+		t.Errorf("stderr does not name the invariant: %q", stderr)
+	}
+	if !strings.HasPrefix(stdout, "verdict: BROKEN: exactly once") {
+		t.Errorf("stdout does not begin with the verdict:\n%s", stdout)
+	}
+	if strings.Contains(stdout, "-- phase") {
+		t.Errorf("-quiet printed more than the verdict:\n%s", stdout)
+	}
+}
+
+// signalWriter closes seen once what was written contains want.
+type signalWriter struct {
+	mu   sync.Mutex
+	buf  bytes.Buffer
+	want string
+	seen chan struct{}
+}
+
+func (w *signalWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	n, err := w.buf.Write(p)
+	if w.seen != nil && strings.Contains(w.buf.String(), w.want) {
+		close(w.seen)
+		w.seen = nil
+	}
+	return n, err
+}
+
+// An interrupted run stops everything it started, says so, and exits 130.
+func TestDemoInterruptedExits130(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	seen := make(chan struct{})
+	out := &signalWriter{want: "-- phase slow", seen: seen}
+	var errOut bytes.Buffer
+	done := make(chan int, 1)
+	go func() { done <- runWith(ctx, append([]string{"demo"}, short...), out, &errOut, nil) }()
+	select {
+	case <-seen:
+	case <-time.After(time.Minute):
+		t.Fatal("the slow phase did not begin within a minute")
+	}
+	cancel()
+	select {
+	case code := <-done:
+		if code != exitInterrupted || !strings.Contains(errOut.String(), "interrupted") {
+			t.Errorf("exit %d, stderr %q; want %d and interrupted", code, errOut.String(), exitInterrupted)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("an interrupted demo did not stop within a minute")
+	}
+}
+
+func TestTerminalIsFalseForABuffer(t *testing.T) {
+	if term, w := terminal(&bytes.Buffer{}); term || w != 0 {
+		t.Errorf("terminal(buffer) = %v, %d", term, w)
+	}
+}
