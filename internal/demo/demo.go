@@ -115,7 +115,7 @@ func setUp(ctx context.Context, cfg Config, dir string) (_ *run, err error) {
 	if err != nil {
 		return nil, err
 	}
-	r.dup = &duplicatingPublisher{pub: r.broker, events: r.plan.duplicates()}
+	r.dup = newDuplicatingPublisher(r.broker, r.plan.duplicates())
 	if r.relay, err = outbox.NewRelay(store, r.dup,
 		outbox.WithRelayName("order-relay"),
 		outbox.WithPollInterval(100*time.Millisecond),
@@ -291,8 +291,12 @@ func (r *run) drain(ctx context.Context, deadline time.Time) error {
 	defer t.Stop()
 	for {
 		b, err := r.relay.Backlog(ctx)
-		if err == nil && b.Events == 0 && r.queueLeft() == 0 {
-			return nil
+		if err == nil && b.Events == 0 {
+			// The relay has published the last events: their copies too.
+			r.dup.flush(ctx)
+			if r.queueLeft() == 0 {
+				return nil
+			}
 		}
 		if time.Now().After(deadline) {
 			r.out.event("the recovered phase ran out (%s) before the backlog drained", r.cfg.Recovered)

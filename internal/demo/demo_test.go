@@ -300,20 +300,32 @@ func TestPrinterRewritesTheStatusLineOnATerminal(t *testing.T) {
 	s := snapshot{elapsed: 1500 * time.Millisecond, phase: PhaseSlow, published: 12, paid: 10, lag: 2,
 		oldest: 1200 * time.Millisecond, breaker: "closed"}
 
-	var term bytes.Buffer
-	p := &printer{out: &term, term: true, width: 60}
-	p.status(s)
-	p.event("kill")
-	p.done()
-	got := term.String()
-	line := s.String()[:59]
-	want := "\r\x1b[K" + line + "\r\x1b[Kkill\n" + line + "\n"
-	if got != want {
-		t.Errorf("terminal output\n%q\nwant\n%q", got, want)
+	for _, tc := range []struct {
+		width int
+		line  string
+	}{
+		{0, s.String()},        // width unknown: the full line
+		{200, s.String()},      // wide: the full line
+		{100, s.compact()},     // too narrow for it: the compact line
+		{40, s.compact()[:39]}, // too narrow for both: cut
+	} {
+		var term bytes.Buffer
+		p := &printer{out: &term, term: true, width: tc.width}
+		p.status(s)
+		p.event("kill")
+		p.done()
+		want := "\r\x1b[K" + tc.line + "\r\x1b[Kkill\n" + tc.line + "\n"
+		if got := term.String(); got != want {
+			t.Errorf("width %d: terminal output\n%q\nwant\n%q", tc.width, got, want)
+		}
+	}
+	if len(s.String()) < 100 || len(s.compact()) >= 80 {
+		t.Errorf("status lines of %d and %d columns: the test above needs a full line wider than 100, a compact one narrower than 80",
+			len(s.String()), len(s.compact()))
 	}
 
 	var plain bytes.Buffer
-	p = &printer{out: &plain}
+	p := &printer{out: &plain}
 	p.status(s)
 	p.event("kill")
 	p.done()

@@ -226,38 +226,55 @@ func (s *orderService) committedOrders(ctx context.Context) ([]string, error) {
 
 // duplicatingPublisher publishes some events twice, as a relay that died
 // between its publish and its delete would: the second copy is the same
-// message (same id, same ferry-event-id header), right behind the first.
+// message (same id, same ferry-event-id header), published with the relay's
+// next batch (or by flush), a little after the first.
 type duplicatingPublisher struct {
 	pub    consumer.Publisher
 	events map[string]bool // event ids to publish twice; read only
-	done   sync.Map        // event ids already published twice
 	copies atomic.Int64
+
+	mu      sync.Mutex
+	done    map[string]bool // event ids whose copy is pending or published
+	pending map[string][]consumer.Message
 }
 
+func newDuplicatingPublisher(pub consumer.Publisher, events map[string]bool) *duplicatingPublisher {
+	return &duplicatingPublisher{pub: pub, events: events, done: make(map[string]bool), pending: make(map[string][]consumer.Message)}
+}
+
+// Publish publishes msgs, then the copies held back from earlier calls, and
+// holds back a copy of each of msgs to duplicate.
 func (p *duplicatingPublisher) Publish(ctx context.Context, dest string, msgs ...consumer.Message) error {
 	if err := p.pub.Publish(ctx, dest, msgs...); err != nil {
 		return err
 	}
-	var again []consumer.Message
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.publishPending(ctx)
 	for _, m := range msgs {
-		if !p.events[m.ID] {
+		if p.events[m.ID] && !p.done[m.ID] {
+			p.done[m.ID] = true
+			p.pending[dest] = append(p.pending[dest], m)
+		}
+	}
+	return nil
+}
+
+// flush publishes the copies held back.
+func (p *duplicatingPublisher) flush(ctx context.Context) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.publishPending(ctx)
+}
+
+func (p *duplicatingPublisher) publishPending(ctx context.Context) {
+	for dest, copies := range p.pending {
+		// The originals are published; a copy that fails to publish is
+		// tried again with the next call.
+		if err := p.pub.Publish(ctx, dest, copies...); err != nil {
 			continue
 		}
-		if _, loaded := p.done.LoadOrStore(m.ID, true); !loaded {
-			again = append(again, m)
-		}
+		p.copies.Add(int64(len(copies)))
+		delete(p.pending, dest)
 	}
-	if len(again) == 0 {
-		return nil
-	}
-	// The originals are published; a failed copy only means fewer
-	// duplicates, which the verdict does not depend on.
-	if err := p.pub.Publish(ctx, dest, again...); err != nil {
-		for _, m := range again {
-			p.done.Delete(m.ID)
-		}
-		return nil
-	}
-	p.copies.Add(int64(len(again)))
-	return nil
 }

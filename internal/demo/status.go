@@ -22,7 +22,13 @@ type snapshot struct {
 }
 
 func (s snapshot) String() string {
-	return fmt.Sprintf("%5.1fs %-9s  published %4d  paid %4d  lag %4d  oldest %5s  retries %3d  breaker %-9s  DLQ %d  dups %d",
+	return fmt.Sprintf("%5.1fs %-9s  published %3d  paid %3d  lag %3d  oldest %4s  retries %2d  breaker %-9s  DLQ %d  dups %d",
+		s.elapsed.Seconds(), s.phase, s.published, s.paid, s.lag, roundAge(s.oldest), s.retries, s.breaker, s.dead, s.suppressed)
+}
+
+// compact is the status for a narrow terminal (80 columns).
+func (s snapshot) compact() string {
+	return fmt.Sprintf("%3.0fs %s pub %d paid %d lag %d/%s retry %d breaker %s dlq %d dup %d",
 		s.elapsed.Seconds(), s.phase, s.published, s.paid, s.lag, roundAge(s.oldest), s.retries, s.breaker, s.dead, s.suppressed)
 }
 
@@ -82,6 +88,9 @@ func (p *printer) status(s snapshot) {
 	if !p.term {
 		fmt.Fprintln(p.out, line)
 		return
+	}
+	if p.width > 1 && len(line) >= p.width {
+		line = s.compact()
 	}
 	if p.width > 1 && len(line) >= p.width {
 		line = line[:p.width-1]
