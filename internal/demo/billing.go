@@ -347,6 +347,9 @@ var errKilled = errors.New("demo: consumer killed")
 func (k *killable) Fetch(ctx context.Context, dst []driver.Message, max int) ([]driver.Message, error) {
 	n := len(dst)
 	out, err := k.Driver.Fetch(ctx, dst, max)
+	if len(out) < n {
+		return out, err
+	}
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	for _, m := range out[n:] {
@@ -357,6 +360,7 @@ func (k *killable) Fetch(ctx context.Context, dst []driver.Message, max int) ([]
 		}
 	}
 	if k.dead {
+		// A dead process fetches nothing: what it took stays leased.
 		return out[:n], errKilled
 	}
 	return out, err
