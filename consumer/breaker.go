@@ -157,9 +157,11 @@ func BreakerOnStateChange(f func(from, to BreakerState)) BreakerOption {
 
 // DefaultBreakerCounts counts every error as a failure of the dependency
 // except a permanent error (bad input says nothing about the dependency), a
-// hold, and context.Canceled (the consumer is shutting down).
+// hold, a Defer (the handler did not run), and context.Canceled (the
+// consumer is shutting down).
 func DefaultBreakerCounts(err error) bool {
-	return !IsPermanent(err) && !errors.Is(err, ErrHeld) && !errors.Is(err, context.Canceled)
+	return !IsPermanent(err) && !errors.Is(err, ErrHeld) && !errors.Is(err, ErrNotAttempted) &&
+		!errors.Is(err, context.Canceled)
 }
 
 // NewBreaker returns a closed Breaker. It fails with a *ConfigError naming

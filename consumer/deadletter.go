@@ -233,8 +233,8 @@ func (d *DeadLetter) handle(ctx context.Context, m *Message, next Handler) error
 	ctx, rec := withRecord(ctx)
 	rec.maxAttempts = d.maxAttempts
 	err := next.Handle(ctx, m)
-	if err == nil || errors.Is(err, ErrHeld) {
-		return err
+	if err == nil || errors.Is(err, ErrHeld) || errors.Is(err, ErrNotAttempted) {
+		return err // held or deferred: the handler did not run, no attempt spent
 	}
 	var dle *DeadLetterError
 	if errors.As(err, &dle) {

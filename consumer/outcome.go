@@ -14,6 +14,9 @@ var ErrPermanent = errors.New("permanent error")
 // ErrHeld matches, through errors.Is, every error made by Hold.
 var ErrHeld = errors.New("message held")
 
+// ErrNotAttempted matches, through errors.Is, every error made by Defer.
+var ErrNotAttempted = errors.New("not attempted")
+
 // PermanentError marks a failure that no retry can fix, such as a body that
 // does not decode. The message goes to the dead-letter destination at once.
 type PermanentError struct{ Err error }
@@ -47,6 +50,8 @@ func IsPermanent(err error) bool { return errors.Is(err, ErrPermanent) }
 type RetryAfterError struct {
 	Err   error
 	Delay time.Duration
+	// NotAttempted is true when the handler did not run (see Defer).
+	NotAttempted bool
 }
 
 // RetryAfter returns the message to the broker to be delivered again no
@@ -69,6 +74,26 @@ func (e *RetryAfterError) Error() string {
 
 // Unwrap returns the underlying error.
 func (e *RetryAfterError) Unwrap() error { return e.Err }
+
+// Is reports whether target is ErrNotAttempted and the handler did not run.
+func (e *RetryAfterError) Is(target error) bool { return target == ErrNotAttempted && e.NotAttempted }
+
+// Defer returns the message to the broker, to be delivered again no sooner
+// than d, without its handler having run: it waits on something else, such
+// as a duplicate of it that another worker is handling right now. Like
+// RetryAfter it is redelivered after d; unlike a failure it spends none of
+// the message's attempts in DeadLetter, is not retried in process by Retry,
+// and does not count against a Breaker. (A broker that counts deliveries,
+// like SQS, still counts the redelivery.) Defer(nil, d) is nil.
+func Defer(err error, d time.Duration) error {
+	if err == nil {
+		return nil
+	}
+	if d < 0 {
+		d = 0
+	}
+	return &RetryAfterError{Err: err, Delay: d, NotAttempted: true}
+}
 
 // HeldError says the handler was not run at all, because something it
 // depends on is known to be down (an open circuit breaker). The delivery loop

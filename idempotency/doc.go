@@ -16,7 +16,10 @@
 //     handler.
 //   - A duplicate of a key whose claim is held elsewhere (another worker is
 //     running it right now) is returned to the broker, to be delivered again
-//     after a delay: consumer.RetryAfter wrapping ErrInProgress.
+//     after a delay: consumer.Defer wrapping ErrInProgress. Defer is not a
+//     failure: DeadLetter spends none of the message's attempts on it and a
+//     Breaker does not count it, so a duplicate that arrives while the first
+//     copy runs long is never dead-lettered for waiting.
 //   - A handler that fails (an error or a panic) releases its claim, so that
 //     the redelivery runs the handler again. The handler's error is returned
 //     unchanged, so Retry and DeadLetter middleware outside still see

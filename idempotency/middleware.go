@@ -200,7 +200,7 @@ func (h *handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 		if cl.LeaseLeft > 0 && cl.LeaseLeft < d {
 			d = cl.LeaseLeft
 		}
-		return consumer.RetryAfter(fmt.Errorf("%w: %q", ErrInProgress, key), d)
+		return consumer.Defer(fmt.Errorf("%w: %q", ErrInProgress, key), d)
 	case Claimed:
 	default:
 		return fmt.Errorf("idempotency: claim %q: store answered unknown status %v", key, cl.Status)

@@ -16,7 +16,7 @@ const EventIDHeader = "ferry-event-id"
 
 var (
 	// ErrInProgress says another worker holds the claim on the key right now.
-	// The middleware returns it wrapped in consumer.RetryAfter.
+	// The middleware returns it wrapped in consumer.Defer.
 	ErrInProgress = errors.New("idempotency: key in progress elsewhere")
 
 	// ErrNotOwner says the caller no longer holds the claim it tries to
