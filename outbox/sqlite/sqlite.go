@@ -230,9 +230,18 @@ func (s *Store) Listen(ctx context.Context, wake func()) error {
 		case <-c:
 		}
 		wake()
-		for _, d := range followUps {
-			if !row.Sleep(ctx, d) {
+		// Look again while the transaction commits; a new Add restarts
+		// the series with a wake of its own.
+		for i := 0; i < len(followUps); i++ {
+			t := time.NewTimer(followUps[i])
+			select {
+			case <-ctx.Done():
+				t.Stop()
 				return nil
+			case <-c:
+				t.Stop()
+				i = -1
+			case <-t.C:
 			}
 			wake()
 		}

@@ -1,0 +1,146 @@
+package outbox_test
+
+import (
+	"context"
+	"math/rand/v2"
+	"slices"
+	"strconv"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/memory"
+	"github.com/ferrymq/ferry/outbox"
+)
+
+// counting is the memory broker with a count of what it took and a signal
+// per publish call.
+type counting struct {
+	*memory.Broker
+	n       atomic.Int64
+	arrived chan time.Time
+}
+
+func (c *counting) Publish(ctx context.Context, dest string, msgs ...consumer.Message) error {
+	if err := c.Broker.Publish(ctx, dest, msgs...); err != nil {
+		return err
+	}
+	c.n.Add(int64(len(msgs)))
+	select {
+	case c.arrived <- time.Now():
+	default:
+	}
+	return nil
+}
+
+func benchBackends(b *testing.B) []string { return []string{"sqlite", "postgres"} }
+
+func openBench(b *testing.B, name string) *backend {
+	be := &backend{name: name}
+	return be.open(b)
+}
+
+func runBenchRelay(b *testing.B, st outbox.Store, pub consumer.Publisher, opts ...outbox.RelayOption) func() {
+	r, err := outbox.NewRelay(st, pub, opts...)
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- r.Run(ctx) }()
+	return func() {
+		cancel()
+		<-done
+	}
+}
+
+// BenchmarkRelayThroughput measures how many committed events per second one
+// relay publishes to the memory broker, with one event per Publish call and
+// with batches of 100. The events are written before the clock starts.
+func BenchmarkRelayThroughput(b *testing.B) {
+	for _, db := range benchBackends(b) {
+		for _, batch := range []int{1, 100} {
+			b.Run(db+"/batch="+strconv.Itoa(batch), func(b *testing.B) {
+				be := openBench(b, db)
+				ctx := context.Background()
+				for done := 0; done < b.N; {
+					n := min(b.N-done, 500)
+					evs := make([]outbox.Event, n)
+					for i := range evs {
+						evs[i] = outbox.Event{Destination: queue, Key: "k" + strconv.Itoa((done+i)%100), Body: []byte(`{"n":1}`)}
+					}
+					if err := be.add(ctx, evs...); err != nil {
+						b.Fatal(err)
+					}
+					done += n
+				}
+				br := memory.New()
+				defer br.Close()
+				pub := &counting{Broker: br, arrived: make(chan time.Time, 1)}
+				b.ReportAllocs()
+				b.ResetTimer()
+				start := time.Now()
+				stop := runBenchRelay(b, be.store(b, ""), pub, outbox.WithBatchSize(batch))
+				for pub.n.Load() < int64(b.N) {
+					<-pub.arrived
+				}
+				elapsed := time.Since(start)
+				b.StopTimer()
+				stop()
+				b.ReportMetric(float64(b.N)/elapsed.Seconds(), "rows/s")
+			})
+		}
+	}
+}
+
+// BenchmarkRelayLatency measures the time from a commit returning to the
+// event's publish returning, one event at a time (a light load): woken by
+// the commit (PostgreSQL LISTEN/NOTIFY, SQLite's in-process wake) and by
+// polling only (every 100ms). Events are written one at a time, at random
+// moments up to 100ms apart.
+func BenchmarkRelayLatency(b *testing.B) {
+	for _, db := range benchBackends(b) {
+		for _, mode := range []string{"notify", "poll"} {
+			b.Run(db+"/"+mode, func(b *testing.B) {
+				be := openBench(b, db)
+				ctx := context.Background()
+				br := memory.New()
+				defer br.Close()
+				pub := &counting{Broker: br, arrived: make(chan time.Time, 1)}
+				opts := []outbox.RelayOption{outbox.WithPollInterval(100 * time.Millisecond)}
+				if mode == "poll" {
+					opts = append(opts, outbox.WithListen(false))
+				}
+				stop := runBenchRelay(b, be.store(b, ""), pub, opts...)
+				defer stop()
+				// Wait until the relay holds its lanes.
+				if err := be.add(ctx, outbox.Event{Destination: queue, Key: "warm-up"}); err != nil {
+					b.Fatal(err)
+				}
+				<-pub.arrived
+				lat := make([]time.Duration, 0, b.N)
+				b.ReportAllocs()
+				b.ResetTimer()
+				for i := range b.N {
+					// Events come at random moments, not in step with the
+					// relay's poll.
+					time.Sleep(rand.N(100 * time.Millisecond))
+					if err := be.add(ctx, outbox.Event{Destination: queue, Key: "k" + strconv.Itoa(i%100), Body: []byte(`{"n":1}`)}); err != nil {
+						b.Fatal(err)
+					}
+					committed := time.Now()
+					at := <-pub.arrived
+					lat = append(lat, max(at.Sub(committed), 0))
+				}
+				b.StopTimer()
+				slices.Sort(lat)
+				pct := func(p float64) float64 {
+					return float64(lat[min(len(lat)-1, int(p*float64(len(lat))))].Microseconds()) / 1000
+				}
+				b.ReportMetric(pct(0.50), "p50-ms")
+				b.ReportMetric(pct(0.99), "p99-ms")
+			})
+		}
+	}
+}
