@@ -86,8 +86,11 @@
 // Relay.Stats counts events published, publish calls and failures, events
 // moved to the failed table and database errors; Relay.Backlog (or
 // Store.Backlog) reports the events waiting, the age of the oldest and the
-// size of the failed table. Alert on the age of the oldest event: a backlog
-// that grows without errors is the silent failure.
+// size of the failed table. While it runs, a relay reports the same as
+// OpenTelemetry metrics (MetricPublished, MetricPublishFailures,
+// MetricFailed, MetricBacklog, MetricOldestAge, MetricLanes; see
+// WithMeterProvider). Alert on the age of the oldest event: a backlog that
+// grows without errors is the silent failure.
 //
 // # Packages
 //

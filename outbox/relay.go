@@ -12,6 +12,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel/metric"
+
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/outbox/internal/row"
 )
@@ -33,6 +35,7 @@ type relayConfig struct {
 	publishTimeout time.Duration
 	listen         bool
 	logger         *slog.Logger
+	meterProvider  metric.MeterProvider
 }
 
 func cfgErr(field, format string, args ...any) error {
@@ -257,6 +260,12 @@ func (r *Relay) Run(ctx context.Context) error {
 		cancel()
 		wg.Wait()
 	}()
+
+	if reg, err := r.registerMetrics(); err != nil {
+		r.cfg.logger.Warn("outbox: metrics not registered", "err", err)
+	} else {
+		defer reg.Unregister()
+	}
 
 	waker := row.NewWaker()
 	if l, ok := r.store.(Listener); ok && r.cfg.listen {
