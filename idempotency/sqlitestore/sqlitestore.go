@@ -34,16 +34,14 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"net/url"
 	"regexp"
 	"sort"
 	"strings"
 	"time"
 
-	_ "modernc.org/sqlite" // the "sqlite" database/sql driver
-
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/idempotency"
+	"github.com/ferrymq/ferry/internal/sqlitedb"
 )
 
 // DefaultTable is the name of the keys table unless WithTable says otherwise.
@@ -59,19 +57,10 @@ var Migrations fs.FS = migrations
 // Open opens (creating it if needed) the SQLite database file at path with
 // the settings the package documentation describes.
 func Open(path string) (*sql.DB, error) {
-	if path == "" {
-		return nil, &consumer.ConfigError{Field: "Path", Reason: "must not be empty"}
-	}
-	q := url.Values{}
-	q.Add("_pragma", "busy_timeout(10000)")
-	q.Add("_pragma", "journal_mode(WAL)")
-	q.Add("_pragma", "synchronous(NORMAL)")
-	q.Add("_txlock", "immediate")
-	db, err := sql.Open("sqlite", "file:"+path+"?"+q.Encode())
+	db, err := sqlitedb.Open(path)
 	if err != nil {
-		return nil, fmt.Errorf("sqlitestore: open %s: %w", path, err)
+		return nil, fmt.Errorf("sqlitestore: %w", err)
 	}
-	db.SetMaxOpenConns(1)
 	return db, nil
 }
 

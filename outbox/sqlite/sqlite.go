@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"net/url"
 	"slices"
 	"sort"
 	"strconv"
@@ -15,9 +14,8 @@ import (
 	"sync"
 	"time"
 
-	_ "modernc.org/sqlite" // registers the "sqlite" database/sql driver
-
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/sqlitedb"
 	"github.com/ferrymq/ferry/outbox"
 	"github.com/ferrymq/ferry/outbox/internal/row"
 )
@@ -29,19 +27,10 @@ import (
 // turn instead of failing. An in-memory database cannot be shared by writer
 // and relay connections; use a file.
 func Open(path string) (*sql.DB, error) {
-	if path == "" {
-		return nil, &consumer.ConfigError{Field: "Path", Reason: "must not be empty"}
-	}
-	q := url.Values{}
-	q.Add("_pragma", "busy_timeout(10000)")
-	q.Add("_pragma", "journal_mode(WAL)")
-	q.Add("_pragma", "synchronous(NORMAL)")
-	q.Set("_txlock", "immediate")
-	db, err := sql.Open("sqlite", "file:"+path+"?"+q.Encode())
+	db, err := sqlitedb.Open(path)
 	if err != nil {
-		return nil, fmt.Errorf("outbox/sqlite: open %s: %w", path, err)
+		return nil, fmt.Errorf("outbox/sqlite: %w", err)
 	}
-	db.SetMaxOpenConns(1)
 	return db, nil
 }
 
