@@ -15,6 +15,7 @@ import (
 type deadlineCtx struct {
 	context.Context // the parent
 	deadline        time.Time
+	parentFirst     bool // the parent's deadline comes before this one's own
 
 	mu    sync.Mutex
 	done  chan struct{}
@@ -29,7 +30,7 @@ type deadlineCtx struct {
 func withLazyDeadline(parent context.Context, d time.Duration) (*deadlineCtx, func()) {
 	c := &deadlineCtx{Context: parent, deadline: time.Now().Add(d)}
 	if pd, ok := parent.Deadline(); ok && pd.Before(c.deadline) {
-		c.deadline = pd
+		c.deadline, c.parentFirst = pd, true
 	}
 	return c, c.release
 }
@@ -90,21 +91,28 @@ func (c *deadlineCtx) end(err error) {
 }
 
 // release stops the timer and unlinks from the parent. The context counts
-// as cancelled afterwards, as after context.WithTimeout's cancel.
+// as cancelled afterwards, as after context.WithTimeout's cancel. It ends
+// the context in the same critical section, so a Done racing with it sees
+// the end and starts no timer.
 func (c *deadlineCtx) release() {
 	c.mu.Lock()
+	defer c.mu.Unlock()
 	if c.timer != nil {
 		c.timer.Stop()
 	}
 	if c.stop != nil {
-		c.stop()
+		c.stop() // never waits for the callback, which would need c.mu
 	}
-	c.mu.Unlock()
-	c.end(context.Canceled)
+	if c.err == nil {
+		c.err = context.Canceled
+		if c.done != nil {
+			close(c.done)
+		}
+	}
 }
 
-// expired reports whether the deadline itself, not the parent, ended the
-// context.
+// expired reports whether this context's own deadline, not the parent's
+// deadline or cancellation, ended it.
 func (c *deadlineCtx) expired() bool {
-	return c.Err() == context.DeadlineExceeded && c.Context.Err() == nil
+	return !c.parentFirst && c.Err() == context.DeadlineExceeded && c.Context.Err() == nil
 }

@@ -53,7 +53,8 @@
 // Cancelling Run's context stops fetching, returns every message not yet
 // started to the broker, lets running handlers finish for the shutdown grace
 // period and acks those that succeed. Handlers still running after it have
-// their context cancelled and their messages are left for redelivery.
+// their context cancelled and their messages are returned (or, if they do not
+// return at all, left to their lease) for redelivery.
 //
 // # Writing handlers
 //

@@ -27,6 +27,8 @@ type memHarness struct {
 	noExtend bool
 	// giveBack returns every message to the queue as soon as it is fetched.
 	giveBack bool
+	// ackReturns acks every message the loop gives back.
+	ackReturns bool
 }
 
 var _ consumertest.Harness = (*memHarness)(nil)
@@ -67,6 +69,9 @@ func (h *memHarness) NewConsumer(t *testing.T, source string, opts ...consumer.O
 	}
 	if h.giveBack {
 		d = givingBackDriver{plainDriver{d}}
+	}
+	if h.ackReturns {
+		d = ackingDriver{plainDriver{d}}
 	}
 	l, err := consumer.New(d, opts...)
 	if err != nil {
@@ -112,4 +117,15 @@ func (g givingBackDriver) Fetch(ctx context.Context, dst []driver.Message, max i
 		_ = g.d.Settle(ctx, back)
 	}
 	return dst, err
+}
+
+// ackingDriver acks every message the loop returns: what a consumer that
+// "acks on shutdown" does.
+type ackingDriver struct{ plainDriver }
+
+func (a ackingDriver) Settle(ctx context.Context, batch []driver.Settlement) error {
+	for i := range batch {
+		batch[i].Action = driver.Ack
+	}
+	return a.d.Settle(ctx, batch)
 }

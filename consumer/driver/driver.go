@@ -192,10 +192,19 @@ type Revoker interface {
 	Revoked() <-chan Revocation
 }
 
-// Revocation names lanes the broker took away. The loop closes Done once it
-// has let go of every message in them; a driver may wait on Done (a Kafka
-// rebalance callback does) before it lets the broker move on. Done may be
-// nil.
+// Revocation names lanes the broker took away. The loop closes Done once
+// every running handler of those lanes has returned and every outcome it
+// decided before the revocation has been passed to Settle; after that it
+// settles nothing of those lanes. A driver may wait on Done (a Kafka
+// rebalance callback does, then commits what was acked) before it lets the
+// broker move on. Done may be nil.
+//
+// A batch the driver fetched from a lane before revoking it may still reach
+// the loop after Done, and the loop cannot tell it from a new assignment of
+// the same lane: a driver must refuse to settle handles of a lane generation
+// it no longer owns (franz-go's commit of an offset for a partition it lost
+// is refused by the group coordinator; an AMQP delivery tag carries its
+// channel generation).
 type Revocation struct {
 	Lanes []string
 	Done  chan struct{}
