@@ -92,6 +92,7 @@ type run struct {
 
 	handlerCtx    context.Context // parent of every handler's context
 	cancelHandler context.CancelFunc
+	ioCtx         context.Context // of settle and extend calls: outlives Run's context
 
 	work    chan *delivery
 	done    chan *delivery
@@ -145,8 +146,8 @@ func newRun(l *Loop, h Handler, ctx context.Context) *run {
 	}
 	r.timer.Stop()
 	r.head.next, r.head.prev = &r.head, &r.head
-	r.handlerCtx, r.cancelHandler = context.WithCancel(
-		context.WithValue(context.WithoutCancel(ctx), nameKey{}, l.cfg.name))
+	r.ioCtx = context.WithoutCancel(ctx)
+	r.handlerCtx, r.cancelHandler = context.WithCancel(context.WithValue(r.ioCtx, nameKey{}, l.cfg.name))
 	if l.revoker != nil {
 		r.lanes = make(map[string]*laneState)
 	}
@@ -352,8 +353,7 @@ func (r *run) finish(d *delivery) {
 	}
 	err := d.err
 	d.err = nil
-	var held *HeldError
-	isHeld := errors.As(err, &held)
+	held, isHeld := asHeld(err)
 	if isHeld {
 		l.stats.held.Add(1)
 		r.pauseFetching(held.Delay)
@@ -407,6 +407,18 @@ func (r *run) finish(d *delivery) {
 		d.msg.Attempt++
 	}
 	r.wait(d, time.Now().Add(delay))
+}
+
+// asHeld returns the HeldError in err, if any. It is a function of its own
+// because the variable errors.As fills escapes to the heap: declared in
+// finish, it would cost an allocation for every message, failed or not.
+func asHeld(err error) (*HeldError, bool) {
+	if err == nil {
+		return nil, false
+	}
+	var held *HeldError
+	ok := errors.As(err, &held)
+	return held, ok
 }
 
 // pauseFetching stops the fetcher until d from now (a breaker is open).

@@ -126,6 +126,9 @@ func newDelivery(m *driver.Message) *delivery {
 	return d
 }
 
+// ioTimeout bounds one Extend or Settle call.
+const ioTimeout = 30 * time.Second
+
 // ioLoop makes the broker calls the dispatcher decided, one job at a time
 // and in order: lease extensions, then settlements. Keeping them on one
 // goroutine keeps Settle from running concurrently with itself, as the
@@ -134,7 +137,7 @@ func (r *run) ioLoop() {
 	l := r.l
 	for job := range r.ioCh {
 		if len(job.extend) > 0 {
-			ctx, cancel := context.WithTimeout(context.WithoutCancel(r.handlerCtx), 30*time.Second)
+			ctx, cancel := withLazyDeadline(r.ioCtx, ioTimeout)
 			if err := l.extender.Extend(ctx, job.extend, l.extender.Lease()); err != nil {
 				l.stats.settleErrors.Add(1)
 				r.log.Warn("ferry: extending leases failed", "err", err, "count", len(job.extend))
@@ -142,7 +145,7 @@ func (r *run) ioLoop() {
 			cancel()
 		}
 		if len(job.settle) > 0 {
-			ctx, cancel := context.WithTimeout(context.WithoutCancel(r.handlerCtx), 30*time.Second)
+			ctx, cancel := withLazyDeadline(r.ioCtx, ioTimeout)
 			if err := l.drv.Settle(ctx, job.settle); err != nil {
 				l.stats.settleErrors.Add(1)
 				r.log.Warn("ferry: settling failed; the broker redelivers those messages after their lease", "err", err, "count", len(job.settle))
