@@ -111,8 +111,9 @@ func (c *deadlineCtx) release() {
 	}
 }
 
-// expired reports whether this context's own deadline, not the parent's
-// deadline or cancellation, ended it.
+// expired reports whether this context's own deadline has passed: the
+// work ran past it, whether or not the parent was cancelled later. A
+// deadline the parent set earlier is not this one's.
 func (c *deadlineCtx) expired() bool {
-	return !c.parentFirst && c.Err() == context.DeadlineExceeded && c.Context.Err() == nil
+	return !c.parentFirst && !time.Now().Before(c.deadline)
 }

@@ -81,3 +81,14 @@ func TestLazyDeadlineReleaseCancels(t *testing.T) {
 		t.Fatalf("Err after release = %v", ctx.Err())
 	}
 }
+
+func TestLazyDeadlineExpiredWhenItsOwnDeadlinePassedBeforeTheParentEnded(t *testing.T) {
+	parent, cancel := context.WithCancel(context.Background())
+	ctx, release := withLazyDeadline(parent, 5*time.Millisecond)
+	defer release()
+	time.Sleep(20 * time.Millisecond) // the handler runs past its own deadline...
+	cancel()                          // ...and only then is the parent cancelled
+	if !ctx.expired() {
+		t.Fatal("a run past its own deadline is not reported as expired because the parent ended later")
+	}
+}

@@ -391,11 +391,20 @@ func (r *run) finish(d *delivery) {
 		r.wait(d, time.Now().Add(held.Delay))
 		return
 	}
-	notAttempted := errors.Is(err, ErrNotAttempted)
-	if !notAttempted {
-		r.countFailure(d, err)
-	}
 	delay := r.redeliveryDelay(d, err)
+	if errors.Is(err, ErrNotAttempted) {
+		// Deferred: keep it and run it again here after the delay. Returning
+		// it would make a broker that counts deliveries (SQS, quorum queues)
+		// count an attempt the handler never made.
+		if r.shutting {
+			r.settle(d, driver.Return, delay, true)
+			return
+		}
+		l.stats.deferred.Add(1)
+		r.wait(d, time.Now().Add(delay))
+		return
+	}
+	r.countFailure(d, err)
 	if l.caps.Redelivers || r.shutting {
 		r.settle(d, driver.Return, delay, true)
 		return
@@ -403,9 +412,7 @@ func (r *run) finish(d *delivery) {
 	// A log cannot take the message back: run it again here after the
 	// delay, holding its key so that nothing behind it overtakes it.
 	l.stats.retried.Add(1)
-	if !notAttempted {
-		d.msg.Attempt++
-	}
+	d.msg.Attempt++
 	r.wait(d, time.Now().Add(delay))
 }
 

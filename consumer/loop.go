@@ -34,8 +34,8 @@ type Loop struct {
 	space    chan struct{}
 
 	stats struct {
-		fetched, acked, returned, failed, panics, held, retried, revoked atomic.Int64
-		fetchErrors, settleErrors, running                               atomic.Int64
+		fetched, acked, returned, failed, panics, held, deferred, retried, revoked atomic.Int64
+		fetchErrors, settleErrors, running                                         atomic.Int64
 	}
 }
 
@@ -47,6 +47,7 @@ type Stats struct {
 	Failed       int64 // handler runs that returned an error (panics included)
 	Panics       int64 // handler runs that panicked
 	Held         int64 // handler runs held by a circuit breaker (not attempts)
+	Deferred     int64 // handler runs that returned Defer (not attempts)
 	Retried      int64 // in-place re-runs (brokers that cannot redeliver)
 	Revoked      int64 // deliveries let go because the broker revoked their lane
 	FetchErrors  int64 // failed fetches
@@ -84,7 +85,7 @@ func (l *Loop) Stats() Stats {
 	s := &l.stats
 	return Stats{
 		Fetched: s.fetched.Load(), Acked: s.acked.Load(), Returned: s.returned.Load(),
-		Failed: s.failed.Load(), Panics: s.panics.Load(), Held: s.held.Load(),
+		Failed: s.failed.Load(), Panics: s.panics.Load(), Held: s.held.Load(), Deferred: s.deferred.Load(),
 		Retried: s.retried.Load(), Revoked: s.revoked.Load(),
 		FetchErrors: s.fetchErrors.Load(), SettleErrors: s.settleErrors.Load(),
 		InFlight: l.inflight.Load(), Running: s.running.Load(),

@@ -78,13 +78,14 @@ func (e *RetryAfterError) Unwrap() error { return e.Err }
 // Is reports whether target is ErrNotAttempted and the handler did not run.
 func (e *RetryAfterError) Is(target error) bool { return target == ErrNotAttempted && e.NotAttempted }
 
-// Defer returns the message to the broker, to be delivered again no sooner
-// than d, without its handler having run: it waits on something else, such
-// as a duplicate of it that another worker is handling right now. Like
-// RetryAfter it is redelivered after d; unlike a failure it spends none of
-// the message's attempts in DeadLetter, is not retried in process by Retry,
-// and does not count against a Breaker. (A broker that counts deliveries,
-// like SQS, still counts the redelivery.) Defer(nil, d) is nil.
+// Defer says the handler did not run: the message waits on something else,
+// such as a duplicate of it that another worker is handling right now. The
+// delivery loop keeps the message (extending its lease) and runs it again
+// no sooner than d from now, without returning it to the broker, so a broker
+// that counts deliveries (SQS, RabbitMQ quorum queues) counts no attempt
+// either; fetching goes on. DeadLetter spends none of the message's
+// attempts on it, Retry does not retry it in process, and a Breaker does not
+// count it. Defer(nil, d) is nil.
 func Defer(err error, d time.Duration) error {
 	if err == nil {
 		return nil

@@ -31,9 +31,10 @@ func TestStandardRetriesPanicsCountsThemAndDeadLettersThem(t *testing.T) {
 	}
 }
 
-func TestStandardBreakerSeesEveryCallAndHoldsTheRest(t *testing.T) {
+func TestStandardBreakerCountsOneFailurePerDelivery(t *testing.T) {
 	pub := &recordingPublisher{}
-	st, err := Standard(pub, "dlq", quietDLQ(), StandardRetry(RetryAttempts(10)),
+	st, err := Standard(pub, "dlq", quietDLQ(), StandardRetry(RetryAttempts(3)),
+		StandardDeadLetter(DeadLetterMaxAttempts(100)),
 		StandardBreaker(BreakerFailures(2), BreakerOpenFor(time.Hour)))
 	if err != nil {
 		t.Fatal(err)
@@ -42,12 +43,42 @@ func TestStandardBreakerSeesEveryCallAndHoldsTheRest(t *testing.T) {
 	noSleep(st.Retry, &slept)
 	calls := 0
 	h := st.Wrap(HandlerFunc(func(context.Context, *Message) error { calls++; return errDown }))
-	err = h.Handle(context.Background(), &Message{ID: "m", Attempt: 1})
-	if !errors.Is(err, ErrHeld) || calls != 2 {
-		t.Fatalf("err = %v after %d calls; want a hold after 2 (the breaker inside Retry counts each call)", err, calls)
+
+	// One message failing all three runs of its delivery: one counted
+	// failure, so a lone poison message cannot open the breaker.
+	err = h.Handle(context.Background(), &Message{ID: "m1", Attempt: 1})
+	if errors.Is(err, ErrHeld) || calls != 3 || st.Breaker.State() != BreakerClosed {
+		t.Fatalf("after one message: err %v, %d calls, breaker %s; want 3 runs and the breaker closed", err, calls, st.Breaker.State())
 	}
-	if st.DeadLetter.Count() != 0 || st.Breaker.State() != BreakerOpen {
-		t.Errorf("dead-lettered %d, breaker %s", st.DeadLetter.Count(), st.Breaker.State())
+	// A second message fails too: two deliveries failed in a row, so the
+	// dependency is down; the breaker opens and holds the rest of its runs.
+	err = h.Handle(context.Background(), &Message{ID: "m2", Attempt: 1})
+	if !errors.Is(err, ErrHeld) || calls != 4 || st.Breaker.State() != BreakerOpen {
+		t.Fatalf("after two messages: err %v, %d calls, breaker %s; want a hold after 4 calls and the breaker open", err, calls, st.Breaker.State())
+	}
+	if st.DeadLetter.Count() != 0 {
+		t.Errorf("dead-lettered %d, want 0", st.DeadLetter.Count())
+	}
+}
+
+func TestStandardPanickingPoisonDoesNotOpenTheBreaker(t *testing.T) {
+	st, err := Standard(&recordingPublisher{}, "dlq", quietDLQ(), StandardBreaker(BreakerFailures(1)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var slept []time.Duration
+	noSleep(st.Retry, &slept)
+	h := st.Wrap(HandlerFunc(func(_ context.Context, m *Message) error {
+		if m.ID == "poison" {
+			panic("nil map")
+		}
+		return nil
+	}))
+	for attempt := 1; attempt <= 2; attempt++ {
+		_ = h.Handle(context.Background(), &Message{ID: "poison", Attempt: attempt})
+	}
+	if err := h.Handle(context.Background(), &Message{ID: "good", Attempt: 1}); err != nil {
+		t.Fatalf("the good message after a panicking poison one: %v (breaker %s)", err, st.Breaker.State())
 	}
 }
 

@@ -58,7 +58,7 @@ func TestDuplicateWaitingBehindALongHandlerIsNeverDeadLettered(t *testing.T) {
 
 	// Let the duplicate be deferred many times over its MaxAttempts of 2.
 	deadline := time.Now().Add(30 * time.Second)
-	for c.Stats().Returned < 10 {
+	for c.Stats().Deferred < 10 {
 		if time.Now().After(deadline) {
 			t.Fatalf("the duplicate was not deferred repeatedly: %+v", c.Stats())
 		}
@@ -82,6 +82,9 @@ func TestDuplicateWaitingBehindALongHandlerIsNeverDeadLettered(t *testing.T) {
 	}
 	if stack.Breaker.Opened() != 0 {
 		t.Fatal("deferred duplicates opened the breaker")
+	}
+	if n := b.Stats("orders").Acked; n != 2 || c.Stats().Returned != 0 {
+		t.Fatalf("acked %d, returned %d: the deferred copy must wait in the consumer, not go back to the broker (which would count a delivery)", n, c.Stats().Returned)
 	}
 	if !errors.Is(consumer.Defer(errors.New("x"), 0), consumer.ErrNotAttempted) {
 		t.Fatal("Defer does not match ErrNotAttempted")

@@ -81,7 +81,10 @@ type Claim struct {
 //
 // Complete and Release succeed only for the holder of the claim, named by the
 // token Claim returned; anyone else gets ErrNotOwner. A holder whose lease
-// expired but whose key nobody has claimed since still holds it. Errors of
+// expired but whose key nobody has claimed since still holds it in the
+// memory, PostgreSQL and SQLite stores; in Redis the claim ends with its
+// lease (the key expires), so such a holder gets ErrNotOwner and its message
+// runs again: give claims a lease longer than the handler runs. Errors of
 // the store itself (unreachable, timed out) are returned wrapped, and are
 // never ErrNotOwner.
 type Store interface {

@@ -5,7 +5,10 @@
 // completed key from one in progress. Complete and Release are Lua scripts
 // that act only when the key still holds the caller's owner token, so a slow
 // worker whose lease expired cannot touch the claim of the worker that took
-// the key over; each is one round trip (EVALSHA).
+// the key over; each is one round trip (EVALSHA). Unlike the SQL stores,
+// a claim whose lease ran out is gone even if nobody took the key over
+// (Redis deleted it): its holder's Complete then gets ErrNotOwner and the
+// message runs again. Choose a lease longer than the handler runs.
 //
 // Redis expires claims and completions by itself (their TTL is the lease or
 // the retention), so the store needs no Cleanup. Its cost is memory: one key
