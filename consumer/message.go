@@ -108,6 +108,10 @@ type Consumer interface {
 type Publisher interface {
 	// Publish returns nil only once the broker holds every message durably.
 	// When some messages failed and others did not, the error is a
-	// *PublishError that says which.
+	// *PublishError that says which. Messages of one key are published in
+	// the order given, and when one fails, every later message of the same
+	// key in the call fails too (none of them reaches the broker): a later
+	// message that got through could not be taken back, and would overtake
+	// the failed one when it is published again.
 	Publish(ctx context.Context, destination string, msgs ...Message) error
 }

@@ -100,20 +100,23 @@ func (d *memDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([
 			// Deliveries add deadlines; dead-lettering may unblock a group.
 			q.notify()
 		}
-		q.mu.Unlock()
-
 		if len(dead) > 0 {
+			// Moved while the source is still locked, so that two fetches
+			// dead-lettering one group's messages keep their order in the
+			// dead-letter queue. Locks go source, then dead-letter queue;
+			// CreateQueue refuses cycles, so no fetch takes them the other way.
 			dlq := q.dlq
 			dlq.mu.Lock()
-			now := q.b.now()
+			dnow := q.b.now()
 			for _, e := range dead {
-				dlq.enqueue(e, now)
+				dlq.enqueue(e, dnow)
 			}
 			dlq.notify()
 			dlq.mu.Unlock()
 			clear(dead)
 			d.dead = dead[:0]
 		}
+		q.mu.Unlock()
 
 		if len(ps) > 0 {
 			var arena []byte

@@ -345,7 +345,11 @@ func (r *Relay) loop(ctx context.Context, wake <-chan struct{}) error {
 					break
 				}
 				r.storeErrs.Add(1)
-				log.Warn("outbox: renewing lane leases failed", "err", err)
+				log.Warn("outbox: renewing lane leases failed; letting go of every lane until a renewal succeeds", "err", err)
+				// The renewal may have committed all the same, handing some
+				// lanes to another relay: publishing from the old list could
+				// put two relays on one lane.
+				lanes = nil
 				nextLease = time.Now().Add(min(leaseBo.next(), r.cfg.ttl/3))
 			} else {
 				leaseBo.reset()
@@ -524,7 +528,12 @@ func (r *Relay) publish(ctx context.Context, dest string, recs []*Record) (done 
 	r.pubFailures.Add(1)
 
 	var pe *consumer.PublishError
-	if errors.As(perr, &pe) {
+	if errors.As(perr, &pe) && len(pe.Failed) == 0 {
+		// A partial failure that names no message: take it as a failure of
+		// the whole call, to be retried, rather than as a success.
+		return nil, nil, fmt.Errorf("outbox: publish to %s: %w", dest, perr)
+	}
+	if pe != nil {
 		failed := make(map[int]error, len(pe.Failed))
 		for _, f := range pe.Failed {
 			failed[f.Index] = f.Err
@@ -532,6 +541,9 @@ func (r *Relay) publish(ctx context.Context, dest string, recs []*Record) (done 
 		blocked := make(map[string]bool)
 		for i, rec := range recs {
 			ferr, bad := failed[i]
+			if bad && ferr == nil {
+				ferr = errors.New("the publisher reported a failure without an error")
+			}
 			switch {
 			case bad && consumer.IsPermanent(ferr):
 				fails = append(fails, failure{rec.Seq, ferr.Error()})
