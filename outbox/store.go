@@ -29,7 +29,9 @@ type Backlog struct {
 
 // Store is the relay's access to an outbox's tables. The postgres and sqlite
 // packages implement it; a Relay calls it from one goroutine at a time,
-// except Listen, which runs in a goroutine of its own.
+// except Listen, which runs in a goroutine of its own, and Backlog, which
+// metrics and callers of Relay.Backlog may call at any time: an
+// implementation must be safe for concurrent use.
 type Store interface {
 	// Lease records owner as a live relay until ttl from now, renews the
 	// lanes owner holds, gives back those above its fair share (Lanes divided
