@@ -45,12 +45,11 @@ func (s BreakerState) String() string {
 //
 // Closed, it lets every message through and counts consecutive failures
 // among the errors that count (see BreakerCounts: by default every error but
-// a permanent one, a panic, a hold, a Defer and a cancelled context). It
-// counts one failure per delivery: when Retry runs a message again in
-// process, the re-runs' failures do not count, so a single poison message
-// (which fails every run) cannot open the breaker for everyone, while an
-// outage fails many messages' first runs and opens it. After Failures
-// counted failures in a row it opens.
+// a permanent one, a panic, a hold, a Defer and a cancelled context, so a
+// poison message, which fails with bad input or a bug, never opens the
+// breaker for everyone). It counts every call, Retry's re-runs included, so
+// that an outage opens it within a few calls even when little traffic
+// flows. After Failures of them in a row it opens.
 //
 // Open, it does not call the handler: it returns Hold(ErrBreakerOpen, d),
 // with d the time left of the open period. The delivery loop keeps the
@@ -159,10 +158,6 @@ func BreakerOnStateChange(f func(from, to BreakerState)) BreakerOption {
 	}
 }
 
-// errRerun stands, inside gobreaker, for the failure of a re-run that the
-// breaker does not count.
-var errRerun = errors.New("failure of a re-run")
-
 // DefaultBreakerCounts counts every error as a failure of the dependency
 // except a permanent error (bad input says nothing about the dependency), a
 // panic (a bug in the handler, not an outage), a hold, a Defer (the handler
@@ -199,7 +194,7 @@ func NewBreaker(opts ...BreakerOption) (*Breaker, error) {
 		Timeout:     c.openFor,
 		ReadyToTrip: func(n gobreaker.Counts) bool { return n.ConsecutiveFailures >= failures },
 		IsExcluded: func(err error) bool {
-			return err != nil && (err == errRerun || errors.Is(err, ErrHeld) || !b.counts(err))
+			return err != nil && (errors.Is(err, ErrHeld) || !b.counts(err))
 		},
 		OnStateChange: func(_ string, from, to gobreaker.State) {
 			if to == gobreaker.StateOpen {
@@ -237,25 +232,14 @@ func (b *Breaker) Held() int64 { return b.held.Load() }
 // Wrap returns next guarded by the breaker. b.Wrap is a Middleware.
 func (b *Breaker) Wrap(next Handler) Handler {
 	return HandlerFunc(func(ctx context.Context, m *Message) error {
-		// Retry's re-runs of one message do not count again: a single poison
-		// message must not open the breaker for everyone.
-		rerun := false
-		if rec, ok := ctx.Value(recordKey{}).(*record); ok && rec.run > 1 {
-			rerun = true
-		}
 		ran := false
-		var herr error
 		_, err := b.cb.Execute(func() (struct{}, error) {
 			ran = true
-			herr = next.Handle(ctx, m)
-			if herr != nil && rerun {
-				return struct{}{}, errRerun
-			}
-			return struct{}{}, herr
+			return struct{}{}, next.Handle(ctx, m)
 		})
 		switch {
-		case ran:
-			return herr
+		case err == nil || ran:
+			return err
 		case errors.Is(err, gobreaker.ErrOpenState):
 			b.held.Add(1)
 			return Hold(b.errOpen, b.remaining())
