@@ -359,3 +359,21 @@ func TestPhasesFollowTheClock(t *testing.T) {
 		}
 	}
 }
+
+// The run a newcomer gets from `ferry demo`, at its full default length:
+// the short run above misses what only a long outage after the consumer kill
+// shows (a breaker rule once let a good order burn its attempts and be
+// dead-lettered here, and only the default run caught it).
+func TestDefaultRunHoldsEveryInvariant(t *testing.T) {
+	if testing.Short() {
+		t.Skip("the default demo takes about 40 s")
+	}
+	var out bytes.Buffer
+	c := DefaultConfig()
+	c.Out = &out
+	c.Quiet = true
+	v := runDemo(t, c)
+	if !v.OK() {
+		t.Fatalf("verdict broken: %v\n%s", v.Broken(), out.String())
+	}
+}
