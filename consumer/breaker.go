@@ -49,7 +49,9 @@ func (s BreakerState) String() string {
 // poison message, which fails with bad input or a bug, never opens the
 // breaker for everyone). It counts every call, Retry's re-runs included, so
 // that an outage opens it within a few calls even when little traffic
-// flows. After Failures of them in a row it opens.
+// flows. It opens after Failures of them in a row, or after Failures within
+// its rolling window when they are at least FailureRatio of the calls
+// counted there (an outage whose last slow calls still succeed).
 //
 // Open, it does not call the handler: it returns Hold(ErrBreakerOpen, d),
 // with d the time left of the open period. The delivery loop keeps the
@@ -82,6 +84,8 @@ type BreakerOption func(*breakerConfig) error
 type breakerConfig struct {
 	name     string
 	failures int
+	ratio    float64
+	window   time.Duration
 	openFor  time.Duration
 	trials   int
 	counts   func(error) bool
@@ -99,14 +103,42 @@ func BreakerName(name string) BreakerOption {
 	}
 }
 
-// BreakerFailures sets how many counted failures in a row open the breaker.
-// Default 5.
+// BreakerFailures sets how many counted failures open the breaker: that
+// many in a row, or that many within the window (BreakerWindow) when they
+// are at least BreakerFailureRatio of the calls counted in it. Default 5.
 func BreakerFailures(n int) BreakerOption {
 	return func(c *breakerConfig) error {
 		if n < 1 {
 			return configErr("Breaker.Failures", "must be >= 1, got %d", n)
 		}
 		c.failures = n
+		return nil
+	}
+}
+
+// BreakerFailureRatio sets the share of failures among the calls counted in
+// the window from which BreakerFailures failures open the breaker, even when
+// successes came in between. A dependency that fails fast while its last
+// slow calls still succeed breaks every run of consecutive failures, and
+// only the ratio opens the breaker in time. Default 0.5.
+func BreakerFailureRatio(r float64) BreakerOption {
+	return func(c *breakerConfig) error {
+		if !(r > 0 && r <= 1) {
+			return configErr("Breaker.FailureRatio", "must be in (0, 1], got %v", r)
+		}
+		c.ratio = r
+		return nil
+	}
+}
+
+// BreakerWindow sets the rolling window over which failures and successes
+// are counted while the breaker is closed. Default 10s.
+func BreakerWindow(d time.Duration) BreakerOption {
+	return func(c *breakerConfig) error {
+		if d <= 0 {
+			return configErr("Breaker.Window", "must be > 0, got %s", d)
+		}
+		c.window = d
 		return nil
 	}
 }
@@ -171,7 +203,7 @@ func DefaultBreakerCounts(err error) bool {
 // NewBreaker returns a closed Breaker. It fails with a *ConfigError naming
 // the field when an option is invalid.
 func NewBreaker(opts ...BreakerOption) (*Breaker, error) {
-	c := breakerConfig{name: "ferry", failures: 5, openFor: 10 * time.Second, trials: 1, counts: DefaultBreakerCounts}
+	c := breakerConfig{name: "ferry", failures: 5, ratio: 0.5, window: 10 * time.Second, openFor: 10 * time.Second, trials: 1, counts: DefaultBreakerCounts}
 	for _, o := range opts {
 		if o == nil {
 			continue
@@ -187,12 +219,20 @@ func NewBreaker(opts ...BreakerOption) (*Breaker, error) {
 		onChange: c.onChange,
 		errOpen:  fmt.Errorf("ferry: breaker %q: %w", c.name, ErrBreakerOpen),
 	}
-	failures := uint32(c.failures)
+	failures, ratio := uint32(c.failures), c.ratio
 	b.cb = gobreaker.NewCircuitBreaker[struct{}](gobreaker.Settings{
-		Name:        c.name,
-		MaxRequests: uint32(c.trials),
-		Timeout:     c.openFor,
-		ReadyToTrip: func(n gobreaker.Counts) bool { return n.ConsecutiveFailures >= failures },
+		Name:         c.name,
+		MaxRequests:  uint32(c.trials),
+		Timeout:      c.openFor,
+		Interval:     c.window,
+		BucketPeriod: max(c.window/10, time.Millisecond),
+		ReadyToTrip: func(n gobreaker.Counts) bool {
+			if n.ConsecutiveFailures >= failures {
+				return true
+			}
+			counted := n.TotalSuccesses + n.TotalFailures
+			return n.TotalFailures >= failures && float64(n.TotalFailures) >= ratio*float64(counted)
+		},
 		IsExcluded: func(err error) bool {
 			return err != nil && (errors.Is(err, ErrHeld) || !b.counts(err))
 		},

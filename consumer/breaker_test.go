@@ -185,3 +185,48 @@ func TestBreakerStateString(t *testing.T) {
 		}
 	}
 }
+
+// A dependency that has gone down fails new calls fast while its last slow
+// calls still succeed: the successes break every run of consecutive
+// failures, and the failure ratio opens the breaker all the same.
+func TestBreakerOpensOnFailureRatioWhenSlowSuccessesInterleave(t *testing.T) {
+	b, err := NewBreaker(BreakerFailures(5), BreakerOpenFor(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fail := b.Wrap(HandlerFunc(func(context.Context, *Message) error { return errors.New("503") }))
+	ok := b.Wrap(HandlerFunc(func(context.Context, *Message) error { return nil }))
+	for i := 0; i < 4; i++ {
+		_ = fail.Handle(context.Background(), &Message{})
+		_ = fail.Handle(context.Background(), &Message{})
+		if b.State() == BreakerOpen {
+			return
+		}
+		_ = ok.Handle(context.Background(), &Message{}) // a slow call from before the outage returns
+	}
+	t.Fatalf("breaker %s after 8 failures and 4 successes", b.State())
+}
+
+func TestBreakerStaysClosedForARareFailureAmongSuccesses(t *testing.T) {
+	b, err := NewBreaker(BreakerFailures(5))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fail := b.Wrap(HandlerFunc(func(context.Context, *Message) error { return errors.New("503") }))
+	ok := b.Wrap(HandlerFunc(func(context.Context, *Message) error { return nil }))
+	for i := 0; i < 10; i++ {
+		_ = fail.Handle(context.Background(), &Message{})
+		for j := 0; j < 3; j++ {
+			_ = ok.Handle(context.Background(), &Message{})
+		}
+	}
+	if b.State() != BreakerClosed {
+		t.Fatalf("breaker %s with 10 failures among 40 calls (25%%)", b.State())
+	}
+	if _, err := NewBreaker(BreakerFailureRatio(0)); err == nil {
+		t.Fatal("a failure ratio of 0 was accepted")
+	}
+	if _, err := NewBreaker(BreakerWindow(0)); err == nil {
+		t.Fatal("a window of 0 was accepted")
+	}
+}

@@ -149,7 +149,10 @@ func judge(f facts) []Check {
 	for _, m := range f.dlq {
 		inDLQ[m.Key] = append(inDLQ[m.Key], dead{m.Header(consumer.HeaderDLQReason), m.Header(consumer.HeaderDLQError)})
 		if poison[m.Key] == nil && !slices.Contains(good, m.Key) {
-			good = append(good, m.Key)
+			// Say why, from the failure story in its headers.
+			good = append(good, fmt.Sprintf("%s: %s after %s attempts in %s deliveries: %s", m.Key,
+				m.Header(consumer.HeaderDLQReason), m.Header(consumer.HeaderDLQAttempts),
+				m.Header(consumer.HeaderDLQDeliveries), m.Header(consumer.HeaderDLQError)))
 		}
 	}
 	var missing []string
