@@ -130,7 +130,11 @@ type DeadLetter struct {
 type DeadLetterOption func(*DeadLetter) error
 
 // DeadLetterMaxAttempts sets after how many failed attempts a message is
-// dead-lettered. Default 5.
+// dead-lettered. Default 5. An earlier delivery counts as a full Retry
+// budget (see DeadLetter), even when it was cut short by a crash, so allow
+// at least a few deliveries' worth (with Retry's 3 runs, 9 or more): a
+// message redelivered after a consumer crash should still outlive the
+// first failing runs of an outage, before the breaker opens.
 func DeadLetterMaxAttempts(n int) DeadLetterOption {
 	return func(d *DeadLetter) error {
 		if n < 1 {

@@ -84,7 +84,11 @@ func (b *billing) setUp(ctx context.Context, c Config, pub consumer.Publisher, d
 			consumer.BreakerOpenFor(c.openFor()),
 			consumer.BreakerCounts(countsAgainstAPI)),
 		consumer.StandardDeadLetter(
-			consumer.DeadLetterMaxAttempts(6),
+			// Three deliveries' worth of runs: a message whose consumer was
+			// killed comes back with its lost delivery counted as a full
+			// Retry budget, and must still outlive the first failing runs of
+			// an outage before the breaker opens.
+			consumer.DeadLetterMaxAttempts(9),
 			consumer.DeadLetterLogger(log)),
 		consumer.StandardTimeout(timeout))
 	if err != nil {
