@@ -40,12 +40,12 @@ func newInbox(namespace string, opts []Option) (inbox, error) {
 	}
 	return inbox{
 		prefix:    idempotency.Key(namespace, ""),
-		key:       c.key,
-		retention: c.retention.Milliseconds(),
+		key:       c.Key,
+		retention: c.Retention.Milliseconds(),
 		// A key whose retention ended (not yet cleaned up) is taken over;
 		// a live one inserts nothing. A concurrent, uncommitted insert of the
 		// same key makes this wait for its transaction to end.
-		insertSQL: `INSERT INTO ` + c.table + ` AS k (key, token, done, expires_at)
+		insertSQL: `INSERT INTO ` + c.Table + ` AS k (key, token, done, expires_at)
 VALUES ($1, '', true, now() + $2::bigint * interval '1 millisecond')
 ON CONFLICT (key) DO UPDATE SET token = '', done = true, expires_at = excluded.expires_at
 WHERE k.expires_at <= now()`,

@@ -36,9 +36,6 @@ import (
 	"embed"
 	"fmt"
 	"io/fs"
-	"regexp"
-	"sort"
-	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -46,6 +43,7 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/idempotency"
+	"github.com/ferrymq/ferry/idempotency/internal/keytable"
 )
 
 // DefaultTable is the name of the keys table unless WithTable says otherwise.
@@ -74,71 +72,30 @@ type Beginner interface {
 // makes the constructor fail with a *consumer.ConfigError naming the field.
 type Option func(*config) error
 
-type config struct {
-	table     string
-	retention time.Duration
-	key       idempotency.KeyFunc
-}
-
-func defaultConfig() config {
-	return config{table: DefaultTable, retention: idempotency.DefaultRetention, key: idempotency.DefaultKey}
-}
-
-func configErr(field, format string, args ...any) error {
-	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
-}
-
-var tableName = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,39}$`)
+type config = keytable.Config
 
 // WithTable sets the keys table: lower-case letters, digits and '_', at most
 // 40 characters, unqualified (it is found through the search_path). Default
 // DefaultTable (ferry_idempotency_keys).
 func WithTable(name string) Option {
-	return func(c *config) error {
-		if !tableName.MatchString(name) {
-			return configErr("Table", "must match %s, got %q", tableName, name)
-		}
-		c.table = name
-		return nil
-	}
+	return Option(keytable.Table(name))
 }
 
 // WithRetention sets how long the inbox keeps a key (Inbox and SQLInbox
 // only; the middleware's retention is idempotency.WithRetention). Default
 // idempotency.DefaultRetention (15 days).
 func WithRetention(d time.Duration) Option {
-	return func(c *config) error {
-		if d <= 0 {
-			return configErr("Retention", "must be > 0, got %s", d)
-		}
-		c.retention = d
-		return nil
-	}
+	return Option(keytable.Retention(d))
 }
 
 // WithKey sets how the inbox derives a message's key (Inbox and SQLInbox
 // only). Default idempotency.DefaultKey.
 func WithKey(f idempotency.KeyFunc) Option {
-	return func(c *config) error {
-		if f == nil {
-			return configErr("Key", "must not be nil")
-		}
-		c.key = f
-		return nil
-	}
+	return Option(keytable.Key(f))
 }
 
 func buildConfig(opts []Option) (config, error) {
-	c := defaultConfig()
-	for _, o := range opts {
-		if o == nil {
-			continue
-		}
-		if err := o(&c); err != nil {
-			return c, err
-		}
-	}
-	return c, nil
+	return keytable.Build(DefaultTable, opts)
 }
 
 // SQL returns the schema migration for the keys table named table (all the
@@ -148,25 +105,11 @@ func SQL(table string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	return render(c.table)
+	return render(c.Table)
 }
 
 func render(table string) (string, error) {
-	names, err := fs.Glob(migrations, "migrations/*.sql")
-	if err != nil {
-		return "", err
-	}
-	sort.Strings(names)
-	var b strings.Builder
-	for _, n := range names {
-		text, err := migrations.ReadFile(n)
-		if err != nil {
-			return "", err
-		}
-		b.WriteString(strings.ReplaceAll(string(text), DefaultTable, table))
-		b.WriteString("\n")
-	}
-	return b.String(), nil
+	return keytable.Render(migrations, "migrations/*.sql", DefaultTable, table)
 }
 
 // Migrate creates the keys table if it does not exist. It is
@@ -177,7 +120,7 @@ func Migrate(ctx context.Context, db Beginner, opts ...Option) error {
 	if err != nil {
 		return err
 	}
-	schema, err := render(c.table)
+	schema, err := render(c.Table)
 	if err != nil {
 		return fmt.Errorf("pgstore: migrate: %w", err)
 	}
@@ -189,7 +132,7 @@ func Migrate(ctx context.Context, db Beginner, opts ...Option) error {
 		return err
 	})
 	if err != nil {
-		return fmt.Errorf("pgstore: migrate table %s: %w", c.table, err)
+		return fmt.Errorf("pgstore: migrate table %s: %w", c.Table, err)
 	}
 	return nil
 }
@@ -218,7 +161,7 @@ func New(db DB, opts ...Option) (*Store, error) {
 	if err != nil {
 		return nil, err
 	}
-	t := c.table
+	t := c.Table
 	return &Store{
 		db:    db,
 		table: t,
@@ -295,4 +238,8 @@ func (s *Store) Cleanup(ctx context.Context) (int64, error) {
 		return 0, fmt.Errorf("pgstore: cleanup: %w", err)
 	}
 	return tag.RowsAffected(), nil
+}
+
+func configErr(field, format string, args ...any) error {
+	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
 }

@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/idempotency"
@@ -44,18 +45,18 @@ func Inbox(db *sql.DB, namespace string, h TxHandler, opts ...Option) (consumer.
 		return nil, err
 	}
 	prefix := idempotency.Key(namespace, "")
-	retention := c.retention.Milliseconds()
+	retention := c.Retention.Milliseconds()
 	// ?1 key, ?2 now, ?3 retention end. A key whose retention ended (not yet
 	// cleaned up) is taken over; a live one inserts nothing.
-	insertSQL := `INSERT INTO ` + c.table + ` (key, token, done, expires_at) VALUES (?1, '', 1, ?3)
+	insertSQL := `INSERT INTO ` + c.Table + ` (key, token, done, expires_at) VALUES (?1, '', 1, ?3)
 ON CONFLICT (key) DO UPDATE SET token = '', done = 1, expires_at = excluded.expires_at
 WHERE expires_at <= ?2`
 	insert, err := db.PrepareContext(context.Background(), insertSQL)
 	if err != nil {
-		return nil, fmt.Errorf("sqlitestore: inbox: prepare (has Migrate created table %s?): %w", c.table, err)
+		return nil, fmt.Errorf("sqlitestore: inbox: prepare (has Migrate created table %s?): %w", c.Table, err)
 	}
 	return consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
-		k, err := c.key(m)
+		k, err := c.Key(m)
 		if err != nil {
 			return consumer.Permanent(fmt.Errorf("%w: %w", idempotency.ErrNoKey, err))
 		}
@@ -68,7 +69,7 @@ WHERE expires_at <= ?2`
 			return fmt.Errorf("sqlitestore: inbox: begin: %w", err)
 		}
 		defer func() { _ = tx.Rollback() }() // a no-op after Commit
-		now := c.now().UnixMilli()
+		now := time.Now().UnixMilli()
 		res, err := tx.StmtContext(ctx, insert).ExecContext(ctx, key, now, now+retention)
 		if err != nil {
 			return fmt.Errorf("sqlitestore: inbox: record key %q: %w", key, err)

@@ -34,13 +34,11 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"regexp"
-	"sort"
-	"strings"
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/idempotency"
+	"github.com/ferrymq/ferry/idempotency/internal/keytable"
 	"github.com/ferrymq/ferry/internal/sqlitedb"
 )
 
@@ -68,67 +66,29 @@ func Open(path string) (*sql.DB, error) {
 // constructor fail with a *consumer.ConfigError naming the field.
 type Option func(*config) error
 
-type config struct {
-	table     string
-	retention time.Duration
-	key       idempotency.KeyFunc
-	now       func() time.Time
-}
-
-func configErr(field, format string, args ...any) error {
-	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
-}
-
-var tableName = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,39}$`)
+type config = keytable.Config
 
 // WithTable sets the keys table: lower-case letters, digits and '_', at most
 // 40 characters. Default DefaultTable (ferry_idempotency_keys).
 func WithTable(name string) Option {
-	return func(c *config) error {
-		if !tableName.MatchString(name) {
-			return configErr("Table", "must match %s, got %q", tableName, name)
-		}
-		c.table = name
-		return nil
-	}
+	return Option(keytable.Table(name))
 }
 
 // WithRetention sets how long the inbox keeps a key (Inbox only; the
 // middleware's retention is idempotency.WithRetention). Default
 // idempotency.DefaultRetention (15 days).
 func WithRetention(d time.Duration) Option {
-	return func(c *config) error {
-		if d <= 0 {
-			return configErr("Retention", "must be > 0, got %s", d)
-		}
-		c.retention = d
-		return nil
-	}
+	return Option(keytable.Retention(d))
 }
 
 // WithKey sets how the inbox derives a message's key (Inbox only). Default
 // idempotency.DefaultKey.
 func WithKey(f idempotency.KeyFunc) Option {
-	return func(c *config) error {
-		if f == nil {
-			return configErr("Key", "must not be nil")
-		}
-		c.key = f
-		return nil
-	}
+	return Option(keytable.Key(f))
 }
 
 func buildConfig(opts []Option) (config, error) {
-	c := config{table: DefaultTable, retention: idempotency.DefaultRetention, key: idempotency.DefaultKey, now: time.Now}
-	for _, o := range opts {
-		if o == nil {
-			continue
-		}
-		if err := o(&c); err != nil {
-			return c, err
-		}
-	}
-	return c, nil
+	return keytable.Build(DefaultTable, opts)
 }
 
 // SQL returns the schema migration for the keys table named table.
@@ -137,25 +97,11 @@ func SQL(table string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	return render(c.table)
+	return render(c.Table)
 }
 
 func render(table string) (string, error) {
-	names, err := fs.Glob(migrations, "migrations/*.sql")
-	if err != nil {
-		return "", err
-	}
-	sort.Strings(names)
-	var b strings.Builder
-	for _, n := range names {
-		text, err := migrations.ReadFile(n)
-		if err != nil {
-			return "", err
-		}
-		b.WriteString(strings.ReplaceAll(string(text), DefaultTable, table))
-		b.WriteString("\n")
-	}
-	return b.String(), nil
+	return keytable.Render(migrations, "migrations/*.sql", DefaultTable, table)
 }
 
 // Migrate creates the keys table if it does not exist, in one
@@ -168,20 +114,20 @@ func Migrate(ctx context.Context, db *sql.DB, opts ...Option) error {
 	if err != nil {
 		return err
 	}
-	schema, err := render(c.table)
+	schema, err := render(c.Table)
 	if err != nil {
 		return fmt.Errorf("sqlitestore: migrate: %w", err)
 	}
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
-		return fmt.Errorf("sqlitestore: migrate table %s: %w", c.table, err)
+		return fmt.Errorf("sqlitestore: migrate table %s: %w", c.Table, err)
 	}
 	defer func() { _ = tx.Rollback() }()
 	if _, err := tx.ExecContext(ctx, schema); err != nil {
-		return fmt.Errorf("sqlitestore: migrate table %s: %w", c.table, err)
+		return fmt.Errorf("sqlitestore: migrate table %s: %w", c.Table, err)
 	}
 	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("sqlitestore: migrate table %s: %w", c.table, err)
+		return fmt.Errorf("sqlitestore: migrate table %s: %w", c.Table, err)
 	}
 	return nil
 }
@@ -209,8 +155,8 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	if err != nil {
 		return nil, err
 	}
-	t := c.table
-	s := &Store{db: db, now: c.now}
+	t := c.Table
+	s := &Store{db: db, now: time.Now}
 	for _, p := range []struct {
 		dst  **sql.Stmt
 		text string
@@ -321,4 +267,8 @@ func (s *Store) Cleanup(ctx context.Context) (int64, error) {
 			return total, nil
 		}
 	}
+}
+
+func configErr(field, format string, args ...any) error {
+	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
 }
