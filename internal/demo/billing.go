@@ -115,9 +115,8 @@ func (b *billing) setUp(ctx context.Context, c Config, pub consumer.Publisher, d
 	if b.inboxH, err = sqlitestore.Inbox(b.db, billingNamespace, inboxTx, sqlitestore.WithTable(inboxTable)); err != nil {
 		return err
 	}
-	// A duplicate that finds its key in progress comes back after this
-	// delay; two such returns must outlast the longest run, or a third would
-	// spend the message's attempts.
+	// A duplicate that finds its key in progress is deferred: the consumer
+	// keeps it and tries again after this delay, spending no attempt.
 	dedup, err := idempotency.New(b.store, billingNamespace,
 		idempotency.WithLease(max(30*time.Second, 4*timeout)),
 		idempotency.WithInProgressDelay(timeout*3/5),
