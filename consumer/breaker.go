@@ -196,7 +196,7 @@ func BreakerOnStateChange(f func(from, to BreakerState)) BreakerOption {
 // did not run), and context.Canceled (the consumer is shutting down).
 func DefaultBreakerCounts(err error) bool {
 	var p *PanicError
-	return !IsPermanent(err) && !errors.Is(err, ErrHeld) && !errors.Is(err, ErrNotAttempted) &&
+	return !IsPermanent(err) && !errors.Is(err, ErrHeld) && !IsDeferred(err) &&
 		!errors.Is(err, context.Canceled) && !errors.As(err, &p)
 }
 

@@ -147,7 +147,7 @@ func DeadLetterMaxAttempts(n int) DeadLetterOption {
 
 // DeadLetterConsumerName sets the consumer name written in
 // HeaderDLQConsumer. Default the name of the Loop running the handler
-// (WithName, read through ConsumerName), or "ferry" outside a Loop.
+// (WithName, read through Name), or "ferry" outside a Loop.
 func DeadLetterConsumerName(name string) DeadLetterOption {
 	return func(d *DeadLetter) error {
 		if name == "" {
@@ -237,7 +237,7 @@ func (d *DeadLetter) handle(ctx context.Context, m *Message, next Handler) error
 	ctx, rec := withRecord(ctx)
 	rec.maxAttempts = d.maxAttempts
 	err := next.Handle(ctx, m)
-	if err == nil || errors.Is(err, ErrHeld) || errors.Is(err, ErrNotAttempted) {
+	if err == nil || errors.Is(err, ErrHeld) || IsDeferred(err) {
 		return err // held or deferred: the handler did not run, no attempt spent
 	}
 	var dle *DeadLetterError
@@ -297,7 +297,7 @@ func (d *DeadLetter) deadLetter(ctx context.Context, m *Message, rec *record, re
 	if d.name != "" {
 		h[HeaderDLQConsumer] = d.name
 	} else {
-		h[HeaderDLQConsumer] = ConsumerName(ctx)
+		h[HeaderDLQConsumer] = Name(ctx)
 	}
 	setIf(h, HeaderDLQHost, d.host)
 

@@ -392,7 +392,7 @@ func (r *run) finish(d *delivery) {
 		return
 	}
 	delay := r.redeliveryDelay(d, err)
-	if errors.Is(err, ErrNotAttempted) {
+	if IsDeferred(err) {
 		// Deferred: keep it and run it again here after the delay. Returning
 		// it would make a broker that counts deliveries (SQS, quorum queues)
 		// count an attempt the handler never made.
@@ -457,6 +457,10 @@ func (r *run) redeliveryDelay(d *delivery, err error) time.Duration {
 	var ra *RetryAfterError
 	if errors.As(err, &ra) {
 		return ra.Delay
+	}
+	var de *DeferredError
+	if errors.As(err, &de) {
+		return de.Delay
 	}
 	c := r.l.cfg
 	delay := c.backoffMin

@@ -104,10 +104,10 @@ func (l *Loop) Lag(ctx context.Context) (Lag, error) {
 
 type nameKey struct{}
 
-// ConsumerName returns the name (WithName) of the Loop whose handler got
-// ctx, or "ferry" when ctx did not come from a Loop. Middleware uses it to
-// namespace keys and label dead letters.
-func ConsumerName(ctx context.Context) string {
+// Name returns the name (WithName) of the Loop whose handler got ctx, or
+// "ferry" when ctx did not come from a Loop. Middleware uses it to namespace
+// keys and label dead letters.
+func Name(ctx context.Context) string {
 	if n, ok := ctx.Value(nameKey{}).(string); ok {
 		return n
 	}

@@ -445,7 +445,7 @@ func TestGraceOverCancelsHandlersAndLeavesTheirMessages(t *testing.T) {
 	}
 }
 
-func TestHandlersSeeTheConsumerName(t *testing.T) {
+func TestHandlersSeeTheLoopName(t *testing.T) {
 	drv := newScriptLog(true)
 	drv.add("", 1)
 	l, err := New(drv, WithName("billing"))
@@ -454,16 +454,16 @@ func TestHandlersSeeTheConsumerName(t *testing.T) {
 	}
 	got := make(chan string, 1)
 	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
-		got <- ConsumerName(ctx)
+		got <- Name(ctx)
 		return nil
 	}))
 	if name := <-got; name != "billing" {
-		t.Fatalf("ConsumerName = %q, want billing", name)
+		t.Fatalf("Name = %q, want billing", name)
 	}
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
-	if ConsumerName(context.Background()) != "ferry" {
-		t.Fatal("ConsumerName outside a loop is not the default")
+	if Name(context.Background()) != "ferry" {
+		t.Fatal("Name outside a loop is not the default")
 	}
 }

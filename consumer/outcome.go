@@ -14,8 +14,8 @@ var ErrPermanent = errors.New("permanent error")
 // ErrHeld matches, through errors.Is, every error made by Hold.
 var ErrHeld = errors.New("message held")
 
-// ErrNotAttempted matches, through errors.Is, every error made by Defer.
-var ErrNotAttempted = errors.New("not attempted")
+// ErrDeferred matches, through errors.Is, every error made by Defer.
+var ErrDeferred = errors.New("message deferred")
 
 // PermanentError marks a failure that no retry can fix, such as a body that
 // does not decode. The message goes to the dead-letter destination at once.
@@ -50,8 +50,6 @@ func IsPermanent(err error) bool { return errors.Is(err, ErrPermanent) }
 type RetryAfterError struct {
 	Err   error
 	Delay time.Duration
-	// NotAttempted is true when the handler did not run (see Defer).
-	NotAttempted bool
 }
 
 // RetryAfter returns the message to the broker to be delivered again no
@@ -75,8 +73,12 @@ func (e *RetryAfterError) Error() string {
 // Unwrap returns the underlying error.
 func (e *RetryAfterError) Unwrap() error { return e.Err }
 
-// Is reports whether target is ErrNotAttempted and the handler did not run.
-func (e *RetryAfterError) Is(target error) bool { return target == ErrNotAttempted && e.NotAttempted }
+// DeferredError says the handler did not run because the message waits on
+// something else; see Defer.
+type DeferredError struct {
+	Err   error
+	Delay time.Duration
+}
 
 // Defer says the handler did not run: the message waits on something else,
 // such as a duplicate of it that another worker is handling right now. The
@@ -93,8 +95,21 @@ func Defer(err error, d time.Duration) error {
 	if d < 0 {
 		d = 0
 	}
-	return &RetryAfterError{Err: err, Delay: d, NotAttempted: true}
+	return &DeferredError{Err: err, Delay: d}
 }
+
+func (e *DeferredError) Error() string {
+	return "deferred for " + e.Delay.String() + ": " + e.Err.Error()
+}
+
+// Unwrap returns the underlying error.
+func (e *DeferredError) Unwrap() error { return e.Err }
+
+// Is reports whether target is ErrDeferred.
+func (e *DeferredError) Is(target error) bool { return target == ErrDeferred }
+
+// IsDeferred reports whether err, or an error it wraps, was made by Defer.
+func IsDeferred(err error) bool { return errors.Is(err, ErrDeferred) }
 
 // HeldError says the handler was not run at all, because something it
 // depends on is known to be down (an open circuit breaker). The delivery loop
@@ -125,6 +140,9 @@ func (e *HeldError) Unwrap() error { return e.Err }
 
 // Is reports whether target is ErrHeld.
 func (e *HeldError) Is(target error) bool { return target == ErrHeld }
+
+// IsHeld reports whether err, or an error it wraps, was made by Hold.
+func IsHeld(err error) bool { return errors.Is(err, ErrHeld) }
 
 // PanicError is what a handler's panic becomes: the message is returned for
 // redelivery like after any other failure, and the process carries on.

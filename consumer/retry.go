@@ -211,7 +211,7 @@ func (r *Retry) giveBack(m *Message, err error) error {
 
 // stopsRetry reports whether err ends the in-process retries at once.
 func stopsRetry(ctx context.Context, err error) bool {
-	if ctx.Err() != nil || IsPermanent(err) || errors.Is(err, ErrHeld) {
+	if ctx.Err() != nil || IsPermanent(err) || IsHeld(err) || IsDeferred(err) {
 		return true
 	}
 	var ra *RetryAfterError

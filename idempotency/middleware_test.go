@@ -143,7 +143,7 @@ func TestInProgressIsRetriedAfterDelay(t *testing.T) {
 		t.Fatal(err)
 	}
 	err := h.Handle(ctx, msg("m", "ev"))
-	var ra *consumer.RetryAfterError
+	var ra *consumer.DeferredError
 	if !errors.As(err, &ra) || !errors.Is(err, idempotency.ErrInProgress) {
 		t.Fatalf("err = %v, want RetryAfter(ErrInProgress)", err)
 	}
@@ -186,7 +186,7 @@ func TestStoreDownIsAPlainErrorAndHandlerNotCalled(t *testing.T) {
 		t.Fatalf("err = %v, want the store's error wrapped", err)
 	}
 	var ra *consumer.RetryAfterError
-	if consumer.IsPermanent(err) || errors.As(err, &ra) || errors.Is(err, idempotency.ErrInProgress) {
+	if consumer.IsPermanent(err) || errors.As(err, &ra) || consumer.IsDeferred(err) || errors.Is(err, idempotency.ErrInProgress) {
 		t.Fatalf("err = %v, want a plain error (the loop redelivers with its backoff)", err)
 	}
 	if n.Load() != 0 {

@@ -86,7 +86,7 @@ func TestDuplicateWaitingBehindALongHandlerIsNeverDeadLettered(t *testing.T) {
 	if n := b.Stats("orders").Acked; n != 2 || c.Stats().Returned != 0 {
 		t.Fatalf("acked %d, returned %d: the deferred copy must wait in the consumer, not go back to the broker (which would count a delivery)", n, c.Stats().Returned)
 	}
-	if !errors.Is(consumer.Defer(errors.New("x"), 0), consumer.ErrNotAttempted) {
-		t.Fatal("Defer does not match ErrNotAttempted")
+	if !errors.Is(consumer.Defer(errors.New("x"), 0), consumer.ErrDeferred) {
+		t.Fatal("Defer does not match ErrDeferred")
 	}
 }

@@ -266,7 +266,7 @@ func TestUnreachablePostgresIsNotAckedAndHandlerNotCalled(t *testing.T) {
 	h := mw(consumer.HandlerFunc(func(context.Context, *consumer.Message) error { calls.Add(1); return nil }))
 	err = h.Handle(ctx, storetest.Message("ev", 1))
 	var ra *consumer.RetryAfterError
-	if err == nil || consumer.IsPermanent(err) || errors.As(err, &ra) {
+	if err == nil || consumer.IsPermanent(err) || errors.As(err, &ra) || consumer.IsDeferred(err) {
 		t.Fatalf("middleware = %v, want a plain error (not acked, redelivered)", err)
 	}
 

@@ -95,7 +95,7 @@ func TestUnreachableRedisIsNotAckedAndHandlerNotCalled(t *testing.T) {
 	h := mw(consumer.HandlerFunc(func(context.Context, *consumer.Message) error { calls.Add(1); return nil }))
 	err = h.Handle(context.Background(), storetest.Message("ev", 1))
 	var ra *consumer.RetryAfterError
-	if err == nil || consumer.IsPermanent(err) || errors.As(err, &ra) {
+	if err == nil || consumer.IsPermanent(err) || errors.As(err, &ra) || consumer.IsDeferred(err) {
 		t.Fatalf("middleware = %v, want a plain error (not acked, redelivered)", err)
 	}
 	if n := calls.Load(); n != 0 {

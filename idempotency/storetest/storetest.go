@@ -322,7 +322,7 @@ func testDeadWorkerMiddleware(t *testing.T, c Config) {
 	mustClaim(t, s, idempotency.Key("dead", "ev"), c.Lease, idempotency.Claimed)
 
 	err = h.Handle(ctx, Message("ev", 1))
-	var ra *consumer.RetryAfterError
+	var ra *consumer.DeferredError
 	if !errors.As(err, &ra) || !errors.Is(err, idempotency.ErrInProgress) {
 		t.Fatalf("delivery while the dead claim lives = %v, want RetryAfter(ErrInProgress)", err)
 	}

@@ -162,7 +162,7 @@ func (b *billing) pay(ctx context.Context, ev OrderPlaced, m *consumer.Message) 
 	if ev.Customer == frozenCustomer {
 		return fmt.Errorf("order %s: %w", ev.OrderID, errUnderReview)
 	}
-	name := consumer.ConsumerName(ctx)
+	name := consumer.Name(ctx)
 	if err := b.api.Charge(ctx, name, ev.OrderID); err != nil {
 		return err
 	}
@@ -238,7 +238,7 @@ func (b *billing) recordDelivery(next consumer.Handler) consumer.Handler {
 	return consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 		b.mu.Lock()
 		if b.watchingKills {
-			b.deliveredTo[m.ID] = append(b.deliveredTo[m.ID], consumer.ConsumerName(ctx))
+			b.deliveredTo[m.ID] = append(b.deliveredTo[m.ID], consumer.Name(ctx))
 		}
 		b.mu.Unlock()
 		return next.Handle(ctx, m)
