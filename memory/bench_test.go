@@ -4,12 +4,14 @@ import (
 	"context"
 	"io"
 	"log/slog"
+	"strconv"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/idempotency"
 	"github.com/ferrymq/ferry/memory"
 )
 
@@ -52,6 +54,63 @@ func BenchmarkConsume(b *testing.B) {
 		}
 		return nil
 	})
+
+	b.ReportAllocs()
+	b.ResetTimer()
+	start := time.Now()
+	if err := loop.Run(ctx, h); err != nil {
+		b.Fatal(err)
+	}
+	elapsed := time.Since(start)
+	b.StopTimer()
+	if st := br.Stats("bench"); st.Acked != n {
+		b.Fatalf("acked %d of %d", st.Acked, n)
+	}
+	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "msgs/s")
+}
+
+// BenchmarkConsumeFullStack is BenchmarkConsume with the handler wrapped as
+// a service team wraps it: the Standard stack (dead letter, retry, breaker,
+// timeout, recover) around idempotency over the in-memory store. Each message
+// carries its own event id, so every one is claimed and completed. Its
+// msgs/s against BenchmarkConsume's is the cost of the safety.
+func BenchmarkConsumeFullStack(b *testing.B) {
+	br := memory.New()
+	defer br.Close()
+	batch := make([]consumer.Message, 0, 256)
+	body := make([]byte, 64)
+	for i := 0; i < b.N; {
+		batch = batch[:0]
+		for ; len(batch) < cap(batch) && i < b.N; i++ {
+			batch = append(batch, consumer.Message{Body: body, Headers: map[string]string{idempotency.EventIDHeader: "ev-" + strconv.Itoa(i)}})
+		}
+		if err := br.Publish(context.Background(), "bench", batch...); err != nil {
+			b.Fatal(err)
+		}
+	}
+	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
+	loop, err := br.NewConsumer("bench", consumer.WithConcurrency(8), consumer.WithLogger(quiet))
+	if err != nil {
+		b.Fatal(err)
+	}
+	stack, err := consumer.Standard(br, "bench-dlq", consumer.StandardDeadLetter(consumer.DeadLetterLogger(quiet)))
+	if err != nil {
+		b.Fatal(err)
+	}
+	dedup, err := idempotency.New(idempotency.NewMemoryStore(), "billing", idempotency.WithLogger(quiet))
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var handled atomic.Int64
+	n := int64(b.N)
+	h := consumer.Chain(consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
+		if handled.Add(1) == n {
+			cancel()
+		}
+		return nil
+	}), stack.Wrap, dedup)
 
 	b.ReportAllocs()
 	b.ResetTimer()
