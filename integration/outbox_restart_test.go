@@ -17,7 +17,7 @@ import (
 	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/memory"
 	"github.com/ferrymq/ferry/outbox"
-	"github.com/ferrymq/ferry/outbox/postgres"
+	"github.com/ferrymq/ferry/outbox/pgoutbox"
 )
 
 // The restart test's workload: events written one per transaction by
@@ -87,18 +87,18 @@ func testRelayThroughRestart(t *testing.T, mode testenv.StopMode) {
 		return pool
 	}
 	writers := newPool("writers", 2*restartWriters)
-	if err := postgres.Migrate(ctx, writers); err != nil {
+	if err := pgoutbox.Migrate(ctx, writers); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := writers.Exec(ctx, `CREATE TABLE test_counters (key text PRIMARY KEY, n bigint NOT NULL);
 		CREATE INDEX test_outbox_event_id ON ferry_outbox (event_id)`); err != nil {
 		t.Fatal(err)
 	}
-	w, err := postgres.NewWriter()
+	w, err := pgoutbox.NewWriter()
 	if err != nil {
 		t.Fatal(err)
 	}
-	st, err := postgres.NewStore(newPool("relay", 4))
+	st, err := pgoutbox.NewStore(newPool("relay", 4))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -106,7 +106,7 @@ func testRelayThroughRestart(t *testing.T, mode testenv.StopMode) {
 	br := memory.New()
 	t.Cleanup(func() { br.Close() })
 	// The relay runs with its default options: what a service gets.
-	relay, err := outbox.NewRelay(st, br, outbox.WithRelayLogger(slog.New(slog.NewTextHandler(t.Output(), nil))))
+	relay, err := outbox.NewRelay(st, br, outbox.WithLogger(slog.New(slog.NewTextHandler(t.Output(), nil))))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -312,7 +312,7 @@ func testRelayThroughRestart(t *testing.T, mode testenv.StopMode) {
 // bumped after Add took the key's lock, so its value follows the order the
 // key's transactions commit in. inCommit reports that the error came from
 // COMMIT, which may have gone through.
-func commitStamped(ctx context.Context, pool *pgxpool.Pool, w *postgres.Writer, key, id string) (n int64, inCommit bool, err error) {
+func commitStamped(ctx context.Context, pool *pgxpool.Pool, w *pgoutbox.Writer, key, id string) (n int64, inCommit bool, err error) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	tx, err := pool.Begin(ctx)

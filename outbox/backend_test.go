@@ -18,8 +18,8 @@ import (
 	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/memory"
 	"github.com/ferrymq/ferry/outbox"
-	"github.com/ferrymq/ferry/outbox/postgres"
-	"github.com/ferrymq/ferry/outbox/sqlite"
+	"github.com/ferrymq/ferry/outbox/pgoutbox"
+	"github.com/ferrymq/ferry/outbox/sqliteoutbox"
 )
 
 // backend is one database the outbox runs on, set up fresh for one test.
@@ -74,24 +74,24 @@ func forEachBackend(t *testing.T, f func(t *testing.T, b *backend)) {
 
 func openSQLite(t testing.TB) *backend {
 	t.Helper()
-	db, err := sqlite.Open(filepath.Join(t.TempDir(), "outbox.db"))
+	db, err := sqliteoutbox.Open(filepath.Join(t.TempDir(), "outbox.db"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { db.Close() })
 	ctx := context.Background()
-	if err := sqlite.Migrate(ctx, db); err != nil {
+	if err := sqliteoutbox.Migrate(ctx, db); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := db.Exec(`CREATE TABLE test_counters (key TEXT PRIMARY KEY, n INTEGER NOT NULL);
 		CREATE INDEX test_outbox_event_id ON ferry_outbox (event_id)`); err != nil {
 		t.Fatal(err)
 	}
-	w, err := sqlite.NewWriter()
+	w, err := sqliteoutbox.NewWriter()
 	if err != nil {
 		t.Fatal(err)
 	}
-	st, err := sqlite.NewStore(db)
+	st, err := sqliteoutbox.NewStore(db)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -162,14 +162,14 @@ func openPostgres(t testing.TB) *backend {
 		return pool
 	}
 	pool := newPool(t, "")
-	if err := postgres.Migrate(ctx, pool); err != nil {
+	if err := pgoutbox.Migrate(ctx, pool); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := pool.Exec(ctx, `CREATE TABLE test_counters (key text PRIMARY KEY, n bigint NOT NULL);
 		CREATE INDEX test_outbox_event_id ON ferry_outbox (event_id)`); err != nil {
 		t.Fatal(err)
 	}
-	w, err := postgres.NewWriter()
+	w, err := pgoutbox.NewWriter()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -180,7 +180,7 @@ func openPostgres(t testing.TB) *backend {
 			if appName != "" {
 				p = newPool(t, appName)
 			}
-			st, err := postgres.NewStore(p)
+			st, err := pgoutbox.NewStore(p)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -250,7 +250,7 @@ func (f *flaky) Publish(ctx context.Context, dest string, msgs ...consumer.Messa
 }
 
 // runRelay runs a relay until the test ends, and returns it.
-func runRelay(t *testing.T, st outbox.Store, pub consumer.Publisher, opts ...outbox.RelayOption) (*outbox.Relay, context.CancelFunc) {
+func runRelay(t *testing.T, st outbox.Store, pub consumer.Publisher, opts ...outbox.Option) (*outbox.Relay, context.CancelFunc) {
 	t.Helper()
 	r, err := outbox.NewRelay(st, pub, opts...)
 	if err != nil {

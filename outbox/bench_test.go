@@ -41,7 +41,7 @@ func openBench(b *testing.B, name string) *backend {
 	return be.open(b)
 }
 
-func runBenchRelay(b *testing.B, st outbox.Store, pub consumer.Publisher, opts ...outbox.RelayOption) func() {
+func runBenchRelay(b *testing.B, st outbox.Store, pub consumer.Publisher, opts ...outbox.Option) func() {
 	r, err := outbox.NewRelay(st, pub, opts...)
 	if err != nil {
 		b.Fatal(err)
@@ -108,7 +108,7 @@ func BenchmarkRelayLatency(b *testing.B) {
 				br := memory.New()
 				defer br.Close()
 				pub := &counting{Broker: br, arrived: make(chan time.Time, 1)}
-				opts := []outbox.RelayOption{outbox.WithPollInterval(100 * time.Millisecond)}
+				opts := []outbox.Option{outbox.WithPollInterval(100 * time.Millisecond)}
 				if mode == "poll" {
 					opts = append(opts, outbox.WithListen(false))
 				}

@@ -5,7 +5,7 @@
 // # The guarantee
 //
 // A service writes its row and the events that describe it in one
-// transaction (Writer.Add in the postgres or sqlite package). Rolled back,
+// transaction (Writer.Add in package pgoutbox or sqliteoutbox). Rolled back,
 // neither exists; committed, both do, and a Relay publishes each event at
 // least once, after the commit:
 //
@@ -97,8 +97,8 @@
 // This package holds what does not depend on a database: Event, the Relay,
 // and the Store interface a relay reads through. Each database lives in a
 // subpackage, so that a service pulls in only the driver it uses:
-// outbox/postgres (pgx/v5, and writing through database/sql with any
-// PostgreSQL driver) and outbox/sqlite (modernc.org/sqlite, pure Go, the
+// outbox/pgoutbox (pgx/v5, and writing through database/sql with any
+// PostgreSQL driver) and outbox/sqliteoutbox (modernc.org/sqlite, pure Go, the
 // embedded default for the demo and small services). Each has the schema as
 // SQL migration files, a Migrate function that applies them, a Writer and a
 // Store.

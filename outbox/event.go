@@ -63,31 +63,41 @@ func (e *EventError) Error() string {
 // Is reports whether target is ErrInvalidEvent.
 func (e *EventError) Is(target error) bool { return target == ErrInvalidEvent }
 
-// WriterOption configures a writer (postgres.NewWriter, sqlite.NewWriter).
-// An option given a bad value makes the constructor fail with a
-// *consumer.ConfigError naming the field.
-type WriterOption func(*row.Config) error
+// WriterOption configures a Writer (pgoutbox.NewWriter,
+// sqliteoutbox.NewWriter). An option given a bad value makes the constructor
+// fail with a *consumer.ConfigError naming the field. The zero WriterOption
+// changes nothing.
+type WriterOption struct {
+	apply func(*row.Config) error
+}
 
-// WithMaxEventSize refuses, at write time, events whose body, key and
-// headers add up to more than n bytes. Default 256 KiB, the largest message
-// SQS takes.
-func WithMaxEventSize(n int) WriterOption {
-	return func(c *row.Config) error {
-		if n <= 0 {
-			return &consumer.ConfigError{Field: "MaxEventSize", Reason: fmt.Sprintf("must be > 0, got %d", n)}
+func init() {
+	// The database packages apply writer options through row, which cannot
+	// name this type.
+	row.OptionFunc = func(o any) func(*row.Config) error { return o.(WriterOption).apply }
+}
+
+// WriterMaxEventSize refuses, at write time, events whose key, body and
+// headers add up to more than n bytes, with an *EventError (Field "Size"),
+// before anything is written. n must be between 1 and 64 MiB.
+// Default 256 KiB.
+func WriterMaxEventSize(n int) WriterOption {
+	return WriterOption{func(c *row.Config) error {
+		if n <= 0 || n > row.MaxEventSizeLimit {
+			return &consumer.ConfigError{Field: "MaxEventSize", Reason: fmt.Sprintf("must be between 1 and %d, got %d", row.MaxEventSizeLimit, n)}
 		}
 		c.MaxEventSize = n
 		return nil
-	}
+	}}
 }
 
-// WithNotify chooses whether a transaction that wrote events wakes the
+// WriterNotify chooses whether a transaction that wrote events wakes the
 // relays on commit (PostgreSQL NOTIFY; SQLite an in-process wake). Default
 // true. Without it relays find new events by polling only, and commits do
 // not take PostgreSQL's notification lock.
-func WithNotify(on bool) WriterOption {
-	return func(c *row.Config) error {
+func WriterNotify(on bool) WriterOption {
+	return WriterOption{func(c *row.Config) error {
 		c.Notify = on
 		return nil
-	}
+	}}
 }

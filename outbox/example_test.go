@@ -9,7 +9,7 @@ import (
 
 	"github.com/ferrymq/ferry/memory"
 	"github.com/ferrymq/ferry/outbox"
-	"github.com/ferrymq/ferry/outbox/sqlite"
+	"github.com/ferrymq/ferry/outbox/sqliteoutbox"
 )
 
 // An order row and its event commit together in SQLite; a relay publishes
@@ -20,17 +20,17 @@ func Example() {
 	dir, _ := os.MkdirTemp("", "outbox-example")
 	defer os.RemoveAll(dir)
 
-	db, err := sqlite.Open(filepath.Join(dir, "shop.db"))
+	db, err := sqliteoutbox.Open(filepath.Join(dir, "shop.db"))
 	if err != nil {
 		panic(err)
 	}
 	defer db.Close()
-	if err := sqlite.Migrate(ctx, db); err != nil {
+	if err := sqliteoutbox.Migrate(ctx, db); err != nil {
 		panic(err)
 	}
 	db.ExecContext(ctx, `CREATE TABLE orders (id TEXT PRIMARY KEY, total INTEGER)`)
 
-	w, _ := sqlite.NewWriter()
+	w, _ := sqliteoutbox.NewWriter()
 	tx, _ := db.BeginTx(ctx, nil)
 	tx.ExecContext(ctx, `INSERT INTO orders VALUES ('o-1', 4200)`)
 	if err := w.Add(ctx, tx, outbox.Event{
@@ -47,7 +47,7 @@ func Example() {
 
 	broker := memory.New()
 	defer broker.Close()
-	store, _ := sqlite.NewStore(db)
+	store, _ := sqliteoutbox.NewStore(db)
 	relay, _ := outbox.NewRelay(store, broker)
 	rctx, stop := context.WithCancel(ctx)
 	done := make(chan error)

@@ -27,7 +27,7 @@ const (
 // WithMeterProvider sets where the relay reports its metrics while it runs.
 // Default the global provider (otel.GetMeterProvider), a no-op until one is
 // installed.
-func WithMeterProvider(mp metric.MeterProvider) RelayOption {
+func WithMeterProvider(mp metric.MeterProvider) Option {
 	return func(c *relayConfig) error {
 		if mp == nil {
 			return cfgErr("MeterProvider", "must not be nil")

@@ -21,9 +21,9 @@ import (
 // ErrRelayRunning is returned by Run when the Relay is already running.
 var ErrRelayRunning = errors.New("outbox: relay is already running")
 
-// RelayOption configures a Relay. An option given a bad value makes NewRelay
+// Option configures a Relay. An option given a bad value makes NewRelay
 // fail with a *consumer.ConfigError naming the field.
-type RelayOption func(*relayConfig) error
+type Option func(*relayConfig) error
 
 type relayConfig struct {
 	name           string
@@ -42,13 +42,13 @@ func cfgErr(field, format string, args ...any) error {
 	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
 }
 
-// WithRelayName names the relay in the lanes table and in logs. Names must
+// WithName names the relay in the lanes table and in logs. Names must
 // differ between relays of one outbox. Default the host name, the process id
 // and a random suffix.
-func WithRelayName(name string) RelayOption {
+func WithName(name string) Option {
 	return func(c *relayConfig) error {
 		if name == "" {
-			return cfgErr("RelayName", "must not be empty")
+			return cfgErr("Name", "must not be empty")
 		}
 		c.name = name
 		return nil
@@ -57,7 +57,7 @@ func WithRelayName(name string) RelayOption {
 
 // WithBatchSize sets how many events the relay reads at once and hands to
 // one Publish call (per destination). Default 100.
-func WithBatchSize(n int) RelayOption {
+func WithBatchSize(n int) Option {
 	return func(c *relayConfig) error {
 		if n <= 0 {
 			return cfgErr("BatchSize", "must be > 0, got %d", n)
@@ -69,7 +69,7 @@ func WithBatchSize(n int) RelayOption {
 
 // WithPollInterval sets how long an idle relay waits before it looks for
 // events again without being woken. Default 1s.
-func WithPollInterval(d time.Duration) RelayOption {
+func WithPollInterval(d time.Duration) Option {
 	return func(c *relayConfig) error {
 		if d <= 0 {
 			return cfgErr("PollInterval", "must be > 0, got %s", d)
@@ -83,7 +83,7 @@ func WithPollInterval(d time.Duration) RelayOption {
 // renewed; the relay renews every third of it. A relay that dies loses its
 // lanes to the others after at most this long plus one renewal period.
 // Default 5s.
-func WithLeaseTTL(d time.Duration) RelayOption {
+func WithLeaseTTL(d time.Duration) Option {
 	return func(c *relayConfig) error {
 		if d < 100*time.Millisecond {
 			return cfgErr("LeaseTTL", "must be >= 100ms, got %s", d)
@@ -97,7 +97,7 @@ func WithLeaseTTL(d time.Duration) RelayOption {
 // doubled per consecutive failure up to max, each delay drawn at random from
 // its upper half (so never below half of it: no busy loop). Default 100ms up
 // to 10s.
-func WithBackoff(min, max time.Duration) RelayOption {
+func WithBackoff(min, max time.Duration) Option {
 	return func(c *relayConfig) error {
 		if min <= 0 {
 			return cfgErr("Backoff", "min must be > 0, got %s", min)
@@ -112,7 +112,7 @@ func WithBackoff(min, max time.Duration) RelayOption {
 
 // WithPublishTimeout bounds one Publish call. The relay also ends a call
 // before its lease on the lanes runs out. Default 30s.
-func WithPublishTimeout(d time.Duration) RelayOption {
+func WithPublishTimeout(d time.Duration) Option {
 	return func(c *relayConfig) error {
 		if d <= 0 {
 			return cfgErr("PublishTimeout", "must be > 0, got %s", d)
@@ -125,15 +125,15 @@ func WithPublishTimeout(d time.Duration) RelayOption {
 // WithListen chooses whether the relay waits for commit notifications when
 // its Store offers them (PostgreSQL LISTEN/NOTIFY, the SQLite in-process
 // wake). Default true; without it the relay polls only.
-func WithListen(on bool) RelayOption {
+func WithListen(on bool) Option {
 	return func(c *relayConfig) error {
 		c.listen = on
 		return nil
 	}
 }
 
-// WithRelayLogger sets where the relay logs. Default slog.Default().
-func WithRelayLogger(l *slog.Logger) RelayOption {
+// WithLogger sets where the relay logs. Default slog.Default().
+func WithLogger(l *slog.Logger) Option {
 	return func(c *relayConfig) error {
 		if l == nil {
 			return cfgErr("Logger", "must not be nil")
@@ -175,7 +175,7 @@ type Relay struct {
 // NewRelay returns a relay that reads events from store and publishes them
 // through pub. It fails with a *consumer.ConfigError naming the field when
 // store or pub is nil or an option is invalid.
-func NewRelay(store Store, pub consumer.Publisher, opts ...RelayOption) (*Relay, error) {
+func NewRelay(store Store, pub consumer.Publisher, opts ...Option) (*Relay, error) {
 	if store == nil {
 		return nil, cfgErr("Store", "must not be nil")
 	}

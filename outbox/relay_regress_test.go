@@ -88,11 +88,11 @@ func TestRelayLetsGoOfLanesWhenARenewalFails(t *testing.T) {
 	defer br.Close()
 	log := &fetchLog{last: map[int]string{}}
 	a := &lostAck{Store: b.store(t, ""), name: "A", log: log}
-	ra, _ := runRelay(t, a, br, outbox.WithRelayName("A"), outbox.WithLeaseTTL(3*time.Second), outbox.WithPollInterval(10*time.Millisecond))
+	ra, _ := runRelay(t, a, br, outbox.WithName("A"), outbox.WithLeaseTTL(3*time.Second), outbox.WithPollInterval(10*time.Millisecond))
 	eventually(t, 5*time.Second, "A holds 64", func() bool { return ra.Stats().Lanes == 64 })
 	a.armed.Store(true) // A's next Lease gives back 32 lanes, and A sees an error
 	bs := &lostAck{Store: b.store(t, ""), name: "B", log: log}
-	runRelay(t, bs, br, outbox.WithRelayName("B"), outbox.WithLeaseTTL(3*time.Second), outbox.WithPollInterval(10*time.Millisecond))
+	runRelay(t, bs, br, outbox.WithName("B"), outbox.WithLeaseTTL(3*time.Second), outbox.WithPollInterval(10*time.Millisecond))
 	time.Sleep(2500 * time.Millisecond)
 	log.mu.Lock()
 	defer log.mu.Unlock()

@@ -14,8 +14,8 @@ import (
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/memory"
 	"github.com/ferrymq/ferry/outbox"
-	"github.com/ferrymq/ferry/outbox/postgres"
-	"github.com/ferrymq/ferry/outbox/sqlite"
+	"github.com/ferrymq/ferry/outbox/pgoutbox"
+	"github.com/ferrymq/ferry/outbox/sqliteoutbox"
 )
 
 const queue = "orders"
@@ -27,8 +27,8 @@ func ctxFor(t *testing.T, d time.Duration) context.Context {
 }
 
 // fast are relay options that keep tests short.
-func fast(extra ...outbox.RelayOption) []outbox.RelayOption {
-	return append([]outbox.RelayOption{
+func fast(extra ...outbox.Option) []outbox.Option {
+	return append([]outbox.Option{
 		outbox.WithLeaseTTL(time.Second),
 		outbox.WithPollInterval(200 * time.Millisecond),
 		outbox.WithBackoff(10*time.Millisecond, 200*time.Millisecond),
@@ -230,7 +230,7 @@ func TestCrashBetweenPublishAndDeletePublishesAgain(t *testing.T) {
 			t.Fatal(err)
 		}
 		st := b.store(t, "")
-		first, err := outbox.NewRelay(st, br, fast(outbox.WithRelayName("first"))...)
+		first, err := outbox.NewRelay(st, br, fast(outbox.WithName("first"))...)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -250,7 +250,7 @@ func TestCrashBetweenPublishAndDeletePublishesAgain(t *testing.T) {
 		}
 
 		// A new relay takes the lanes once the dead one's lease expires.
-		runRelay(t, st, br, fast(outbox.WithRelayName("second"))...)
+		runRelay(t, st, br, fast(outbox.WithName("second"))...)
 		eventually(t, 30*time.Second, "the event was not published again", func() bool {
 			bl, err := st.Backlog(ctx)
 			return err == nil && bl.Events == 0
@@ -279,7 +279,7 @@ func TestThreeRelaysShareLanesAndKeepKeyOrder(t *testing.T) {
 		)
 		var relays []*outbox.Relay
 		for i := range 3 {
-			r, _ := runRelay(t, b.store(t, ""), br, fast(outbox.WithRelayName("relay-"+strconv.Itoa(i)))...)
+			r, _ := runRelay(t, b.store(t, ""), br, fast(outbox.WithName("relay-"+strconv.Itoa(i)))...)
 			relays = append(relays, r)
 		}
 		eventually(t, 30*time.Second, "the relays did not share the lanes", func() bool {
@@ -326,7 +326,7 @@ func TestDeadRelayLanesTakenOver(t *testing.T) {
 			diedAt time.Time
 		)
 		for i := range 3 {
-			r, err := outbox.NewRelay(b.store(t, ""), br, fast(outbox.WithRelayName("relay-"+strconv.Itoa(i)))...)
+			r, err := outbox.NewRelay(b.store(t, ""), br, fast(outbox.WithName("relay-"+strconv.Itoa(i)))...)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -518,23 +518,23 @@ func TestRefusedEventMovedToFailed(t *testing.T) {
 func TestConfigErrorsNameTheField(t *testing.T) {
 	br := memory.New()
 	defer br.Close()
-	st, err := sqlite.NewStore(nil)
+	st, err := sqliteoutbox.NewStore(nil)
 	var ce *consumer.ConfigError
 	if !errors.As(err, &ce) || ce.Field != "DB" || st != nil {
-		t.Fatalf("sqlite.NewStore(nil) = %v", err)
+		t.Fatalf("sqliteoutbox.NewStore(nil) = %v", err)
 	}
-	if _, err := postgres.NewStore(nil); !errors.As(err, &ce) || ce.Field != "Pool" {
-		t.Fatalf("postgres.NewStore(nil) = %v", err)
+	if _, err := pgoutbox.NewStore(nil); !errors.As(err, &ce) || ce.Field != "Pool" {
+		t.Fatalf("pgoutbox.NewStore(nil) = %v", err)
 	}
-	if _, err := sqlite.NewWriter(outbox.WithMaxEventSize(0)); !errors.As(err, &ce) || ce.Field != "MaxEventSize" {
-		t.Fatalf("NewWriter(WithMaxEventSize(0)) = %v", err)
+	if _, err := sqliteoutbox.NewWriter(outbox.WriterMaxEventSize(0)); !errors.As(err, &ce) || ce.Field != "MaxEventSize" {
+		t.Fatalf("NewWriter(WriterMaxEventSize(0)) = %v", err)
 	}
 	good := openSQLite(t).store(t, "")
 	for _, c := range []struct {
 		field string
 		store outbox.Store
 		pub   consumer.Publisher
-		opt   outbox.RelayOption
+		opt   outbox.Option
 	}{
 		{"Store", nil, br, nil},
 		{"Publisher", good, nil, nil},
@@ -543,8 +543,8 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 		{"LeaseTTL", good, br, outbox.WithLeaseTTL(time.Millisecond)},
 		{"Backoff", good, br, outbox.WithBackoff(time.Second, time.Millisecond)},
 		{"PublishTimeout", good, br, outbox.WithPublishTimeout(0)},
-		{"RelayName", good, br, outbox.WithRelayName("")},
-		{"Logger", good, br, outbox.WithRelayLogger(nil)},
+		{"Name", good, br, outbox.WithName("")},
+		{"Logger", good, br, outbox.WithLogger(nil)},
 	} {
 		_, err := outbox.NewRelay(c.store, c.pub, c.opt)
 		if !errors.As(err, &ce) || ce.Field != c.field || !errors.Is(err, consumer.ErrInvalidConfig) {

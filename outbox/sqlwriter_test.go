@@ -14,7 +14,7 @@ import (
 	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/memory"
 	"github.com/ferrymq/ferry/outbox"
-	"github.com/ferrymq/ferry/outbox/postgres"
+	"github.com/ferrymq/ferry/outbox/pgoutbox"
 )
 
 // TestPostgresDatabaseSQLWriter writes through database/sql (pgx's stdlib
@@ -44,7 +44,7 @@ func TestPostgresDatabaseSQLWriter(t *testing.T) {
 	db := stdlib.OpenDB(*cfg.ConnConfig.Copy())
 	defer db.Close()
 	for range 2 { // Migrate twice: the second run has nothing to do
-		if err := postgres.MigrateSQL(ctx, db); err != nil {
+		if err := pgoutbox.MigrateSQL(ctx, db); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -53,7 +53,7 @@ func TestPostgresDatabaseSQLWriter(t *testing.T) {
 		t.Fatalf("migrations recorded: %d, %v", versions, err)
 	}
 
-	w, err := postgres.NewWriter(outbox.WithMaxEventSize(10))
+	w, err := pgoutbox.NewWriter(outbox.WriterMaxEventSize(10))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -87,7 +87,7 @@ func TestPostgresDatabaseSQLWriter(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	st, err := postgres.NewStore(pool)
+	st, err := pgoutbox.NewStore(pool)
 	if err != nil {
 		t.Fatal(err)
 	}

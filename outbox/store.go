@@ -27,8 +27,8 @@ type Backlog struct {
 	Failed int64
 }
 
-// Store is the relay's access to an outbox's tables. The postgres and sqlite
-// packages implement it; a Relay calls it from one goroutine at a time,
+// Store is the relay's access to an outbox's tables. The pgoutbox and
+// sqliteoutbox packages implement it; a Relay calls it from one goroutine at a time,
 // except Listen, which runs in a goroutine of its own, and Backlog, which
 // metrics and callers of Relay.Backlog may call at any time: an
 // implementation must be safe for concurrent use.

@@ -14,7 +14,7 @@ import (
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/memory"
 	"github.com/ferrymq/ferry/outbox"
-	outboxsqlite "github.com/ferrymq/ferry/outbox/sqlite"
+	"github.com/ferrymq/ferry/outbox/sqliteoutbox"
 )
 
 // Names of the queues and of the two billing consumers.
@@ -111,15 +111,15 @@ func setUp(ctx context.Context, cfg Config, dir string) (_ *run, err error) {
 	if r.orders, err = newOrderService(ctx, filepath.Join(dir, "orders.db"), OrdersQueue); err != nil {
 		return nil, err
 	}
-	store, err := outboxsqlite.NewStore(r.orders.db)
+	store, err := sqliteoutbox.NewStore(r.orders.db)
 	if err != nil {
 		return nil, err
 	}
 	r.dup = newDuplicatingPublisher(r.broker, r.plan.duplicates())
 	if r.relay, err = outbox.NewRelay(store, r.dup,
-		outbox.WithRelayName("order-relay"),
+		outbox.WithName("order-relay"),
 		outbox.WithPollInterval(100*time.Millisecond),
-		outbox.WithRelayLogger(r.log)); err != nil {
+		outbox.WithLogger(r.log)); err != nil {
 		return nil, err
 	}
 

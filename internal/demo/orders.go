@@ -12,7 +12,7 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/outbox"
-	outboxsqlite "github.com/ferrymq/ferry/outbox/sqlite"
+	"github.com/ferrymq/ferry/outbox/sqliteoutbox"
 )
 
 // OrderPlaced is the event the order service publishes for each order.
@@ -125,7 +125,7 @@ func (p *plan) duplicates() map[string]bool {
 // orderService commits orders and their events in one transaction each.
 type orderService struct {
 	db        *sql.DB
-	w         *outboxsqlite.Writer
+	w         *sqliteoutbox.Writer
 	queue     string
 	committed atomic.Int64
 }
@@ -138,11 +138,11 @@ const ordersSchema = `CREATE TABLE IF NOT EXISTS orders (
 )`
 
 func newOrderService(ctx context.Context, path, queue string) (*orderService, error) {
-	db, err := outboxsqlite.Open(path)
+	db, err := sqliteoutbox.Open(path)
 	if err != nil {
 		return nil, err
 	}
-	if err := outboxsqlite.Migrate(ctx, db); err != nil {
+	if err := sqliteoutbox.Migrate(ctx, db); err != nil {
 		db.Close()
 		return nil, fmt.Errorf("demo: order service: %w", err)
 	}
@@ -150,7 +150,7 @@ func newOrderService(ctx context.Context, path, queue string) (*orderService, er
 		db.Close()
 		return nil, fmt.Errorf("demo: order service: create orders: %w", err)
 	}
-	w, err := outboxsqlite.NewWriter()
+	w, err := sqliteoutbox.NewWriter()
 	if err != nil {
 		db.Close()
 		return nil, err

@@ -17,6 +17,10 @@ import (
 // Lanes is the number of lanes events are spread over (see outbox.Lanes).
 const Lanes = 64
 
+// MaxEventSizeLimit is the largest event size a writer may be configured to
+// accept.
+const MaxEventSizeLimit = 64 << 20
+
 // Config is the writer configuration set by outbox.WriterOption.
 type Config struct {
 	MaxEventSize int
@@ -193,14 +197,19 @@ func Sleep(ctx context.Context, d time.Duration) bool {
 	}
 }
 
-// Apply applies writer options over the defaults.
-func Apply[O ~func(*Config) error](opts []O) (Config, error) {
+// OptionFunc returns the function inside an outbox.WriterOption; package
+// outbox sets it when it is initialised (this package cannot name the type).
+var OptionFunc func(opt any) func(*Config) error
+
+// Apply applies writer options (outbox.WriterOption) over the defaults.
+func Apply[O any](opts []O) (Config, error) {
 	c := DefaultConfig()
 	for _, o := range opts {
-		if o == nil {
+		f := OptionFunc(o)
+		if f == nil {
 			continue
 		}
-		if err := o(&c); err != nil {
+		if err := f(&c); err != nil {
 			return c, err
 		}
 	}

@@ -1,4 +1,4 @@
-// Package postgres keeps the outbox in PostgreSQL: the schema and Migrate,
+// Package pgoutbox keeps the outbox in PostgreSQL: the schema and Migrate,
 // a Writer that adds events in the caller's transaction (pgx.Tx through Add,
 // *sql.Tx of any PostgreSQL driver through AddSQL), and a Store over a pgx
 // pool for the outbox.Relay, which wakes on LISTEN/NOTIFY.
@@ -13,4 +13,4 @@
 // ferry_outbox_relays, ferry_outbox_migrations) are created in the first
 // schema of the connection's search_path; give each outbox a schema of its
 // own to run several in one database.
-package postgres
+package pgoutbox

@@ -1,4 +1,4 @@
-package postgres
+package pgoutbox
 
 import (
 	"context"
@@ -50,7 +50,7 @@ func NewWriter(opts ...outbox.WriterOption) (*Writer, error) {
 // always in the same order, to stay clear of deadlocks with others.
 func (w *Writer) Add(ctx context.Context, tx pgx.Tx, events ...outbox.Event) error {
 	if tx == nil {
-		return errors.New("outbox/postgres: Add: nil transaction")
+		return errors.New("outbox/pgoutbox: Add: nil transaction")
 	}
 	return w.add(ctx, func(ctx context.Context, q string, args ...any) error {
 		_, err := tx.Exec(ctx, q, args...)
@@ -62,7 +62,7 @@ func (w *Writer) Add(ctx context.Context, tx pgx.Tx, events ...outbox.Event) err
 // (pgx's stdlib, lib/pq).
 func (w *Writer) AddSQL(ctx context.Context, tx *sql.Tx, events ...outbox.Event) error {
 	if tx == nil {
-		return errors.New("outbox/postgres: AddSQL: nil transaction")
+		return errors.New("outbox/pgoutbox: AddSQL: nil transaction")
 	}
 	return w.add(ctx, func(ctx context.Context, q string, args ...any) error {
 		_, err := tx.ExecContext(ctx, q, args...)
@@ -80,14 +80,14 @@ func (w *Writer) add(ctx context.Context, exec execer, events []outbox.Event) er
 	}
 	if q, args := lockAndNotify(rows, w.cfg.Notify); q != "" {
 		if err := exec(ctx, q, args...); err != nil {
-			return fmt.Errorf("outbox/postgres: lock keys: %w", err)
+			return fmt.Errorf("outbox/pgoutbox: lock keys: %w", err)
 		}
 	}
 	for len(rows) > 0 {
 		n := min(len(rows), maxRowsPerInsert)
 		q, args := insert(rows[:n])
 		if err := exec(ctx, q, args...); err != nil {
-			return fmt.Errorf("outbox/postgres: insert %d events: %w", n, err)
+			return fmt.Errorf("outbox/pgoutbox: insert %d events: %w", n, err)
 		}
 		rows = rows[n:]
 	}

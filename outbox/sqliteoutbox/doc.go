@@ -1,4 +1,4 @@
-// Package sqlite keeps the outbox in a SQLite database through database/sql
+// Package sqliteoutbox keeps the outbox in a SQLite database through database/sql
 // and modernc.org/sqlite (pure Go, no cgo): the schema and Migrate, a Writer
 // that adds events in the caller's *sql.Tx, and a Store for the
 // outbox.Relay. It is the embedded default for the demo and small services.
@@ -13,4 +13,4 @@
 //
 // Relays in the process that writes are woken by Add; relays in other
 // processes poll. Lane leases use this host's clock.
-package sqlite
+package sqliteoutbox

@@ -1,4 +1,4 @@
-package postgres
+package pgoutbox
 
 import (
 	"context"
@@ -13,13 +13,14 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// Migrations holds the schema as plain SQL files, named NNNN_name.sql and
-// applied in that order, for teams that run their own migration tool.
-// Migrate and MigrateSQL apply them and record each version in
-// ferry_outbox_migrations.
-//
 //go:embed migrations/*.sql
-var Migrations embed.FS
+var migrationFiles embed.FS
+
+// Migrations holds the schema as plain SQL files, migrations/NNNN_name.sql,
+// applied in that order, for teams that run their own migration tool.
+// [Migrate] and [MigrateSQL] apply them and record each version in
+// ferry_outbox_migrations.
+var Migrations fs.FS = migrationFiles
 
 type migration struct {
 	version int
@@ -37,9 +38,9 @@ func migrations() ([]migration, error) {
 		base := strings.TrimPrefix(f, "migrations/")
 		v, err := strconv.Atoi(strings.SplitN(base, "_", 2)[0])
 		if err != nil {
-			return nil, fmt.Errorf("outbox/postgres: migration %s: no version number: %w", base, err)
+			return nil, fmt.Errorf("outbox/pgoutbox: migration %s: no version number: %w", base, err)
 		}
-		b, err := Migrations.ReadFile(f)
+		b, err := fs.ReadFile(Migrations, f)
 		if err != nil {
 			return nil, err
 		}
@@ -69,7 +70,7 @@ type execer func(ctx context.Context, sql string, args ...any) error
 func Migrate(ctx context.Context, db Beginner) error {
 	tx, err := db.Begin(ctx)
 	if err != nil {
-		return fmt.Errorf("outbox/postgres: migrate: %w", err)
+		return fmt.Errorf("outbox/pgoutbox: migrate: %w", err)
 	}
 	defer tx.Rollback(context.WithoutCancel(ctx))
 	exec := func(ctx context.Context, sql string, args ...any) error {
@@ -92,7 +93,7 @@ func Migrate(ctx context.Context, db Beginner) error {
 		return err
 	}
 	if err := tx.Commit(ctx); err != nil {
-		return fmt.Errorf("outbox/postgres: migrate: commit: %w", err)
+		return fmt.Errorf("outbox/pgoutbox: migrate: commit: %w", err)
 	}
 	return nil
 }
@@ -101,7 +102,7 @@ func Migrate(ctx context.Context, db Beginner) error {
 func MigrateSQL(ctx context.Context, db *sql.DB) error {
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
-		return fmt.Errorf("outbox/postgres: migrate: %w", err)
+		return fmt.Errorf("outbox/pgoutbox: migrate: %w", err)
 	}
 	defer tx.Rollback()
 	exec := func(ctx context.Context, sql string, args ...any) error {
@@ -131,21 +132,21 @@ func MigrateSQL(ctx context.Context, db *sql.DB) error {
 		return err
 	}
 	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("outbox/postgres: migrate: commit: %w", err)
+		return fmt.Errorf("outbox/pgoutbox: migrate: commit: %w", err)
 	}
 	return nil
 }
 
 func migrateStart(ctx context.Context, exec execer, versions func(context.Context) ([]int, error)) ([]int, error) {
 	if err := exec(ctx, `SELECT pg_advisory_xact_lock(`+strconv.Itoa(lockNamespace+1)+`, 0)`); err != nil {
-		return nil, fmt.Errorf("outbox/postgres: migrate: lock: %w", err)
+		return nil, fmt.Errorf("outbox/pgoutbox: migrate: lock: %w", err)
 	}
 	if err := exec(ctx, migrationsTable); err != nil {
-		return nil, fmt.Errorf("outbox/postgres: migrate: %w", err)
+		return nil, fmt.Errorf("outbox/pgoutbox: migrate: %w", err)
 	}
 	v, err := versions(ctx)
 	if err != nil {
-		return nil, fmt.Errorf("outbox/postgres: migrate: read versions: %w", err)
+		return nil, fmt.Errorf("outbox/pgoutbox: migrate: read versions: %w", err)
 	}
 	return v, nil
 }
@@ -164,10 +165,10 @@ func migrateApply(ctx context.Context, exec execer, applied []int) error {
 			continue
 		}
 		if err := exec(ctx, m.sql); err != nil {
-			return fmt.Errorf("outbox/postgres: migration %s: %w", m.name, err)
+			return fmt.Errorf("outbox/pgoutbox: migration %s: %w", m.name, err)
 		}
 		if err := exec(ctx, `INSERT INTO ferry_outbox_migrations (version, name) VALUES ($1, $2)`, m.version, m.name); err != nil {
-			return fmt.Errorf("outbox/postgres: migration %s: record: %w", m.name, err)
+			return fmt.Errorf("outbox/pgoutbox: migration %s: record: %w", m.name, err)
 		}
 	}
 	return nil

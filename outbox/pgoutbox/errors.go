@@ -1,4 +1,4 @@
-package postgres
+package pgoutbox
 
 import "github.com/ferrymq/ferry/consumer"
 

@@ -1,4 +1,4 @@
-package sqlite
+package sqliteoutbox
 
 import (
 	"context"
@@ -29,17 +29,18 @@ import (
 func Open(path string) (*sql.DB, error) {
 	db, err := sqlitedb.Open(path)
 	if err != nil {
-		return nil, fmt.Errorf("outbox/sqlite: %w", err)
+		return nil, fmt.Errorf("outbox/sqliteoutbox: %w", err)
 	}
 	return db, nil
 }
 
-// Migrations holds the schema as plain SQL files, named NNNN_name.sql and
-// applied in that order. Migrate applies them and records each version in
-// ferry_outbox_migrations.
-//
 //go:embed migrations/*.sql
-var Migrations embed.FS
+var migrationFiles embed.FS
+
+// Migrations holds the schema as plain SQL files, migrations/NNNN_name.sql,
+// applied in that order, for teams that run their own migration tool.
+// [Migrate] applies them and records each version in ferry_outbox_migrations.
+var Migrations fs.FS = migrationFiles
 
 // Migrate creates or upgrades the outbox tables in one transaction.
 func Migrate(ctx context.Context, db *sql.DB) error {
@@ -50,40 +51,40 @@ func Migrate(ctx context.Context, db *sql.DB) error {
 	sort.Strings(files)
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
-		return fmt.Errorf("outbox/sqlite: migrate: %w", err)
+		return fmt.Errorf("outbox/sqliteoutbox: migrate: %w", err)
 	}
 	defer tx.Rollback()
 	if _, err := tx.ExecContext(ctx, `CREATE TABLE IF NOT EXISTS ferry_outbox_migrations (
 		version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at INTEGER NOT NULL)`); err != nil {
-		return fmt.Errorf("outbox/sqlite: migrate: %w", err)
+		return fmt.Errorf("outbox/sqliteoutbox: migrate: %w", err)
 	}
 	for _, f := range files {
 		name := strings.TrimPrefix(f, "migrations/")
 		v, err := strconv.Atoi(strings.SplitN(name, "_", 2)[0])
 		if err != nil {
-			return fmt.Errorf("outbox/sqlite: migration %s: no version number: %w", name, err)
+			return fmt.Errorf("outbox/sqliteoutbox: migration %s: no version number: %w", name, err)
 		}
 		var n int
 		if err := tx.QueryRowContext(ctx, `SELECT count(*) FROM ferry_outbox_migrations WHERE version = ?`, v).Scan(&n); err != nil {
-			return fmt.Errorf("outbox/sqlite: migrate: %w", err)
+			return fmt.Errorf("outbox/sqliteoutbox: migrate: %w", err)
 		}
 		if n > 0 {
 			continue
 		}
-		b, err := Migrations.ReadFile(f)
+		b, err := fs.ReadFile(Migrations, f)
 		if err != nil {
 			return err
 		}
 		if _, err := tx.ExecContext(ctx, string(b)); err != nil {
-			return fmt.Errorf("outbox/sqlite: migration %s: %w", name, err)
+			return fmt.Errorf("outbox/sqliteoutbox: migration %s: %w", name, err)
 		}
 		if _, err := tx.ExecContext(ctx, `INSERT INTO ferry_outbox_migrations (version, name, applied_at) VALUES (?, ?, ?)`,
 			v, name, time.Now().UnixMicro()); err != nil {
-			return fmt.Errorf("outbox/sqlite: migration %s: record: %w", name, err)
+			return fmt.Errorf("outbox/sqliteoutbox: migration %s: record: %w", name, err)
 		}
 	}
 	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("outbox/sqlite: migrate: commit: %w", err)
+		return fmt.Errorf("outbox/sqliteoutbox: migrate: commit: %w", err)
 	}
 	return nil
 }
@@ -113,7 +114,7 @@ const maxRowsPerInsert = 100 // 7 parameters each, under SQLite's default limit
 // without any lock of ours.
 func (w *Writer) Add(ctx context.Context, tx *sql.Tx, events ...outbox.Event) error {
 	if tx == nil {
-		return errors.New("outbox/sqlite: Add: nil transaction")
+		return errors.New("outbox/sqliteoutbox: Add: nil transaction")
 	}
 	if len(events) == 0 {
 		return nil
@@ -146,7 +147,7 @@ func (w *Writer) Add(ctx context.Context, tx *sql.Tx, events ...outbox.Event) er
 			args = append(args, r.EventID, r.Lane, r.Destination, r.Key, r.Body, hdr, now)
 		}
 		if _, err := tx.ExecContext(ctx, b.String(), args...); err != nil {
-			return fmt.Errorf("outbox/sqlite: insert %d events: %w", n, err)
+			return fmt.Errorf("outbox/sqliteoutbox: insert %d events: %w", n, err)
 		}
 		rows = rows[n:]
 	}
@@ -245,7 +246,7 @@ func placeholders(n int) string {
 func (s *Store) Lease(ctx context.Context, owner string, ttl time.Duration) ([]int, error) {
 	held, err := s.lease(ctx, owner, ttl)
 	if err != nil {
-		return nil, fmt.Errorf("outbox/sqlite: lease lanes: %w", err)
+		return nil, fmt.Errorf("outbox/sqliteoutbox: lease lanes: %w", err)
 	}
 	return held, nil
 }
@@ -321,17 +322,17 @@ func lanes(rows *sql.Rows, err error) ([]int, error) {
 func (s *Store) Release(ctx context.Context, owner string) error {
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
-		return fmt.Errorf("outbox/sqlite: release lanes: %w", err)
+		return fmt.Errorf("outbox/sqliteoutbox: release lanes: %w", err)
 	}
 	defer tx.Rollback()
 	if _, err := tx.ExecContext(ctx, `UPDATE ferry_outbox_lanes SET owner = NULL, expires_at = NULL WHERE owner = ?`, owner); err != nil {
-		return fmt.Errorf("outbox/sqlite: release lanes: %w", err)
+		return fmt.Errorf("outbox/sqliteoutbox: release lanes: %w", err)
 	}
 	if _, err := tx.ExecContext(ctx, `DELETE FROM ferry_outbox_relays WHERE owner = ?`, owner); err != nil {
-		return fmt.Errorf("outbox/sqlite: release lanes: %w", err)
+		return fmt.Errorf("outbox/sqliteoutbox: release lanes: %w", err)
 	}
 	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("outbox/sqlite: release lanes: %w", err)
+		return fmt.Errorf("outbox/sqliteoutbox: release lanes: %w", err)
 	}
 	return nil
 }
@@ -346,7 +347,7 @@ func (s *Store) Fetch(ctx context.Context, lanes []int, max int) ([]outbox.Recor
 	rows, err := s.db.QueryContext(ctx, `SELECT id, event_id, lane, destination, key, body, headers, created_at
 		FROM ferry_outbox WHERE lane IN (`+placeholders(len(lanes))+`) ORDER BY id LIMIT ?`, args...)
 	if err != nil {
-		return nil, fmt.Errorf("outbox/sqlite: fetch: %w", err)
+		return nil, fmt.Errorf("outbox/sqliteoutbox: fetch: %w", err)
 	}
 	defer rows.Close()
 	var out []outbox.Record
@@ -357,18 +358,18 @@ func (s *Store) Fetch(ctx context.Context, lanes []int, max int) ([]outbox.Recor
 			created int64
 		)
 		if err := rows.Scan(&r.Seq, &r.ID, &r.Lane, &r.Destination, &r.Key, &r.Body, &hdr, &created); err != nil {
-			return nil, fmt.Errorf("outbox/sqlite: fetch: %w", err)
+			return nil, fmt.Errorf("outbox/sqliteoutbox: fetch: %w", err)
 		}
 		if hdr.Valid {
 			if r.Headers, err = row.DecodeHeaders([]byte(hdr.String)); err != nil {
-				return nil, fmt.Errorf("outbox/sqlite: fetch: headers of event %d: %w", r.Seq, err)
+				return nil, fmt.Errorf("outbox/sqliteoutbox: fetch: headers of event %d: %w", r.Seq, err)
 			}
 		}
 		r.CreatedAt = time.UnixMicro(created)
 		out = append(out, r)
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("outbox/sqlite: fetch: %w", err)
+		return nil, fmt.Errorf("outbox/sqliteoutbox: fetch: %w", err)
 	}
 	return out, nil
 }
@@ -382,7 +383,7 @@ func (s *Store) Delete(ctx context.Context, seqs []int64) error {
 			args[i] = s
 		}
 		if _, err := s.db.ExecContext(ctx, `DELETE FROM ferry_outbox WHERE id IN (`+placeholders(n)+`)`, args...); err != nil {
-			return fmt.Errorf("outbox/sqlite: delete: %w", err)
+			return fmt.Errorf("outbox/sqliteoutbox: delete: %w", err)
 		}
 		seqs = seqs[n:]
 	}
@@ -393,20 +394,20 @@ func (s *Store) Delete(ctx context.Context, seqs []int64) error {
 func (s *Store) Fail(ctx context.Context, seq int64, reason string) error {
 	tx, err := s.db.BeginTx(ctx, nil)
 	if err != nil {
-		return fmt.Errorf("outbox/sqlite: fail event %d: %w", seq, err)
+		return fmt.Errorf("outbox/sqliteoutbox: fail event %d: %w", seq, err)
 	}
 	defer tx.Rollback()
 	if _, err := tx.ExecContext(ctx, `INSERT OR IGNORE INTO ferry_outbox_failed
 		(id, event_id, lane, destination, key, body, headers, created_at, failed_at, reason)
 		SELECT id, event_id, lane, destination, key, body, headers, created_at, ?, ? FROM ferry_outbox WHERE id = ?`,
 		time.Now().UnixMicro(), reason, seq); err != nil {
-		return fmt.Errorf("outbox/sqlite: fail event %d: %w", seq, err)
+		return fmt.Errorf("outbox/sqliteoutbox: fail event %d: %w", seq, err)
 	}
 	if _, err := tx.ExecContext(ctx, `DELETE FROM ferry_outbox WHERE id = ?`, seq); err != nil {
-		return fmt.Errorf("outbox/sqlite: fail event %d: %w", seq, err)
+		return fmt.Errorf("outbox/sqliteoutbox: fail event %d: %w", seq, err)
 	}
 	if err := tx.Commit(); err != nil {
-		return fmt.Errorf("outbox/sqlite: fail event %d: %w", seq, err)
+		return fmt.Errorf("outbox/sqliteoutbox: fail event %d: %w", seq, err)
 	}
 	return nil
 }
@@ -420,7 +421,7 @@ func (s *Store) Backlog(ctx context.Context) (outbox.Backlog, error) {
 	err := s.db.QueryRowContext(ctx, `SELECT count(*), min(created_at), (SELECT count(*) FROM ferry_outbox_failed) FROM ferry_outbox`).
 		Scan(&b.Events, &oldest, &b.Failed)
 	if err != nil {
-		return b, fmt.Errorf("outbox/sqlite: backlog: %w", err)
+		return b, fmt.Errorf("outbox/sqliteoutbox: backlog: %w", err)
 	}
 	if oldest.Valid {
 		b.OldestAge = max(time.Since(time.UnixMicro(oldest.Int64)), 0)

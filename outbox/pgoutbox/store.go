@@ -1,4 +1,4 @@
-package postgres
+package pgoutbox
 
 import (
 	"context"
@@ -91,7 +91,7 @@ func (s *Store) Lease(ctx context.Context, owner string, ttl time.Duration) ([]i
 		return nil
 	})
 	if err != nil {
-		return nil, fmt.Errorf("outbox/postgres: lease lanes: %w", err)
+		return nil, fmt.Errorf("outbox/pgoutbox: lease lanes: %w", err)
 	}
 	return held, nil
 }
@@ -106,7 +106,7 @@ func (s *Store) Release(ctx context.Context, owner string) error {
 		return err
 	})
 	if err != nil {
-		return fmt.Errorf("outbox/postgres: release lanes: %w", err)
+		return fmt.Errorf("outbox/pgoutbox: release lanes: %w", err)
 	}
 	return nil
 }
@@ -116,7 +116,7 @@ func (s *Store) Fetch(ctx context.Context, lanes []int, max int) ([]outbox.Recor
 	rows, err := s.pool.Query(ctx, `SELECT id, event_id, lane::int, destination, key, body, headers, created_at
 		FROM ferry_outbox WHERE lane = ANY($1::int4[]) ORDER BY id LIMIT $2`, lanes, max)
 	if err != nil {
-		return nil, fmt.Errorf("outbox/postgres: fetch: %w", err)
+		return nil, fmt.Errorf("outbox/pgoutbox: fetch: %w", err)
 	}
 	defer rows.Close()
 	var out []outbox.Record
@@ -126,15 +126,15 @@ func (s *Store) Fetch(ctx context.Context, lanes []int, max int) ([]outbox.Recor
 			hdr []byte
 		)
 		if err := rows.Scan(&r.Seq, &r.ID, &r.Lane, &r.Destination, &r.Key, &r.Body, &hdr, &r.CreatedAt); err != nil {
-			return nil, fmt.Errorf("outbox/postgres: fetch: %w", err)
+			return nil, fmt.Errorf("outbox/pgoutbox: fetch: %w", err)
 		}
 		if r.Headers, err = row.DecodeHeaders(hdr); err != nil {
-			return nil, fmt.Errorf("outbox/postgres: fetch: headers of event %d: %w", r.Seq, err)
+			return nil, fmt.Errorf("outbox/pgoutbox: fetch: headers of event %d: %w", r.Seq, err)
 		}
 		out = append(out, r)
 	}
 	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("outbox/postgres: fetch: %w", err)
+		return nil, fmt.Errorf("outbox/pgoutbox: fetch: %w", err)
 	}
 	return out, nil
 }
@@ -142,7 +142,7 @@ func (s *Store) Fetch(ctx context.Context, lanes []int, max int) ([]outbox.Recor
 // Delete implements outbox.Store.
 func (s *Store) Delete(ctx context.Context, seqs []int64) error {
 	if _, err := s.pool.Exec(ctx, `DELETE FROM ferry_outbox WHERE id = ANY($1::int8[])`, seqs); err != nil {
-		return fmt.Errorf("outbox/postgres: delete: %w", err)
+		return fmt.Errorf("outbox/pgoutbox: delete: %w", err)
 	}
 	return nil
 }
@@ -154,7 +154,7 @@ func (s *Store) Fail(ctx context.Context, seq int64, reason string) error {
 		SELECT id, event_id, lane, destination, key, body, headers, created_at, $2 FROM d
 		ON CONFLICT (id) DO NOTHING`, seq, reason)
 	if err != nil {
-		return fmt.Errorf("outbox/postgres: move event %d to the failed events: %w", seq, err)
+		return fmt.Errorf("outbox/pgoutbox: move event %d to the failed events: %w", seq, err)
 	}
 	return nil
 }
@@ -170,7 +170,7 @@ func (s *Store) Backlog(ctx context.Context) (outbox.Backlog, error) {
 			(SELECT count(*) FROM ferry_outbox_failed)
 		FROM ferry_outbox`).Scan(&b.Events, &age, &b.Failed)
 	if err != nil {
-		return b, fmt.Errorf("outbox/postgres: backlog: %w", err)
+		return b, fmt.Errorf("outbox/pgoutbox: backlog: %w", err)
 	}
 	b.OldestAge = time.Duration(age * float64(time.Second))
 	return b, nil
@@ -181,12 +181,12 @@ func (s *Store) Backlog(ctx context.Context) (outbox.Backlog, error) {
 func (s *Store) Listen(ctx context.Context, wake func()) error {
 	c, err := s.pool.Acquire(ctx)
 	if err != nil {
-		return fmt.Errorf("outbox/postgres: listen: %w", err)
+		return fmt.Errorf("outbox/pgoutbox: listen: %w", err)
 	}
 	conn := c.Hijack()
 	defer conn.Close(context.WithoutCancel(ctx))
 	if _, err := conn.Exec(ctx, `LISTEN `+Channel); err != nil {
-		return fmt.Errorf("outbox/postgres: listen: %w", err)
+		return fmt.Errorf("outbox/pgoutbox: listen: %w", err)
 	}
 	wake()
 	for {
@@ -194,7 +194,7 @@ func (s *Store) Listen(ctx context.Context, wake func()) error {
 			if ctx.Err() != nil {
 				return nil
 			}
-			return fmt.Errorf("outbox/postgres: listen: %w", err)
+			return fmt.Errorf("outbox/pgoutbox: listen: %w", err)
 		}
 		wake()
 	}
