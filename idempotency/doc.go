@@ -32,6 +32,9 @@
 //     holder's claim.
 //   - A store that cannot be reached is an error: the message goes back to the
 //     broker. It is never skipped, and the handler never runs without a claim.
+//     A store that refuses the key or its data, which no retry can fix, is a
+//     permanent error (consumer.Permanent): the message goes to the
+//     dead-letter destination, and a circuit breaker does not count it.
 //
 // One gap remains, and it is the reason for the transactional inbox: if the
 // handler's effect happened but the worker died (or the store failed) before
@@ -51,6 +54,10 @@
 // both with a function of the message. A message without a key is a permanent
 // error (ErrNoKey): it cannot be deduplicated, and running it unguarded would
 // break the guarantee.
+//
+// A key is any bytes: NUL, invalid UTF-8 and any length are kept as they are,
+// and keys that differ in any byte never meet (the SQL stores keep the
+// SHA-256 of the namespaced key, Redis and memory the key itself).
 //
 // Keys are namespaced by the consumer's name: two different consumers of one
 // event (billing and shipping, say) each handle it once, because each looks up

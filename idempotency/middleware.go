@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"strings"
 	"time"
 
@@ -190,7 +191,7 @@ func (h *handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 
 	cl, err := h.store.Claim(ctx, key, h.cfg.lease)
 	if err != nil {
-		return fmt.Errorf("idempotency: claim %q: %w", key, err)
+		return storeErr("claim", key, err)
 	}
 	switch cl.Status {
 	case Done:
@@ -200,10 +201,10 @@ func (h *handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 		if cl.LeaseLeft > 0 && cl.LeaseLeft < d {
 			d = cl.LeaseLeft
 		}
-		return consumer.Defer(fmt.Errorf("%w: %q", ErrInProgress, key), d)
+		return consumer.Defer(fmt.Errorf("%w: %s", ErrInProgress, quote(key)), d)
 	case Claimed:
 	default:
-		return fmt.Errorf("idempotency: claim %q: store answered unknown status %v", key, cl.Status)
+		return fmt.Errorf("idempotency: claim %s: store answered unknown status %v", quote(key), cl.Status)
 	}
 
 	// From here on the claim must be completed or released, whatever the
@@ -227,7 +228,7 @@ func (h *handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 			h.cfg.logger.WarnContext(ctx, "idempotency: lease expired before the handler finished; the effect may have happened twice, raise the lease",
 				"key", key, "lease", h.cfg.lease)
 		}
-		return fmt.Errorf("idempotency: complete %q: %w", key, cerr)
+		return storeErr("complete", key, cerr)
 	}
 	return nil
 }
@@ -240,4 +241,26 @@ func (h *handler) release(ctx context.Context, key, token string) {
 		h.cfg.logger.WarnContext(ctx, "idempotency: release failed; the key stays claimed until its lease ends",
 			"key", key, "error", err)
 	}
+}
+
+// storeErr wraps an error of the store. It wraps with %w, so an error the
+// store marked consumer.Permanent (one no retry can fix, such as a data
+// exception of its database) stays permanent (consumer.IsPermanent): the
+// message goes to the dead-letter destination and a circuit breaker does not
+// count it. Any other error stays a plain error, and the message is
+// delivered again.
+func storeErr(op, key string, err error) error {
+	return fmt.Errorf("idempotency: %s %s: %w", op, quote(key), err)
+}
+
+// quoteMax bounds how much of a key an error message quotes.
+const quoteMax = 64
+
+// quote returns key quoted for an error message, cut after quoteMax bytes:
+// keys may be long, and a dead-letter header carries the error.
+func quote(key string) string {
+	if len(key) <= quoteMax {
+		return strconv.Quote(key)
+	}
+	return strconv.Quote(key[:quoteMax]) + "... (" + strconv.Itoa(len(key)) + " bytes)"
 }

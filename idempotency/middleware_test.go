@@ -277,3 +277,29 @@ func TestBadConfigurationNamesTheField(t *testing.T) {
 		}
 	}
 }
+
+// refusingStore refuses every key with an error no retry can fix, as a
+// database refuses data it cannot store. (The real stores' refusals are
+// tested against their real databases in their own packages.)
+type refusingStore struct{ downStore }
+
+var errRefused = errors.New("invalid byte sequence")
+
+func (refusingStore) Claim(context.Context, string, time.Duration) (idempotency.Claim, error) {
+	return idempotency.Claim{}, consumer.Permanent(errRefused)
+}
+
+func TestStoreRefusalIsPermanent(t *testing.T) {
+	var n atomic.Int32
+	h := mustNew(t, refusingStore{}, "billing")(counting(&n))
+	err := h.Handle(context.Background(), msg("m", "ev\xff"))
+	if !consumer.IsPermanent(err) || !errors.Is(err, errRefused) {
+		t.Fatalf("err = %v, want a permanent error wrapping the store's", err)
+	}
+	if consumer.DefaultBreakerCounts(err) {
+		t.Fatal("a breaker would count the refusal")
+	}
+	if n.Load() != 0 {
+		t.Fatal("handler ran without a claim")
+	}
+}

@@ -87,6 +87,15 @@ type Claim struct {
 // runs again: give claims a lease longer than the handler runs. Errors of
 // the store itself (unreachable, timed out) are returned wrapped, and are
 // never ErrNotOwner.
+//
+// A key is any string of bytes: NUL, invalid UTF-8 and any length included
+// (Kafka keys, and event ids taken from them, are arbitrary bytes), and two
+// keys that differ in any byte are two keys. A store whose backend cannot
+// keep such bytes as they are keeps a hash of them (the SQL stores keep the
+// SHA-256). An error that no retry can fix (the backend refuses the data) is
+// returned marked with consumer.Permanent; the middleware passes it on as
+// permanent, so the message goes to the dead-letter destination and a
+// circuit breaker does not count it. Any other error is retryable.
 type Store interface {
 	Claim(ctx context.Context, key string, lease time.Duration) (Claim, error)
 	Complete(ctx context.Context, key, token string, retention time.Duration) error

@@ -67,7 +67,7 @@ func BenchmarkInbox(b *testing.B) {
 	ctx := context.Background()
 	e := newEffect(b, p)
 	h, err := pgstore.Inbox(p, "bench", func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
-		_, err := tx.Exec(ctx, e.insertSQL(), m.ID)
+		_, err := tx.Exec(ctx, e.insertSQL(), []byte(m.ID))
 		return err
 	}, pgstore.WithTable(freshTable(b, p)))
 	if err != nil {
@@ -75,7 +75,7 @@ func BenchmarkInbox(b *testing.B) {
 	}
 	plain := func(ctx context.Context, key string) error {
 		return pgx.BeginFunc(ctx, p, func(tx pgx.Tx) error {
-			_, err := tx.Exec(ctx, e.insertSQL(), key)
+			_, err := tx.Exec(ctx, e.insertSQL(), []byte(key))
 			return err
 		})
 	}

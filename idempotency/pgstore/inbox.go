@@ -10,6 +10,7 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/idempotency"
+	"github.com/ferrymq/ferry/idempotency/internal/keytable"
 )
 
 // TxHandler handles a message inside the inbox's transaction: its writes
@@ -45,9 +46,9 @@ func newInbox(namespace string, opts []Option) (inbox, error) {
 		// A key whose retention ended (not yet cleaned up) is taken over;
 		// a live one inserts nothing. A concurrent, uncommitted insert of the
 		// same key makes this wait for its transaction to end.
-		insertSQL: `INSERT INTO ` + c.Table + ` AS k (key, token, done, expires_at)
+		insertSQL: `INSERT INTO ` + c.Table + ` AS k (key_hash, token, done, expires_at)
 VALUES ($1, '', true, now() + $2::bigint * interval '1 millisecond')
-ON CONFLICT (key) DO UPDATE SET token = '', done = true, expires_at = excluded.expires_at
+ON CONFLICT (key_hash) DO UPDATE SET token = '', done = true, expires_at = excluded.expires_at
 WHERE k.expires_at <= now()`,
 	}, nil
 }
@@ -89,12 +90,12 @@ func Inbox(db Beginner, namespace string, h TxHandler, opts ...Option) (consumer
 		}
 		tx, err := db.Begin(ctx)
 		if err != nil {
-			return fmt.Errorf("pgstore: inbox: begin: %w", err)
+			return storeErr("inbox: begin", err)
 		}
 		defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // a no-op after Commit
-		tag, err := tx.Exec(ctx, in.insertSQL, key, in.retention)
+		tag, err := tx.Exec(ctx, in.insertSQL, keytable.Hash(key), in.retention)
 		if err != nil {
-			return fmt.Errorf("pgstore: inbox: record key %q: %w", key, err)
+			return storeErr("inbox: record key "+keytable.Quote(key), err)
 		}
 		if tag.RowsAffected() == 0 {
 			return nil // committed before: a duplicate
@@ -103,7 +104,7 @@ func Inbox(db Beginner, namespace string, h TxHandler, opts ...Option) (consumer
 			return err
 		}
 		if err := tx.Commit(ctx); err != nil {
-			return fmt.Errorf("pgstore: inbox: commit %q: %w", key, err)
+			return storeErr("inbox: commit "+keytable.Quote(key), err)
 		}
 		return nil
 	}), nil
@@ -129,16 +130,16 @@ func SQLInbox(db *sql.DB, namespace string, h SQLTxHandler, opts ...Option) (con
 		}
 		tx, err := db.BeginTx(ctx, nil)
 		if err != nil {
-			return fmt.Errorf("pgstore: inbox: begin: %w", err)
+			return storeErr("inbox: begin", err)
 		}
 		defer func() { _ = tx.Rollback() }() // a no-op after Commit
-		res, err := tx.ExecContext(ctx, in.insertSQL, key, in.retention)
+		res, err := tx.ExecContext(ctx, in.insertSQL, keytable.Hash(key), in.retention)
 		if err != nil {
-			return fmt.Errorf("pgstore: inbox: record key %q: %w", key, err)
+			return storeErr("inbox: record key "+keytable.Quote(key), err)
 		}
 		n, err := res.RowsAffected()
 		if err != nil {
-			return fmt.Errorf("pgstore: inbox: record key %q: %w", key, err)
+			return storeErr("inbox: record key "+keytable.Quote(key), err)
 		}
 		if n == 0 {
 			return nil // committed before: a duplicate
@@ -147,7 +148,7 @@ func SQLInbox(db *sql.DB, namespace string, h SQLTxHandler, opts ...Option) (con
 			return err
 		}
 		if err := tx.Commit(); err != nil {
-			return fmt.Errorf("pgstore: inbox: commit %q: %w", key, err)
+			return storeErr("inbox: commit "+keytable.Quote(key), err)
 		}
 		return nil
 	}), nil

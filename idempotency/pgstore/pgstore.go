@@ -27,6 +27,13 @@
 // (idempotency.CleanEvery). Use one namespace with either the middleware or
 // the inbox, never both: the inbox reads any live row as done.
 //
+// The table keeps the SHA-256 of each namespaced key (bytea), not the key:
+// keys are arbitrary bytes, NUL and invalid UTF-8 included, which a text
+// column refuses, and of any length, which an index entry is not. An error
+// that no retry can fix (SQLSTATE class 22, data exception) is returned
+// marked consumer.Permanent, so its message is dead-lettered and a circuit
+// breaker does not count it.
+//
 // Times are the database server's clock (now()), so workers on machines with
 // skewed clocks agree on when a lease ends.
 package pgstore
@@ -34,8 +41,10 @@ package pgstore
 import (
 	"context"
 	"embed"
+	"errors"
 	"fmt"
 	"io/fs"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -168,18 +177,18 @@ func New(db DB, opts ...Option) (*Store, error) {
 		// An expired row is taken over; a live one is left as it was (the
 		// CASEs), and the statement always returns the row as it is now, so a
 		// claim is one round trip whatever it finds.
-		claimSQL: `INSERT INTO ` + t + ` AS k (key, token, done, expires_at)
+		claimSQL: `INSERT INTO ` + t + ` AS k (key_hash, token, done, expires_at)
 VALUES ($1, $2, false, now() + $3::bigint * interval '1 millisecond')
-ON CONFLICT (key) DO UPDATE SET
+ON CONFLICT (key_hash) DO UPDATE SET
   token      = CASE WHEN k.expires_at <= now() THEN excluded.token      ELSE k.token      END,
   done       = CASE WHEN k.expires_at <= now() THEN false               ELSE k.done       END,
   expires_at = CASE WHEN k.expires_at <= now() THEN excluded.expires_at ELSE k.expires_at END
 RETURNING k.token = $2, k.done, (extract(epoch FROM k.expires_at - now()) * 1000)::bigint`,
 		completeSQL: `UPDATE ` + t + ` SET token = '', done = true, expires_at = now() + $3::bigint * interval '1 millisecond'
-WHERE key = $1 AND token = $2 AND NOT done`,
-		releaseSQL: `DELETE FROM ` + t + ` WHERE key = $1 AND token = $2 AND NOT done`,
-		cleanupSQL: `DELETE FROM ` + t + ` WHERE key IN (
-  SELECT key FROM ` + t + ` WHERE expires_at <= now() FOR UPDATE SKIP LOCKED
+WHERE key_hash = $1 AND token = $2 AND NOT done`,
+		releaseSQL: `DELETE FROM ` + t + ` WHERE key_hash = $1 AND token = $2 AND NOT done`,
+		cleanupSQL: `DELETE FROM ` + t + ` WHERE key_hash IN (
+  SELECT key_hash FROM ` + t + ` WHERE expires_at <= now() FOR UPDATE SKIP LOCKED
 ) AND expires_at <= now()`,
 	}, nil
 }
@@ -191,9 +200,9 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (ide
 		mine, done bool
 		leftMS     int64
 	)
-	err := s.db.QueryRow(ctx, s.claimSQL, key, tok, lease.Milliseconds()).Scan(&mine, &done, &leftMS)
+	err := s.db.QueryRow(ctx, s.claimSQL, keytable.Hash(key), tok, lease.Milliseconds()).Scan(&mine, &done, &leftMS)
 	if err != nil {
-		return idempotency.Claim{}, fmt.Errorf("pgstore: claim: %w", err)
+		return idempotency.Claim{}, storeErr("claim", err)
 	}
 	switch {
 	case mine:
@@ -218,9 +227,9 @@ func (s *Store) settle(ctx context.Context, op, sql, key, token string, args ...
 	if token == "" {
 		return idempotency.ErrNotOwner
 	}
-	tag, err := s.db.Exec(ctx, sql, append([]any{key, token}, args...)...)
+	tag, err := s.db.Exec(ctx, sql, append([]any{keytable.Hash(key), token}, args...)...)
 	if err != nil {
-		return fmt.Errorf("pgstore: %s: %w", op, err)
+		return storeErr(op, err)
 	}
 	if tag.RowsAffected() == 0 {
 		return idempotency.ErrNotOwner
@@ -235,11 +244,38 @@ func (s *Store) settle(ctx context.Context, op, sql, key, token string, args ...
 func (s *Store) Cleanup(ctx context.Context) (int64, error) {
 	tag, err := s.db.Exec(ctx, s.cleanupSQL)
 	if err != nil {
-		return 0, fmt.Errorf("pgstore: cleanup: %w", err)
+		return 0, storeErr("cleanup", err)
 	}
 	return tag.RowsAffected(), nil
 }
 
 func configErr(field, format string, args ...any) error {
 	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
+}
+
+// sqlStater is what the errors of PostgreSQL drivers have in common
+// (*pgconn.PgError of pgx and its database/sql driver, *pq.Error of
+// lib/pq): the SQLSTATE code.
+type sqlStater interface{ SQLState() string }
+
+// dataException reports whether err carries an SQLSTATE of class 22, data
+// exception: the statement's data is wrong (bytes invalid in the encoding, a
+// value out of range or too long for its column), and running it again
+// fails again.
+func dataException(err error) bool {
+	var s sqlStater
+	return errors.As(err, &s) && strings.HasPrefix(s.SQLState(), "22")
+}
+
+// storeErr wraps an error of the database for op. One that no retry can fix
+// (a data exception) is marked consumer.Permanent, so that its message goes
+// to the dead-letter destination and a circuit breaker does not count it;
+// any other (the database unreachable, a timeout, a missing table) stays
+// retryable.
+func storeErr(op string, err error) error {
+	err = fmt.Errorf("pgstore: %s: %w", op, err)
+	if dataException(err) {
+		return consumer.Permanent(err)
+	}
+	return err
 }

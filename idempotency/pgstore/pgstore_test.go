@@ -2,7 +2,9 @@ package pgstore_test
 
 import (
 	"context"
+	"crypto/sha256"
 	"database/sql"
+	"encoding/hex"
 	"errors"
 	"strings"
 	"sync"
@@ -11,6 +13,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"go.uber.org/goleak"
@@ -63,7 +66,8 @@ func freshTable(t testing.TB, p *pgxpool.Pool) string {
 }
 
 // effectTable is the handler's effect: a row per run, in a table with no
-// unique constraint, so that a second run shows as a second row.
+// unique constraint, so that a second run shows as a second row. Its key is
+// bytea: the keys of the tests are arbitrary bytes.
 type effectTable struct {
 	p    *pgxpool.Pool
 	name string
@@ -72,7 +76,7 @@ type effectTable struct {
 func newEffect(t testing.TB, p *pgxpool.Pool) *effectTable {
 	t.Helper()
 	name := strings.ReplaceAll(testenv.UniqueName(t, "effect"), "-", "_")
-	if _, err := p.Exec(ctxFor(t), "CREATE TABLE "+name+" (key text NOT NULL, at timestamptz NOT NULL DEFAULT now())"); err != nil {
+	if _, err := p.Exec(ctxFor(t), "CREATE TABLE "+name+" (key bytea NOT NULL, at timestamptz NOT NULL DEFAULT now())"); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _, _ = p.Exec(context.Background(), "DROP TABLE IF EXISTS "+name) })
@@ -82,7 +86,7 @@ func newEffect(t testing.TB, p *pgxpool.Pool) *effectTable {
 func (e *effectTable) insertSQL() string { return "INSERT INTO " + e.name + " (key) VALUES ($1)" }
 
 func (e *effectTable) Apply(ctx context.Context, key string) error {
-	_, err := e.p.Exec(ctx, e.insertSQL(), key)
+	_, err := e.p.Exec(ctx, e.insertSQL(), []byte(key))
 	return err
 }
 
@@ -92,9 +96,9 @@ func (e *effectTable) Counts(ctx context.Context) (map[string]int, error) {
 		return nil, err
 	}
 	m := map[string]int{}
-	var k string
+	var k []byte
 	var n int
-	_, err = pgx.ForEachRow(rows, []any{&k, &n}, func() error { m[k] = n; return nil })
+	_, err = pgx.ForEachRow(rows, []any{&k, &n}, func() error { m[string(k)] = n; return nil })
 	return m, err
 }
 
@@ -116,7 +120,7 @@ func TestInboxExactlyOnce(t *testing.T) {
 	p := testPool(t)
 	e := newEffect(t, p)
 	h, err := pgstore.Inbox(p, "inbox", func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
-		_, err := tx.Exec(ctx, e.insertSQL(), m.Header(idempotency.EventIDHeader))
+		_, err := tx.Exec(ctx, e.insertSQL(), []byte(m.Header(idempotency.EventIDHeader)))
 		return err
 	}, pgstore.WithTable(freshTable(t, p)))
 	if err != nil {
@@ -131,7 +135,7 @@ func TestSQLInboxExactlyOnce(t *testing.T) {
 	db := stdlib.OpenDBFromPool(p)
 	t.Cleanup(func() { db.Close() })
 	h, err := pgstore.SQLInbox(db, "inbox", func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error {
-		_, err := tx.ExecContext(ctx, e.insertSQL(), m.Header(idempotency.EventIDHeader))
+		_, err := tx.ExecContext(ctx, e.insertSQL(), []byte(m.Header(idempotency.EventIDHeader)))
 		return err
 	}, pgstore.WithTable(freshTable(t, p)))
 	if err != nil {
@@ -147,7 +151,7 @@ func TestInboxHandlerErrorRollsBackKeyAndWrites(t *testing.T) {
 	boom := consumer.Permanent(errors.New("boom"))
 	var calls atomic.Int32
 	h, err := pgstore.Inbox(p, "inbox", func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
-		if _, err := tx.Exec(ctx, e.insertSQL(), m.Header(idempotency.EventIDHeader)); err != nil {
+		if _, err := tx.Exec(ctx, e.insertSQL(), []byte(m.Header(idempotency.EventIDHeader))); err != nil {
 			return err
 		}
 		if calls.Add(1) == 1 {
@@ -188,7 +192,7 @@ func TestInboxDuplicateWaitsForOpenTransaction(t *testing.T) {
 			close(entered)
 			<-proceed
 		}
-		_, err := tx.Exec(ctx, e.insertSQL(), m.Header(idempotency.EventIDHeader))
+		_, err := tx.Exec(ctx, e.insertSQL(), []byte(m.Header(idempotency.EventIDHeader)))
 		return err
 	}, pgstore.WithTable(table))
 	if err != nil {
@@ -342,5 +346,84 @@ func TestBadConfigurationNamesTheField(t *testing.T) {
 	}
 	if _, err := pgstore.Inbox(p, "x", noop, pgstore.WithRetention(0)); !errors.As(err, &ce) || ce.Field != "Retention" {
 		t.Errorf("Inbox(zero retention) = %v, want a ConfigError naming Retention", err)
+	}
+}
+
+// refuseKey makes the database refuse one namespaced key of table with a
+// data exception (SQLSTATE 22023), as it would refuse a value it cannot
+// store: a trigger, so the error is PostgreSQL's own.
+func refuseKey(t *testing.T, p *pgxpool.Pool, table, key string) {
+	t.Helper()
+	sum := sha256.Sum256([]byte(key))
+	fn := table + "_refuse"
+	_, err := p.Exec(ctxFor(t), `CREATE FUNCTION `+fn+`() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF NEW.key_hash = '\x`+hex.EncodeToString(sum[:])+`'::bytea THEN
+    RAISE EXCEPTION 'refused key' USING ERRCODE = '22023';
+  END IF;
+  RETURN NEW;
+END $$;
+CREATE TRIGGER `+fn+` BEFORE INSERT OR UPDATE ON `+table+` FOR EACH ROW EXECUTE FUNCTION `+fn+`()`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = p.Exec(context.Background(), "DROP FUNCTION IF EXISTS "+fn+" CASCADE") })
+}
+
+// A key the database refuses with a data exception is a permanent error of
+// the middleware and of both inboxes: in a real delivery loop whose breaker
+// opens on the first failure it counts, the message is dead-lettered, the
+// breaker stays closed, and every other message is handled at once.
+func TestDataExceptionIsPermanentAndNeverOpensTheBreaker(t *testing.T) {
+	p := testPool(t)
+	db := stdlib.OpenDBFromPool(p)
+	t.Cleanup(func() { db.Close() })
+	noop := func(context.Context, *consumer.Message) error { return nil }
+	for _, c := range []struct {
+		name    string
+		handler func(t *testing.T, table string) consumer.Handler
+	}{
+		{"Middleware", func(t *testing.T, table string) consumer.Handler {
+			s, err := pgstore.New(p, pgstore.WithTable(table))
+			if err != nil {
+				t.Fatal(err)
+			}
+			mw, err := idempotency.New(s, "orders-consumer")
+			if err != nil {
+				t.Fatal(err)
+			}
+			return mw(consumer.HandlerFunc(noop))
+		}},
+		{"Inbox", func(t *testing.T, table string) consumer.Handler {
+			h, err := pgstore.Inbox(p, "orders-consumer", func(ctx context.Context, _ pgx.Tx, m *consumer.Message) error {
+				return noop(ctx, m)
+			}, pgstore.WithTable(table))
+			if err != nil {
+				t.Fatal(err)
+			}
+			return h
+		}},
+		{"SQLInbox", func(t *testing.T, table string) consumer.Handler {
+			h, err := pgstore.SQLInbox(db, "orders-consumer", func(ctx context.Context, _ *sql.Tx, m *consumer.Message) error {
+				return noop(ctx, m)
+			}, pgstore.WithTable(table))
+			if err != nil {
+				t.Fatal(err)
+			}
+			return h
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			table := freshTable(t, p)
+			refuseKey(t, p, table, idempotency.Key("orders-consumer", "refused"))
+			h := c.handler(t, table)
+
+			err := h.Handle(ctxFor(t), storetest.Message("refused", 1))
+			var pe *pgconn.PgError
+			if !consumer.IsPermanent(err) || !errors.As(err, &pe) || pe.Code != "22023" {
+				t.Fatalf("refused key = %v, want a permanent error wrapping SQLSTATE 22023", err)
+			}
+			storetest.PermanentThroughDeliveryLoop(t, h, "refused")
+		})
 	}
 }

@@ -77,7 +77,7 @@ func BenchmarkInbox(b *testing.B) {
 		b.Fatal(err)
 	}
 	h, err := sqlitestore.Inbox(db, "bench", func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error {
-		_, err := tx.StmtContext(ctx, ins).ExecContext(ctx, m.ID)
+		_, err := tx.StmtContext(ctx, ins).ExecContext(ctx, []byte(m.ID))
 		return err
 	})
 	if err != nil {

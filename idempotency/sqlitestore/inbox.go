@@ -9,6 +9,7 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/idempotency"
+	"github.com/ferrymq/ferry/idempotency/internal/keytable"
 )
 
 // TxHandler handles a message inside the inbox's transaction: its writes
@@ -48,8 +49,8 @@ func Inbox(db *sql.DB, namespace string, h TxHandler, opts ...Option) (consumer.
 	retention := c.Retention.Milliseconds()
 	// ?1 key, ?2 now, ?3 retention end. A key whose retention ended (not yet
 	// cleaned up) is taken over; a live one inserts nothing.
-	insertSQL := `INSERT INTO ` + c.Table + ` (key, token, done, expires_at) VALUES (?1, '', 1, ?3)
-ON CONFLICT (key) DO UPDATE SET token = '', done = 1, expires_at = excluded.expires_at
+	insertSQL := `INSERT INTO ` + c.Table + ` (key_hash, token, done, expires_at) VALUES (?1, '', 1, ?3)
+ON CONFLICT (key_hash) DO UPDATE SET token = '', done = 1, expires_at = excluded.expires_at
 WHERE expires_at <= ?2`
 	insert, err := db.PrepareContext(context.Background(), insertSQL)
 	if err != nil {
@@ -66,17 +67,17 @@ WHERE expires_at <= ?2`
 		key := prefix + k
 		tx, err := db.BeginTx(ctx, nil)
 		if err != nil {
-			return fmt.Errorf("sqlitestore: inbox: begin: %w", err)
+			return storeErr("inbox: begin", err)
 		}
 		defer func() { _ = tx.Rollback() }() // a no-op after Commit
 		now := time.Now().UnixMilli()
-		res, err := tx.StmtContext(ctx, insert).ExecContext(ctx, key, now, now+retention)
+		res, err := tx.StmtContext(ctx, insert).ExecContext(ctx, keytable.Hash(key), now, now+retention)
 		if err != nil {
-			return fmt.Errorf("sqlitestore: inbox: record key %q: %w", key, err)
+			return storeErr("inbox: record key "+keytable.Quote(key), err)
 		}
 		n, err := res.RowsAffected()
 		if err != nil {
-			return fmt.Errorf("sqlitestore: inbox: record key %q: %w", key, err)
+			return storeErr("inbox: record key "+keytable.Quote(key), err)
 		}
 		if n == 0 {
 			return nil // committed before: a duplicate
@@ -85,7 +86,7 @@ WHERE expires_at <= ?2`
 			return err
 		}
 		if err := tx.Commit(); err != nil {
-			return fmt.Errorf("sqlitestore: inbox: commit %q: %w", key, err)
+			return storeErr("inbox: commit "+keytable.Quote(key), err)
 		}
 		return nil
 	}), nil

@@ -20,6 +20,11 @@
 // through the *sql.DB (which would wait for the connection the transaction
 // holds). A *sql.DB opened otherwise should be set up the same way.
 //
+// The table keeps the SHA-256 of each namespaced key (a BLOB), so that keys
+// of any bytes and any length take 32 bytes of the primary key. An error no
+// retry can fix (SQLITE_TOOBIG, SQLITE_MISMATCH) is returned marked
+// consumer.Permanent.
+//
 // Leases and retention are measured with this process's clock, which is
 // right for a database file that one node uses. Expired keys stay in the
 // table, counted as absent, until Cleanup deletes them; run it periodically
@@ -35,6 +40,9 @@ import (
 	"fmt"
 	"io/fs"
 	"time"
+
+	"modernc.org/sqlite"
+	sqlite3 "modernc.org/sqlite/lib"
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/idempotency"
@@ -163,15 +171,15 @@ func New(db *sql.DB, opts ...Option) (*Store, error) {
 	}{
 		// ?1 key, ?2 token, ?3 now, ?4 lease end. An expired row is taken
 		// over, a live one left as it was; the row is always returned.
-		{&s.claim, `INSERT INTO ` + t + ` (key, token, done, expires_at) VALUES (?1, ?2, 0, ?4)
-ON CONFLICT (key) DO UPDATE SET
+		{&s.claim, `INSERT INTO ` + t + ` (key_hash, token, done, expires_at) VALUES (?1, ?2, 0, ?4)
+ON CONFLICT (key_hash) DO UPDATE SET
   token      = CASE WHEN expires_at <= ?3 THEN excluded.token      ELSE token      END,
   done       = CASE WHEN expires_at <= ?3 THEN 0                   ELSE done       END,
   expires_at = CASE WHEN expires_at <= ?3 THEN excluded.expires_at ELSE expires_at END
 RETURNING token = ?2, done, expires_at - ?3`},
-		{&s.complete, `UPDATE ` + t + ` SET token = '', done = 1, expires_at = ?3 WHERE key = ?1 AND token = ?2 AND done = 0`},
-		{&s.release, `DELETE FROM ` + t + ` WHERE key = ?1 AND token = ?2 AND done = 0`},
-		{&s.clean, `DELETE FROM ` + t + ` WHERE key IN (SELECT key FROM ` + t + ` WHERE expires_at <= ?1 LIMIT ?2)`},
+		{&s.complete, `UPDATE ` + t + ` SET token = '', done = 1, expires_at = ?3 WHERE key_hash = ?1 AND token = ?2 AND done = 0`},
+		{&s.release, `DELETE FROM ` + t + ` WHERE key_hash = ?1 AND token = ?2 AND done = 0`},
+		{&s.clean, `DELETE FROM ` + t + ` WHERE key_hash IN (SELECT key_hash FROM ` + t + ` WHERE expires_at <= ?1 LIMIT ?2)`},
 	} {
 		stmt, err := db.PrepareContext(context.Background(), p.text)
 		if err != nil {
@@ -203,9 +211,9 @@ func (s *Store) Claim(ctx context.Context, key string, lease time.Duration) (ide
 		mine, done bool
 		leftMS     int64
 	)
-	err := s.claim.QueryRowContext(ctx, key, tok, now, now+lease.Milliseconds()).Scan(&mine, &done, &leftMS)
+	err := s.claim.QueryRowContext(ctx, keytable.Hash(key), tok, now, now+lease.Milliseconds()).Scan(&mine, &done, &leftMS)
 	if err != nil {
-		return idempotency.Claim{}, fmt.Errorf("sqlitestore: claim: %w", err)
+		return idempotency.Claim{}, storeErr("claim", err)
 	}
 	switch {
 	case mine:
@@ -230,13 +238,13 @@ func (s *Store) settle(ctx context.Context, op string, st *sql.Stmt, key, token 
 	if token == "" {
 		return idempotency.ErrNotOwner
 	}
-	res, err := st.ExecContext(ctx, append([]any{key, token}, args...)...)
+	res, err := st.ExecContext(ctx, append([]any{keytable.Hash(key), token}, args...)...)
 	if err != nil {
-		return fmt.Errorf("sqlitestore: %s: %w", op, err)
+		return storeErr(op, err)
 	}
 	n, err := res.RowsAffected()
 	if err != nil {
-		return fmt.Errorf("sqlitestore: %s: %w", op, err)
+		return storeErr(op, err)
 	}
 	if n == 0 {
 		return idempotency.ErrNotOwner
@@ -271,4 +279,31 @@ func (s *Store) Cleanup(ctx context.Context) (int64, error) {
 
 func configErr(field, format string, args ...any) error {
 	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
+}
+
+// unfixable reports whether err is an SQLite error that running the
+// statement again cannot fix: a string or blob too big (SQLITE_TOOBIG) or a
+// datatype mismatch (SQLITE_MISMATCH).
+func unfixable(err error) bool {
+	var e *sqlite.Error
+	if !errors.As(err, &e) {
+		return false
+	}
+	switch e.Code() & 0xff { // the primary result code
+	case sqlite3.SQLITE_TOOBIG, sqlite3.SQLITE_MISMATCH:
+		return true
+	}
+	return false
+}
+
+// storeErr wraps an error of the database for op. One that no retry can fix
+// is marked consumer.Permanent, so that its message goes to the dead-letter
+// destination and a circuit breaker does not count it; any other (the
+// database locked or closed, a missing table) stays retryable.
+func storeErr(op string, err error) error {
+	err = fmt.Errorf("sqlitestore: %s: %w", op, err)
+	if unfixable(err) {
+		return consumer.Permanent(err)
+	}
+	return err
 }

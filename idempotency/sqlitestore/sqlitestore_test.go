@@ -34,21 +34,22 @@ func openDB(t testing.TB) *sql.DB {
 }
 
 // effectTable is the handler's effect: a row per run, in a table with no
-// unique constraint, so that a second run shows as a second row.
+// unique constraint, so that a second run shows as a second row. Its key is
+// a BLOB: the keys of the tests are arbitrary bytes.
 type effectTable struct{ db *sql.DB }
 
 const effectInsert = "INSERT INTO effects (key) VALUES (?)"
 
 func newEffect(t testing.TB, db *sql.DB) *effectTable {
 	t.Helper()
-	if _, err := db.Exec("CREATE TABLE effects (key TEXT NOT NULL)"); err != nil {
+	if _, err := db.Exec("CREATE TABLE effects (key BLOB NOT NULL)"); err != nil {
 		t.Fatal(err)
 	}
 	return &effectTable{db: db}
 }
 
 func (e *effectTable) Apply(ctx context.Context, key string) error {
-	_, err := e.db.ExecContext(ctx, effectInsert, key)
+	_, err := e.db.ExecContext(ctx, effectInsert, []byte(key))
 	return err
 }
 
@@ -60,12 +61,12 @@ func (e *effectTable) Counts(ctx context.Context) (map[string]int, error) {
 	defer rows.Close()
 	m := map[string]int{}
 	for rows.Next() {
-		var k string
+		var k []byte
 		var n int
 		if err := rows.Scan(&k, &n); err != nil {
 			return nil, err
 		}
-		m[k] = n
+		m[string(k)] = n
 	}
 	return m, rows.Err()
 }
@@ -100,7 +101,7 @@ func TestInboxExactlyOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	h, err := sqlitestore.Inbox(db, "inbox", func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error {
-		_, err := tx.StmtContext(ctx, ins).ExecContext(ctx, m.Header(idempotency.EventIDHeader))
+		_, err := tx.StmtContext(ctx, ins).ExecContext(ctx, []byte(m.Header(idempotency.EventIDHeader)))
 		return err
 	})
 	if err != nil {
@@ -116,7 +117,7 @@ func TestInboxHandlerErrorRollsBackKeyAndWrites(t *testing.T) {
 	boom := consumer.Permanent(errors.New("boom"))
 	var calls atomic.Int32
 	h, err := sqlitestore.Inbox(db, "inbox", func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error {
-		if _, err := tx.ExecContext(ctx, effectInsert, m.Header(idempotency.EventIDHeader)); err != nil {
+		if _, err := tx.ExecContext(ctx, effectInsert, []byte(m.Header(idempotency.EventIDHeader))); err != nil {
 			return err
 		}
 		if calls.Add(1) == 1 {

@@ -89,6 +89,8 @@ func Run(t *testing.T, c Config) {
 	t.Run("DeadWorkerTakenOverThroughMiddleware", func(t *testing.T) { testDeadWorkerMiddleware(t, c) })
 	t.Run("HandlerErrorReleases", func(t *testing.T) { testHandlerError(t, c) })
 	t.Run("ExactlyOnceUnderConcurrentDuplicates", func(t *testing.T) { testExactlyOnce(t, c) })
+	t.Run("AnyKeyBytes", func(t *testing.T) { testAnyKeyBytes(t, c) })
+	t.Run("OddKeyThroughDeliveryLoop", func(t *testing.T) { testOddKeyThroughLoop(t, c) })
 }
 
 func ctxFor(t *testing.T) context.Context {
@@ -403,6 +405,9 @@ func ExactlyOnce(t *testing.T, h consumer.Handler, e Effect, keys, copies, worke
 	want := make(map[string]int, keys)
 	for i := range keys {
 		k := fmt.Sprintf("ev-%06d", i)
+		if i%10 == 0 { // one key in ten has bytes no text column takes
+			k = OddKeys[(i/10)%len(OddKeys)] + k
+		}
 		want[k] = 1
 		for cp := range copies {
 			all = append(all, delivery{k, cp})

@@ -4,10 +4,12 @@
 package keytable
 
 import (
+	"crypto/sha256"
 	"fmt"
 	"io/fs"
 	"regexp"
 	"sort"
+	"strconv"
 	"strings"
 	"time"
 
@@ -99,4 +101,31 @@ func Render(fsys fs.FS, pattern, defaultTable, table string) (string, error) {
 		b.WriteString("\n")
 	}
 	return b.String(), nil
+}
+
+// Hash returns the form in which the SQL stores keep a namespaced key: its
+// SHA-256, 32 bytes in a bytea or BLOB column.
+//
+// Keys are arbitrary bytes (a Kafka key, an event id from anywhere): NUL,
+// invalid UTF-8, any length. A text column refuses some of them (PostgreSQL
+// fails on NUL and on invalid UTF-8), and a raw bytea key would fail beyond
+// the size of an index entry (about 2.7 kB in PostgreSQL). The hash takes
+// any bytes, is the same size for every key, keeps the primary key small,
+// and two keys share a hash only by a SHA-256 collision. The price is that
+// the table no longer shows the keys in clear.
+func Hash(key string) []byte {
+	h := sha256.Sum256([]byte(key))
+	return h[:]
+}
+
+// quoteMax bounds how much of a key an error message quotes.
+const quoteMax = 64
+
+// Quote returns key quoted for an error message, cut after quoteMax bytes
+// (keys may be long, and a dead-letter header carries the error).
+func Quote(key string) string {
+	if len(key) <= quoteMax {
+		return strconv.Quote(key)
+	}
+	return strconv.Quote(key[:quoteMax]) + "... (" + strconv.Itoa(len(key)) + " bytes)"
 }
