@@ -327,7 +327,7 @@ func commitStamped(ctx context.Context, pool *pgxpool.Pool, w *pgoutbox.Writer, 
 		ON CONFLICT (key) DO UPDATE SET n = test_counters.n + 1 RETURNING n`, key).Scan(&n); err != nil {
 		return 0, false, fmt.Errorf("counter: %w", err)
 	}
-	tag, err := tx.Exec(ctx, `UPDATE ferry_outbox SET body = $1 WHERE event_id = $2`, []byte(strconv.FormatInt(n, 10)), id)
+	tag, err := tx.Exec(ctx, `UPDATE ferry_outbox SET body = $1 WHERE event_id = $2`, []byte(strconv.FormatInt(n, 10)), []byte(id))
 	if err != nil {
 		return 0, false, fmt.Errorf("stamp: %w", err)
 	}

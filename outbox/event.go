@@ -22,6 +22,11 @@ const EventIDHeader = "ferry-event-id"
 const Lanes = row.Lanes
 
 // Event is one event to publish once the caller's transaction commits.
+//
+// Every field round-trips byte for byte: the id, destination, key, header
+// names and values are Go strings and may hold any bytes, NUL and invalid
+// UTF-8 included (a Kafka key or header value is bytes); the outbox stores
+// them as bytes and the Publisher gets exactly what Add was given.
 type Event struct {
 	// ID identifies the event for good; it travels in the EventIDHeader
 	// header and in consumer.Message.ID. Left empty, a random UUID is
@@ -33,9 +38,11 @@ type Event struct {
 	// the order their transactions committed. It may be empty, in which case
 	// the event is ordered with nothing.
 	Key string
-	// Body is the payload, published byte for byte.
+	// Body is the payload.
 	Body []byte
-	// Headers are published with the event, together with EventIDHeader.
+	// Headers are published with the event, together with EventIDHeader,
+	// which the outbox sets from ID: a header of that name with another
+	// value is refused.
 	Headers map[string]string
 }
 
@@ -50,14 +57,16 @@ type EventError struct {
 	Index int
 	// ID is the event's id (assigned when the caller left it empty).
 	ID string
-	// Field is what was wrong: "Destination", "Size" or "Headers".
+	// Field is what was wrong: "Destination" (empty), "Size" (over the
+	// writer's limit, see WriterMaxEventSize) or "Headers" (EventIDHeader
+	// set to something other than the id).
 	Field string
 	// Reason says how.
 	Reason string
 }
 
 func (e *EventError) Error() string {
-	return fmt.Sprintf("outbox: event #%d (id %s): %s %s", e.Index, e.ID, e.Field, e.Reason)
+	return fmt.Sprintf("outbox: event #%d (id %q): %s %s", e.Index, e.ID, e.Field, e.Reason)
 }
 
 // Is reports whether target is ErrInvalidEvent.
@@ -77,9 +86,9 @@ func init() {
 	row.OptionFunc = func(o any) func(*row.Config) error { return o.(WriterOption).apply }
 }
 
-// WriterMaxEventSize refuses, at write time, events whose key, body and
-// headers add up to more than n bytes, with an *EventError (Field "Size"),
-// before anything is written. n must be between 1 and 64 MiB.
+// WriterMaxEventSize refuses, at write time, events whose id, destination,
+// key, body, header names and values add up to more than n bytes, with an
+// *EventError (Field "Size"), before anything is written. n must be between 1 and 64 MiB.
 // Default 256 KiB.
 func WriterMaxEventSize(n int) WriterOption {
 	return WriterOption{func(c *row.Config) error {

@@ -90,7 +90,7 @@ func writeStamped(ctx context.Context, b *backend, key string, per int) error {
 			return fmt.Errorf("counter: %w", err)
 		}
 		for j, e := range evs {
-			if _, err := exec(ctx, b.stamp, []byte(strconv.FormatInt(n*10+int64(j), 10)), e.ID); err != nil {
+			if _, err := exec(ctx, b.stamp, []byte(strconv.FormatInt(n*10+int64(j), 10)), []byte(e.ID)); err != nil {
 				return fmt.Errorf("stamp: %w", err)
 			}
 		}

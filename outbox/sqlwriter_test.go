@@ -53,7 +53,7 @@ func TestPostgresDatabaseSQLWriter(t *testing.T) {
 		t.Fatalf("migrations recorded: %d, %v", versions, err)
 	}
 
-	w, err := pgoutbox.NewWriter(outbox.WriterMaxEventSize(10))
+	w, err := pgoutbox.NewWriter(outbox.WriterMaxEventSize(40))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -71,7 +71,7 @@ func TestPostgresDatabaseSQLWriter(t *testing.T) {
 		}
 		return nil
 	}
-	if err := write(outbox.Event{ID: "big", Destination: queue, Body: []byte("more than ten bytes")}, true); !errors.Is(err, outbox.ErrInvalidEvent) {
+	if err := write(outbox.Event{ID: "big", Destination: queue, Body: []byte("more than forty bytes with its id and destination")}, true); !errors.Is(err, outbox.ErrInvalidEvent) {
 		t.Fatalf("oversized event: %v", err)
 	}
 	if err := write(outbox.Event{ID: "rolled-back", Destination: queue, Key: "k"}, false); err != nil {
@@ -79,6 +79,16 @@ func TestPostgresDatabaseSQLWriter(t *testing.T) {
 	}
 	if err := write(outbox.Event{ID: "committed", Destination: queue, Key: "k", Body: []byte("hi"),
 		Headers: map[string]string{"a": "b"}}, true); err != nil {
+		t.Fatal(err)
+	}
+	// Bytes that are not text go through database/sql unchanged too.
+	odd := outbox.Event{ID: "\x00\xff", Destination: queue, Key: "k\x00\xfe", Body: []byte("\xff"),
+		Headers: map[string]string{"h\xff": "v\xff\xfe", "h\xfe": "\x00"}}
+	w, err = pgoutbox.NewWriter()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := write(odd, true); err != nil {
 		t.Fatal(err)
 	}
 
@@ -100,7 +110,12 @@ func TestPostgresDatabaseSQLWriter(t *testing.T) {
 		return err == nil && bl.Events == 0
 	})
 	msgs := br.Messages(queue)
-	if len(msgs) != 1 || msgs[0].ID != "committed" || msgs[0].Header("a") != "b" || string(msgs[0].Body) != "hi" {
+	if len(msgs) != 2 || msgs[0].ID != "committed" || msgs[0].Header("a") != "b" || string(msgs[0].Body) != "hi" {
 		t.Fatalf("published %+v", msgs)
+	}
+	m := msgs[1]
+	if m.ID != odd.ID || m.Key != odd.Key || string(m.Body) != string(odd.Body) || len(m.Headers) != 3 ||
+		m.Header("h\xff") != "v\xff\xfe" || m.Header("h\xfe") != "\x00" {
+		t.Fatalf("published id %q key %q body %q headers %q, want %+q", m.ID, m.Key, m.Body, m.Headers, odd)
 	}
 }

@@ -122,12 +122,13 @@ func (s *Store) Fetch(ctx context.Context, lanes []int, max int) ([]outbox.Recor
 	var out []outbox.Record
 	for rows.Next() {
 		var (
-			r   outbox.Record
-			hdr []byte
+			r                  outbox.Record
+			id, dest, key, hdr []byte
 		)
-		if err := rows.Scan(&r.Seq, &r.ID, &r.Lane, &r.Destination, &r.Key, &r.Body, &hdr, &r.CreatedAt); err != nil {
+		if err := rows.Scan(&r.Seq, &id, &r.Lane, &dest, &key, &r.Body, &hdr, &r.CreatedAt); err != nil {
 			return nil, fmt.Errorf("outbox/pgoutbox: fetch: %w", err)
 		}
+		r.ID, r.Destination, r.Key = string(id), string(dest), string(key)
 		if r.Headers, err = row.DecodeHeaders(hdr); err != nil {
 			return nil, fmt.Errorf("outbox/pgoutbox: fetch: headers of event %d: %w", r.Seq, err)
 		}

@@ -141,10 +141,10 @@ func insert(rows []row.Row) (string, []any) {
 			b.WriteByte(',')
 		}
 		n := 6 * i
-		fmt.Fprintf(&b, "($%d,$%d,$%d,$%d,$%d,$%d::jsonb)", n+1, n+2, n+3, n+4, n+5, n+6)
-		var hdr any
+		fmt.Fprintf(&b, "($%d::bytea,$%d::int2,$%d::bytea,$%d::bytea,$%d::bytea,$%d::bytea)", n+1, n+2, n+3, n+4, n+5, n+6)
+		var hdr any // NULL without headers
 		if r.Headers != nil {
-			hdr = string(r.Headers)
+			hdr = r.Headers
 		}
 		args = append(args, r.EventID, int32(r.Lane), r.Destination, r.Key, r.Body, hdr)
 	}

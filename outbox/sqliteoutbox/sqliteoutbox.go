@@ -140,9 +140,9 @@ func (w *Writer) Add(ctx context.Context, tx *sql.Tx, events ...outbox.Event) er
 				b.WriteByte(',')
 			}
 			b.WriteString(`(?,?,?,?,?,?,?)`)
-			var hdr any
+			var hdr any // NULL without headers
 			if r.Headers != nil {
-				hdr = string(r.Headers)
+				hdr = r.Headers
 			}
 			args = append(args, r.EventID, r.Lane, r.Destination, r.Key, r.Body, hdr, now)
 		}
@@ -353,17 +353,16 @@ func (s *Store) Fetch(ctx context.Context, lanes []int, max int) ([]outbox.Recor
 	var out []outbox.Record
 	for rows.Next() {
 		var (
-			r       outbox.Record
-			hdr     sql.NullString
-			created int64
+			r                  outbox.Record
+			id, dest, key, hdr []byte
+			created            int64
 		)
-		if err := rows.Scan(&r.Seq, &r.ID, &r.Lane, &r.Destination, &r.Key, &r.Body, &hdr, &created); err != nil {
+		if err := rows.Scan(&r.Seq, &id, &r.Lane, &dest, &key, &r.Body, &hdr, &created); err != nil {
 			return nil, fmt.Errorf("outbox/sqliteoutbox: fetch: %w", err)
 		}
-		if hdr.Valid {
-			if r.Headers, err = row.DecodeHeaders([]byte(hdr.String)); err != nil {
-				return nil, fmt.Errorf("outbox/sqliteoutbox: fetch: headers of event %d: %w", r.Seq, err)
-			}
+		r.ID, r.Destination, r.Key = string(id), string(dest), string(key)
+		if r.Headers, err = row.DecodeHeaders(hdr); err != nil {
+			return nil, fmt.Errorf("outbox/sqliteoutbox: fetch: headers of event %d: %w", r.Seq, err)
 		}
 		r.CreatedAt = time.UnixMicro(created)
 		out = append(out, r)

@@ -6,10 +6,12 @@ package row
 import (
 	"context"
 	"crypto/rand"
+	"encoding/binary"
 	"encoding/hex"
-	"encoding/json"
+	"errors"
 	"fmt"
 	"hash/fnv"
+	"slices"
 	"sort"
 	"time"
 )
@@ -39,14 +41,16 @@ type Event struct {
 	Headers     map[string]string
 }
 
-// Row is an event ready to insert.
+// Row is an event ready to insert. Every text of the event is stored as
+// bytes (bytea, BLOB), so that it round-trips byte for byte: NUL and invalid
+// UTF-8 included.
 type Row struct {
-	EventID     string
+	EventID     []byte
 	Lane        int
-	Destination string
-	Key         string
+	Destination []byte
+	Key         []byte
 	Body        []byte
-	Headers     []byte // JSON object, or nil
+	Headers     []byte // EncodeHeaders, or nil when there are none
 	KeyHash     int32  // for per-key write serialisation
 }
 
@@ -86,18 +90,22 @@ func LaneOf(key, id string) int {
 	return int(Hash32(key) % Lanes)
 }
 
-// Size is what counts against the size limit: body, key and headers.
-func Size(e *Event) int {
-	n := len(e.Body) + len(e.Key)
+// Size is what counts against the size limit: the bytes of the id,
+// destination, key, body, and header names and values.
+func Size(e *Event, id string) int {
+	n := len(id) + len(e.Destination) + len(e.Key) + len(e.Body)
 	for k, v := range e.Headers {
 		n += len(k) + len(v)
 	}
 	return n
 }
 
-// ValidationError is built by the caller's package; Prepare reports through
-// the function it is given so the error type stays outbox's.
+// Invalid builds the error Prepare returns for a refused event, so that the
+// error type stays outbox's.
 type Invalid func(index int, id, field, reason string) error
+
+// EventIDHeader is outbox.EventIDHeader.
+const EventIDHeader = "ferry-event-id"
 
 // Prepare checks and encodes events. It never changes the caller's events;
 // ids are generated for events without one.
@@ -112,27 +120,23 @@ func Prepare(cfg Config, events []Event, invalid Invalid) ([]Row, error) {
 		if e.Destination == "" {
 			return nil, invalid(i, id, "Destination", "is empty")
 		}
-		if n := Size(e); n > cfg.MaxEventSize {
+		if n := Size(e, id); n > cfg.MaxEventSize {
 			return nil, invalid(i, id, "Size", fmt.Sprintf("%d bytes is over the limit of %d bytes", n, cfg.MaxEventSize))
 		}
-		var hdr []byte
-		if len(e.Headers) > 0 {
-			var err error
-			if hdr, err = json.Marshal(e.Headers); err != nil {
-				return nil, invalid(i, id, "Headers", err.Error())
-			}
+		if v, ok := e.Headers[EventIDHeader]; ok && v != id {
+			return nil, invalid(i, id, "Headers", fmt.Sprintf("%s is %q, not the event's id: the outbox sets it from ID", EventIDHeader, v))
 		}
 		body := e.Body
 		if body == nil {
 			body = []byte{}
 		}
 		rows[i] = Row{
-			EventID:     id,
+			EventID:     []byte(id),
 			Lane:        LaneOf(e.Key, id),
-			Destination: e.Destination,
-			Key:         e.Key,
+			Destination: []byte(e.Destination),
+			Key:         []byte(e.Key),
 			Body:        body,
-			Headers:     hdr,
+			Headers:     EncodeHeaders(e.Headers),
 			KeyHash:     int32(Hash32(e.Key)),
 		}
 	}
@@ -145,7 +149,7 @@ func KeyHashes(rows []Row) []int32 {
 	seen := map[int32]bool{}
 	var out []int32
 	for _, r := range rows {
-		if r.Key == "" || seen[r.KeyHash] {
+		if len(r.Key) == 0 || seen[r.KeyHash] {
 			continue
 		}
 		seen[r.KeyHash] = true
@@ -155,14 +159,68 @@ func KeyHashes(rows []Row) []int32 {
 	return out
 }
 
-// DecodeHeaders decodes a stored header object.
+// headersVersion is the first byte of an encoded header set.
+const headersVersion = 1
+
+// EncodeHeaders encodes h for the headers column: a version byte, then per
+// header, in name order, the name and the value, each as its length (an
+// unsigned varint) and its bytes. Names and values are bytes, kept as they
+// are: NUL and invalid UTF-8 included. It returns nil for no headers.
+func EncodeHeaders(h map[string]string) []byte {
+	if len(h) == 0 {
+		return nil
+	}
+	names := make([]string, 0, len(h))
+	n := 1
+	for k, v := range h {
+		names = append(names, k)
+		n += 2*binary.MaxVarintLen64 + len(k) + len(v)
+	}
+	slices.Sort(names)
+	b := make([]byte, 0, n)
+	b = append(b, headersVersion)
+	for _, k := range names {
+		b = binary.AppendUvarint(b, uint64(len(k)))
+		b = append(b, k...)
+		b = binary.AppendUvarint(b, uint64(len(h[k])))
+		b = append(b, h[k]...)
+	}
+	return b
+}
+
+// ErrCorruptHeaders is returned by DecodeHeaders for bytes EncodeHeaders
+// did not make.
+var ErrCorruptHeaders = errors.New("corrupt headers")
+
+// DecodeHeaders decodes what EncodeHeaders made; nil or empty is no headers.
 func DecodeHeaders(b []byte) (map[string]string, error) {
 	if len(b) == 0 {
 		return nil, nil
 	}
-	var h map[string]string
-	if err := json.Unmarshal(b, &h); err != nil {
-		return nil, err
+	if b[0] != headersVersion {
+		return nil, fmt.Errorf("%w: unknown version %d", ErrCorruptHeaders, b[0])
+	}
+	b = b[1:]
+	h := make(map[string]string)
+	next := func() (string, error) {
+		n, w := binary.Uvarint(b)
+		if w <= 0 || n > uint64(len(b)-w) {
+			return "", fmt.Errorf("%w: bad length", ErrCorruptHeaders)
+		}
+		s := string(b[w : w+int(n)])
+		b = b[w+int(n):]
+		return s, nil
+	}
+	for len(b) > 0 {
+		k, err := next()
+		if err != nil {
+			return nil, err
+		}
+		v, err := next()
+		if err != nil {
+			return nil, err
+		}
+		h[k] = v
 	}
 	return h, nil
 }

@@ -1,27 +1,31 @@
 -- Ferry transactional outbox, SQLite, version 1.
 -- Events wait in ferry_outbox until a relay published them; id orders them.
 -- Times are Unix microseconds (created_at, failed_at) or milliseconds
--- (expires_at).
+-- (expires_at). The event's id, destination, key, body and headers are
+-- BLOBs, published byte for byte (a Kafka key or header value may be any
+-- bytes): CAST(key AS TEXT) reads one that is text. headers is NULL or a
+-- version byte (1), then per header, in name order, the name and the value,
+-- each as its length (unsigned varint) and its bytes.
 CREATE TABLE IF NOT EXISTS ferry_outbox (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,
-    event_id    TEXT    NOT NULL,
+    event_id    BLOB    NOT NULL,
     lane        INTEGER NOT NULL,
-    destination TEXT    NOT NULL,
-    key         TEXT    NOT NULL DEFAULT '',
+    destination BLOB    NOT NULL,
+    key         BLOB    NOT NULL DEFAULT x'',
     body        BLOB    NOT NULL,
-    headers     TEXT,
+    headers     BLOB,
     created_at  INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS ferry_outbox_lane_id ON ferry_outbox (lane, id);
 
 CREATE TABLE IF NOT EXISTS ferry_outbox_failed (
     id          INTEGER PRIMARY KEY,
-    event_id    TEXT    NOT NULL,
+    event_id    BLOB    NOT NULL,
     lane        INTEGER NOT NULL,
-    destination TEXT    NOT NULL,
-    key         TEXT    NOT NULL,
+    destination BLOB    NOT NULL,
+    key         BLOB    NOT NULL,
     body        BLOB    NOT NULL,
-    headers     TEXT,
+    headers     BLOB,
     created_at  INTEGER NOT NULL,
     failed_at   INTEGER NOT NULL,
     reason      TEXT    NOT NULL
