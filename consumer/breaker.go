@@ -66,7 +66,7 @@ func (s BreakerState) String() string {
 // One Breaker guards one dependency: share it between the consumers that
 // call it. Build one with NewBreaker; its Wrap method is a Middleware.
 type Breaker struct {
-	cb       *gobreaker.CircuitBreaker[struct{}]
+	cb       *gobreaker.TwoStepCircuitBreaker[struct{}]
 	openFor  time.Duration
 	halfHold time.Duration
 	counts   func(error) bool
@@ -220,7 +220,7 @@ func NewBreaker(opts ...BreakerOption) (*Breaker, error) {
 		errOpen:  fmt.Errorf("ferry: breaker %q: %w", c.name, ErrBreakerOpen),
 	}
 	failures, ratio := uint32(c.failures), c.ratio
-	b.cb = gobreaker.NewCircuitBreaker[struct{}](gobreaker.Settings{
+	b.cb = gobreaker.NewTwoStepCircuitBreaker[struct{}](gobreaker.Settings{
 		Name:         c.name,
 		MaxRequests:  uint32(c.trials),
 		Timeout:      c.openFor,
@@ -234,7 +234,7 @@ func NewBreaker(opts ...BreakerOption) (*Breaker, error) {
 			return n.TotalFailures >= failures && float64(n.TotalFailures) >= ratio*float64(counted)
 		},
 		IsExcluded: func(err error) bool {
-			return err != nil && (errors.Is(err, ErrHeld) || !b.counts(err))
+			return err != nil && (err == errGateUnused || errors.Is(err, ErrHeld) || !b.counts(err))
 		},
 		OnStateChange: func(_ string, from, to gobreaker.State) {
 			if to == gobreaker.StateOpen {
@@ -271,24 +271,54 @@ func (b *Breaker) Held() int64 { return b.held.Load() }
 
 // Wrap returns next guarded by the breaker. b.Wrap is a Middleware.
 func (b *Breaker) Wrap(next Handler) Handler {
-	return HandlerFunc(func(ctx context.Context, m *Message) error {
-		ran := false
-		_, err := b.cb.Execute(func() (struct{}, error) {
-			ran = true
-			return struct{}{}, next.Handle(ctx, m)
-		})
-		switch {
-		case err == nil || ran:
-			return err
-		case errors.Is(err, gobreaker.ErrOpenState):
-			b.held.Add(1)
-			return Hold(b.errOpen, b.remaining())
-		case errors.Is(err, gobreaker.ErrTooManyRequests):
-			b.held.Add(1)
-			return Hold(b.errOpen, b.halfHold)
+	return &breakerHandler{b: b, next: next}
+}
+
+type breakerHandler struct {
+	b    *Breaker
+	next Handler
+}
+
+func (h *breakerHandler) Handle(ctx context.Context, m *Message) error {
+	done := takeReservation(ctx, h.b) // taken before an at-most-once ack
+	if done == nil {
+		var hold error
+		if done, hold = h.b.allow(); hold != nil {
+			return hold
 		}
-		return err
-	})
+	}
+	finished := false
+	defer func() {
+		if !finished { // next panicked: a panic is not the dependency's failure
+			done(&PanicError{Value: "breaker: handler panicked"})
+		}
+	}()
+	err := h.next.Handle(ctx, m)
+	finished = true
+	done(err)
+	return err
+}
+
+// Unwrap returns the handler the breaker guards.
+func (h *breakerHandler) Unwrap() Handler { return h.next }
+
+func (h *breakerHandler) breaker() *Breaker { return h.b }
+
+// allow asks for one call: done reports its outcome. While the breaker does
+// not let calls through, it returns the Hold instead.
+func (b *Breaker) allow() (done func(error), hold error) {
+	done, err := b.cb.Allow()
+	switch {
+	case err == nil:
+		return done, nil
+	case errors.Is(err, gobreaker.ErrOpenState):
+		b.held.Add(1)
+		return nil, Hold(b.errOpen, b.remaining())
+	case errors.Is(err, gobreaker.ErrTooManyRequests):
+		b.held.Add(1)
+		return nil, Hold(b.errOpen, b.halfHold)
+	}
+	return nil, err
 }
 
 // remaining returns the time left of the open period, at least a

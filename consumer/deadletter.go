@@ -30,12 +30,21 @@ const (
 	// HeaderDLQOffset is the original offset in its lane, in decimal (absent
 	// where the broker has none).
 	HeaderDLQOffset = "ferry-dlq-offset"
-	// HeaderDLQAttempts is how many times the handler ran, counted as
-	// DeadLetter describes, in decimal.
+	// HeaderDLQAttempts is how many times the handler ran (Message.Attempt
+	// at the last failure), in decimal. It is exact unless
+	// HeaderDLQUnseenDeliveries is present.
 	HeaderDLQAttempts = "ferry-dlq-attempts"
-	// HeaderDLQDeliveries is the broker's delivery count (Message.Attempt) at
-	// the last failure, in decimal.
+	// HeaderDLQDeliveries is how many times the broker delivered the message
+	// (Message.Deliveries at the last failure), in decimal. It can exceed the
+	// runs (a delivery held by an open breaker, or handed back unstarted when
+	// a consumer stopped) or fall short of them (Retry's runs within one
+	// delivery; Kafka, which counts no deliveries).
 	HeaderDLQDeliveries = "ferry-dlq-deliveries"
+	// HeaderDLQUnseenDeliveries is how many earlier deliveries nobody
+	// recorded the runs of (another process had them and crashed, or the
+	// broker carries no count), each counted as one run in
+	// HeaderDLQAttempts, in decimal; absent when every run was counted.
+	HeaderDLQUnseenDeliveries = "ferry-dlq-unseen-deliveries"
 	// HeaderDLQReason is why the message was dead-lettered: "permanent" or
 	// "max-attempts".
 	HeaderDLQReason = "ferry-dlq-reason"
@@ -48,11 +57,10 @@ const (
 	// error's chain, such as "*json.SyntaxError" or "*consumer.PanicError".
 	HeaderDLQErrorType = "ferry-dlq-error-type"
 	// HeaderDLQFirstFailure is the time of the first failure, RFC 3339 with
-	// nanoseconds, UTC. It is exact when every attempt ran within the last
-	// delivery. The broker keeps nothing for us across redeliveries, so when
-	// earlier deliveries failed too it is the time the broker took the
-	// message (Message.PublishedAt, which no failure can precede), or, where
-	// the broker does not say, the first failure of the last delivery.
+	// nanoseconds, UTC. It is exact where the runs were counted (see
+	// Message.Attempt). Where an earlier delivery went unseen it is the time
+	// the broker took the message (Message.PublishedAt, which no failure can
+	// precede), or, where the broker does not say, the first failure known.
 	HeaderDLQFirstFailure = "ferry-dlq-first-failure"
 	// HeaderDLQLastFailure is the time of the last failure, RFC 3339 with
 	// nanoseconds, UTC.
@@ -87,31 +95,25 @@ const maxErrorHeader = 2 << 10
 // acknowledged and the message comes back later, to be dead-lettered then.
 //
 // A message is never dead-lettered when it was held (Hold, from a circuit
-// breaker: it was not attempted), nor when the delivery's context was
-// cancelled (shutdown, a revoked lane): those go back to the broker.
+// breaker: it was not attempted) or deferred (Defer), nor when the
+// delivery's context was cancelled (shutdown, a revoked lane): those go back
+// to the broker.
 //
 // # Counting attempts
 //
-// The broker counts deliveries (Message.Attempt); Retry runs the handler
-// several times within one delivery. Attempts are counted as
-//
-//	attempts = (Message.Attempt - 1) * runs per delivery + the run of this delivery
-//
-// where "runs per delivery" is the Retry middleware's Attempts (1 without
-// Retry). The count reaches MaxAttempts after exactly MaxAttempts runs when
-// every earlier delivery used its whole budget, which it does unless it was
-// cut short (a crash, a shutdown, Retry's MaxElapsed, a RetryAfter from the
-// handler); then the earlier delivery is counted as if it had, so a message
-// never runs more than MaxAttempts times. Runs cut short by a hold (an open
-// breaker) are not counted: the dependency was down, the message is not to
-// blame.
+// Attempts are handler runs: Message.Attempt, which the delivery loop and
+// Retry keep (see Message.Attempt for where the count is exact). A message
+// is dead-lettered on the failed run whose Attempt reaches MaxAttempts. With
+// Retry's 3 runs per delivery and the default MaxAttempts of 10, a message
+// gets three deliveries of three runs and a fourth delivery's first run
+// before it is given up, so a restart, a crash or an outage in between
+// does not spend what it has left.
 //
 // DeadLetter and Retry find each other through the delivery's context, so
 // the rule holds whichever of them is outside: outside Retry, DeadLetter
 // tells Retry to stop at MaxAttempts and judges Retry's final error; inside
 // Retry, it dead-letters on the run that reaches MaxAttempts (and lets
-// earlier failures through for Retry to retry). Either way the handler runs
-// exactly MaxAttempts times before the message is dead-lettered.
+// earlier failures through for Retry to retry).
 //
 // Build one with NewDeadLetter; its Wrap method is a Middleware.
 type DeadLetter struct {
@@ -129,12 +131,11 @@ type DeadLetter struct {
 // DeadLetterOption configures NewDeadLetter.
 type DeadLetterOption func(*DeadLetter) error
 
-// DeadLetterMaxAttempts sets after how many failed attempts a message is
-// dead-lettered. Default 5. An earlier delivery counts as a full Retry
-// budget (see DeadLetter), even when it was cut short by a crash, so allow
-// at least a few deliveries' worth (with Retry's 3 runs, 9 or more): a
-// message redelivered after a consumer crash should still outlive the
-// first failing runs of an outage, before the breaker opens.
+// DeadLetterMaxAttempts sets after how many failed runs a message is
+// dead-lettered. Default 10: with Retry's default of 3 runs per delivery,
+// three deliveries and the first run of a fourth. Allow a few deliveries'
+// worth, so that a message redelivered after a crash or an outage still
+// has runs left.
 func DeadLetterMaxAttempts(n int) DeadLetterOption {
 	return func(d *DeadLetter) error {
 		if n < 1 {
@@ -181,7 +182,7 @@ func NewDeadLetter(pub Publisher, destination string, opts ...DeadLetterOption) 
 		return nil, configErr("DeadLetter.Destination", "must not be empty")
 	}
 	host, _ := os.Hostname()
-	d := &DeadLetter{pub: pub, dest: destination, maxAttempts: 5, host: host}
+	d := &DeadLetter{pub: pub, dest: destination, maxAttempts: 10, host: host}
 	for _, o := range opts {
 		if o == nil {
 			continue
@@ -211,10 +212,20 @@ func (d *DeadLetter) MaxAttempts() int { return d.maxAttempts }
 // Wrap returns next wrapped in the dead-letter behaviour. d.Wrap is a
 // Middleware.
 func (d *DeadLetter) Wrap(next Handler) Handler {
-	return HandlerFunc(func(ctx context.Context, m *Message) error {
-		return d.handle(ctx, m, next)
-	})
+	return &deadLetterHandler{d: d, next: next}
 }
+
+type deadLetterHandler struct {
+	d    *DeadLetter
+	next Handler
+}
+
+func (h *deadLetterHandler) Handle(ctx context.Context, m *Message) error {
+	return h.d.handle(ctx, m, h.next)
+}
+
+// Unwrap returns the handler whose failures DeadLetter judges.
+func (h *deadLetterHandler) Unwrap() Handler { return h.next }
 
 // DeadLetterError says a message should have been dead-lettered but the
 // publish to the dead-letter destination failed; the message was not
@@ -237,7 +248,7 @@ func (d *DeadLetter) handle(ctx context.Context, m *Message, next Handler) error
 	ctx, rec := withRecord(ctx)
 	rec.maxAttempts = d.maxAttempts
 	err := next.Handle(ctx, m)
-	if err == nil || errors.Is(err, ErrHeld) || IsDeferred(err) {
+	if err == nil || IsHeld(err) || IsDeferred(err) {
 		return err // held or deferred: the handler did not run, no attempt spent
 	}
 	var dle *DeadLetterError
@@ -250,7 +261,10 @@ func (d *DeadLetter) handle(ctx context.Context, m *Message, next Handler) error
 	reason := DLQReasonMaxAttempts
 	if IsPermanent(err) {
 		reason = DLQReasonPermanent
-	} else if rec.attempts(m) < d.maxAttempts {
+	} else if m.Attempt < d.maxAttempts {
+		if rec.first.IsZero() {
+			rec.failed(time.Now()) // without Retry nobody else notes it
+		}
 		return err
 	}
 	return d.deadLetter(ctx, m, rec, reason, err)
@@ -265,10 +279,10 @@ func (d *DeadLetter) deadLetter(ctx context.Context, m *Message, rec *record, re
 	if first.IsZero() {
 		first = now
 	}
-	if m.Attempt > 1 && !m.PublishedAt.IsZero() && m.PublishedAt.Before(first) {
+	if m.unseen > 0 && !m.PublishedAt.IsZero() && m.PublishedAt.Before(first) {
 		first = m.PublishedAt
 	}
-	attempts := rec.attempts(m)
+	attempts := max(m.Attempt, 1)
 
 	h := make(map[string]string, len(m.Headers)+16)
 	maps.Copy(h, m.Headers)
@@ -282,7 +296,12 @@ func (d *DeadLetter) deadLetter(ctx context.Context, m *Message, rec *record, re
 		delete(h, HeaderDLQOffset)
 	}
 	h[HeaderDLQAttempts] = strconv.Itoa(attempts)
-	h[HeaderDLQDeliveries] = strconv.Itoa(max(m.Attempt, 1))
+	h[HeaderDLQDeliveries] = strconv.Itoa(max(m.Deliveries, 1))
+	if m.unseen > 0 {
+		h[HeaderDLQUnseenDeliveries] = strconv.Itoa(m.unseen)
+	} else {
+		delete(h, HeaderDLQUnseenDeliveries)
+	}
 	h[HeaderDLQReason] = reason
 	h[HeaderDLQError] = truncateUTF8(cause.Error(), maxErrorHeader)
 	h[HeaderDLQErrorKind] = errorKind(cause)

@@ -51,12 +51,19 @@ func mustDeadLetter(t *testing.T, pub Publisher, opts ...DeadLetterOption) *Dead
 // deliver plays a redelivering broker: it hands m to h with Attempt 1, 2, ...
 // until h returns nil, a hold, or limit deliveries were made. It returns the
 // last error and the number of deliveries.
+// deliver hands m to h up to limit times, as the delivery loop would
+// redeliver it to one consumer: one record for all the deliveries, Attempt
+// one past the runs made so far, Deliveries the delivery's number. It
+// returns the last error and the number of deliveries.
 func deliver(h Handler, m Message, limit int) (error, int) {
 	var err error
-	for attempt := 1; attempt <= limit; attempt++ {
-		m.Attempt = attempt
-		if err = h.Handle(context.Background(), &m); err == nil || errors.Is(err, ErrHeld) {
-			return err, attempt
+	ctx, _ := withRecord(context.Background())
+	m.Attempt = 0
+	for delivery := 1; delivery <= limit; delivery++ {
+		m.Attempt++
+		m.Deliveries = delivery
+		if err = h.Handle(ctx, &m); err == nil || errors.Is(err, ErrHeld) {
+			return err, delivery
 		}
 	}
 	return err, limit
@@ -128,6 +135,7 @@ func TestDeadLetterAfterMaxAttemptsWithoutRetry(t *testing.T) {
 	runs := 0
 	h := d.Wrap(HandlerFunc(func(context.Context, *Message) error { runs++; return errDown }))
 	published := time.Now().Add(-time.Minute)
+	before := time.Now()
 	err, deliveries := deliver(h, Message{ID: "m", Offset: -1, PublishedAt: published}, 10)
 	if err != nil || deliveries != 4 || runs != 4 || d.Count() != 1 {
 		t.Fatalf("err = %v, deliveries %d, runs %d, count %d; want nil, 4, 4, 1", err, deliveries, runs, d.Count())
@@ -139,9 +147,37 @@ func TestDeadLetterAfterMaxAttemptsWithoutRetry(t *testing.T) {
 	if _, ok := hd[HeaderDLQOffset]; ok {
 		t.Error("offset header set for a message without an offset")
 	}
+	first, err := time.Parse(time.RFC3339Nano, hd[HeaderDLQFirstFailure])
+	if err != nil || first.Before(before) || !first.Before(time.Now()) || hd[HeaderDLQFirstFailure] == hd[HeaderDLQLastFailure] {
+		t.Errorf("first failure = %s (last %s), want the first run's failure, after %s",
+			hd[HeaderDLQFirstFailure], hd[HeaderDLQLastFailure], before)
+	}
+	if hd[HeaderDLQDeliveries] != "4" {
+		t.Errorf("deliveries header = %s, want 4", hd[HeaderDLQDeliveries])
+	}
+	if _, ok := hd[HeaderDLQUnseenDeliveries]; ok {
+		t.Error("unseen deliveries header set where every run was counted")
+	}
+}
+
+// Where earlier deliveries went unseen (another process had them), the
+// first failure can be no earlier than the publish, and the headers say how
+// many deliveries were counted as one run each.
+func TestDeadLetterSaysWhichDeliveriesWentUnseen(t *testing.T) {
+	pub := &recordingPublisher{}
+	d := mustDeadLetter(t, pub, DeadLetterMaxAttempts(4))
+	published := time.Now().Add(-time.Minute)
+	h := d.Wrap(HandlerFunc(func(context.Context, *Message) error { return errDown }))
+	m := Message{ID: "m", Offset: -1, PublishedAt: published, Attempt: 4, Deliveries: 4, unseen: 3}
+	if err := h.Handle(context.Background(), &m); err != nil || d.Count() != 1 {
+		t.Fatalf("err = %v, count %d; want the fourth run dead-lettered", err, d.Count())
+	}
+	hd := pub.got[0].Headers
+	if hd[HeaderDLQAttempts] != "4" || hd[HeaderDLQDeliveries] != "4" || hd[HeaderDLQUnseenDeliveries] != "3" {
+		t.Errorf("attempts/deliveries/unseen = %s/%s/%s, want 4/4/3", hd[HeaderDLQAttempts], hd[HeaderDLQDeliveries], hd[HeaderDLQUnseenDeliveries])
+	}
 	if hd[HeaderDLQFirstFailure] != published.UTC().Format(time.RFC3339Nano) {
-		t.Errorf("first failure = %s, want the publish time %s for failures over several deliveries",
-			hd[HeaderDLQFirstFailure], published.UTC().Format(time.RFC3339Nano))
+		t.Errorf("first failure = %s, want the publish time %s", hd[HeaderDLQFirstFailure], published.UTC().Format(time.RFC3339Nano))
 	}
 }
 

@@ -25,14 +25,15 @@ type deadlineCtx struct {
 }
 
 // withLazyDeadline returns a child of parent that ends at the earlier of
-// parent's deadline and now+d, and a release func that must be called when
-// the work is done.
-func withLazyDeadline(parent context.Context, d time.Duration) (*deadlineCtx, func()) {
+// parent's deadline and now+d. Its release method must be called when the
+// work is done. (It returns no release func: a method value would cost an
+// allocation of its own.)
+func withLazyDeadline(parent context.Context, d time.Duration) *deadlineCtx {
 	c := &deadlineCtx{Context: parent, deadline: time.Now().Add(d)}
 	if pd, ok := parent.Deadline(); ok && pd.Before(c.deadline) {
 		c.deadline, c.parentFirst = pd, true
 	}
-	return c, c.release
+	return c
 }
 
 func (c *deadlineCtx) Deadline() (time.Time, bool) { return c.deadline, true }

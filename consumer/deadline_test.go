@@ -3,12 +3,14 @@ package consumer
 import (
 	"context"
 	"errors"
+	"sync"
 	"testing"
 	"time"
 )
 
 func TestLazyDeadlineEndsAtItsDeadline(t *testing.T) {
-	ctx, release := withLazyDeadline(context.Background(), 30*time.Millisecond)
+	ctx := withLazyDeadline(context.Background(), 30*time.Millisecond)
+	release := ctx.release
 	defer release()
 	if ctx.Err() != nil {
 		t.Fatal("ended before its deadline")
@@ -24,7 +26,8 @@ func TestLazyDeadlineEndsAtItsDeadline(t *testing.T) {
 }
 
 func TestLazyDeadlineAnswersErrWithoutDone(t *testing.T) {
-	ctx, release := withLazyDeadline(context.Background(), time.Millisecond)
+	ctx := withLazyDeadline(context.Background(), time.Millisecond)
+	release := ctx.release
 	defer release()
 	time.Sleep(5 * time.Millisecond)
 	if !errors.Is(ctx.Err(), context.DeadlineExceeded) {
@@ -39,7 +42,8 @@ func TestLazyDeadlineAnswersErrWithoutDone(t *testing.T) {
 
 func TestLazyDeadlineFollowsItsParent(t *testing.T) {
 	parent, cancel := context.WithCancel(context.WithValue(context.Background(), nameKey{}, "x"))
-	ctx, release := withLazyDeadline(parent, time.Hour)
+	ctx := withLazyDeadline(parent, time.Hour)
+	release := ctx.release
 	defer release()
 	done := ctx.Done()
 	child, cancelChild := context.WithCancel(ctx) // a user's own child context
@@ -60,7 +64,8 @@ func TestLazyDeadlineFollowsItsParent(t *testing.T) {
 	}
 	p2, c2 := context.WithTimeout(context.Background(), time.Minute)
 	defer c2()
-	d2, r2 := withLazyDeadline(p2, time.Hour)
+	d2 := withLazyDeadline(p2, time.Hour)
+	r2 := d2.release
 	defer r2()
 	pd, _ := p2.Deadline()
 	if dl, ok := d2.Deadline(); !ok || !dl.Equal(pd) {
@@ -69,7 +74,8 @@ func TestLazyDeadlineFollowsItsParent(t *testing.T) {
 }
 
 func TestLazyDeadlineReleaseCancels(t *testing.T) {
-	ctx, release := withLazyDeadline(context.Background(), time.Hour)
+	ctx := withLazyDeadline(context.Background(), time.Hour)
+	release := ctx.release
 	done := ctx.Done()
 	release()
 	select {
@@ -84,11 +90,64 @@ func TestLazyDeadlineReleaseCancels(t *testing.T) {
 
 func TestLazyDeadlineExpiredWhenItsOwnDeadlinePassedBeforeTheParentEnded(t *testing.T) {
 	parent, cancel := context.WithCancel(context.Background())
-	ctx, release := withLazyDeadline(parent, 5*time.Millisecond)
+	ctx := withLazyDeadline(parent, 5*time.Millisecond)
+	release := ctx.release
 	defer release()
 	time.Sleep(20 * time.Millisecond) // the handler runs past its own deadline...
 	cancel()                          // ...and only then is the parent cancelled
 	if !ctx.expired() {
 		t.Fatal("a run past its own deadline is not reported as expired because the parent ended later")
+	}
+}
+
+// release() ends the context in the same critical section in which it
+// stops the timer, so a Done() racing with it starts no timer and registers
+// nothing on the parent.
+func TestLazyDeadlineReleaseRacingDoneLeaksNothing(t *testing.T) {
+	parent, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	leakedTimers, leakedLinks := 0, 0
+	for i := 0; i < 20000; i++ {
+		c := withLazyDeadline(parent, time.Hour)
+		release := c.release
+		var wg sync.WaitGroup
+		wg.Add(2)
+		go func() { defer wg.Done(); release() }()
+		go func() { defer wg.Done(); <-c.Done() }()
+		wg.Wait()
+		c.mu.Lock()
+		if c.timer != nil && c.timer.Stop() { // still pending: release never stopped it
+			leakedTimers++
+		}
+		if c.stop != nil && c.stop() { // still linked into the parent
+			leakedLinks++
+		}
+		c.mu.Unlock()
+	}
+	if leakedTimers+leakedLinks > 0 {
+		t.Errorf("after release: %d timers still pending, %d AfterFunc registrations still on the parent", leakedTimers, leakedLinks)
+	}
+}
+
+// When the parent's deadline comes first, its expiry is not Timeout's own:
+// expired() stays false, so Timeout does not blame the handler for an outer
+// deadline.
+func TestLazyDeadlineDoesNotClaimTheParentsDeadline(t *testing.T) {
+	wrong := 0
+	for i := 0; i < 2000; i++ {
+		parent, cancel := context.WithTimeout(context.Background(), 200*time.Microsecond)
+		c := withLazyDeadline(parent, time.Hour)
+		release := c.release
+		pd, _ := parent.Deadline()
+		for time.Now().Before(pd) {
+		}
+		if c.expired() {
+			wrong++
+		}
+		release()
+		cancel()
+	}
+	if wrong > 0 {
+		t.Errorf("%d of 2000: expired() true though only the parent's (outer) deadline passed", wrong)
 	}
 }

@@ -24,8 +24,14 @@
 //   - Hold(err, d): not attempted at all (a circuit breaker is open). The loop
 //     keeps the message and its lease, pauses fetching for d, and runs it
 //     again; Attempt does not grow.
+//   - Defer(err, d): not attempted (a duplicate of it runs elsewhere). The
+//     loop keeps it and runs it again after d; fetching goes on, and deferred
+//     messages do not take room from fresh ones.
 //   - any other error, or a panic: delivered again after the redelivery
 //     backoff (WithRedeliveryBackoff).
+//
+// IsPermanent, IsHeld and IsDeferred tell the outcomes apart, as do
+// errors.Is with ErrPermanent, ErrHeld and ErrDeferred.
 //
 // Where the broker can take a message back (SQS, RabbitMQ, memory), the loop
 // returns it with the delay. Where it cannot (a Kafka log), the loop runs it
@@ -50,11 +56,30 @@
 // extends the lease in the background, so nobody else gets the message while
 // it is being worked on.
 //
-// Cancelling Run's context stops fetching, returns every message not yet
-// started to the broker, lets running handlers finish for the shutdown grace
-// period and acks those that succeed. Handlers still running after it have
-// their context cancelled and their messages are returned (or, if they do not
-// return at all, left to their lease) for redelivery.
+// Cancelling Run's context stops fetching and runs what was already fetched,
+// within the shutdown grace period, acking what succeeds: every message
+// handed back counts as a delivery on SQS and RabbitMQ, so a graceful
+// restart hands back only what it cannot finish. What waits to run later (a
+// retry, a hold, a deferral) goes back at once with its delay. Handlers still
+// running when the grace ends have their context cancelled and their
+// messages are returned (or, if they do not return at all, left to their
+// lease) for redelivery, with the messages not yet started.
+//
+// # Counting attempts
+//
+// Message.Attempt counts handler runs, exactly where they can be known: in
+// process, and across redeliveries where this Loop or the broker kept the
+// count (see Message.Attempt). Message.Deliveries is the broker's own count.
+// The dead-letter middleware judges a message by its runs, and its headers
+// carry both figures.
+//
+// # At most once
+//
+// WithDeliveryMode(AtMostOnce) acks a message, and waits until the ack is
+// made, before its handler runs; a crash then loses the message instead of
+// running it twice. The circuit breakers of the handler chain (found through
+// the middleware's Unwrap methods) are asked first, so that a message a
+// breaker would hold is kept, not acked and dropped.
 //
 // # Writing handlers
 //

@@ -96,3 +96,20 @@ func TestOutcomesAreCheckableWithErrorsIsAndAs(t *testing.T) {
 		t.Errorf("Chain ran %v, want the first listed outermost", order)
 	}
 }
+
+// A body of JSON null is no T: it is refused as a permanent error, like an
+// empty body, and the function is not called.
+func TestJSONRefusesANullBody(t *testing.T) {
+	called := false
+	h := JSON(func(context.Context, struct{ A int }, *Message) error { called = true; return nil })
+	for _, body := range []string{"null", "  null\n"} {
+		err := h.Handle(context.Background(), &Message{Body: []byte(body)})
+		var de *DecodeError
+		if !IsPermanent(err) || !errors.As(err, &de) {
+			t.Errorf("body %q: %v, want a permanent *DecodeError", body, err)
+		}
+	}
+	if called {
+		t.Fatal("the function ran for a null body")
+	}
+}

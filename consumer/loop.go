@@ -5,6 +5,7 @@ import (
 	"errors"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/ferrymq/ferry/consumer/driver"
 )
@@ -28,10 +29,11 @@ type Loop struct {
 	extender driver.Extender // nil when the broker keeps no lease
 	revoker  driver.Revoker  // nil when the broker never revokes
 
-	ran      atomic.Bool
-	inflight atomic.Int64 // deliveries taken and not yet settled or dropped
-	paused   atomic.Int64 // unix nanos until which fetching pauses (a breaker is open)
-	space    chan struct{}
+	ran         atomic.Bool
+	inflight    atomic.Int64 // deliveries taken and not yet settled or dropped
+	deferredNow atomic.Int64 // of those, deferred ones, which take no room (see deferRun)
+	paused      atomic.Int64 // unix nanos until which fetching pauses (a breaker is open)
+	space       chan struct{}
 
 	stats struct {
 		fetched, acked, returned, failed, panics, held, deferred, retried, revoked atomic.Int64
@@ -57,7 +59,8 @@ type Stats struct {
 }
 
 // New returns a delivery loop over drv. It fails with a *ConfigError naming
-// the field when an option is invalid or drv is nil.
+// the field when an option is invalid, drv is nil, or drv's lease is shorter
+// than driver.MinLease.
 func New(drv driver.Driver, opts ...Option) (*Loop, error) {
 	if drv == nil {
 		return nil, configErr("Driver", "must not be nil")
@@ -68,12 +71,23 @@ func New(drv driver.Driver, opts ...Option) (*Loop, error) {
 	}
 	l := &Loop{drv: drv, cfg: cfg, caps: drv.Capabilities(), space: make(chan struct{}, 1)}
 	if e, ok := drv.(driver.Extender); ok && e.Lease() > 0 {
+		if e.Lease() < driver.MinLease {
+			return nil, configErr("Lease", "%s is too short to keep extended; at least %s (a visibility timeout, on SQS)", e.Lease(), driver.MinLease)
+		}
 		l.extender = e
 	}
 	if r, ok := drv.(driver.Revoker); ok {
 		l.revoker = r
 	}
 	return l, nil
+}
+
+// signalSpace wakes a fetcher waiting for room in flight.
+func (l *Loop) signalSpace() {
+	select {
+	case l.space <- struct{}{}:
+	default:
+	}
 }
 
 // Name is the consumer's name, as set by WithName.
@@ -115,19 +129,25 @@ func Name(ctx context.Context) string {
 }
 
 // Run delivers messages to h until ctx ends, then drains: it stops
-// fetching, returns every message not yet started to the broker, and lets
-// running handlers finish for the shutdown grace period, acking those that
-// succeed. Handlers still running after the grace have their contexts
-// cancelled; whatever they return then, their messages are returned for
-// redelivery (a handler that saw its context end may not have finished its
-// work). Run closes the driver before it returns.
+// fetching, runs what it had already fetched, and lets running handlers
+// finish, all within the shutdown grace period, acking what succeeds; what
+// waits to run again later (a retry, a hold, a deferral) goes back to the
+// broker at once with its delay. When the grace ends, handlers still running
+// have their contexts cancelled and whatever they return then, their
+// messages go back for redelivery (a handler that saw its context end may
+// not have finished its work), as do the messages not yet started. Run
+// closes the driver before it returns, at most a second after the grace
+// (sooner when everything is settled).
 //
-// Run returns nil after a clean shutdown, and an error only when the
-// driver reports a fatal one. A Loop runs once: a second call returns
-// ErrAlreadyRun.
+// Run refuses a nil handler, and a chain with a nil handler inside it
+// (found through the Unwrap methods of its middleware), with a
+// *ConfigError. It returns nil after a clean shutdown, and an error only
+// when the driver reports a fatal one. A Loop runs once: a second call
+// returns ErrAlreadyRun.
 func (l *Loop) Run(ctx context.Context, h Handler) error {
-	if h == nil {
-		return configErr("Handler", "must not be nil")
+	breakers, err := inspectChain(h)
+	if err != nil {
+		return err
 	}
 	if !l.ran.CompareAndSwap(false, true) {
 		return ErrAlreadyRun
@@ -138,36 +158,55 @@ func (l *Loop) Run(ctx context.Context, h Handler) error {
 	} else {
 		defer reg.Unregister()
 	}
-
-	r := newRun(l, h, ctx)
+	if l.cfg.mode != AtMostOnce {
+		breakers = nil // only an ack before the run needs to ask them first
+	}
+	r := newRun(ctx, l, h, breakers)
 	defer r.cancelHandler()
 
 	fetchCtx, stopFetch := context.WithCancel(ctx)
 	defer stopFetch()
 	fetcherDone := make(chan struct{})
 	go func() { defer close(fetcherDone); r.fetchLoop(fetchCtx) }()
-	var workers sync.WaitGroup
+	var workers, io sync.WaitGroup
 	for i := 0; i < l.cfg.concurrency; i++ {
 		workers.Add(1)
 		go func() { defer workers.Done(); r.worker() }()
 	}
-	ioDone := make(chan struct{})
-	go func() { defer close(ioDone); r.ioLoop() }()
+	io.Add(1)
+	go func() { defer io.Done(); r.io.settleLoop(r.abandon) }()
+	if l.extender != nil {
+		io.Add(1)
+		go func() { defer io.Done(); r.io.extendLoop(r.abandon) }()
+	}
 
-	err := r.dispatch(ctx, stopFetch, fetcherDone)
+	err = r.dispatch(ctx, stopFetch, fetcherDone)
 
-	// Hand the last settlements over and wait for them, so that what
-	// finished is acked before Run returns.
-	r.flushIO()
-	close(r.ioCh)
-	<-ioDone
+	// Drained, or given up on: let every goroutine go. Calls still with the
+	// driver are cancelled; their results are not waited for.
+	r.io.cancel()
+	close(r.io.settleC)
+	close(r.io.extendC)
 	r.closeRevocations()
-	close(r.abandon) // a fetcher or worker still trying to hand something over gives up
+	close(r.abandon)
 	<-fetcherDone
 	close(r.work)
 	if r.running == 0 {
 		workers.Wait() // otherwise some handler ignored cancellation: do not wait for it
 	}
+	waitTimeout(&io, abandonAfter)
 	r.timer.Stop()
 	return err
+}
+
+// waitTimeout waits for wg, or d, whichever comes first.
+func waitTimeout(wg *sync.WaitGroup, d time.Duration) {
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+	}
 }

@@ -46,7 +46,7 @@ func BenchmarkLoopOverhead(b *testing.B) {
 	body := []byte("hello")
 	handles := make([]int, b.N)
 	for i := range g.msgs {
-		g.msgs[i] = driver.Message{ID: "m", Body: body, Attempt: 1, Handle: &handles[i]}
+		g.msgs[i] = driver.Message{ID: "m", Body: body, Deliveries: 1, Handle: &handles[i]}
 	}
 	l, err := New(g, WithConcurrency(8))
 	if err != nil {

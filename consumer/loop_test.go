@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -35,7 +36,7 @@ func (s *scriptLog) add(lane string, n int) {
 	s.mu.Lock()
 	for i := 0; i < n; i++ {
 		s.pending = append(s.pending, driver.Message{
-			ID: lane + "/" + strconv.Itoa(i), Lane: lane, Offset: int64(i), Attempt: 1,
+			ID: lane + "/" + strconv.Itoa(i), Lane: lane, Offset: int64(i), Deliveries: 1,
 			Handle: lane + "/" + strconv.Itoa(i), Body: []byte(strconv.Itoa(i)),
 		})
 	}
@@ -174,97 +175,6 @@ func TestInPlaceRetryKeepsLaneOrder(t *testing.T) {
 	}
 }
 
-func TestRevocationCancelsHandlersAndSettlesNothing(t *testing.T) {
-	drv := newScriptLog(false)
-	drv.add("0", 3)
-	l, err := New(drv, WithConcurrency(2))
-	if err != nil {
-		t.Fatal(err)
-	}
-	started := make(chan struct{}, 10)
-	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
-		if m.Lane == "0" {
-			started <- struct{}{}
-			<-ctx.Done() // blocks until the lane is revoked
-			return ctx.Err()
-		}
-		return nil
-	}))
-	<-started
-	done := make(chan struct{})
-	drv.revCh <- driver.Revocation{Lanes: []string{"0"}, Done: done}
-	select {
-	case <-done:
-	case <-time.After(20 * time.Second):
-		t.Fatal("revocation was never completed")
-	}
-	drv.add("1", 5)
-	eventually(t, "lane 1 is acked", func() bool { return l.Stats().Acked == 5 })
-	if err := stop(); err != nil {
-		t.Fatal(err)
-	}
-	for id, acts := range drv.outcomes() {
-		if id[0] == '0' {
-			t.Fatalf("revoked record %s was settled: %v", id, acts)
-		}
-	}
-	if got := l.Stats().Revoked; got != 3 {
-		t.Fatalf("Revoked = %d, want 3 (one running, two queued behind it)", got)
-	}
-	if l.Stats().InFlight != 0 {
-		t.Fatalf("InFlight = %d after revocation and shutdown, want 0", l.Stats().InFlight)
-	}
-}
-
-func TestShutdownAcksFinishedAndReturnsUnstarted(t *testing.T) {
-	drv := newScriptLog(true)
-	drv.add("", 10)
-	l, err := New(drv, WithConcurrency(2), WithShutdownGrace(5*time.Second))
-	if err != nil {
-		t.Fatal(err)
-	}
-	release := make(chan struct{})
-	started := make(chan string, 10)
-	ctx, cancel := context.WithCancel(context.Background())
-	errc := make(chan error, 1)
-	go func() {
-		errc <- l.Run(ctx, HandlerFunc(func(ctx context.Context, m *Message) error {
-			started <- m.ID
-			<-release
-			return nil
-		}))
-	}()
-	a, b := <-started, <-started
-	cancel()
-	time.Sleep(50 * time.Millisecond) // let the loop see the cancellation first
-	close(release)
-	if err := <-errc; err != nil {
-		t.Fatal(err)
-	}
-	out := drv.outcomes()
-	for id, acts := range out {
-		want := driver.Return
-		if id == a || id == b {
-			want = driver.Ack
-		}
-		if len(acts) != 1 || acts[0] != want {
-			t.Fatalf("message %s settled %v, want [%v]", id, acts, want)
-		}
-	}
-	drv.mu.Lock()
-	unfetched := len(drv.pending)
-	drv.mu.Unlock()
-	if len(out) != int(l.Stats().Fetched) || len(out)+unfetched != 10 {
-		t.Fatalf("%d settled, %d fetched, %d never fetched; want every fetched message settled", len(out), l.Stats().Fetched, unfetched)
-	}
-	if !drv.closed {
-		t.Fatal("Run did not close the driver")
-	}
-	if err := l.Run(context.Background(), HandlerFunc(func(context.Context, *Message) error { return nil })); !errors.Is(err, ErrAlreadyRun) {
-		t.Fatalf("second Run: %v, want ErrAlreadyRun", err)
-	}
-}
-
 func TestHoldKeepsAttemptAndPausesFetching(t *testing.T) {
 	drv := newScriptLog(true)
 	drv.add("", 1)
@@ -378,7 +288,7 @@ func TestOrderByKeyRunsKeysInParallelInsideOneLane(t *testing.T) {
 	drv.mu.Lock()
 	for i := 0; i < 40; i++ {
 		drv.pending = append(drv.pending, driver.Message{
-			ID: fmt.Sprint(i), Key: fmt.Sprint("k", i%4), Lane: "0", Offset: int64(i), Attempt: 1, Handle: fmt.Sprint(i),
+			ID: fmt.Sprint(i), Key: fmt.Sprint("k", i%4), Lane: "0", Offset: int64(i), Deliveries: 1, Handle: fmt.Sprint(i),
 		})
 	}
 	drv.mu.Unlock()
@@ -413,38 +323,6 @@ func TestOrderByKeyRunsKeysInParallelInsideOneLane(t *testing.T) {
 	}
 }
 
-func TestGraceOverCancelsHandlersAndLeavesTheirMessages(t *testing.T) {
-	drv := newScriptLog(true)
-	drv.add("", 1)
-	l, err := New(drv, WithConcurrency(1), WithShutdownGrace(50*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	started := make(chan struct{})
-	ctx, cancel := context.WithCancel(context.Background())
-	errc := make(chan error, 1)
-	go func() {
-		errc <- l.Run(ctx, HandlerFunc(func(ctx context.Context, m *Message) error {
-			close(started)
-			<-ctx.Done() // a long handler that honours cancellation
-			return ctx.Err()
-		}))
-	}()
-	<-started
-	cancel()
-	select {
-	case err := <-errc:
-		if err != nil {
-			t.Fatal(err)
-		}
-	case <-time.After(20 * time.Second):
-		t.Fatal("Run did not return after the grace period")
-	}
-	if acts := drv.outcomes()["/0"]; len(acts) != 1 || acts[0] != driver.Return {
-		t.Fatalf("the cancelled handler's message settled %v, want a return", acts)
-	}
-}
-
 func TestHandlersSeeTheLoopName(t *testing.T) {
 	drv := newScriptLog(true)
 	drv.add("", 1)
@@ -466,4 +344,146 @@ func TestHandlersSeeTheLoopName(t *testing.T) {
 	if Name(context.Background()) != "ferry" {
 		t.Fatal("Name outside a loop is not the default")
 	}
+}
+
+func (s *scriptLog) push(msgs ...driver.Message) {
+	s.mu.Lock()
+	s.pending = append(s.pending, msgs...)
+	s.mu.Unlock()
+	select {
+	case s.notify <- struct{}{}:
+	default:
+	}
+}
+
+// A lease too short for its extensions to land in time is refused when the
+// loop is built, naming it, instead of running with nothing ever acked.
+func TestNewRefusesALeaseTooShortToExtend(t *testing.T) {
+	for _, lease := range []time.Duration{time.Millisecond, 10 * time.Millisecond, driver.MinLease - 1} {
+		_, err := New(newLeaseLog(lease))
+		var ce *ConfigError
+		if !errors.As(err, &ce) || ce.Field != "Lease" {
+			t.Errorf("lease %s: New = %v, want a *ConfigError for Lease", lease, err)
+		}
+	}
+	if _, err := New(newLeaseLog(driver.MinLease)); err != nil {
+		t.Errorf("lease %s: %v", driver.MinLease, err)
+	}
+}
+
+// With OrderByKey a message without a key asks for no order: messages
+// without keys run side by side, even inside one lane.
+func TestOrderByKeyLeavesMessagesWithoutAKeyUnordered(t *testing.T) {
+	drv := newScriptLog(false)
+	drv.add("0", 8) // no keys
+	l, err := New(drv, WithConcurrency(4), WithOrdering(OrderByKey))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var running, peak atomic.Int32
+	release := make(chan struct{})
+	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
+		n := running.Add(1)
+		for p := peak.Load(); n > p && !peak.CompareAndSwap(p, n); p = peak.Load() {
+		}
+		<-release
+		running.Add(-1)
+		return nil
+	}))
+	eventually(t, "four keyless messages to run at once", func() bool { return peak.Load() == 4 })
+	close(release)
+	eventually(t, "all acked", func() bool { return l.Stats().Acked == 8 })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// Lanes and keys are kept apart as a pair, whatever bytes they hold: a key
+// with a NUL byte in it is freed with its lane when the lane is revoked, and
+// its later messages run.
+func TestRevocationFreesAKeyWithANulByte(t *testing.T) {
+	drv := newScriptLog(true)
+	key := "a\x00b"
+	drv.push(driver.Message{ID: "1", Key: key, Deliveries: 1, Handle: "1"})
+	l, err := New(drv, WithOrdering(OrderByKey))
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := make(chan string, 4)
+	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
+		started <- m.ID
+		if m.ID == "1" {
+			<-ctx.Done() // runs until its lane is revoked
+			return ctx.Err()
+		}
+		return nil
+	}))
+	<-started
+	done := make(chan struct{})
+	drv.revCh <- driver.Revocation{Lanes: []string{""}, Done: done}
+	<-done
+	drv.push(driver.Message{ID: "2", Key: key, Deliveries: 1, Handle: "2"})
+	select {
+	case id := <-started:
+		if id != "2" {
+			t.Fatalf("ran %s, want 2", id)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the key's next message never ran after its lane was revoked: the key stayed busy")
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A message that comes back to the Loop that returned it runs with the
+// count of its runs exact, even from a broker that counts only deliveries
+// and carries nothing (SQS): the loop remembers what it returned.
+func TestReturnedMessageComingBackCountsItsRunsExactly(t *testing.T) {
+	drv := &redeliveringLog{scriptLog: newScriptLog(true)}
+	drv.push(driver.Message{ID: "m", Source: "q", Deliveries: 1, Handle: "m#1"})
+	l, err := New(drv, WithRedeliveryBackoff(time.Millisecond, time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var attempts []int
+	var mu sync.Mutex
+	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
+		mu.Lock()
+		defer mu.Unlock()
+		attempts = append(attempts, m.Attempt)
+		switch len(attempts) {
+		case 1:
+			return Hold(errors.New("breaker open"), time.Millisecond) // not a run
+		case 2, 3:
+			return errors.New("transient")
+		}
+		return nil
+	}))
+	eventually(t, "the message to be acked", func() bool { return l.Stats().Acked == 1 })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if fmt.Sprint(attempts) != "[1 1 2 3]" {
+		t.Fatalf("attempts seen = %v, want [1 1 2 3]: a hold is no run, and two redeliveries were seen", attempts)
+	}
+}
+
+// redeliveringLog gives a returned message back at once as a new delivery
+// with the delivery count one higher, as SQS does, and carries nothing else.
+type redeliveringLog struct {
+	*scriptLog
+	n atomic.Int32
+}
+
+func (d *redeliveringLog) Settle(ctx context.Context, b []driver.Settlement) error {
+	for _, s := range b {
+		if s.Action == driver.Return {
+			n := int(d.n.Add(1)) + 1
+			d.push(driver.Message{ID: "m", Source: "q", Deliveries: n, Handle: fmt.Sprintf("m#%d", n)})
+		}
+	}
+	return d.scriptLog.Settle(ctx, b)
 }

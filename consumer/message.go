@@ -3,6 +3,8 @@ package consumer
 import (
 	"context"
 	"time"
+
+	"github.com/ferrymq/ferry/consumer/driver"
 )
 
 // Message is one delivery of a message to a Handler, or one message handed to
@@ -39,29 +41,47 @@ type Message struct {
 	// (the Kafka offset); -1 where it has none.
 	Offset int64
 
-	// Attempt is 1 on the first delivery and grows by one with every
-	// redelivery, counted by the broker where it counts (SQS
-	// ApproximateReceiveCount, RabbitMQ x-delivery-count) and in process where
-	// it does not. Holding a message while a circuit breaker is open does not
-	// count as an attempt.
+	// Attempt is the number of this run of the handler: 1 on the first run,
+	// one higher on every run after a failure, whether the run came from an
+	// in-process retry (Retry, or the loop retrying a Kafka record in place)
+	// or from a redelivery. Runs are counted exactly where they can be known:
+	// in process, and across redeliveries where the loop or the broker kept
+	// the count (the memory broker, RabbitMQ delayed retries, a message that
+	// comes back to the same Loop). Where a broker redelivered the message
+	// and nothing recorded what happened on the earlier delivery (another
+	// process had it, or crashed with it), that delivery counts as one run.
+	// Holding a message (an open breaker) or deferring it is not a run.
 	Attempt int
+
+	// Deliveries is how many times the broker has delivered the message,
+	// this delivery included, where it counts them (SQS
+	// ApproximateReceiveCount, RabbitMQ x-delivery-count); 1 where it does
+	// not (Kafka).
+	Deliveries int
 
 	// PublishedAt is when the broker took the message, where it says so;
 	// zero otherwise.
 	PublishedAt time.Time
 
-	as func(target any) bool
+	// unseen is how many earlier deliveries no run count was known for
+	// (each counted as one run in Attempt); set by the loop.
+	unseen int
+
+	// aser and handle serve As.
+	aser   driver.Aser
+	handle any
 }
 
 // As reaches the broker's own representation of the delivery without
 // importing the broker's client here. target must be a pointer to a type the
 // driver documents (for example *kgo.Record for Kafka, *types.Message for SQS,
-// *amqp091.Delivery for RabbitMQ). It reports whether target was set.
+// *amqp091.Delivery for RabbitMQ, *memory.Delivery for the memory broker).
+// It reports whether target was set.
 func (m *Message) As(target any) bool {
-	if m == nil || m.as == nil {
+	if m == nil || m.aser == nil {
 		return false
 	}
-	return m.as(target)
+	return m.aser.As(m.handle, target)
 }
 
 // Header returns the value of the header named key, or "".
@@ -71,7 +91,13 @@ func (m *Message) Header(key string) string {
 
 // Handler handles one message. Returning nil acknowledges it; any error
 // returns it to the broker for redelivery, shaped by the outcome helpers
-// RetryAfter, Permanent and Hold.
+// [RetryAfter], [Permanent], [Hold] and [Defer].
+//
+// Middleware returns a Handler that wraps another. Such a Handler should
+// also have a method Unwrap() Handler returning the one it wraps, as every
+// middleware in Ferry does: the delivery loop follows Unwrap to find the
+// circuit breakers in a chain (in at-most-once mode it asks them before it
+// acks) and to refuse a chain with a nil handler inside.
 type Handler interface {
 	Handle(ctx context.Context, m *Message) error
 }

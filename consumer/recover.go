@@ -12,14 +12,19 @@ import (
 // panics too, but only as the last resort: with Recover innermost, every
 // other middleware sees the panic as an error.
 func Recover() Middleware {
-	return func(next Handler) Handler {
-		return HandlerFunc(func(ctx context.Context, m *Message) (err error) {
-			defer func() {
-				if v := recover(); v != nil {
-					err = &PanicError{Value: v, Stack: debug.Stack()}
-				}
-			}()
-			return next.Handle(ctx, m)
-		})
-	}
+	return func(next Handler) Handler { return &recoverHandler{next: next} }
 }
+
+type recoverHandler struct{ next Handler }
+
+func (h *recoverHandler) Handle(ctx context.Context, m *Message) (err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = &PanicError{Value: v, Stack: debug.Stack()}
+		}
+	}()
+	return h.next.Handle(ctx, m)
+}
+
+// Unwrap returns the handler whose panics Recover catches.
+func (h *recoverHandler) Unwrap() Handler { return h.next }

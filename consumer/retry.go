@@ -168,18 +168,28 @@ func NewRetry(opts ...RetryOption) (*Retry, error) {
 
 // Wrap returns next wrapped in the retry behaviour. r.Wrap is a Middleware.
 func (r *Retry) Wrap(next Handler) Handler {
-	return HandlerFunc(func(ctx context.Context, m *Message) error {
-		return r.handle(ctx, m, next)
-	})
+	return &retryHandler{r: r, next: next}
 }
+
+type retryHandler struct {
+	r    *Retry
+	next Handler
+}
+
+func (h *retryHandler) Handle(ctx context.Context, m *Message) error {
+	return h.r.handle(ctx, m, h.next)
+}
+
+// Unwrap returns the handler Retry runs.
+func (h *retryHandler) Unwrap() Handler { return h.next }
 
 func (r *Retry) handle(ctx context.Context, m *Message, next Handler) error {
 	ctx, rec := withRecord(ctx)
-	rec.perDelivery = r.attempts
-
+	if m.Attempt < 1 {
+		m.Attempt = 1
+	}
 	start := time.Now()
 	for run := 1; ; run++ {
-		rec.run = run
 		err := next.Handle(ctx, m)
 		if err == nil {
 			return nil
@@ -199,14 +209,14 @@ func (r *Retry) handle(ctx context.Context, m *Message, next Handler) error {
 			return err
 		}
 		r.retries.Add(1)
+		m.Attempt++ // the next run
 	}
 }
 
 // giveBack returns err to the broker with the redelivery delay for m.
 func (r *Retry) giveBack(m *Message, err error) error {
 	r.givenBack.Add(1)
-	tries := max(m.Attempt, 1) * r.attempts
-	return RetryAfter(err, r.b.redelivery(tries, r.redeliveryMax))
+	return RetryAfter(err, r.b.redelivery(max(m.Attempt, 1), r.redeliveryMax))
 }
 
 // stopsRetry reports whether err ends the in-process retries at once.
@@ -236,13 +246,13 @@ func sleepCtx(ctx context.Context, d time.Duration) error {
 	}
 }
 
-// record is what the layers of one delivery share about its runs: Retry
-// writes how many runs it makes per delivery and which run is going on,
-// DeadLetter writes its MaxAttempts. It travels in the delivery's context, so
-// it reaches every layer whatever order they were composed in.
+// record is what the layers of one delivery share about its runs:
+// DeadLetter writes its MaxAttempts, so that Retry stops there; Retry and
+// the loop note when runs failed. The delivery loop gives every delivery one
+// in its handler's context, so it reaches every layer whatever order they
+// were composed in and costs no allocation; outside a loop the first layer
+// that needs one adds it.
 type record struct {
-	perDelivery int // Retry's runs per delivery; 0 without Retry (counts as 1)
-	run         int // the current run of this delivery, from 1; 0 without Retry
 	maxAttempts int // DeadLetter's MaxAttempts; 0 without DeadLetter
 	// deadLettered is set once DeadLetter has published the message: its nil
 	// means "settled", and an outer Timeout must not turn it into a failure.
@@ -252,8 +262,8 @@ type record struct {
 
 type recordKey struct{}
 
-// recordCtx carries a record; one allocation gives both the context and the
-// record.
+// recordCtx carries a record outside a Loop; one allocation gives both the
+// context and the record.
 type recordCtx struct {
 	context.Context
 	rec record
@@ -276,18 +286,10 @@ func withRecord(ctx context.Context) (context.Context, *record) {
 	return c, &c.rec
 }
 
-// attempts returns the number of the current run of m across deliveries:
-// (Attempt-1) * runs per delivery + the run of this delivery. See DeadLetter.
-func (r *record) attempts(m *Message) int {
-	per := max(r.perDelivery, 1)
-	run := max(r.run, 1)
-	return (max(m.Attempt, 1)-1)*per + run
-}
-
 // spent reports whether a DeadLetter's MaxAttempts is reached by the
 // current run.
 func (r *record) spent(m *Message) bool {
-	return r.maxAttempts > 0 && r.attempts(m) >= r.maxAttempts
+	return r.maxAttempts > 0 && m.Attempt >= r.maxAttempts
 }
 
 // failed notes a failed run at now.

@@ -54,7 +54,8 @@ func TestRetryGivesTheMessageBackWithAGrowingJitteredDelay(t *testing.T) {
 	h := r.Wrap(HandlerFunc(func(context.Context, *Message) error { runs++; return errDown }))
 	for attempt := 1; attempt <= 4; attempt++ {
 		runs = 0
-		err := h.Handle(context.Background(), &Message{Attempt: attempt})
+		// The runs of the deliveries before this one were counted.
+		err := h.Handle(context.Background(), &Message{Attempt: (attempt-1)*3 + 1, Deliveries: attempt})
 		var ra *RetryAfterError
 		if !errors.As(err, &ra) || !errors.Is(err, errDown) {
 			t.Fatalf("attempt %d: Handle = %v, want RetryAfter wrapping errDown", attempt, err)

@@ -137,9 +137,20 @@ func Standard(pub Publisher, dlqDestination string, opts ...StandardOption) (*St
 	return &Stack{DeadLetter: dl, Retry: rt, Breaker: br, Timeout: c.timeout}, nil
 }
 
-// Middleware returns the stack's layers, outermost first, for Chain.
+// Middleware returns the stack's layers, outermost first, for Chain. A nil
+// part is left out, so a Stack literal may hold only the parts it wants.
 func (s *Stack) Middleware() []Middleware {
-	return []Middleware{s.DeadLetter.Wrap, s.Retry.Wrap, s.Breaker.Wrap, Timeout(s.Timeout), Recover()}
+	mws := make([]Middleware, 0, 5)
+	if s.DeadLetter != nil {
+		mws = append(mws, s.DeadLetter.Wrap)
+	}
+	if s.Retry != nil {
+		mws = append(mws, s.Retry.Wrap)
+	}
+	if s.Breaker != nil {
+		mws = append(mws, s.Breaker.Wrap)
+	}
+	return append(mws, Timeout(s.Timeout), Recover())
 }
 
 // Wrap returns h wrapped in the stack. s.Wrap is a Middleware.

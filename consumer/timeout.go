@@ -43,16 +43,26 @@ func Timeout(d time.Duration) Middleware {
 		if d <= 0 {
 			return next
 		}
-		return HandlerFunc(func(ctx context.Context, m *Message) error {
-			ctx, rec := withRecord(ctx)
-			tctx, release := withLazyDeadline(ctx, d)
-			err := next.Handle(tctx, m)
-			expired := tctx.expired()
-			release()
-			if expired && !(err == nil && rec.deadLettered) {
-				return &TimeoutError{Timeout: d, Err: err}
-			}
-			return err
-		})
+		return &timeoutHandler{d: d, next: next}
 	}
 }
+
+type timeoutHandler struct {
+	d    time.Duration
+	next Handler
+}
+
+func (h *timeoutHandler) Handle(ctx context.Context, m *Message) error {
+	ctx, rec := withRecord(ctx)
+	tctx := withLazyDeadline(ctx, h.d)
+	err := h.next.Handle(tctx, m)
+	expired := tctx.expired()
+	tctx.release()
+	if expired && !(err == nil && rec.deadLettered) {
+		return &TimeoutError{Timeout: h.d, Err: err}
+	}
+	return err
+}
+
+// Unwrap returns the handler that runs under the deadline.
+func (h *timeoutHandler) Unwrap() Handler { return h.next }

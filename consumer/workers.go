@@ -9,24 +9,27 @@ import (
 	"github.com/ferrymq/ferry/consumer/driver"
 )
 
-// This file holds the goroutines around the dispatcher: the fetcher, the
-// workers and the I/O goroutine. None of them touches a delivery's state
-// while the dispatcher owns it; they hand deliveries over on channels.
+// This file holds the goroutines around the dispatcher: the fetcher and the
+// workers. None of them touches a delivery's state while the dispatcher owns
+// it; they hand deliveries over on channels.
 
 // worker runs handlers.
 func (r *run) worker() {
 	atMostOnce := r.l.cfg.mode == AtMostOnce
+	var ack chan bool
+	if atMostOnce {
+		ack = make(chan bool, 1)
+	}
 	for d := range r.work {
 		switch {
-		case atMostOnce:
-			// Already acked: it runs whatever happens, or it is lost.
-			d.err = r.call(d)
-		case r.stopping.Load():
-			// Shutdown began while it sat in the work queue: do not start it.
+		case r.graceOver.Load():
+			// The shutdown grace ended while it sat in the work queue.
 			d.err = errNotStarted
 		case d.ctx.Err() != nil:
 			// Its lane was revoked while it queued: do not start it.
-			d.err = d.ctx.Err()
+			d.err = errNotStarted
+		case atMostOnce:
+			d.err = r.runAtMostOnce(d, ack)
 		default:
 			d.err = r.call(d)
 		}
@@ -38,6 +41,31 @@ func (r *run) worker() {
 	}
 }
 
+// runAtMostOnce asks the breakers in the chain first, so that a message they
+// would hold is kept rather than acked and dropped; then it has the message
+// acked, waits until the ack is made, and only then runs the handler.
+func (r *run) runAtMostOnce(d *delivery, ack chan bool) error {
+	if hold := r.reserveGates(d); hold != nil {
+		return hold
+	}
+	d.ackWait = ack
+	select {
+	case r.ackReq <- d:
+	case <-r.abandon:
+		return errAckFailed
+	}
+	var ok bool
+	select {
+	case ok = <-ack:
+	case <-r.abandon:
+		return errAckFailed
+	}
+	if !ok {
+		return errAckFailed
+	}
+	return r.call(d)
+}
+
 func (r *run) call(d *delivery) (err error) {
 	s := &r.l.stats
 	s.running.Add(1)
@@ -47,15 +75,18 @@ func (r *run) call(d *delivery) (err error) {
 			err = &PanicError{Value: v, Stack: debug.Stack()}
 		}
 	}()
-	return r.h.Handle(d.ctx, &d.msg)
+	d.msg.Attempt = d.runs + 1
+	d.rec.deadLettered = false
+	return r.h.Handle(&d.ctx, &d.msg)
 }
 
 // fetchLoop takes batches from the driver whenever there is room in flight
 // and fetching is not paused, and hands them to the dispatcher. A batch
-// fetched as Run stops is handed over all the same: the dispatcher returns
-// it to the broker, so that only one goroutine ever settles.
+// fetched as Run stops is handed over all the same: only the dispatcher
+// decides what becomes of a delivery.
 func (r *run) fetchLoop(ctx context.Context) {
 	l := r.l
+	aser, _ := l.drv.(driver.Aser)
 	var (
 		buf      []driver.Message
 		batch    = make([]*delivery, 0, l.cfg.fetchBatch)
@@ -70,7 +101,8 @@ func (r *run) fetchLoop(ctx context.Context) {
 				continue
 			}
 		}
-		room := l.cfg.maxInFlight - int(l.inflight.Load())
+		// Deferred deliveries wait on someone else; they do not take room.
+		room := l.cfg.maxInFlight - int(l.inflight.Load()-l.deferredNow.Load())
 		if room <= 0 {
 			select {
 			case <-l.space:
@@ -85,14 +117,14 @@ func (r *run) fetchLoop(ctx context.Context) {
 			l.inflight.Add(int64(len(buf)))
 			l.stats.fetched.Add(int64(len(buf)))
 			for i := range buf {
-				batch = append(batch, newDelivery(&buf[i]))
+				batch = append(batch, newDelivery(&buf[i], aser))
 				buf[i] = driver.Message{}
 			}
 			select {
 			case r.fetched <- batch:
 				batch = <-r.back
 			case <-r.abandon:
-				return // Run gave up on stuck handlers; the broker redelivers these after their lease
+				return // Run gave up; the broker redelivers these after their lease
 			}
 		}
 		if err != nil {
@@ -113,55 +145,6 @@ func (r *run) fetchLoop(ctx context.Context) {
 			continue
 		}
 		failures = 0
-	}
-}
-
-func newDelivery(m *driver.Message) *delivery {
-	d := &delivery{handle: m.Handle, heapIdx: -1}
-	d.msg = Message{
-		ID: m.ID, Key: m.Key, Body: m.Body, Headers: m.Headers, Source: m.Source,
-		Lane: m.Lane, Offset: m.Offset, Attempt: max(m.Attempt, 1), PublishedAt: m.PublishedAt,
-		as: m.As,
-	}
-	return d
-}
-
-// ioTimeout bounds one Extend or Settle call.
-const ioTimeout = 30 * time.Second
-
-// ioLoop makes the broker calls the dispatcher decided, one job at a time
-// and in order: lease extensions, then settlements. Keeping them on one
-// goroutine keeps Settle from running concurrently with itself, as the
-// driver contract promises, and an extension from landing after a return.
-func (r *run) ioLoop() {
-	l := r.l
-	for job := range r.ioCh {
-		if len(job.extend) > 0 {
-			ctx, cancel := withLazyDeadline(r.ioCtx, ioTimeout)
-			if err := l.extender.Extend(ctx, job.extend, l.extender.Lease()); err != nil {
-				l.stats.settleErrors.Add(1)
-				r.log.Warn("ferry: extending leases failed", "err", err, "count", len(job.extend))
-			}
-			cancel()
-		}
-		if len(job.settle) > 0 {
-			ctx, cancel := withLazyDeadline(r.ioCtx, ioTimeout)
-			if err := l.drv.Settle(ctx, job.settle); err != nil {
-				l.stats.settleErrors.Add(1)
-				r.log.Warn("ferry: settling failed; the broker redelivers those messages after their lease", "err", err, "count", len(job.settle))
-			}
-			cancel()
-		}
-		if job.release > 0 {
-			l.inflight.Add(-int64(job.release))
-			select {
-			case l.space <- struct{}{}:
-			default:
-			}
-		}
-		clear(job.extend)
-		clear(job.settle)
-		r.ioBack <- ioJob{extend: job.extend[:0], settle: job.settle[:0]}
 	}
 }
 

@@ -62,6 +62,23 @@ const DefaultVisibilityTimeout = 30 * time.Second
 // duplicates, as on SQS.
 const DefaultDedupWindow = 5 * time.Minute
 
+// Delivery is what consumer.Message.As gives a handler on the memory broker:
+// one delivery as its queue sees it.
+type Delivery struct {
+	// Queue is the queue the message was fetched from.
+	Queue string
+	// MessageID is the message's id.
+	MessageID string
+	// ReceiveCount is how many times the message has been fetched,
+	// including this time (SQS's ApproximateReceiveCount).
+	ReceiveCount int
+	// Group is the FIFO message group, "" on a standard queue.
+	Group string
+	// Current is true while this delivery still holds the message: not
+	// settled, and its lease not run out and given to another fetch.
+	Current bool
+}
+
 // QueueConfig configures one queue. The zero value is a standard queue with a
 // 30s visibility timeout and no dead-letter queue.
 type QueueConfig struct {
@@ -417,7 +434,7 @@ func (b *Broker) Stats(queue string) QueueStats {
 
 // Messages returns a copy of every message the queue holds, not yet acked
 // or dead-lettered, whether visible, delayed or in flight, in the order the
-// queue took them. Attempt is how many times each was received so far (0
+// queue took them. Deliveries is how many times each was received so far (0
 // for none). It is meant for tests, for example to assert on the contents
 // and headers of a dead-letter queue; it returns nil for a queue that does
 // not exist.
@@ -441,7 +458,7 @@ func (b *Broker) Messages(queue string) []consumer.Message {
 			Headers:     maps.Clone(e.headers),
 			Source:      q.name,
 			Offset:      -1,
-			Attempt:     int(e.receives),
+			Deliveries:  int(e.receives),
 			PublishedAt: time.Unix(0, e.pub),
 		}
 		if e.body != nil {

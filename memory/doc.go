@@ -7,7 +7,7 @@
 // A message published to a queue stays there until a consumer acknowledges
 // it. Fetching a message does not remove it: it leases it. The message is
 // hidden from every other fetch for the queue's visibility timeout, and its
-// receive count grows by one (that count is the delivery's Attempt). Then one
+// receive count grows by one (that count is the delivery's Message.Deliveries). Then one
 // of three things happens:
 //
 //   - The consumer acks it: it is deleted.

@@ -32,12 +32,14 @@ type picked struct {
 	headers  map[string]string
 	pub      int64
 	receives int32
+	known    *driver.History
 }
 
 var (
 	_ driver.Driver      = (*memDriver)(nil)
 	_ driver.Extender    = (*memDriver)(nil)
 	_ driver.LagReporter = (*memDriver)(nil)
+	_ driver.Aser        = (*memDriver)(nil)
 )
 
 func (d *memDriver) closedErr(op string) error {
@@ -84,7 +86,7 @@ func (d *memDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([
 			}
 			r := q.deliver(e, now)
 			bodies += len(e.body)
-			ps = append(ps, picked{r: r, id: e.id, key: e.key, body: e.body, headers: e.headers, pub: e.pub, receives: e.receives})
+			ps = append(ps, picked{r: r, id: e.id, key: e.key, body: e.body, headers: e.headers, pub: e.pub, receives: e.receives, known: e.known})
 		}
 		var wake <-chan struct{}
 		var sleep int64 = -1
@@ -131,9 +133,12 @@ func (d *memDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([
 					Key:         p.key,
 					Source:      q.name,
 					Offset:      -1,
-					Attempt:     int(p.receives),
+					Deliveries:  int(p.receives),
 					PublishedAt: time.Unix(0, p.pub),
 					Handle:      p.r,
+				}
+				if p.known != nil {
+					m.Known = *p.known
 				}
 				if q.cfg.FIFO {
 					lane = p.key
@@ -191,26 +196,29 @@ func (d *memDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([
 }
 
 // Settle acks or returns each delivery, under one lock for the batch. A
-// handle whose lease ran out, or that was settled already, is skipped and
-// reported with an error wrapping ErrStaleHandle; the rest of the batch is
-// applied. Settle does not block, so ctx is not consulted.
+// handle whose lease ran out, or that was settled already, is skipped; so is
+// one that did not come from this queue. The rest of the batch is applied,
+// and the skipped ones are reported in a *driver.SettleError wrapping
+// ErrStaleHandle or ErrInvalidHandle. A return keeps the consumer's count of
+// the message's runs (Settlement.History) with the message, to hand back on
+// its next delivery. Settle does not block, so ctx is not consulted.
 func (d *memDriver) Settle(_ context.Context, batch []driver.Settlement) error {
 	if err := d.closedErr("settle"); err != nil {
 		return err
 	}
 	q := d.q
-	var stale, invalid int
+	var stale, invalid []int
 	q.mu.Lock()
 	now := q.b.now()
 	for i := range batch {
 		s := &batch[i]
 		r, ok := s.Handle.(*receipt)
 		if !ok || r == nil || r.e.q != q {
-			invalid++
+			invalid = append(invalid, i)
 			continue
 		}
 		if !q.valid(r, now) {
-			stale++
+			stale = append(stale, i)
 			continue
 		}
 		switch s.Action {
@@ -218,12 +226,19 @@ func (d *memDriver) Settle(_ context.Context, batch []driver.Settlement) error {
 			q.remove(r.e)
 			q.acked++
 		default:
+			if s.History.Deliveries > 0 {
+				h := s.History
+				r.e.known = &h
+			}
 			q.ret(r.e, int64(s.Delay), now)
 		}
 	}
 	q.notify()
 	q.mu.Unlock()
-	return handleErr("settle", q.name, len(batch), stale, invalid)
+	if err := handleErr("settle", q.name, len(batch), len(stale), len(invalid)); err != nil {
+		return &driver.SettleError{Failed: append(stale, invalid...), Err: err}
+	}
+	return nil
 }
 
 func handleErr(op, queue string, n, stale, invalid int) error {
@@ -240,6 +255,25 @@ func handleErr(op, queue string, n, stale, invalid int) error {
 // Capabilities reports that the queue redelivers returned messages.
 func (d *memDriver) Capabilities() driver.Capabilities {
 	return driver.Capabilities{Redelivers: true}
+}
+
+// As serves consumer.Message.As: a *Delivery target gets the delivery as
+// the queue sees it.
+func (d *memDriver) As(handle, target any) bool {
+	r, ok := handle.(*receipt)
+	t, ok2 := target.(*Delivery)
+	if !ok || !ok2 || r == nil {
+		return false
+	}
+	q := d.q
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	e := r.e
+	*t = Delivery{Queue: q.name, MessageID: e.id, ReceiveCount: int(e.receives), Current: q.valid(r, q.b.now())}
+	if q.cfg.FIFO {
+		t.Group = e.key
+	}
+	return true
 }
 
 // Lease is the queue's visibility timeout.

@@ -68,7 +68,7 @@ func fetchNothing(t testing.TB, d driver.Driver, wait time.Duration) {
 	defer cancel()
 	ms, err := d.Fetch(ctx, nil, 10)
 	if len(ms) > 0 {
-		t.Fatalf("Fetch delivered %d message(s) (first %q, attempt %d), want none", len(ms), ms[0].ID, ms[0].Attempt)
+		t.Fatalf("Fetch delivered %d message(s) (first %q, attempt %d), want none", len(ms), ms[0].ID, ms[0].Deliveries)
 	}
 	if err == nil {
 		t.Fatal("Fetch returned no message and no error")

@@ -5,6 +5,8 @@ import (
 	"math"
 	"strconv"
 	"sync"
+
+	"github.com/ferrymq/ferry/consumer/driver"
 )
 
 // entry states.
@@ -27,6 +29,7 @@ type entry struct {
 	enq      int64 // when this queue took it, broker clock
 	due      int64 // heap deadline, broker clock
 	cur      *receipt
+	known    *driver.History // the runs the consumer reported when it last returned the message
 	hidx     int32
 	receives int32
 	state    uint8

@@ -24,7 +24,7 @@ func TestFetchLeasesAndAckDeletes(t *testing.T) {
 	}
 	m := ms[0]
 	if m.ID != "m1" || m.Key != "k" || string(m.Body) != "hello" || m.Headers["h"] != "v" ||
-		m.Source != "q" || m.Lane != "" || m.Offset != -1 || m.Attempt != 1 || m.PublishedAt.IsZero() {
+		m.Source != "q" || m.Lane != "" || m.Offset != -1 || m.Deliveries != 1 || m.PublishedAt.IsZero() {
 		t.Fatalf("delivery = %+v", m)
 	}
 	wantStats(t, b, "q", memory.QueueStats{InFlight: 1})
@@ -82,7 +82,7 @@ func TestVisibilityTimeoutRedelivers(t *testing.T) {
 	if elapsed := time.Since(start); elapsed < vis {
 		t.Fatalf("redelivered after %s, before the visibility timeout %s", elapsed, vis)
 	}
-	if again.ID != first.ID || again.Attempt != 2 || string(again.Body) != "x" {
+	if again.ID != first.ID || again.Deliveries != 2 || string(again.Body) != "x" {
 		t.Fatalf("redelivery = %+v, want m1 attempt 2", again)
 	}
 	settle(t, survivor, ack(again))
@@ -116,7 +116,7 @@ func TestReturnWithDelayRedeliversAfterTheDelay(t *testing.T) {
 	if elapsed := time.Since(start); elapsed < delay {
 		t.Fatalf("redelivered after %s, before the delay %s", elapsed, delay)
 	}
-	if again.ID != "m1" || again.Attempt != 2 {
+	if again.ID != "m1" || again.Deliveries != 2 {
 		t.Fatalf("redelivery = %+v, want m1 attempt 2", again)
 	}
 }
@@ -129,7 +129,7 @@ func TestReturnWithoutDelayRedeliversNow(t *testing.T) {
 	settle(t, d, ret(m, 0))
 	wantStats(t, b, "q", memory.QueueStats{Visible: 1})
 	again := fetch(t, d, 1)[0]
-	if again.ID != "m1" || again.Attempt != 2 {
+	if again.ID != "m1" || again.Deliveries != 2 {
 		t.Fatalf("redelivery = %+v, want m1 attempt 2", again)
 	}
 }
@@ -165,7 +165,7 @@ func TestStaleHandleCannotSettleTheNewDelivery(t *testing.T) {
 
 	old := fetch(t, slow, 1)[0]
 	cur := fetch(t, other, 1)[0] // after the slow consumer's lease ran out
-	if cur.ID != old.ID || cur.Attempt != 2 {
+	if cur.ID != old.ID || cur.Deliveries != 2 {
 		t.Fatalf("redelivery = %+v, want m1 attempt 2", cur)
 	}
 	// The new delivery has the full lease from here on.
@@ -244,7 +244,7 @@ func TestFIFODeliversOneMessagePerGroupInOrder(t *testing.T) {
 	// A returned message goes back to the head of its group.
 	settle(t, d, ret(a2[0], 0))
 	again := fetch(t, d, 10)
-	if got := ids(again); len(got) != 1 || got[0] != "a2" || again[0].Attempt != 2 {
+	if got := ids(again); len(got) != 1 || got[0] != "a2" || again[0].Deliveries != 2 {
 		t.Fatalf("after returning a2: %v, want [a2] attempt 2", got)
 	}
 	settle(t, d, ack(again[0]), ack(ms[1]))
@@ -307,8 +307,8 @@ func TestMaxReceiveCountMovesToDeadLetterQueue(t *testing.T) {
 
 	for attempt := 1; attempt <= 2; attempt++ {
 		m := fetch(t, d, 1)[0]
-		if m.Attempt != attempt {
-			t.Fatalf("delivery %d has Attempt %d", attempt, m.Attempt)
+		if m.Deliveries != attempt {
+			t.Fatalf("delivery %d has Attempt %d", attempt, m.Deliveries)
 		}
 		settle(t, d, ret(m, 0))
 	}
@@ -327,7 +327,7 @@ func TestMaxReceiveCountMovesToDeadLetterQueue(t *testing.T) {
 		t.Fatalf("dead-lettered message = %+v", m)
 	}
 	got := fetch(t, newDriver(t, b, "dlq"), 1)[0]
-	if got.ID != "poison" || got.Attempt != 1 || got.Source != "dlq" {
+	if got.ID != "poison" || got.Deliveries != 1 || got.Source != "dlq" {
 		t.Fatalf("delivery from the dead-letter queue = %+v", got)
 	}
 }
@@ -565,7 +565,7 @@ func TestMessagesIsASnapshotInOrder(t *testing.T) {
 	settle(t, d, ack(ms[0]))
 	ms = fetch(t, d, 1) // m2, in flight
 	got := b.Messages("q")
-	if len(got) != 2 || got[0].ID != "m2" || got[0].Attempt != 1 || got[1].ID != "m3" || got[1].Attempt != 0 {
+	if len(got) != 2 || got[0].ID != "m2" || got[0].Deliveries != 1 || got[1].ID != "m3" || got[1].Deliveries != 0 {
 		t.Fatalf("Messages = %+v, want m2 (received once) and m3", got)
 	}
 	got[0].Body[0] = 'X'
@@ -613,7 +613,7 @@ func TestWaitingFetchSeesAnEarlierDeadline(t *testing.T) {
 		waitUntilFetching(t, b, "q")
 		settle(t, d, ret(m, 10*time.Millisecond))
 		ms := <-got
-		if len(ms) != 1 || ms[0].Attempt != attempt {
+		if len(ms) != 1 || ms[0].Deliveries != attempt {
 			t.Fatalf("attempt %d: fetched %v", attempt, ids(ms))
 		}
 		m = ms[0]

@@ -15,8 +15,8 @@
 //   - Report lag (optional, LagReporter).
 //
 // A driver's methods are called from several goroutines of the loop at once
-// (Fetch from one, Settle and Extend from others), but Fetch is never called
-// concurrently with itself and neither is Settle.
+// (Fetch from one, Settle from another, Extend from a third), but none of
+// Fetch, Settle and Extend is ever called concurrently with itself.
 //
 // # How the three brokers map onto it
 //
@@ -26,7 +26,7 @@
 //   - Fetch: client.PollRecords(ctx, max); each *kgo.Record becomes a Message
 //     with Lane = the partition number, Offset = record.Offset, Key =
 //     record.Key, Headers from record.Headers. Handle is the *kgo.Record.
-//   - Attempt: Kafka keeps no delivery count, so the driver reports 1 and the
+//   - Deliveries: Kafka keeps no delivery count, so the driver reports 1 and the
 //     loop counts retries in process. Capabilities.Redelivers is false: a log
 //     cannot skip a record, so the loop runs a failed record again in place
 //     after its delay and holds the partition meanwhile (order per partition
@@ -52,7 +52,7 @@
 //     WaitTimeSeconds 20 (long polling), MessageSystemAttributeNames
 //     ApproximateReceiveCount, SentTimestamp and MessageGroupId, and all
 //     message attributes. Handle is the receipt handle.
-//   - Attempt: ApproximateReceiveCount.
+//   - Deliveries: ApproximateReceiveCount.
 //   - Standard queue: Lane "". FIFO queue: Lane = MessageGroupId; SQS itself
 //     keeps one batch per group in flight, and the loop keeps the order inside
 //     it.
@@ -77,7 +77,7 @@
 //     one). Lane "" (a queue with competing consumers keeps no useful order),
 //     or the routing key's hash bucket when the queue is one of a consistent
 //     hash exchange's.
-//   - Attempt: the x-delivery-count header of quorum queues plus one (it is
+//   - Deliveries: the x-delivery-count header of quorum queues plus one (it is
 //     absent on the first delivery); classic queues have none, so the driver
 //     counts redeliveries in process by message id.
 //   - Settle Ack: Channel.Ack (with multiple=false). Return with no delay:
@@ -106,6 +106,7 @@ package driver
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 )
 
@@ -118,15 +119,40 @@ type Message struct {
 	Source      string
 	Lane        string
 	Offset      int64 // -1 where the broker has no offset
-	Attempt     int   // >= 1; counted by the broker where it counts
 	PublishedAt time.Time
 
-	// Handle is the driver's own reference to the delivery (a receipt handle,
-	// a delivery tag, a record), given back to Settle and Extend.
-	Handle any
+	// Deliveries is how many times the broker has delivered the message,
+	// this delivery included: SQS ApproximateReceiveCount, a quorum queue's
+	// x-delivery-count plus one. A broker that does not count reports 1 (or
+	// 0, read as 1).
+	Deliveries int
 
-	// As, when not nil, serves consumer.Message.As.
-	As func(target any) bool
+	// Known is what the broker carried of the message's earlier handler
+	// runs, for a driver that can carry it when the message is returned (see
+	// Settlement.History): the memory broker keeps it with the message, a
+	// RabbitMQ delayed retry republishes it in a header. The zero value
+	// says nothing is known; the loop then counts each earlier delivery
+	// (Deliveries-1 of them) as one run.
+	Known History
+
+	// Handle is the driver's own reference to the delivery (a receipt handle,
+	// a delivery tag, a record), given back to Settle, Extend and As.
+	Handle any
+}
+
+// History is what is known of a message's handler runs over its
+// deliveries.
+type History struct {
+	// Runs is how many times a handler ran the message.
+	Runs int
+	// Deliveries is how many deliveries those runs were counted over.
+	Deliveries int
+	// Unseen is how many of those deliveries nobody counted the runs of
+	// (another process had them): each is counted as one run in Runs.
+	Unseen int
+	// FirstFailure is when the first of those runs failed; zero when none
+	// failed or it is not known.
+	FirstFailure time.Time
 }
 
 // Action is what Settle does with a delivery.
@@ -145,6 +171,20 @@ type Settlement struct {
 	Handle any
 	Action Action
 	Delay  time.Duration // for Return
+
+	// NotAttempted is true for a Return whose handler did not run on this
+	// delivery: held by an open breaker, deferred, or left unstarted when
+	// the consumer stopped. A broker that can give a message back without
+	// counting a delivery should do so for these (RabbitMQ 4.3 and later
+	// count basic.reject but not basic.nack).
+	NotAttempted bool
+
+	// History is what the loop knows of the message's runs, this delivery's
+	// included. A driver that can carry it with a returned message (in the
+	// message itself, or in a header of a republished copy) hands it back
+	// as Message.Known on the next delivery, so that Message.Attempt stays
+	// exact across redeliveries. Drivers that cannot carry it ignore it.
+	History History
 }
 
 // Capabilities says what a broker can do, so that the loop can do the rest.
@@ -173,14 +213,31 @@ type Driver interface {
 	Close() error
 }
 
+// MinLease is the shortest lease the loop can keep alive: consumer.New
+// refuses an Extender whose Lease is shorter, because the extensions could
+// not land before the leases run out.
+const MinLease = time.Second
+
 // Extender is implemented by drivers whose deliveries hold a lease that runs
 // out (an SQS visibility timeout). The loop extends the lease of every
-// message it still holds before a third of it is left.
+// message it still holds (running, queued behind its key, waiting to run
+// again, or waiting for its settlement to be sent) before a third of it is
+// left. Extend may be called while a Settle is in progress, but never with
+// a handle whose settlement is being made.
 type Extender interface {
 	// Lease is how long a fetched or extended delivery stays with this consumer.
 	Lease() time.Duration
 	// Extend gives each delivery a fresh lease of length d from now.
 	Extend(ctx context.Context, handles []any, d time.Duration) error
+}
+
+// Aser is implemented by drivers that let a handler reach the broker's own
+// representation of a delivery through consumer.Message.As.
+type Aser interface {
+	// As sets target, a pointer to a type the driver documents, from the
+	// delivery behind handle, and reports whether it did. It must return
+	// false, leaving target alone, for a type it does not know.
+	As(handle, target any) bool
 }
 
 // Revoker is implemented by drivers whose broker can take lanes away while
@@ -230,6 +287,24 @@ type Lag struct {
 type LagReporter interface {
 	Lag(ctx context.Context) (Lag, error)
 }
+
+// SettleError is what Settle returns when some settlements of a batch
+// failed and the others were made (SQS batch calls answer this way). Any
+// other error from Settle means no settlement of the batch is known to have
+// been made.
+type SettleError struct {
+	// Failed lists the settlements that failed, by index in the batch.
+	Failed []int
+	// Err says why.
+	Err error
+}
+
+func (e *SettleError) Error() string {
+	return fmt.Sprintf("%d settlement(s) failed: %v", len(e.Failed), e.Err)
+}
+
+// Unwrap returns why the settlements failed.
+func (e *SettleError) Unwrap() error { return e.Err }
 
 // FatalError marks a driver error after which consuming cannot go on
 // (bad credentials, a queue that does not exist). Run returns it.

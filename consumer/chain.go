@@ -1,0 +1,124 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+)
+
+// This file is what the loop learns from the handler chain it is given
+// before it runs it: that no layer of it is nil, and which circuit breakers
+// it holds. It follows the Unwrap() Handler method that every middleware in
+// Ferry has (and that middleware of the user's own should have: see
+// Handler).
+
+// unwrapper is a Handler that wraps another.
+type unwrapper interface {
+	Unwrap() Handler
+}
+
+// gate is a Handler that may hold a message instead of running it: a
+// Breaker's. In at-most-once mode the loop asks each gate for its call
+// before it acks the message, so that a message a gate would hold is kept,
+// not acked and dropped.
+type gate interface {
+	breaker() *Breaker
+}
+
+// nilHandler is implemented by handlers that can tell they would call a nil
+// function (JSON of nil).
+type nilHandler interface {
+	isNil() bool
+}
+
+// maxChainDepth bounds the walk down a chain, against an Unwrap that
+// returns its own handler.
+const maxChainDepth = 1000
+
+// inspectChain walks h down its Unwrap methods, refusing a nil layer, and
+// returns the breakers in it, outermost first, each once.
+func inspectChain(h Handler) ([]*Breaker, error) {
+	var breakers []*Breaker
+	for depth := 0; depth < maxChainDepth; depth++ {
+		switch f := h.(type) {
+		case nil:
+			if depth == 0 {
+				return nil, configErr("Handler", "must not be nil")
+			}
+			return nil, configErr("Handler", "middleware at depth %d wraps a nil Handler", depth)
+		case HandlerFunc:
+			if f == nil {
+				return nil, configErr("Handler", "is a nil HandlerFunc (at depth %d)", depth)
+			}
+		}
+		if n, ok := h.(nilHandler); ok && n.isNil() {
+			return nil, configErr("Handler", "calls a nil function (at depth %d)", depth)
+		}
+		if g, ok := h.(gate); ok {
+			b := g.breaker()
+			seen := false
+			for _, x := range breakers {
+				seen = seen || x == b
+			}
+			if !seen {
+				breakers = append(breakers, b)
+			}
+		}
+		u, ok := h.(unwrapper)
+		if !ok {
+			break
+		}
+		h = u.Unwrap()
+	}
+	return breakers, nil
+}
+
+// errGateUnused is what an at-most-once reservation that no breaker took
+// reports: the call was not made, and the breaker does not count it.
+var errGateUnused = errors.New("ferry: breaker reservation unused")
+
+// reservation is one breaker call taken before an at-most-once ack.
+type reservation struct {
+	b    *Breaker
+	done func(error)
+}
+
+// reserveGates takes one call from every breaker of the chain for d. When
+// one would hold it, it gives back the calls taken and returns the hold.
+func (r *run) reserveGates(d *delivery) error {
+	for _, b := range r.breakers {
+		done, hold := b.allow()
+		if hold != nil {
+			r.releaseReservations(d)
+			return hold
+		}
+		d.reserved = append(d.reserved, reservation{b: b, done: done})
+	}
+	return nil
+}
+
+// releaseReservations gives back the calls that no breaker took.
+func (r *run) releaseReservations(d *delivery) {
+	for _, res := range d.reserved {
+		if res.done != nil {
+			res.done(errGateUnused)
+		}
+	}
+	d.reserved = nil
+}
+
+// takeReservation returns the call reserved for b before the ack of the
+// delivery behind ctx, once; nil when there is none.
+func takeReservation(ctx context.Context, b *Breaker) func(error) {
+	d, ok := ctx.Value(reservationKey{}).(*delivery)
+	if !ok || len(d.reserved) == 0 {
+		return nil
+	}
+	for i := range d.reserved {
+		if res := &d.reserved[i]; res.b == b && res.done != nil {
+			done := res.done
+			res.done = nil
+			return done
+		}
+	}
+	return nil
+}

@@ -1,0 +1,123 @@
+package consumer
+
+import (
+	"context"
+	"time"
+
+	"github.com/ferrymq/ferry/consumer/driver"
+)
+
+// This file is one delivery as the loop holds it: its state, the context its
+// handler gets, the key it is ordered on, and the list of everything in
+// flight.
+
+// state is where a delivery is in the loop. The dispatcher goroutine moves
+// it from one state to the next; nothing else writes it.
+type state uint8
+
+const (
+	stateReady    state = iota // in run.ready, waiting for a free worker
+	stateQueued                // behind a busy key, in run.keys
+	stateRunning               // with a worker (in at-most-once mode, perhaps waiting for its ack)
+	stateWaiting               // in run.waiting until its time comes: an in-place retry, a hold, a deferral
+	stateSettling              // its settlement is decided; it leaves when the settlement is made
+)
+
+// orderKey is what a delivery is serialised on: its lane alone (OrderByLane)
+// or its lane and key (OrderByKey). A struct, not a joined string, so that
+// any bytes in a lane or key stay apart.
+type orderKey struct {
+	lane, key string
+}
+
+// delivery is one message while the loop holds it. The dispatcher goroutine
+// owns every field except err, which the worker running it writes before it
+// hands it back, and msg and rec, which belong to the handler while it runs.
+type delivery struct {
+	msg Message     // msg.handle is the driver's handle
+	ctx deliveryCtx // the handler's context
+	rec record      // what the middleware layers share about its runs
+
+	state    state
+	ordered  bool // serialised on its orderKey
+	revoked  bool // its lane was taken away: nothing of it is settled
+	acked    bool // at most once: acked before it ran
+	deferred bool // waiting after Defer: counted apart from the in-flight bound
+
+	known driver.History // what the broker carried of the runs before this delivery
+	prior int            // handler runs known before this delivery
+	runs  int            // handler runs known, this delivery's included
+	err   error          // the handler's result, written by the worker
+
+	leaseAt   time.Time // when its lease runs out (drivers with leases)
+	extending bool      // in an extension that is being made now
+	due       time.Time // when a waiting delivery runs again
+	heapIdx   int
+
+	settleSent bool          // the settlement is with the driver now
+	ackWait    chan bool     // at most once: the worker waiting for this delivery's ack
+	reserved   []reservation // at most once: breaker calls taken before the ack
+
+	awaited []*revocationWait // revocations waiting for this delivery
+
+	prev, next *delivery // the in-flight list
+}
+
+func newDelivery(m *driver.Message, aser driver.Aser) *delivery {
+	d := &delivery{known: m.Known, heapIdx: -1}
+	d.msg = Message{
+		ID: m.ID, Key: m.Key, Body: m.Body, Headers: m.Headers, Source: m.Source,
+		Lane: m.Lane, Offset: m.Offset, Deliveries: max(m.Deliveries, 1), PublishedAt: m.PublishedAt,
+		aser: aser, handle: m.Handle,
+	}
+	d.ctx.d = d
+	return d
+}
+
+// history is what the loop knows of the message's runs, this delivery's
+// included, for a driver that carries it with a returned message.
+func (d *delivery) history() driver.History {
+	return driver.History{Runs: d.runs, Deliveries: d.msg.Deliveries, Unseen: d.msg.unseen, FirstFailure: d.rec.first}
+}
+
+// deliveryCtx is the context a handler gets: its lane's context (or the
+// loop's), which also answers for the delivery's record and, in at-most-once
+// mode, its breaker reservations. It is a field of the delivery, so giving a
+// handler its context costs no allocation.
+type deliveryCtx struct {
+	context.Context
+	d *delivery
+}
+
+type reservationKey struct{}
+
+func (c *deliveryCtx) Value(key any) any {
+	switch key.(type) {
+	case recordKey:
+		return &c.d.rec
+	case reservationKey:
+		return c.d
+	}
+	return c.Context.Value(key)
+}
+
+// listPush adds d to the list of everything in flight, which lease
+// extension and revocation walk.
+func (r *run) listPush(d *delivery) {
+	if r.l.extender != nil {
+		d.leaseAt = time.Now().Add(r.l.extender.Lease())
+	}
+	d.prev = r.head.prev
+	d.next = &r.head
+	r.head.prev.next = d
+	r.head.prev = d
+}
+
+func (r *run) listRemove(d *delivery) {
+	if d.next == nil {
+		return
+	}
+	d.prev.next = d.next
+	d.next.prev = d.prev
+	d.prev, d.next = nil, nil
+}

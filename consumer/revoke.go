@@ -1,0 +1,103 @@
+package consumer
+
+import (
+	"slices"
+
+	"github.com/ferrymq/ferry/consumer/driver"
+)
+
+// This file is what the loop does when the broker takes lanes away (a Kafka
+// rebalance, a lost AMQP channel): it lets go of their deliveries without
+// settling them, and tells the driver when that is done.
+
+// revocationWait is a revocation whose Done waits for the running handlers
+// of its lanes to return and for the settlements decided before it to be
+// made.
+type revocationWait struct {
+	done    chan struct{}
+	pending int // deliveries of the revoked lanes still running or settling
+}
+
+// revoke lets go of every delivery in the revoked lanes: running handlers
+// have their context cancelled and their outcome ignored; ready, queued and
+// waiting ones are dropped. Settlements already decided are still made. Done
+// closes once the running handlers have returned and those settlements are
+// made.
+func (r *run) revoke(rev driver.Revocation) {
+	rw := &revocationWait{done: rev.Done}
+	lanes := make(map[string]bool, len(rev.Lanes))
+	for _, lane := range rev.Lanes {
+		lanes[lane] = true
+		if ls := r.lanes[lane]; ls != nil {
+			ls.cancel()
+			delete(r.lanes, lane)
+		}
+	}
+	dropped := false
+	for d := r.head.next; d != &r.head; {
+		next := d.next
+		if lanes[d.msg.Lane] {
+			switch d.state {
+			case stateReady, stateQueued, stateWaiting:
+				if d.state == stateWaiting {
+					r.unwait(d)
+				}
+				d.revoked = true
+				dropped = true
+				r.drop(d)
+			case stateRunning:
+				// Perhaps revoked already by an earlier revocation; this
+				// one waits for it too.
+				d.revoked = true
+				d.awaited = append(d.awaited, rw)
+				rw.pending++
+			case stateSettling:
+				d.awaited = append(d.awaited, rw)
+				rw.pending++
+			}
+		}
+		d = next
+	}
+	if dropped {
+		r.ready = slices.DeleteFunc(r.ready, func(d *delivery) bool { return d.revoked })
+	}
+	for k, q := range r.keys {
+		if lanes[k.lane] {
+			r.queued -= len(q)
+			delete(r.keys, k)
+		}
+	}
+	r.revocations = append(r.revocations, rw)
+	r.checkRevocations()
+}
+
+// drop lets a revoked delivery go without settling it.
+func (r *run) drop(d *delivery) {
+	r.l.stats.revoked.Add(1)
+	r.leave(d)
+}
+
+// checkRevocations closes the Done of every revocation that has nothing
+// left to wait for.
+func (r *run) checkRevocations() {
+	r.revocations = slices.DeleteFunc(r.revocations, func(rw *revocationWait) bool {
+		if rw.pending > 0 {
+			return false
+		}
+		if rw.done != nil {
+			close(rw.done)
+		}
+		return true
+	})
+}
+
+// closeRevocations closes what revocations still wait when Run ends: the
+// handlers they wait for were abandoned.
+func (r *run) closeRevocations() {
+	for _, rw := range r.revocations {
+		if rw.done != nil {
+			close(rw.done)
+		}
+	}
+	r.revocations = nil
+}

@@ -1,0 +1,204 @@
+package consumer
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ferrymq/ferry/consumer/driver"
+)
+
+// A running delivery revoked twice (a lost channel, then a lost connection)
+// is awaited by both revocations: each Done closes when it returns.
+func TestSecondRevocationOfALaneClosesBothDones(t *testing.T) {
+	drv := newScriptLog(false)
+	drv.push(driver.Message{ID: "A", Lane: "0", Deliveries: 1, Handle: "A"})
+	l, err := New(drv, WithConcurrency(2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := make(chan struct{}, 1)
+	gate := make(chan struct{})
+	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
+		started <- struct{}{}
+		<-gate // slow to notice cancellation
+		return ctx.Err()
+	}))
+	<-started
+	done1, done2 := make(chan struct{}), make(chan struct{})
+	drv.revCh <- driver.Revocation{Lanes: []string{"0"}, Done: done1}
+	drv.revCh <- driver.Revocation{Lanes: []string{"0"}, Done: done2} // e.g. channel and connection both closed
+	close(gate)
+	for i, d := range []chan struct{}{done1, done2} {
+		select {
+		case <-d:
+		case <-time.After(time.Second):
+			t.Errorf("Done of revocation %d not closed 1s after the handler returned", i+1)
+		}
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+type slowSettle struct {
+	*scriptLog
+	gate     chan struct{}
+	once     sync.Once
+	mu       sync.Mutex
+	revDone  chan struct{}
+	lateAcks []any
+}
+
+func (s *slowSettle) Settle(ctx context.Context, b []driver.Settlement) error {
+	s.once.Do(func() { <-s.gate }) // the first Settle is slow (a broker round trip)
+	s.mu.Lock()
+	if s.revDone != nil {
+		select {
+		case <-s.revDone:
+			for _, st := range b {
+				if st.Handle == "A" {
+					s.lateAcks = append(s.lateAcks, st.Handle)
+				}
+			}
+		default:
+		}
+	}
+	s.mu.Unlock()
+	return s.scriptLog.Settle(ctx, b)
+}
+
+// A revocation's Done waits until the outcomes decided before it (an ack of
+// the revoked lane waiting behind a slow Settle) have reached the driver:
+// a Kafka rebalance callback that commits what finished must see them, and
+// no ack may reach the driver for a lane the consumer no longer owns.
+func TestRevocationDoneWaitsForDecidedAcks(t *testing.T) {
+	drv := &slowSettle{scriptLog: newScriptLog(false), gate: make(chan struct{})}
+	drv.push(driver.Message{ID: "X", Lane: "1", Deliveries: 1, Handle: "X"})
+	l, err := New(drv, WithConcurrency(2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error { return nil }))
+	eventually(t, "X acked (settle in progress)", func() bool { return l.Stats().Acked == 1 })
+	time.Sleep(20 * time.Millisecond) // the settler is now stuck in the first Settle
+	drv.push(driver.Message{ID: "A", Lane: "0", Deliveries: 1, Handle: "A"})
+	eventually(t, "A's handler succeeded", func() bool { return l.Stats().Acked == 2 })
+	done := make(chan struct{})
+	drv.mu.Lock()
+	drv.revDone = done
+	drv.mu.Unlock()
+	drv.revCh <- driver.Revocation{Lanes: []string{"0"}, Done: done}
+	select {
+	case <-done:
+		t.Fatal("Done closed while the ack of A, decided before the revocation, had not reached the driver")
+	case <-time.After(100 * time.Millisecond):
+	}
+	close(drv.gate) // the slow Settle completes; A's ack goes out, then Done closes
+	select {
+	case <-done:
+	case <-time.After(20 * time.Second):
+		t.Fatal("Done never closed")
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if acts := drv.outcomes()["A"]; len(acts) != 1 || acts[0] != driver.Ack {
+		t.Errorf("A settled %v, want one ack before Done", acts)
+	}
+	if len(drv.lateAcks) > 0 {
+		t.Errorf("Ack of %v reached the driver after the revocation of its lane was declared done", drv.lateAcks)
+	}
+}
+
+func TestRevocationCancelsHandlersAndSettlesNothing(t *testing.T) {
+	drv := newScriptLog(false)
+	drv.add("0", 3)
+	l, err := New(drv, WithConcurrency(2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := make(chan struct{}, 10)
+	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
+		if m.Lane == "0" {
+			started <- struct{}{}
+			<-ctx.Done() // blocks until the lane is revoked
+			return ctx.Err()
+		}
+		return nil
+	}))
+	<-started
+	done := make(chan struct{})
+	drv.revCh <- driver.Revocation{Lanes: []string{"0"}, Done: done}
+	select {
+	case <-done:
+	case <-time.After(20 * time.Second):
+		t.Fatal("revocation was never completed")
+	}
+	drv.add("1", 5)
+	eventually(t, "lane 1 is acked", func() bool { return l.Stats().Acked == 5 })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	for id, acts := range drv.outcomes() {
+		if id[0] == '0' {
+			t.Fatalf("revoked record %s was settled: %v", id, acts)
+		}
+	}
+	if got := l.Stats().Revoked; got != 3 {
+		t.Fatalf("Revoked = %d, want 3 (one running, two queued behind it)", got)
+	}
+	if l.Stats().InFlight != 0 {
+		t.Fatalf("InFlight = %d after revocation and shutdown, want 0", l.Stats().InFlight)
+	}
+}
+
+// In at-most-once mode a running handler of a revoked lane is still waited
+// for: Done closes only after it returns, and when it returns it does not
+// release the key that the lane's next generation now owns (which would let
+// a later message of the key start while an earlier one runs).
+func TestAtMostOnceRevocationWaitsForRunningHandlers(t *testing.T) {
+	drv := newScriptLog(false)
+	msg := func(id string) driver.Message {
+		return driver.Message{ID: id, Lane: "0", Offset: -1, Deliveries: 1, Handle: id}
+	}
+	drv.push(msg("A"))
+	l, err := New(drv, WithConcurrency(4), WithDeliveryMode(AtMostOnce))
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := make(chan string, 10)
+	gate := map[string]chan struct{}{"A": make(chan struct{}), "B": make(chan struct{}), "C": make(chan struct{})}
+	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
+		started <- m.ID
+		<-gate[m.ID] // ignores cancellation, like a handler stuck in a call
+		return nil
+	}))
+	if id := <-started; id != "A" {
+		t.Fatal(id)
+	}
+	done := make(chan struct{})
+	drv.revCh <- driver.Revocation{Lanes: []string{"0"}, Done: done}
+	select {
+	case <-done:
+		t.Errorf("Done closed while A's handler on the revoked lane still runs")
+	case <-time.After(100 * time.Millisecond):
+	}
+	// The lane comes back (the driver moved on because Done closed).
+	drv.push(msg("B"), msg("C"))
+	if id := <-started; id != "B" {
+		t.Fatal(id)
+	}
+	close(gate["A"]) // the stale handler of the old generation returns
+	select {
+	case id := <-started:
+		t.Errorf("%s started while B, earlier on the same lane, still runs", id)
+	case <-time.After(200 * time.Millisecond):
+	}
+	close(gate["B"])
+	close(gate["C"])
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+}

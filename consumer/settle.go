@@ -1,0 +1,296 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/ferrymq/ferry/consumer/driver"
+)
+
+// This file is the loop's traffic to the broker after a fetch: settlements
+// (acks and returns) and lease extensions. Each has a goroutine of its own,
+// so that a slow or hung Settle never stops the leases of the other
+// messages from being extended, and a slow Extend never holds up acks. The
+// dispatcher keeps the two apart for any one message: a settlement is not
+// sent while an extension of the same message is being made, and a message
+// whose settlement was sent is not extended again, so an extension never
+// lands after a return (SQS would undo the return's delay).
+
+// ioTimeout bounds one Extend or Settle call.
+const ioTimeout = 30 * time.Second
+
+// settleJob is one Settle call: the settlements, and the deliveries they
+// belong to (index for index).
+type settleJob struct {
+	batch []driver.Settlement
+	ds    []*delivery
+	err   error
+}
+
+// extendJob is one Extend call.
+type extendJob struct {
+	handles []any
+	ds      []*delivery
+	err     error
+}
+
+// ioQueue is what the dispatcher has decided and not yet seen done. Only the
+// dispatcher goroutine touches it; the two I/O goroutines get jobs on
+// channels and hand them back.
+type ioQueue struct {
+	l      *Loop
+	ctx    context.Context // of settle and extend calls: outlives Run's context
+	cancel context.CancelFunc
+
+	settleC    chan settleJob
+	settleBack chan settleJob
+	pending    settleJob // the next settle job, being filled
+	spare      settleJob // buffers of the last job, for reuse
+	settling   bool      // a settle job is with the driver
+	out        int       // settlements in that job
+	blocked    int       // pending deliveries whose extension is being made now
+
+	extendC    chan extendJob
+	extendBack chan extendJob
+	ext        extendJob // the next extension, being filled
+	extSpare   extendJob
+	extending  bool // an extend job is with the driver
+}
+
+func (q *ioQueue) init(ctx context.Context, l *Loop) {
+	q.l = l
+	q.ctx, q.cancel = context.WithCancel(context.WithoutCancel(ctx))
+	q.settleC = make(chan settleJob)
+	q.settleBack = make(chan settleJob)
+	q.extendC = make(chan extendJob)
+	q.extendBack = make(chan extendJob)
+}
+
+func (q *ioQueue) canSettle() bool {
+	return !q.settling && len(q.pending.ds) > 0 && q.blocked == 0
+}
+
+func (q *ioQueue) canExtend() bool { return !q.extending && len(q.ext.ds) > 0 }
+
+// idle reports whether nothing is decided and unsent, and nothing is with
+// the driver.
+func (q *ioQueue) idle() bool {
+	return !q.settling && !q.extending && len(q.pending.ds) == 0 && len(q.ext.ds) == 0
+}
+
+// outstanding is how many settlements are decided and not yet made.
+func (q *ioQueue) outstanding() int {
+	return len(q.pending.ds) + q.out
+}
+
+func (q *ioQueue) settleJob() settleJob { return q.pending }
+func (q *ioQueue) extendJob() extendJob { return q.ext }
+
+// add queues a settlement for d with the next settle job.
+func (q *ioQueue) add(d *delivery, s driver.Settlement) {
+	q.pending.batch = append(q.pending.batch, s)
+	q.pending.ds = append(q.pending.ds, d)
+	if d.extending {
+		q.blocked++
+	}
+}
+
+func (q *ioQueue) settleSent() {
+	for _, d := range q.pending.ds {
+		d.settleSent = true
+	}
+	q.settling = true
+	q.out = len(q.pending.ds)
+	q.pending = settleJob{batch: q.spare.batch[:0], ds: q.spare.ds[:0]}
+	q.spare = settleJob{}
+}
+
+func (q *ioQueue) extendSent() {
+	q.extending = true
+	q.ext = extendJob{handles: q.extSpare.handles[:0], ds: q.extSpare.ds[:0]}
+	q.extSpare = extendJob{}
+}
+
+// settleLoop makes the Settle calls, one at a time, in the order decided.
+func (q *ioQueue) settleLoop(abandon <-chan struct{}) {
+	for job := range q.settleC {
+		ctx := withLazyDeadline(q.ctx, ioTimeout)
+		job.err = q.l.drv.Settle(ctx, job.batch)
+		ctx.release()
+		select {
+		case q.settleBack <- job:
+		case <-abandon:
+			return
+		}
+	}
+}
+
+// extendLoop makes the Extend calls, one at a time.
+func (q *ioQueue) extendLoop(abandon <-chan struct{}) {
+	for job := range q.extendC {
+		ctx := withLazyDeadline(q.ctx, ioTimeout)
+		job.err = q.l.extender.Extend(ctx, job.handles, q.l.extender.Lease())
+		ctx.release()
+		select {
+		case q.extendBack <- job:
+		case <-abandon:
+			return
+		}
+	}
+}
+
+// settle decides d's outcome; the settlement goes out with the next settle
+// job, and d leaves the loop once it is made. A returned message takes what
+// waits behind its key along, so that nothing overtakes it; an acked one
+// lets the next of its key run.
+func (r *run) settle(d *delivery, a driver.Action, delay time.Duration) {
+	s := driver.Settlement{Handle: d.msg.handle, Action: a, Delay: delay, NotAttempted: d.runs == d.prior}
+	if a == driver.Ack {
+		r.l.stats.acked.Add(1)
+	} else {
+		r.l.stats.returned.Add(1)
+		s.History = d.history()
+		if r.ledger != nil {
+			r.ledger.put(ledgerKey{d.msg.Source, d.msg.ID}, s.History)
+		}
+	}
+	if d.deferred {
+		r.undefer(d)
+	}
+	d.state = stateSettling
+	r.io.add(d, s)
+	if a == driver.Ack {
+		r.releaseKey(d)
+		return
+	}
+	for _, f := range r.takeFollowers(d) {
+		r.settle(f, driver.Return, delay)
+	}
+}
+
+// ackFirst queues the ack of an at-most-once delivery that a worker is about
+// to run; the worker waits until the ack is made.
+func (r *run) ackFirst(d *delivery) {
+	d.acked = true
+	r.l.stats.acked.Add(1)
+	r.io.add(d, driver.Settlement{Handle: d.msg.handle, Action: driver.Ack})
+}
+
+// settled takes back a settle job the driver is done with.
+func (r *run) settled(job settleJob) {
+	q := &r.io
+	q.settling = false
+	q.out = 0
+	failed := failedSettlements(job.err, len(job.batch))
+	if job.err != nil {
+		r.l.stats.settleErrors.Add(1)
+		r.log.Warn("ferry: settling failed; the broker redelivers those messages after their lease",
+			"err", job.err, "failed", failed.count(len(job.batch)), "count", len(job.batch))
+	}
+	for i, d := range job.ds {
+		d.settleSent = false
+		if d.ackWait != nil {
+			// At most once: acked before it runs; tell its worker.
+			d.ackWait <- !failed.has(i)
+			d.ackWait = nil
+			continue
+		}
+		r.leave(d)
+	}
+	clear(job.batch)
+	clear(job.ds)
+	q.spare = settleJob{batch: job.batch[:0], ds: job.ds[:0]}
+}
+
+// failedSet says which entries of a settle batch failed.
+type failedSet struct {
+	all     bool
+	indices map[int]bool
+}
+
+func failedSettlements(err error, n int) failedSet {
+	if err == nil {
+		return failedSet{}
+	}
+	var se *driver.SettleError
+	if errors.As(err, &se) && len(se.Failed) < n {
+		m := make(map[int]bool, len(se.Failed))
+		for _, i := range se.Failed {
+			m[i] = true
+		}
+		return failedSet{indices: m}
+	}
+	return failedSet{all: true}
+}
+
+func (f failedSet) has(i int) bool { return f.all || f.indices[i] }
+
+func (f failedSet) count(n int) int {
+	if f.all {
+		return n
+	}
+	return len(f.indices)
+}
+
+// leave lets d go: out of the in-flight list, its slot freed, and the
+// revocations waiting for it told.
+func (r *run) leave(d *delivery) {
+	r.listRemove(d)
+	if d.deferred {
+		r.undefer(d)
+	}
+	r.l.inflight.Add(-1)
+	r.l.signalSpace()
+	if len(d.awaited) > 0 {
+		for _, rw := range d.awaited {
+			rw.pending--
+		}
+		d.awaited = nil
+		r.checkRevocations()
+	}
+}
+
+// extendLeases collects, for the next extension, every delivery whose lease
+// is two thirds gone: running, queued, waiting to run again, or waiting for
+// its settlement to be sent. A round waits for the one before it.
+func (r *run) extendLeases() {
+	q := &r.io
+	if q.extending || len(q.ext.ds) > 0 {
+		return
+	}
+	lease := r.l.extender.Lease()
+	now := time.Now()
+	renewBefore := now.Add(lease * 2 / 3)
+	for d := r.head.next; d != &r.head; d = d.next {
+		if d.acked || d.settleSent || d.leaseAt.After(renewBefore) {
+			continue
+		}
+		q.ext.handles = append(q.ext.handles, d.msg.handle)
+		q.ext.ds = append(q.ext.ds, d)
+		d.extending = true
+		d.leaseAt = now.Add(lease)
+		if d.state == stateSettling || d.ackWait != nil {
+			q.blocked++ // its settlement waits for the extension
+		}
+	}
+}
+
+// extended takes back an extend job the driver is done with.
+func (r *run) extended(job extendJob) {
+	q := &r.io
+	q.extending = false
+	if job.err != nil {
+		r.l.stats.settleErrors.Add(1)
+		r.log.Warn("ferry: extending leases failed", "err", job.err, "count", len(job.handles))
+	}
+	for _, d := range job.ds {
+		d.extending = false
+		if (d.state == stateSettling || d.ackWait != nil) && !d.settleSent {
+			q.blocked--
+		}
+	}
+	clear(job.handles)
+	clear(job.ds)
+	q.extSpare = extendJob{handles: job.handles[:0], ds: job.ds[:0]}
+}

@@ -1,0 +1,98 @@
+package consumer
+
+import (
+	"time"
+
+	"github.com/ferrymq/ferry/consumer/driver"
+)
+
+// This file is how a Run ends. Cancelling its context stops fetching; what
+// was already fetched runs, within the shutdown grace, and is acked when it
+// succeeds, so a graceful restart hands nothing back that it could have
+// done (every message handed back counts as a delivery on SQS and RabbitMQ).
+// What waits to run again later (a retry in place, a hold, a deferral) goes
+// back at once with its delay. When the grace ends, running handlers have
+// their contexts cancelled and whatever has not started goes back, not
+// attempted. A second after that, and in any case once the settlements are
+// made, Run returns.
+
+// shutdown is the timers of a shutdown in progress; their channels are nil
+// until it begins.
+type shutdown struct {
+	grace, abandon *time.Timer
+	graceC         <-chan time.Time
+	abandonC       <-chan time.Time
+}
+
+func (s *shutdown) stop() {
+	if s.grace != nil {
+		s.grace.Stop()
+	}
+	if s.abandon != nil {
+		s.abandon.Stop()
+	}
+}
+
+// abandonAfter is how long after the grace Run waits for handlers that
+// ignore their cancelled context and for settlements still being made.
+const abandonAfter = time.Second
+
+func (r *run) beginShutdown(s *shutdown) {
+	if r.shutting {
+		return
+	}
+	r.shutting = true
+	// What waits to run later goes back now, with what waits behind it.
+	waiting := r.waiting
+	r.waiting = nil
+	r.timer.Stop()
+	for _, d := range waiting {
+		d.heapIdx = -1
+		r.settle(d, driver.Return, max(time.Until(d.due), 0))
+	}
+	s.grace = time.NewTimer(r.l.cfg.grace)
+	s.graceC = s.grace.C
+}
+
+// endGrace cancels the running handlers and hands back what has not
+// started.
+func (r *run) endGrace(s *shutdown) {
+	s.graceC = nil
+	r.graceOver.Store(true)
+	if r.running > 0 {
+		r.log.Warn("ferry: shutdown grace over; cancelling running handlers", "running", r.running)
+	}
+	r.cancelHandler()
+	// Take the key queues away first, so that returning a ready delivery
+	// does not promote the one behind it into the ready queue.
+	keys := r.keys
+	r.keys = make(map[orderKey][]*delivery)
+	r.queued = 0
+	for _, q := range keys {
+		for _, d := range q {
+			r.settle(d, driver.Return, 0)
+		}
+	}
+	for _, d := range r.ready {
+		r.settle(d, driver.Return, 0)
+	}
+	r.ready = nil
+	// And what sits in the work queue, which a worker stuck in a handler
+	// that ignores its cancelled context would never take.
+	for reclaimed := true; reclaimed; {
+		select {
+		case d := <-r.work:
+			r.running--
+			r.settle(d, driver.Return, 0)
+		default:
+			reclaimed = false
+		}
+	}
+	s.abandon = time.NewTimer(abandonAfter)
+	s.abandonC = s.abandon.C
+}
+
+// drained reports whether nothing is left to run or settle.
+func (r *run) drained() bool {
+	return r.running == 0 && len(r.ready) == 0 && r.queued == 0 && len(r.waiting) == 0 && r.io.idle()
+}

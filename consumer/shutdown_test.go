@@ -1,0 +1,285 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ferrymq/ferry/consumer/driver"
+)
+
+// A handler that returns nil after the shutdown grace cancelled it may have
+// stopped short of its work (some handlers treat cancellation as "not an
+// error"): its message is returned for redelivery, never acked.
+func TestHandlerReturningAfterGraceIsReturnedNotAcked(t *testing.T) {
+	drv := newScriptLog(true)
+	drv.add("", 1)
+	l, err := New(drv, WithConcurrency(1), WithShutdownGrace(20*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := make(chan struct{})
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() {
+		errc <- l.Run(ctx, HandlerFunc(func(ctx context.Context, m *Message) error {
+			close(started)
+			<-ctx.Done()
+			return nil // work abandoned, but "cancelled is not a failure"
+		}))
+	}()
+	<-started
+	cancel()
+	<-errc
+	if acts := drv.outcomes()["/0"]; len(acts) != 1 || acts[0] != driver.Return {
+		t.Errorf("message whose handler was cancelled by the grace settled %v, want [Return]", acts)
+	}
+}
+
+// At most once acks a message when a worker takes it, and a worker takes
+// one only when it can run it at once: a clean shutdown never acks a message
+// whose handler then never runs.
+func TestAtMostOnceShutdownRunsWhatItAcked(t *testing.T) {
+	drv := newScriptLog(true)
+	drv.add("", 3)
+	l, err := New(drv, WithConcurrency(1), WithDeliveryMode(AtMostOnce))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	ran := map[string]bool{}
+	release := make(chan struct{})
+	started := make(chan struct{}, 3)
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() {
+		errc <- l.Run(ctx, HandlerFunc(func(ctx context.Context, m *Message) error {
+			mu.Lock()
+			ran[m.ID] = true
+			mu.Unlock()
+			started <- struct{}{}
+			<-release
+			return nil
+		}))
+	}()
+	<-started
+	time.Sleep(50 * time.Millisecond)
+	cancel()
+	time.Sleep(20 * time.Millisecond)
+	close(release)
+	<-errc
+	for id, acts := range drv.outcomes() {
+		if len(acts) == 1 && acts[0] == driver.Ack && !ran[id] {
+			t.Errorf("%s was acked at a clean shutdown but its handler never ran", id)
+		}
+	}
+}
+
+func TestGraceOverCancelsHandlersAndLeavesTheirMessages(t *testing.T) {
+	drv := newScriptLog(true)
+	drv.add("", 1)
+	l, err := New(drv, WithConcurrency(1), WithShutdownGrace(50*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := make(chan struct{})
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() {
+		errc <- l.Run(ctx, HandlerFunc(func(ctx context.Context, m *Message) error {
+			close(started)
+			<-ctx.Done() // a long handler that honours cancellation
+			return ctx.Err()
+		}))
+	}()
+	<-started
+	cancel()
+	select {
+	case err := <-errc:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("Run did not return after the grace period")
+	}
+	if acts := drv.outcomes()["/0"]; len(acts) != 1 || acts[0] != driver.Return {
+		t.Fatalf("the cancelled handler's message settled %v, want a return", acts)
+	}
+}
+
+// settlements returns every settlement of the message with handle id.
+func (s *scriptLog) settlements(id string) []driver.Settlement {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []driver.Settlement
+	for _, st := range s.settled {
+		if st.Handle.(string) == id {
+			out = append(out, st)
+		}
+	}
+	return out
+}
+
+// Cancelling Run's context stops fetching and runs what was already
+// fetched, within the grace: the messages queued behind a busy key and those
+// waiting for a worker run (in order) and are acked. Nothing is handed back,
+// since every message handed back counts as a delivery on SQS and RabbitMQ
+// and would cost it one of its retries.
+func TestShutdownRunsWhatWasFetched(t *testing.T) {
+	drv := newScriptLog(true)
+	drv.add("3", 3) // 3/0 runs, 3/1 and 3/2 queue behind it
+	drv.add("4", 2)
+	drv.add("", 4)
+	l, err := New(drv, WithConcurrency(1), WithMaxInFlight(16), WithShutdownGrace(10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	release := make(chan struct{})
+	var mu sync.Mutex
+	var ran []string
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() {
+		errc <- l.Run(ctx, HandlerFunc(func(ctx context.Context, m *Message) error {
+			<-release
+			mu.Lock()
+			ran = append(ran, m.ID)
+			mu.Unlock()
+			return nil
+		}))
+	}()
+	eventually(t, "all nine to be fetched", func() bool { return l.Stats().Fetched == 9 })
+	cancel()
+	time.Sleep(50 * time.Millisecond) // let the loop see the cancellation first
+	close(release)
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	for id, acts := range drv.outcomes() {
+		if len(acts) != 1 || acts[0] != driver.Ack {
+			t.Errorf("message %s settled %v at a graceful shutdown, want one ack", id, acts)
+		}
+	}
+	if len(ran) != 9 {
+		t.Fatalf("%d of 9 fetched messages ran before Run returned: %v", len(ran), ran)
+	}
+	pos := map[string]int{}
+	for i, id := range ran {
+		pos[id] = i
+	}
+	if !(pos["3/0"] < pos["3/1"] && pos["3/1"] < pos["3/2"] && pos["4/0"] < pos["4/1"]) {
+		t.Errorf("lanes ran out of order while draining: %v", ran)
+	}
+	if got := l.Stats().InFlight; got != 0 {
+		t.Errorf("InFlight = %d after Run returned, want 0", got)
+	}
+}
+
+// When the grace ends, running handlers are cancelled and their messages
+// go back (attempted); what never started goes back marked not attempted,
+// so a broker that can return a message without counting a delivery does.
+func TestGraceEndHandsBackWhatDidNotStartNotAttempted(t *testing.T) {
+	drv := newScriptLog(true)
+	drv.add("3", 3)
+	drv.add("", 3)
+	l, err := New(drv, WithConcurrency(1), WithMaxInFlight(16), WithShutdownGrace(100*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := make(chan string, 10)
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() {
+		errc <- l.Run(ctx, HandlerFunc(func(ctx context.Context, m *Message) error {
+			started <- m.ID
+			<-ctx.Done() // a long handler that honours cancellation
+			return ctx.Err()
+		}))
+	}()
+	first := <-started
+	eventually(t, "all six to be fetched", func() bool { return l.Stats().Fetched == 6 })
+	cancel()
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	for id := range drv.outcomes() {
+		st := drv.settlements(id)
+		if len(st) != 1 || st[0].Action != driver.Return {
+			t.Fatalf("%s settled %+v, want one return", id, st)
+		}
+		if want := id != first; st[0].NotAttempted != want {
+			t.Errorf("%s returned with NotAttempted %v, want %v (the one that ran is %s)", id, st[0].NotAttempted, want, first)
+		}
+	}
+	if n := len(drv.outcomes()); n != 6 {
+		t.Fatalf("%d of 6 fetched messages settled", n)
+	}
+	if got := l.Stats().InFlight; got != 0 {
+		t.Errorf("InFlight = %d after Run returned, want 0", got)
+	}
+}
+
+// What waits in the loop to run later (here a message held by an open
+// breaker for a minute) goes back at once when Run's context ends, with the
+// time it had left to wait, not attempted; Run does not wait out the hold.
+func TestShutdownReturnsWaitingMessagesAtOnceWithTheirDelay(t *testing.T) {
+	drv := newScriptLog(true)
+	drv.add("", 1)
+	l, err := New(drv, WithConcurrency(1), WithShutdownGrace(30*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	held := make(chan struct{})
+	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
+		close(held)
+		return Hold(errors.New("dependency down"), time.Minute)
+	}))
+	<-held
+	eventually(t, "the hold to be applied", func() bool { return l.Stats().Held == 1 })
+	start := time.Now()
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if waited := time.Since(start); waited > 10*time.Second {
+		t.Fatalf("Run took %s to return with only a held message, want it to return without waiting out the hold", waited)
+	}
+	st := drv.settlements("/0")
+	if len(st) != 1 || st[0].Action != driver.Return || !st[0].NotAttempted || st[0].Delay < 50*time.Second || st[0].Delay > time.Minute {
+		t.Fatalf("held message settled %+v, want one return, not attempted, with its remaining minute", st)
+	}
+}
+
+// hungSettle is a driver whose Settle hangs until its context ends.
+type hungSettle struct {
+	*scriptLog
+	calls atomic.Int32
+}
+
+func (h *hungSettle) Settle(ctx context.Context, b []driver.Settlement) error {
+	h.calls.Add(1)
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+// A Settle that hangs does not hold a shutdown for its 30 s call timeout:
+// Run returns a second after the grace, cancelling the call.
+func TestShutdownDoesNotWaitOnAHungSettle(t *testing.T) {
+	drv := &hungSettle{scriptLog: newScriptLog(true)}
+	drv.add("", 1)
+	l, err := New(drv, WithShutdownGrace(100*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return nil }))
+	eventually(t, "the ack to reach Settle", func() bool { return drv.calls.Load() == 1 })
+	start := time.Now()
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if waited := time.Since(start); waited > 10*time.Second {
+		t.Fatalf("Run took %s to return behind a hung Settle, want about the grace plus a second", waited)
+	}
+}

@@ -1,0 +1,95 @@
+package consumer
+
+import (
+	"container/heap"
+	"time"
+
+	"github.com/ferrymq/ferry/consumer/driver"
+)
+
+// This file is the deliveries that wait in the loop to run again: a record
+// retried in place (a log cannot take it back), a message held by an open
+// breaker, and one deferred while a duplicate of it runs elsewhere. A
+// waiting delivery keeps its key busy, so nothing behind it overtakes it,
+// and keeps its lease.
+
+// dueHeap orders waiting deliveries by when they run again.
+type dueHeap []*delivery
+
+func (h dueHeap) Len() int           { return len(h) }
+func (h dueHeap) Less(i, j int) bool { return h[i].due.Before(h[j].due) }
+func (h dueHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i]; h[i].heapIdx = i; h[j].heapIdx = j }
+func (h *dueHeap) Push(x any)        { d := x.(*delivery); d.heapIdx = len(*h); *h = append(*h, d) }
+func (h *dueHeap) Pop() any {
+	old := *h
+	d := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	d.heapIdx = -1
+	return d
+}
+
+// wait parks a delivery until 'until', keeping its key busy.
+func (r *run) wait(d *delivery, until time.Time) {
+	d.state = stateWaiting
+	d.due = until
+	heap.Push(&r.waiting, d)
+	r.resetTimer()
+}
+
+// unwait takes a delivery out of the waiting heap.
+func (r *run) unwait(d *delivery) {
+	if d.heapIdx >= 0 {
+		heap.Remove(&r.waiting, d.heapIdx)
+	}
+	r.resetTimer()
+}
+
+func (r *run) resetTimer() {
+	if len(r.waiting) == 0 {
+		r.timer.Stop()
+		return
+	}
+	r.timer.Reset(max(time.Until(r.waiting[0].due), 0))
+}
+
+// wakeDue moves every waiting delivery whose time has come to the ready
+// queue.
+func (r *run) wakeDue() {
+	now := time.Now()
+	for len(r.waiting) > 0 && !r.waiting[0].due.After(now) {
+		d := heap.Pop(&r.waiting).(*delivery)
+		if d.deferred {
+			r.undefer(d)
+		}
+		d.state = stateReady
+		r.ready = append(r.ready, d)
+	}
+	r.resetTimer()
+}
+
+// deferRun keeps a deferred delivery and runs it again after delay. Deferred
+// deliveries wait on someone else (a duplicate of theirs running on another
+// worker), so they are counted apart from the in-flight bound: a pile of
+// them never stops fresh messages from being fetched. Up to the bound of
+// them wait here; beyond it, and when stopping, they go back to the broker
+// with the delay, not attempted.
+func (r *run) deferRun(d *delivery, delay time.Duration) {
+	if r.shutting || r.deferred >= r.l.cfg.maxInFlight {
+		r.settle(d, driver.Return, delay)
+		return
+	}
+	r.l.stats.deferred.Add(1)
+	d.deferred = true
+	r.deferred++
+	r.l.deferredNow.Add(1)
+	r.l.signalSpace()
+	r.wait(d, time.Now().Add(delay))
+}
+
+// undefer counts a deferred delivery back into the in-flight bound.
+func (r *run) undefer(d *delivery) {
+	d.deferred = false
+	r.deferred--
+	r.l.deferredNow.Add(-1)
+}
