@@ -1,6 +1,8 @@
 package memory_test
 
 import (
+	"errors"
+	"fmt"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -72,6 +74,17 @@ func (h *conformanceHarness) NewConsumer(t *testing.T, source string, opts ...co
 		t.Fatalf("new consumer of %q: %v", source, err)
 	}
 	return c
+}
+
+func (h *conformanceHarness) AsCheck(m *consumer.Message) error {
+	var d memory.Delivery
+	if !m.As(&d) {
+		return errors.New("Message.As(*memory.Delivery) = false")
+	}
+	if d.Queue != m.Source || d.MessageID != m.ID || d.ReceiveCount != m.Deliveries || !d.Current {
+		return fmt.Errorf("Message.As gave %+v for message %s from %s, delivery %d", d, m.ID, m.Source, m.Deliveries)
+	}
+	return nil
 }
 
 func (h *conformanceHarness) InFlight(t *testing.T, source string) int {

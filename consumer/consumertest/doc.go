@@ -33,7 +33,11 @@
 //     nor again after one of them handled it successfully;
 //   - Run returns nil soon after its context ends, and an error for a nil
 //     handler;
-//   - a consumer.Hold does not count as an attempt.
+//   - a consumer.Hold does not count as an attempt;
+//   - a consumer stopped gracefully runs what it fetched instead of handing
+//     it back (each hand-back would count as a delivery);
+//   - Message.As reaches the broker's own delivery (Harness.AsCheck) and
+//     refuses a type it does not know.
 //
 // Each check is a subtest named after its clause, such as
 // HandlerErrorRedeliversWithNextAttempt, and runs on a fresh source. Waits

@@ -35,6 +35,14 @@ type Harness interface {
 	// Capabilities says what the broker can do, so that the suite skips what
 	// it cannot and checks the rest.
 	Capabilities() Capabilities
+
+	// AsCheck is called from a handler with a message the consumer
+	// delivered. It returns nil when m.As reaches the broker's own type of
+	// a delivery (the type the adapter documents, such as *kgo.Record) and
+	// what it reaches matches m, and an error saying what is wrong
+	// otherwise. The suite itself checks that m.As refuses a type no
+	// broker knows.
+	AsCheck(m *consumer.Message) error
 }
 
 // SourceConfig is what one test asks of its source.

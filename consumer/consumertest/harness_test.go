@@ -2,6 +2,8 @@ package consumertest_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -29,6 +31,10 @@ type memHarness struct {
 	giveBack bool
 	// ackReturns acks every message the loop gives back.
 	ackReturns bool
+	// plain hides every optional driver interface (lease extension, As).
+	plain bool
+	// opts are given to every consumer after the suite's own.
+	opts []consumer.Option
 }
 
 var _ consumertest.Harness = (*memHarness)(nil)
@@ -64,7 +70,7 @@ func (h *memHarness) NewConsumer(t *testing.T, source string, opts ...consumer.O
 	if err != nil {
 		t.Fatalf("driver for %q: %v", source, err)
 	}
-	if h.noExtend {
+	if h.noExtend || h.plain {
 		d = plainDriver{d}
 	}
 	if h.giveBack {
@@ -73,7 +79,7 @@ func (h *memHarness) NewConsumer(t *testing.T, source string, opts ...consumer.O
 	if h.ackReturns {
 		d = ackingDriver{plainDriver{d}}
 	}
-	l, err := consumer.New(d, opts...)
+	l, err := consumer.New(d, append(opts, h.opts...)...)
 	if err != nil {
 		t.Fatalf("new consumer of %q: %v", source, err)
 	}
@@ -81,6 +87,23 @@ func (h *memHarness) NewConsumer(t *testing.T, source string, opts ...consumer.O
 		return h.wrap(l)
 	}
 	return l
+}
+
+func (h *memHarness) AsCheck(m *consumer.Message) error {
+	return checkMemoryAs(m)
+}
+
+// checkMemoryAs checks that m.As gives the memory broker's *memory.Delivery
+// for m.
+func checkMemoryAs(m *consumer.Message) error {
+	var d memory.Delivery
+	if !m.As(&d) {
+		return errors.New("Message.As(*memory.Delivery) = false")
+	}
+	if d.Queue != m.Source || d.MessageID != m.ID || d.ReceiveCount != m.Deliveries || !d.Current {
+		return fmt.Errorf("Message.As gave %+v for message %s from %s, delivery %d", d, m.ID, m.Source, m.Deliveries)
+	}
+	return nil
 }
 
 func (h *memHarness) Capabilities() consumertest.Capabilities {

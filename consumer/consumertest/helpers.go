@@ -239,17 +239,18 @@ func (s *suite) watch(d time.Duration, check func() error) {
 
 // delivery is what a handler saw of one delivery.
 type delivery struct {
-	consumer string // which run handled it
-	id       string // the suite's id (idHeader)
-	msgID    string // the broker's id
-	key      string
-	body     []byte
-	headers  map[string]string
-	source   string
-	lane     string
-	attempt  int
-	start    time.Time
-	end      time.Time // set by finish
+	consumer   string // which run handled it
+	id         string // the suite's id (idHeader)
+	msgID      string // the broker's id
+	key        string
+	body       []byte
+	headers    map[string]string
+	source     string
+	lane       string
+	attempt    int
+	deliveries int
+	start      time.Time
+	end        time.Time // set by finish
 }
 
 // recorder collects deliveries. It is safe for concurrent use.
@@ -263,16 +264,17 @@ type recorder struct {
 // finish when it returns.
 func (r *recorder) begin(name string, m *consumer.Message) *delivery {
 	d := &delivery{
-		consumer: name,
-		id:       m.Header(idHeader),
-		msgID:    m.ID,
-		key:      m.Key,
-		body:     slices.Clone(m.Body),
-		headers:  maps.Clone(m.Headers),
-		source:   m.Source,
-		lane:     m.Lane,
-		attempt:  m.Attempt,
-		start:    time.Now(),
+		consumer:   name,
+		id:         m.Header(idHeader),
+		msgID:      m.ID,
+		key:        m.Key,
+		body:       slices.Clone(m.Body),
+		headers:    maps.Clone(m.Headers),
+		source:     m.Source,
+		lane:       m.Lane,
+		attempt:    m.Attempt,
+		deliveries: m.Deliveries,
+		start:      time.Now(),
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()

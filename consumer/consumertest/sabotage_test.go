@@ -138,6 +138,15 @@ var sabotages = map[string]struct {
 			})
 		}}
 	}},
+	// A consumer that hands back, at shutdown, what it fetched and did not
+	// start (no grace to run it in).
+	"hand-back-on-shutdown": {"GracefulShutdownHandsNothingBack", func() *memHarness {
+		return &memHarness{opts: []consumer.Option{consumer.WithShutdownGrace(0)}}
+	}},
+	// A driver that does not let handlers reach its deliveries.
+	"no-as": {"AsReachesTheBrokersDelivery", func() *memHarness {
+		return &memHarness{plain: true}
+	}},
 	// A consumer that acks what it should give back at shutdown: the message
 	// cut short is lost.
 	"ack-on-shutdown": {"CancelMidHandlerLosesNothing", func() *memHarness {

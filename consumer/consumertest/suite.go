@@ -55,6 +55,65 @@ var tests = []struct {
 	{"RunReturnsPromptlyAfterCancel", testPromptReturn},
 	{"NilHandlerIsAnError", testNilHandler},
 	{"HoldDoesNotCountAsAnAttempt", testHold},
+	{"AsReachesTheBrokersDelivery", testAs},
+	{"GracefulShutdownHandsNothingBack", testShutdownHandsNothingBack},
+}
+
+// testAs: a handler reaches the broker's own representation of its delivery
+// through Message.As, and As refuses a type it does not know.
+func testAs(s *suite) {
+	src := s.source(SourceConfig{})
+	var asErr errBox
+	var rec recorder
+	s.start("consumer", src, grace, rec.handler("consumer", func(ctx context.Context, m *consumer.Message) error {
+		var unknown struct{ consumertest int }
+		switch {
+		case m.As(&unknown):
+			asErr.set(fmt.Errorf("Message.As set a %T, a type no broker knows", &unknown))
+		case m.As(nil):
+			asErr.set(errors.New("Message.As(nil) reported true"))
+		default:
+			asErr.set(s.h.AsCheck(m))
+		}
+		return nil
+	}))
+	s.publish(src, message("as"))
+	s.waitFor("the message to be handled", func() bool { return len(rec.of("as")) == 1 })
+	if err := asErr.get(); err != nil {
+		s.t.Fatal(err)
+	}
+}
+
+// testShutdownHandsNothingBack: a consumer that has fetched more than it has
+// run, stopped gracefully, runs what it fetched before Run returns instead
+// of handing it back: a second consumer handles only what the first never
+// fetched, each message once, on its first delivery (every message handed
+// back would count a delivery, and cost the message one of its retries).
+func testShutdownHandsNothingBack(s *suite) {
+	const n = 20
+	src := s.source(SourceConfig{})
+	s.publish(src, messages("fetched", n)...)
+	var rec recorder
+	first := s.start("first", src, 20*time.Second, rec.handler("first", func(ctx context.Context, m *consumer.Message) error {
+		return sleepCtx(ctx, 20*time.Millisecond)
+	}), consumer.WithConcurrency(1), consumer.WithMaxInFlight(n))
+	s.waitFor("the first handler to run", func() bool { return rec.total() >= 1 })
+	first.stop()
+	s.start("second", src, grace, rec.handler("second", nil))
+	s.waitFor(fmt.Sprintf("all %d messages to be handled", n), func() bool { return rec.distinct() == n })
+	s.watch(s.settleWindow(), func() error {
+		for i := 0; i < n; i++ {
+			id := "fetched-" + strconv.Itoa(i)
+			ds := rec.of(id)
+			if len(ds) > 1 {
+				return fmt.Errorf("%s was handled %d times (by %s, then %s): the first consumer handed back what it had fetched", id, len(ds), ds[0].consumer, ds[1].consumer)
+			}
+			if len(ds) == 1 && (ds[0].attempt != 1 || ds[0].deliveries != 1) {
+				return fmt.Errorf("%s was handled by %s on attempt %d, delivery %d: want its first", id, ds[0].consumer, ds[0].attempt, ds[0].deliveries)
+			}
+		}
+		return nil
+	})
 }
 
 // testDeliveredOnce: with handlers that succeed, every published message is
