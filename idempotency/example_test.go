@@ -18,7 +18,7 @@ func Example() {
 		fmt.Printf("charging for order %s\n", m.Body)
 		return nil
 	})
-	h := consumer.Chain(charge, dedup)
+	h := consumer.Chain(charge, dedup.Wrap)
 
 	// The same event, delivered three times (a publisher retry, a redelivery).
 	for i := range 3 {

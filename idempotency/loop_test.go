@@ -43,7 +43,7 @@ func TestThroughDeliveryLoopEachEventOnce(t *testing.T) {
 		effects[m.Header(idempotency.EventIDHeader)]++
 		mu.Unlock()
 		return nil
-	}), dedup)
+	}), dedup.Wrap)
 	loop, err := b.NewConsumer("orders", consumer.WithConcurrency(8), consumer.WithOrdering(consumer.Unordered),
 		consumer.WithRedeliveryBackoff(time.Millisecond, 10*time.Millisecond))
 	if err != nil {

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
@@ -130,12 +131,39 @@ func WithLogger(l *slog.Logger) Option {
 	}
 }
 
+// Dedup is the idempotency middleware over a [Store], for one namespace.
+// Build one with [New]; its [Dedup.Wrap] method is a consumer.Middleware:
+//
+//	dedup, err := idempotency.New(store, "billing")
+//	...
+//	h := consumer.Chain(handler, stack.Wrap, dedup.Wrap)
+//
+// A Dedup counts what it did ([Dedup.Duplicates], [Dedup.Deferred],
+// [Dedup.ClaimsLost] and the others) and reports the counts as metrics
+// through [Dedup.RegisterMetrics]. It is safe for concurrent use, and one
+// Dedup may wrap any number of handlers; they share its counts.
+type Dedup struct {
+	store  Store
+	prefix string // namespace + ":"
+	cfg    config
+
+	completed   atomic.Int64
+	duplicates  atomic.Int64
+	deferred    atomic.Int64
+	claimsLost  atomic.Int64
+	released    atomic.Int64
+	storeErrors atomic.Int64
+	noKey       atomic.Int64
+}
+
 // New returns the idempotency middleware over store. namespace is the
 // consumer's name: it prefixes every key, so that two consumers of one event
-// each handle it once. It must not be empty and must not contain ':'.
+// each handle it once. It must not be empty and must not contain ':'. An
+// invalid argument or option makes New fail with a *consumer.ConfigError
+// naming the field.
 //
 // See the package documentation for what happens to each delivery.
-func New(store Store, namespace string, opts ...Option) (consumer.Middleware, error) {
+func New(store Store, namespace string, opts ...Option) (*Dedup, error) {
 	if store == nil {
 		return nil, configErr("Store", "must not be nil")
 	}
@@ -162,49 +190,95 @@ func New(store Store, namespace string, opts ...Option) (consumer.Middleware, er
 	if c.logger == nil {
 		c.logger = slog.Default()
 	}
-	prefix := namespace + ":"
-	return func(next consumer.Handler) consumer.Handler {
-		return &handler{next: next, store: store, prefix: prefix, cfg: c}
-	}, nil
+	return &Dedup{store: store, prefix: namespace + ":", cfg: c}, nil
 }
 
 // Key returns the namespaced key under which the middleware built by New with
 // this namespace records a message whose KeyFunc returned key.
 func Key(namespace, key string) string { return namespace + ":" + key }
 
-type handler struct {
-	next   consumer.Handler
-	store  Store
-	prefix string
-	cfg    config
+// Wrap returns next guarded by the middleware: d.Wrap is a
+// consumer.Middleware. The Handler it returns has a method
+// Unwrap() consumer.Handler that returns next, so that the delivery loop can
+// see through it (to the circuit breakers of a chain, for one).
+func (d *Dedup) Wrap(next consumer.Handler) consumer.Handler {
+	return &handler{d: d, next: next}
 }
 
+// Completed returns how many handler runs succeeded and had their key
+// recorded as done: the effects that happened, once each.
+func (d *Dedup) Completed() int64 { return d.completed.Load() }
+
+// Duplicates returns how many deliveries were acknowledged without running
+// the handler, because their key was already done.
+func (d *Dedup) Duplicates() int64 { return d.duplicates.Load() }
+
+// Deferred returns how many deliveries were deferred (consumer.Defer)
+// because another worker held their key: duplicates that arrived while the
+// first copy was still running, or whose holder died and whose claim had not
+// yet expired.
+func (d *Dedup) Deferred() int64 { return d.deferred.Load() }
+
+// ClaimsLost returns how many handler runs finished after their claim was
+// lost: the lease ended before the handler did, and the key was claimed
+// again (or expired) meanwhile, so the effect may have happened twice. It
+// should stay 0; when it grows, raise the lease (WithLease).
+func (d *Dedup) ClaimsLost() int64 { return d.claimsLost.Load() }
+
+// Released returns how many claims were released because the handler
+// failed (an error or a panic), so that the redelivery runs it again.
+func (d *Dedup) Released() int64 { return d.released.Load() }
+
+// StoreErrors returns how many calls to the store (claim, complete or
+// release) failed. A failed claim or completion leaves the message to be
+// delivered again (or, when the store refused the data for good, to the
+// dead-letter destination); a failed release leaves the key claimed until
+// its lease ends.
+func (d *Dedup) StoreErrors() int64 { return d.storeErrors.Load() }
+
+// NoKey returns how many messages had no key (ErrNoKey) and failed as
+// permanent errors without running the handler.
+func (d *Dedup) NoKey() int64 { return d.noKey.Load() }
+
+// handler is what Wrap returns.
+type handler struct {
+	d    *Dedup
+	next consumer.Handler
+}
+
+// Unwrap returns the handler the middleware wraps.
+func (h *handler) Unwrap() consumer.Handler { return h.next }
+
 func (h *handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
-	k, err := h.cfg.key(m)
+	d := h.d
+	k, err := d.cfg.key(m)
 	if err != nil {
+		d.noKey.Add(1)
 		return consumer.Permanent(fmt.Errorf("%w: %w", ErrNoKey, err))
 	}
 	if k == "" {
+		d.noKey.Add(1)
 		return consumer.Permanent(fmt.Errorf("%w (message %q from %q)", ErrNoKey, m.ID, m.Source))
 	}
-	key := h.prefix + k
-
-	cl, err := h.store.Claim(ctx, key, h.cfg.lease)
+	cl, err := d.claim(ctx, k)
 	if err != nil {
-		return storeErr("claim", key, err)
+		d.storeErrors.Add(1)
+		return storeErr("claim", d.prefix+k, err)
 	}
 	switch cl.Status {
 	case Done:
+		d.duplicates.Add(1)
 		return nil
 	case InProgress:
-		d := h.cfg.inProgress
-		if cl.LeaseLeft > 0 && cl.LeaseLeft < d {
-			d = cl.LeaseLeft
+		d.deferred.Add(1)
+		delay := d.cfg.inProgress
+		if cl.LeaseLeft > 0 && cl.LeaseLeft < delay {
+			delay = cl.LeaseLeft
 		}
-		return consumer.Defer(fmt.Errorf("%w: %s", ErrInProgress, quote(key)), d)
+		return consumer.Defer(fmt.Errorf("%w: %s", ErrInProgress, quote(d.prefix+k)), delay)
 	case Claimed:
 	default:
-		return fmt.Errorf("idempotency: claim %s: store answered unknown status %v", quote(key), cl.Status)
+		return fmt.Errorf("idempotency: claim %s: store answered unknown status %v", quote(d.prefix+k), cl.Status)
 	}
 
 	// From here on the claim must be completed or released, whatever the
@@ -212,35 +286,59 @@ func (h *handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 	settled := false
 	defer func() {
 		if !settled {
-			h.release(ctx, key, cl.Token)
+			d.release(ctx, k, cl.Token)
 		}
 	}()
 	if herr := h.next.Handle(ctx, m); herr != nil {
 		settled = true
-		h.release(ctx, key, cl.Token)
+		d.release(ctx, k, cl.Token)
 		return herr
 	}
 	settled = true
-	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
-	defer cancel()
-	if cerr := h.store.Complete(sctx, key, cl.Token, h.cfg.retention); cerr != nil {
+	if cerr := d.complete(ctx, k, cl.Token); cerr != nil {
 		if errors.Is(cerr, ErrNotOwner) {
-			h.cfg.logger.WarnContext(ctx, "idempotency: lease expired before the handler finished; the effect may have happened twice, raise the lease",
-				"key", key, "lease", h.cfg.lease)
+			d.claimsLost.Add(1)
+			d.cfg.logger.WarnContext(ctx, "idempotency: lease expired before the handler finished; the effect may have happened twice, raise the lease",
+				"key", d.prefix+k, "lease", d.cfg.lease)
+		} else {
+			d.storeErrors.Add(1)
 		}
-		return storeErr("complete", key, cerr)
+		return storeErr("complete", d.prefix+k, cerr)
 	}
+	d.completed.Add(1)
 	return nil
 }
 
-func (h *handler) release(ctx context.Context, key, token string) {
+// claim claims the namespaced key of k.
+func (d *Dedup) claim(ctx context.Context, k string) (Claim, error) {
+	return d.store.Claim(ctx, d.prefix+k, d.cfg.lease)
+}
+
+// complete records k done. It runs even when the handler's context has
+// ended (a shutdown must not leave claims behind), bounded by settleTimeout.
+func (d *Dedup) complete(ctx context.Context, k, token string) error {
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
 	defer cancel()
-	if err := h.store.Release(sctx, key, token); err != nil {
-		// The claim stays until its lease ends; the redelivery waits for it.
-		h.cfg.logger.WarnContext(ctx, "idempotency: release failed; the key stays claimed until its lease ends",
-			"key", key, "error", err)
+	return d.store.Complete(sctx, d.prefix+k, token, d.cfg.retention)
+}
+
+// release releases the claim on k after the handler failed, as complete
+// runs, and logs a failure: the claim then stays until its lease ends.
+func (d *Dedup) release(ctx context.Context, k, token string) {
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
+	err := d.store.Release(sctx, d.prefix+k, token)
+	cancel()
+	if err == nil {
+		d.released.Add(1)
+		return
 	}
+	if errors.Is(err, ErrNotOwner) {
+		d.claimsLost.Add(1)
+	} else {
+		d.storeErrors.Add(1)
+	}
+	d.cfg.logger.WarnContext(ctx, "idempotency: release failed; the key stays claimed until its lease ends",
+		"key", d.prefix+k, "error", err)
 }
 
 // storeErr wraps an error of the store. It wraps with %w, so an error the

@@ -27,13 +27,14 @@ func counting(n *atomic.Int32) consumer.Handler {
 	})
 }
 
+// mustNew returns the middleware of a new Dedup.
 func mustNew(t *testing.T, s idempotency.Store, ns string, opts ...idempotency.Option) consumer.Middleware {
 	t.Helper()
-	mw, err := idempotency.New(s, ns, opts...)
+	dedup, err := idempotency.New(s, ns, opts...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return mw
+	return dedup.Wrap
 }
 
 func TestEventIDHeaderIsTheOutboxHeader(t *testing.T) {

@@ -41,7 +41,7 @@ func TestDuplicateWaitingBehindALongHandlerIsNeverDeadLettered(t *testing.T) {
 		runs.Add(1)
 		<-release // the first copy runs long
 		return nil
-	}), stack.Wrap, dedup)
+	}), stack.Wrap, dedup.Wrap)
 
 	event := consumer.Message{Headers: map[string]string{idempotency.EventIDHeader: "evt-1"}, Body: []byte("x")}
 	if err := b.Publish(context.Background(), "orders", event, event); err != nil {

@@ -110,7 +110,7 @@ func BenchmarkConsumeFullStack(b *testing.B) {
 			cancel()
 		}
 		return nil
-	}), stack.Wrap, dedup)
+	}), stack.Wrap, dedup.Wrap)
 
 	b.ReportAllocs()
 	b.ResetTimer()

@@ -57,5 +57,5 @@ func ExampleNew() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	_ = dedup // consumer.Chain(handler, dedup)
+	_ = dedup // consumer.Chain(handler, dedup.Wrap)
 }

@@ -262,12 +262,12 @@ func TestUnreachablePostgresIsNotAckedAndHandlerNotCalled(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mw, err := idempotency.New(s, "billing")
+	dedup, err := idempotency.New(s, "billing")
 	if err != nil {
 		t.Fatal(err)
 	}
 	var calls atomic.Int32
-	h := mw(consumer.HandlerFunc(func(context.Context, *consumer.Message) error { calls.Add(1); return nil }))
+	h := dedup.Wrap(consumer.HandlerFunc(func(context.Context, *consumer.Message) error { calls.Add(1); return nil }))
 	err = h.Handle(ctx, storetest.Message("ev", 1))
 	var ra *consumer.RetryAfterError
 	if err == nil || consumer.IsPermanent(err) || errors.As(err, &ra) || consumer.IsDeferred(err) {
@@ -388,11 +388,11 @@ func TestDataExceptionIsPermanentAndNeverOpensTheBreaker(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			mw, err := idempotency.New(s, "orders-consumer")
+			dedup, err := idempotency.New(s, "orders-consumer")
 			if err != nil {
 				t.Fatal(err)
 			}
-			return mw(consumer.HandlerFunc(noop))
+			return dedup.Wrap(consumer.HandlerFunc(noop))
 		}},
 		{"Inbox", func(t *testing.T, table string) consumer.Handler {
 			h, err := pgstore.Inbox(p, "orders-consumer", func(ctx context.Context, _ pgx.Tx, m *consumer.Message) error {

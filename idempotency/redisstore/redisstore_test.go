@@ -87,12 +87,12 @@ func TestUnreachableRedisIsNotAckedAndHandlerNotCalled(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mw, err := idempotency.New(s, "billing")
+	dedup, err := idempotency.New(s, "billing")
 	if err != nil {
 		t.Fatal(err)
 	}
 	var calls atomic.Int32
-	h := mw(consumer.HandlerFunc(func(context.Context, *consumer.Message) error { calls.Add(1); return nil }))
+	h := dedup.Wrap(consumer.HandlerFunc(func(context.Context, *consumer.Message) error { calls.Add(1); return nil }))
 	err = h.Handle(context.Background(), storetest.Message("ev", 1))
 	var ra *consumer.RetryAfterError
 	if err == nil || consumer.IsPermanent(err) || errors.As(err, &ra) || consumer.IsDeferred(err) {

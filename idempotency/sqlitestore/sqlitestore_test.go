@@ -151,7 +151,7 @@ func TestDatabaseErrorIsNotAckedAndHandlerNotCalled(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mw, err := idempotency.New(s, "billing")
+	dedup, err := idempotency.New(s, "billing")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -161,7 +161,7 @@ func TestDatabaseErrorIsNotAckedAndHandlerNotCalled(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := mw(consumer.HandlerFunc(func(context.Context, *consumer.Message) error { calls.Add(1); return nil }))
+	h := dedup.Wrap(consumer.HandlerFunc(func(context.Context, *consumer.Message) error { calls.Add(1); return nil }))
 	db.Close() // the database is gone
 	for _, h := range []consumer.Handler{h, in} {
 		err := h.Handle(context.Background(), storetest.Message("ev", 1))

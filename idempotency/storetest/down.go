@@ -23,12 +23,12 @@ func StoreDown(t *testing.T, s idempotency.Store) {
 	if err := b.Publish(ctx, "orders", *Message("ev", 1)); err != nil {
 		t.Fatal(err)
 	}
-	mw, err := idempotency.New(s, "orders-consumer")
+	dedup, err := idempotency.New(s, "orders-consumer")
 	if err != nil {
 		t.Fatal(err)
 	}
 	var calls atomic.Int32
-	h := mw(consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
+	h := dedup.Wrap(consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
 		calls.Add(1)
 		return nil
 	}))
@@ -42,7 +42,7 @@ func StoreDown(t *testing.T, s idempotency.Store) {
 	deadline := time.Now().Add(Timeout)
 	for {
 		ms := b.Messages("orders")
-		if len(ms) == 1 && ms[0].Attempt >= 3 {
+		if len(ms) == 1 && ms[0].Deliveries >= 3 {
 			break
 		}
 		if time.Now().After(deadline) {

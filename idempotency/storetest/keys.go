@@ -58,11 +58,11 @@ func testAnyKeyBytes(t *testing.T, c Config) {
 	}
 	// And through the middleware: one event with an odd id, three copies.
 	e := c.NewEffect(t)
-	mw, err := idempotency.New(s, "odd")
+	dedup, err := idempotency.New(s, "odd")
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := mw(effectHandler(e))
+	h := dedup.Wrap(effectHandler(e))
 	for copy := range 3 {
 		if err := h.Handle(ctx, Message("ev\xff\x00", copy)); err != nil {
 			t.Fatalf("delivery %d of an event whose id has \\xff and \\x00: %v", copy, err)
@@ -78,13 +78,13 @@ func testAnyKeyBytes(t *testing.T, c Config) {
 // everything else.
 func testOddKeyThroughLoop(t *testing.T, c Config) {
 	s := c.NewStore(t)
-	mw, err := idempotency.New(s, "orders-consumer")
+	dedup, err := idempotency.New(s, "orders-consumer")
 	if err != nil {
 		t.Fatal(err)
 	}
 	e := NewMemoryEffect()
 	msgs := withPlain(*Message("bad\xff\x00key", 1))
-	stack := throughStack(t, mw(effectHandler(e)), msgs)
+	stack := throughStack(t, dedup.Wrap(effectHandler(e)), msgs)
 	if n := stack.DeadLetter.Count(); n != 0 {
 		t.Errorf("%d message(s) dead-lettered", n)
 	}

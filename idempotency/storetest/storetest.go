@@ -315,11 +315,11 @@ func testDeadWorkerMiddleware(t *testing.T, c Config) {
 	s := c.NewStore(t)
 	ctx := ctxFor(t)
 	e := c.NewEffect(t)
-	mw, err := idempotency.New(s, "dead", idempotency.WithLease(time.Minute))
+	dedup, err := idempotency.New(s, "dead", idempotency.WithLease(time.Minute))
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := mw(effectHandler(e))
+	h := dedup.Wrap(effectHandler(e))
 	// A worker claimed the key and died: it never completes nor releases.
 	mustClaim(t, s, idempotency.Key("dead", "ev"), c.Lease, idempotency.Claimed)
 
@@ -352,13 +352,13 @@ func testHandlerError(t *testing.T, c Config) {
 	s := c.NewStore(t)
 	ctx := ctxFor(t)
 	e := c.NewEffect(t)
-	mw, err := idempotency.New(s, "errs")
+	dedup, err := idempotency.New(s, "errs")
 	if err != nil {
 		t.Fatal(err)
 	}
 	boom := consumer.Permanent(errors.New("boom"))
 	var calls atomic.Int32
-	h := mw(consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+	h := dedup.Wrap(consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 		if calls.Add(1) == 1 {
 			return boom
 		}
@@ -383,11 +383,11 @@ func testHandlerError(t *testing.T, c Config) {
 func testExactlyOnce(t *testing.T, c Config) {
 	s := c.NewStore(t)
 	e := c.NewEffect(t)
-	mw, err := idempotency.New(s, "once", idempotency.WithLease(time.Minute))
+	dedup, err := idempotency.New(s, "once", idempotency.WithLease(time.Minute))
 	if err != nil {
 		t.Fatal(err)
 	}
-	ExactlyOnce(t, mw(effectHandler(e)), e, c.Keys, c.Copies, c.Workers)
+	ExactlyOnce(t, dedup.Wrap(effectHandler(e)), e, c.Keys, c.Copies, c.Workers)
 }
 
 // ExactlyOnce delivers copies deliveries of each of keys distinct events to

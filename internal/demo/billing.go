@@ -40,7 +40,8 @@ type billing struct {
 	db    *sql.DB
 	api   *payments
 	stack *consumer.Stack
-	store *countingStore // nil without idempotency
+	store *sqlitestore.Store // nil without idempotency
+	dedup *idempotency.Dedup // nil without idempotency
 
 	handler consumer.Handler
 	inboxH  consumer.Handler // nil without idempotency
@@ -111,20 +112,20 @@ func (b *billing) setUp(ctx context.Context, c Config, pub consumer.Publisher, d
 	if err != nil {
 		return err
 	}
-	b.store = &countingStore{Store: st}
+	b.store = st
 	if b.inboxH, err = sqlitestore.Inbox(b.db, billingNamespace, inboxTx, sqlitestore.WithTable(inboxTable)); err != nil {
 		return err
 	}
 	// A duplicate that finds its key in progress is deferred: the consumer
 	// keeps it and tries again after this delay, spending no attempt.
-	dedup, err := idempotency.New(b.store, billingNamespace,
+	b.dedup, err = idempotency.New(b.store, billingNamespace,
 		idempotency.WithLease(max(30*time.Second, 4*timeout)),
 		idempotency.WithInProgressDelay(timeout*3/5),
 		idempotency.WithLogger(log))
 	if err != nil {
 		return err
 	}
-	b.handler = consumer.Chain(pay, append(mws, dedup)...)
+	b.handler = consumer.Chain(pay, append(mws, b.dedup.Wrap)...)
 	return nil
 }
 
@@ -271,8 +272,8 @@ func (b *billing) takenOver(ids []string, survivor string) int {
 // suppressed is how many duplicates idempotency kept from paying twice.
 func (b *billing) suppressed() int64 {
 	n := b.inboxSkipped.Load()
-	if b.store != nil {
-		n += b.store.done.Load()
+	if b.dedup != nil {
+		n += b.dedup.Duplicates()
 	}
 	return n
 }
@@ -303,22 +304,6 @@ func (b *billing) close() error {
 		_ = b.store.Close()
 	}
 	return b.db.Close()
-}
-
-// countingStore counts the claims that found their key done: the
-// duplicates the idempotency middleware acknowledged without running the
-// handler. (The middleware keeps no counter of its own.)
-type countingStore struct {
-	*sqlitestore.Store
-	done atomic.Int64
-}
-
-func (s *countingStore) Claim(ctx context.Context, key string, lease time.Duration) (idempotency.Claim, error) {
-	cl, err := s.Store.Claim(ctx, key, lease)
-	if err == nil && cl.Status == idempotency.Done {
-		s.done.Add(1)
-	}
-	return cl, err
 }
 
 // killable wraps a consumer's driver so that the consumer can be killed:
