@@ -144,7 +144,8 @@ func WithLogger(l *slog.Logger) Option {
 // Dedup may wrap any number of handlers; they share its counts.
 type Dedup struct {
 	store  Store
-	prefix string // namespace + ":"
+	mem    *memTable // store's table of the namespace, when store is a *MemoryStore
+	prefix string    // namespace + ":"
 	cfg    config
 
 	completed   atomic.Int64
@@ -190,7 +191,11 @@ func New(store Store, namespace string, opts ...Option) (*Dedup, error) {
 	if c.logger == nil {
 		c.logger = slog.Default()
 	}
-	return &Dedup{store: store, prefix: namespace + ":", cfg: c}, nil
+	d := &Dedup{store: store, prefix: namespace + ":", cfg: c}
+	if ms, ok := store.(*MemoryStore); ok {
+		d.mem = ms.table(namespace)
+	}
+	return d, nil
 }
 
 // Key returns the namespaced key under which the middleware built by New with
@@ -309,14 +314,25 @@ func (h *handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 	return nil
 }
 
-// claim claims the namespaced key of k.
+// claim claims the namespaced key of k. The memory store is called
+// directly: it takes the namespace and k apart, so the key is never built.
 func (d *Dedup) claim(ctx context.Context, k string) (Claim, error) {
+	if d.mem != nil {
+		if err := ctx.Err(); err != nil {
+			return Claim{}, err
+		}
+		return d.mem.claim(k, d.cfg.lease), nil
+	}
 	return d.store.Claim(ctx, d.prefix+k, d.cfg.lease)
 }
 
 // complete records k done. It runs even when the handler's context has
-// ended (a shutdown must not leave claims behind), bounded by settleTimeout.
+// ended (a shutdown must not leave claims behind), bounded by settleTimeout;
+// the memory store answers without blocking and needs neither.
 func (d *Dedup) complete(ctx context.Context, k, token string) error {
+	if d.mem != nil {
+		return d.mem.complete(k, token, d.cfg.retention)
+	}
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
 	defer cancel()
 	return d.store.Complete(sctx, d.prefix+k, token, d.cfg.retention)
@@ -325,9 +341,14 @@ func (d *Dedup) complete(ctx context.Context, k, token string) error {
 // release releases the claim on k after the handler failed, as complete
 // runs, and logs a failure: the claim then stays until its lease ends.
 func (d *Dedup) release(ctx context.Context, k, token string) {
-	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
-	err := d.store.Release(sctx, d.prefix+k, token)
-	cancel()
+	var err error
+	if d.mem != nil {
+		err = d.mem.release(k, token)
+	} else {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
+		err = d.store.Release(sctx, d.prefix+k, token)
+		cancel()
+	}
 	if err == nil {
 		d.released.Add(1)
 		return
