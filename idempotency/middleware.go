@@ -52,7 +52,7 @@ func DefaultKey(m *consumer.Message) (string, error) {
 	return m.ID, nil
 }
 
-// Option configures the middleware. An invalid value makes New fail with a
+// Option configures New. An invalid value makes New fail with a
 // *consumer.ConfigError naming the field.
 type Option func(*config) error
 
@@ -107,8 +107,8 @@ func WithRetention(d time.Duration) Option {
 }
 
 // WithInProgressDelay sets how long a duplicate of a key in progress
-// elsewhere waits before it is delivered again; it waits less when the
-// holder's lease ends sooner. Default DefaultInProgressDelay (2s).
+// elsewhere is deferred before it runs again; less when the holder's lease
+// ends sooner. It must be > 0. Default DefaultInProgressDelay (2s).
 func WithInProgressDelay(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {
@@ -254,6 +254,7 @@ type handler struct {
 // Unwrap returns the handler the middleware wraps.
 func (h *handler) Unwrap() consumer.Handler { return h.next }
 
+// Handle runs next once per key: see the package documentation.
 func (h *handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 	d := h.d
 	k, err := d.cfg.key(m)

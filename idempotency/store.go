@@ -42,6 +42,7 @@ const (
 	Done
 )
 
+// String returns the status's name: "claimed", "in-progress" or "done".
 func (s Status) String() string {
 	switch s {
 	case Claimed:

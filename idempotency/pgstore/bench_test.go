@@ -22,7 +22,7 @@ import (
 func BenchmarkClaimComplete(b *testing.B) {
 	p := testPool(b)
 	ctx := context.Background()
-	s, err := pgstore.New(p, pgstore.WithTable(freshTable(b, p)))
+	s, err := pgstore.NewStore(p, pgstore.WithTable(freshTable(b, p)))
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -66,7 +66,7 @@ func BenchmarkInbox(b *testing.B) {
 	p := testPool(b)
 	ctx := context.Background()
 	e := newEffect(b, p)
-	h, err := pgstore.Inbox(p, "bench", func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+	h, err := pgstore.NewInbox(p, "bench", func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
 		_, err := tx.Exec(ctx, e.insertSQL(), []byte(m.ID))
 		return err
 	}, pgstore.WithTable(freshTable(b, p)))

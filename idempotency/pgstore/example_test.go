@@ -15,7 +15,7 @@ import (
 
 // The transactional inbox: the order row and the message's key commit
 // together, so a redelivery never inserts the order twice.
-func ExampleInbox() {
+func ExampleNewInbox() {
 	ctx := context.Background()
 	pool, err := pgxpool.New(ctx, "postgres://ferry:ferry@127.0.0.1:5432/ferry")
 	if err != nil {
@@ -25,7 +25,7 @@ func ExampleInbox() {
 	if err := pgstore.Migrate(ctx, pool); err != nil {
 		log.Fatal(err)
 	}
-	h, err := pgstore.Inbox(pool, "orders", func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+	h, err := pgstore.NewInbox(pool, "orders", func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
 		_, err := tx.Exec(ctx, "INSERT INTO orders (body) VALUES ($1)", m.Body)
 		return err
 	})
@@ -37,7 +37,7 @@ func ExampleInbox() {
 
 // The store behind the idempotency middleware, for handlers whose effects
 // are not writes to this database; with a cleaner that runs hourly.
-func ExampleNew() {
+func ExampleNewStore() {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel() // stops the cleaner
 	pool, err := pgxpool.New(ctx, "postgres://ferry:ferry@127.0.0.1:5432/ferry")
@@ -48,7 +48,7 @@ func ExampleNew() {
 	if err := pgstore.Migrate(ctx, pool); err != nil {
 		log.Fatal(err)
 	}
-	store, err := pgstore.New(pool)
+	store, err := pgstore.NewStore(pool)
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -57,5 +57,5 @@ func ExampleNew() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	_ = dedup // consumer.Chain(handler, dedup.Wrap)
+	_ = dedup // consumer.Chain(handler, stack.Wrap, dedup.Wrap)
 }

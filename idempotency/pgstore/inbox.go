@@ -13,12 +13,12 @@ import (
 	"github.com/ferrymq/ferry/idempotency/internal/keytable"
 )
 
-// TxHandler handles a message inside the inbox's transaction: its writes
-// through tx commit together with the message's key, or not at all. It must
-// not commit or roll back tx.
+// TxHandler handles a message inside the inbox's transaction (NewInbox): its
+// writes through tx commit together with the message's key, or not at all.
+// It must not commit or roll back tx.
 type TxHandler func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error
 
-// SQLTxHandler is TxHandler for database/sql.
+// SQLTxHandler is TxHandler for database/sql, for NewSQLInbox.
 type SQLTxHandler func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error
 
 type inbox struct {
@@ -64,15 +64,17 @@ func (in inbox) keyOf(m *consumer.Message) (string, error) {
 	return in.prefix + k, nil
 }
 
-// Inbox returns a Handler that runs h once per key, in a transaction that
+// NewInbox returns a Handler that runs h once per key, in a transaction that
 // also records the key: see the package documentation. namespace is the
 // consumer's name, as for idempotency.New. WithTable, WithRetention and
 // WithKey apply.
 //
 // A handler error rolls back and is returned unchanged; a duplicate is
 // acknowledged (nil) without calling h; a database that cannot be reached is
-// a wrapped error, and h is not called.
-func Inbox(db Beginner, namespace string, h TxHandler, opts ...Option) (consumer.Handler, error) {
+// a wrapped error, and h is not called; a key the database refuses for good
+// (a data exception) is a permanent error. A message without a key is a
+// permanent error wrapping idempotency.ErrNoKey.
+func NewInbox(db DB, namespace string, h TxHandler, opts ...Option) (consumer.Handler, error) {
 	if db == nil {
 		return nil, configErr("DB", "must not be nil")
 	}
@@ -110,9 +112,9 @@ func Inbox(db Beginner, namespace string, h TxHandler, opts ...Option) (consumer
 	}), nil
 }
 
-// SQLInbox is Inbox for database/sql over PostgreSQL (the pgx stdlib driver,
-// lib/pq): the same table, the same guarantee, with a *sql.Tx.
-func SQLInbox(db *sql.DB, namespace string, h SQLTxHandler, opts ...Option) (consumer.Handler, error) {
+// NewSQLInbox is NewInbox for database/sql over PostgreSQL (the pgx stdlib
+// driver, lib/pq): the same table, the same guarantee, with a *sql.Tx.
+func NewSQLInbox(db *sql.DB, namespace string, h SQLTxHandler, opts ...Option) (consumer.Handler, error) {
 	if db == nil {
 		return nil, configErr("DB", "must not be nil")
 	}

@@ -2,37 +2,40 @@
 //
 // It offers two ways to make a handler's effects happen once.
 //
-// Store is an idempotency.Store for the idempotency middleware: a claim is one
-// statement (one round trip), and so are completion and release. Any handler
-// can use it, whatever its effects are: calls to other services, e-mails,
-// writes to another database. Its one gap is the window between the handler's
-// effect and the recorded completion: a worker that dies in it leaves a claim
-// that expires, and the redelivery runs the handler again.
+// [Store] (from [NewStore]) is an [idempotency.Store] for the idempotency
+// middleware ([idempotency.New]): a claim is one statement (one round trip),
+// and so are completion and release. Any handler can use it, whatever its
+// effects are: calls to other services, e-mails, writes to another database.
+// Its one gap is the window between the handler's effect and the recorded
+// completion: a worker that dies in it leaves a claim that expires, and the
+// redelivery runs the handler again.
 //
-// Inbox (pgx.Tx) and SQLInbox (database/sql) close that gap for handlers whose
-// effects are writes to this same database: the handler receives a
-// transaction in which the key was already inserted, makes its own writes in
-// it, and the key and the writes commit together or not at all. A redelivery
-// finds the key committed and is acknowledged without running the handler; a
-// failed handler rolls back, key included, and the redelivery runs it. There
-// is no lease and no completion step: a duplicate that arrives while the first
-// delivery's transaction is still open waits for it (on the key's row lock)
-// and then either finds the key committed or takes it over after a rollback.
-// The inbox costs one statement beyond the handler's own transaction.
+// The transactional inbox ([NewInbox] for pgx.Tx, [NewSQLInbox] for
+// database/sql) closes that gap for handlers whose effects are writes to this
+// same database: the handler receives a transaction in which the key was
+// already inserted, makes its own writes in it, and the key and the writes
+// commit together or not at all. A redelivery finds the key committed and is
+// acknowledged without running the handler; a failed handler rolls back, key
+// included, and the redelivery runs it. There is no lease and no completion
+// step: a duplicate that arrives while the first delivery's transaction is
+// still open waits for it (on the key's row lock) and then either finds the
+// key committed or takes it over after a rollback. The inbox costs one
+// statement beyond the handler's own transaction.
 //
-// Both keep their keys in one table (default ferry_idempotency_keys), whose
-// schema is the SQL migration in migrations/ (SQL returns it for another
-// table name; Migrate applies it). Expired keys stay in the table, counted as
-// absent, until Cleanup deletes them; run it periodically
-// (idempotency.CleanEvery). Use one namespace with either the middleware or
-// the inbox, never both: the inbox reads any live row as done.
+// Both keep their keys in one table (default [DefaultTable]), whose schema
+// is the SQL migration in [Migrations]: [Migrate] (pgx) or [MigrateSQL]
+// (database/sql) applies it, and [Schema] returns it for another table name,
+// for your own migration tool. Expired keys stay in the table, counted as
+// absent, until [Store.Cleanup] deletes them; run it periodically
+// ([idempotency.CleanEvery]). Use one namespace with either the middleware
+// or the inbox, never both: the inbox reads any live row as done.
 //
 // The table keeps the SHA-256 of each namespaced key (bytea), not the key:
 // keys are arbitrary bytes, NUL and invalid UTF-8 included, which a text
 // column refuses, and of any length, which an index entry is not. An error
 // that no retry can fix (SQLSTATE class 22, data exception) is returned
-// marked consumer.Permanent, so its message is dead-lettered and a circuit
-// breaker does not count it.
+// marked [consumer.Permanent], so its message is dead-lettered and a circuit
+// breaker does not count it; any other error of the database is retryable.
 //
 // Times are the database server's clock (now()), so workers on machines with
 // skewed clocks agree on when a lease ends.
@@ -40,6 +43,7 @@ package pgstore
 
 import (
 	"context"
+	"database/sql"
 	"embed"
 	"errors"
 	"fmt"
@@ -65,20 +69,20 @@ var migrations embed.FS
 // default table name. Use them with your own migration tool, or call Migrate.
 var Migrations fs.FS = migrations
 
-// DB is what the Store needs from a connection: *pgxpool.Pool, *pgx.Conn
-// and pgx.Tx all are one.
+// DB is the handle the package takes, for the Store, the inbox and Migrate:
+// *pgxpool.Pool and *pgx.Conn are one, and so is a pgx.Tx (the inbox and
+// Migrate then work in a savepoint).
 type DB interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
 	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 }
 
-// Beginner starts transactions: *pgxpool.Pool and *pgx.Conn are one.
-type Beginner interface {
-	Begin(ctx context.Context) (pgx.Tx, error)
-}
-
-// Option configures a Store, Migrate, Inbox or SQLInbox. An invalid value
-// makes the constructor fail with a *consumer.ConfigError naming the field.
+// Option configures NewStore, NewInbox, NewSQLInbox, Migrate and
+// MigrateSQL. An invalid value makes the function fail with a
+// *consumer.ConfigError naming the field. An option that does not apply to
+// a function (WithRetention or WithKey given to NewStore or Migrate) is
+// ignored, so one list of options can serve an inbox and its migration.
 type Option func(*config) error
 
 type config = keytable.Config
@@ -90,15 +94,18 @@ func WithTable(name string) Option {
 	return Option(keytable.Table(name))
 }
 
-// WithRetention sets how long the inbox keeps a key (Inbox and SQLInbox
-// only; the middleware's retention is idempotency.WithRetention). Default
+// WithRetention sets how long the inbox keeps a key (NewInbox and
+// NewSQLInbox only; the middleware's retention is
+// idempotency.WithRetention). It must be > 0. Default
 // idempotency.DefaultRetention (15 days).
 func WithRetention(d time.Duration) Option {
 	return Option(keytable.Retention(d))
 }
 
-// WithKey sets how the inbox derives a message's key (Inbox and SQLInbox
-// only). Default idempotency.DefaultKey.
+// WithKey sets how the inbox derives a message's key (NewInbox and
+// NewSQLInbox only; the middleware's is idempotency.WithKey). It must not be
+// nil. Default idempotency.DefaultKey (the ferry-event-id header, else the
+// broker's message id).
 func WithKey(f idempotency.KeyFunc) Option {
 	return Option(keytable.Key(f))
 }
@@ -107,9 +114,11 @@ func buildConfig(opts []Option) (config, error) {
 	return keytable.Build(DefaultTable, opts)
 }
 
-// SQL returns the schema migration for the keys table named table (all the
-// files of Migrations, in order), for use with your own migration tool.
-func SQL(table string) (string, error) {
+// Schema returns the schema migration for the keys table named table (all
+// the files of Migrations, in order, with the default table name replaced),
+// for use with your own migration tool. A name that WithTable would refuse
+// is a *consumer.ConfigError naming Table.
+func Schema(table string) (string, error) {
 	c, err := buildConfig([]Option{WithTable(table)})
 	if err != nil {
 		return "", err
@@ -121,20 +130,22 @@ func render(table string) (string, error) {
 	return keytable.Render(migrations, "migrations/*.sql", DefaultTable, table)
 }
 
-// Migrate creates the keys table if it does not exist. It is
-// safe to call from many processes at once (it serialises on an advisory
-// lock) and to call again.
-func Migrate(ctx context.Context, db Beginner, opts ...Option) error {
-	c, err := buildConfig(opts)
+// migrateLock serialises Migrate and MigrateSQL across processes.
+const migrateLock = "SELECT pg_advisory_xact_lock(hashtext('ferry-idempotency-migrate'))"
+
+// Migrate creates the keys table (WithTable) if it does not exist, in one
+// transaction on db. It is safe to call from many processes at once (it
+// serialises on an advisory lock) and to call again.
+func Migrate(ctx context.Context, db DB, opts ...Option) error {
+	if db == nil {
+		return configErr("DB", "must not be nil")
+	}
+	c, schema, err := migration(opts)
 	if err != nil {
 		return err
 	}
-	schema, err := render(c.Table)
-	if err != nil {
-		return fmt.Errorf("pgstore: migrate: %w", err)
-	}
 	err = pgx.BeginFunc(ctx, db, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, "SELECT pg_advisory_xact_lock(hashtext('ferry-idempotency-migrate'))"); err != nil {
+		if _, err := tx.Exec(ctx, migrateLock); err != nil {
 			return err
 		}
 		_, err := tx.Exec(ctx, schema)
@@ -146,8 +157,48 @@ func Migrate(ctx context.Context, db Beginner, opts ...Option) error {
 	return nil
 }
 
+// MigrateSQL is Migrate for database/sql over PostgreSQL (the pgx stdlib
+// driver, lib/pq).
+func MigrateSQL(ctx context.Context, db *sql.DB, opts ...Option) error {
+	if db == nil {
+		return configErr("DB", "must not be nil")
+	}
+	c, schema, err := migration(opts)
+	if err != nil {
+		return err
+	}
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		return fmt.Errorf("pgstore: migrate table %s: %w", c.Table, err)
+	}
+	defer func() { _ = tx.Rollback() }() // a no-op after Commit
+	if _, err := tx.ExecContext(ctx, migrateLock); err != nil {
+		return fmt.Errorf("pgstore: migrate table %s: %w", c.Table, err)
+	}
+	if _, err := tx.ExecContext(ctx, schema); err != nil {
+		return fmt.Errorf("pgstore: migrate table %s: %w", c.Table, err)
+	}
+	if err := tx.Commit(); err != nil {
+		return fmt.Errorf("pgstore: migrate table %s: %w", c.Table, err)
+	}
+	return nil
+}
+
+// migration returns the configuration opts make and its schema.
+func migration(opts []Option) (config, string, error) {
+	c, err := buildConfig(opts)
+	if err != nil {
+		return c, "", err
+	}
+	schema, err := render(c.Table)
+	if err != nil {
+		return c, "", fmt.Errorf("pgstore: migrate: %w", err)
+	}
+	return c, schema, nil
+}
+
 // Store is an idempotency.Store and idempotency.Cleaner in PostgreSQL. Claim,
-// Complete and Release are one statement each.
+// Complete and Release are one statement each. Build one with NewStore.
 type Store struct {
 	db                                DB
 	table                             string
@@ -160,9 +211,9 @@ var _ interface {
 	idempotency.Cleaner
 } = (*Store)(nil)
 
-// New returns a Store over db, whose table Migrate created. Only WithTable
-// applies.
-func New(db DB, opts ...Option) (*Store, error) {
+// NewStore returns a Store over db, in the table (WithTable) that Migrate
+// created. Of the options, only WithTable applies.
+func NewStore(db DB, opts ...Option) (*Store, error) {
 	if db == nil {
 		return nil, configErr("DB", "must not be nil")
 	}

@@ -106,7 +106,7 @@ func TestStore(t *testing.T) {
 	p := testPool(t)
 	storetest.Run(t, storetest.Config{
 		NewStore: func(t *testing.T) idempotency.Store {
-			s, err := pgstore.New(p, pgstore.WithTable(freshTable(t, p)))
+			s, err := pgstore.NewStore(p, pgstore.WithTable(freshTable(t, p)))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -119,7 +119,7 @@ func TestStore(t *testing.T) {
 func TestInboxExactlyOnce(t *testing.T) {
 	p := testPool(t)
 	e := newEffect(t, p)
-	h, err := pgstore.Inbox(p, "inbox", func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+	h, err := pgstore.NewInbox(p, "inbox", func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
 		_, err := tx.Exec(ctx, e.insertSQL(), []byte(m.Header(idempotency.EventIDHeader)))
 		return err
 	}, pgstore.WithTable(freshTable(t, p)))
@@ -134,7 +134,7 @@ func TestSQLInboxExactlyOnce(t *testing.T) {
 	e := newEffect(t, p)
 	db := stdlib.OpenDBFromPool(p)
 	t.Cleanup(func() { db.Close() })
-	h, err := pgstore.SQLInbox(db, "inbox", func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error {
+	h, err := pgstore.NewSQLInbox(db, "inbox", func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error {
 		_, err := tx.ExecContext(ctx, e.insertSQL(), []byte(m.Header(idempotency.EventIDHeader)))
 		return err
 	}, pgstore.WithTable(freshTable(t, p)))
@@ -150,7 +150,7 @@ func TestInboxHandlerErrorRollsBackKeyAndWrites(t *testing.T) {
 	e := newEffect(t, p)
 	boom := consumer.Permanent(errors.New("boom"))
 	var calls atomic.Int32
-	h, err := pgstore.Inbox(p, "inbox", func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+	h, err := pgstore.NewInbox(p, "inbox", func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
 		if _, err := tx.Exec(ctx, e.insertSQL(), []byte(m.Header(idempotency.EventIDHeader))); err != nil {
 			return err
 		}
@@ -187,7 +187,7 @@ func TestInboxDuplicateWaitsForOpenTransaction(t *testing.T) {
 	proceed := make(chan struct{})
 	var calls atomic.Int32
 	table := freshTable(t, p)
-	h, err := pgstore.Inbox(p, "inbox", func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
+	h, err := pgstore.NewInbox(p, "inbox", func(ctx context.Context, tx pgx.Tx, m *consumer.Message) error {
 		if calls.Add(1) == 1 {
 			close(entered)
 			<-proceed
@@ -234,7 +234,7 @@ func TestInboxDuplicateOfCommittedKeySkipsHandler(t *testing.T) {
 	p := testPool(t)
 	ctx := ctxFor(t)
 	var calls atomic.Int32
-	h, err := pgstore.Inbox(p, "inbox", func(context.Context, pgx.Tx, *consumer.Message) error {
+	h, err := pgstore.NewInbox(p, "inbox", func(context.Context, pgx.Tx, *consumer.Message) error {
 		calls.Add(1)
 		return nil
 	}, pgstore.WithTable(freshTable(t, p)))
@@ -258,7 +258,7 @@ const deadURL = "postgres://ferry:ferry@127.0.0.1:1/ferry?sslmode=disable&connec
 func TestUnreachablePostgresIsNotAckedAndHandlerNotCalled(t *testing.T) {
 	p := newPool(t, deadURL, 2)
 	ctx := ctxFor(t)
-	s, err := pgstore.New(p)
+	s, err := pgstore.NewStore(p)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -274,7 +274,7 @@ func TestUnreachablePostgresIsNotAckedAndHandlerNotCalled(t *testing.T) {
 		t.Fatalf("middleware = %v, want a plain error (not acked, redelivered)", err)
 	}
 
-	in, err := pgstore.Inbox(p, "billing", func(context.Context, pgx.Tx, *consumer.Message) error { calls.Add(1); return nil })
+	in, err := pgstore.NewInbox(p, "billing", func(context.Context, pgx.Tx, *consumer.Message) error { calls.Add(1); return nil })
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -287,7 +287,7 @@ func TestUnreachablePostgresIsNotAckedAndHandlerNotCalled(t *testing.T) {
 }
 
 func TestUnreachablePostgresThroughDeliveryLoop(t *testing.T) {
-	s, err := pgstore.New(newPool(t, deadURL, 2))
+	s, err := pgstore.NewStore(newPool(t, deadURL, 2))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -298,10 +298,18 @@ func TestMigrateIsRepeatableAndConcurrent(t *testing.T) {
 	p := testPool(t)
 	ctx := ctxFor(t)
 	name := freshTable(t, p)
+	db := stdlib.OpenDBFromPool(p)
+	t.Cleanup(func() { db.Close() })
 	var wg sync.WaitGroup
-	errs := make([]error, 4)
+	errs := make([]error, 6)
 	for i := range errs {
-		wg.Go(func() { errs[i] = pgstore.Migrate(ctx, p, pgstore.WithTable(name)) })
+		wg.Go(func() {
+			if i%2 == 0 {
+				errs[i] = pgstore.Migrate(ctx, p, pgstore.WithTable(name))
+			} else {
+				errs[i] = pgstore.MigrateSQL(ctx, db, pgstore.WithTable(name))
+			}
+		})
 	}
 	wg.Wait()
 	for _, err := range errs {
@@ -315,37 +323,71 @@ func TestMigrateIsRepeatableAndConcurrent(t *testing.T) {
 	}
 }
 
-func TestSQLRendersTheTableName(t *testing.T) {
-	text, err := pgstore.SQL("my_keys")
+// MigrateSQL (database/sql) and Migrate in a caller's transaction create a
+// table the store works with.
+func TestMigrateSQLAndMigrateInATransaction(t *testing.T) {
+	p := testPool(t)
+	ctx := ctxFor(t)
+	db := stdlib.OpenDBFromPool(p)
+	t.Cleanup(func() { db.Close() })
+	viaSQL := strings.ReplaceAll(testenv.UniqueName(t, "idem_sql"), "-", "_")
+	viaTx := strings.ReplaceAll(testenv.UniqueName(t, "idem_tx"), "-", "_")
+	t.Cleanup(func() { _, _ = p.Exec(context.Background(), "DROP TABLE IF EXISTS "+viaSQL+", "+viaTx) })
+	if err := pgstore.MigrateSQL(ctx, db, pgstore.WithTable(viaSQL)); err != nil {
+		t.Fatalf("MigrateSQL: %v", err)
+	}
+	err := pgx.BeginFunc(ctx, p, func(tx pgx.Tx) error { return pgstore.Migrate(ctx, tx, pgstore.WithTable(viaTx)) })
+	if err != nil {
+		t.Fatalf("Migrate in a transaction: %v", err)
+	}
+	for _, table := range []string{viaSQL, viaTx} {
+		s, err := pgstore.NewStore(p, pgstore.WithTable(table))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if cl, err := s.Claim(ctx, "k\x00", time.Minute); err != nil || cl.Status != idempotency.Claimed {
+			t.Fatalf("claim in %s = %v, %v", table, cl.Status, err)
+		}
+	}
+}
+
+func TestSchemaRendersTheTableName(t *testing.T) {
+	text, err := pgstore.Schema("my_keys")
 	if err != nil {
 		t.Fatal(err)
 	}
 	if !strings.Contains(text, "CREATE TABLE IF NOT EXISTS my_keys (") || strings.Contains(text, pgstore.DefaultTable) {
-		t.Fatalf("SQL(my_keys) =\n%s", text)
+		t.Fatalf("Schema(my_keys) =\n%s", text)
 	}
 }
 
 func TestBadConfigurationNamesTheField(t *testing.T) {
 	var ce *consumer.ConfigError
-	if _, err := pgstore.SQL("drop table x;"); !errors.As(err, &ce) || ce.Field != "Table" {
-		t.Errorf("SQL(bad name) = %v, want a ConfigError naming Table", err)
+	if _, err := pgstore.Schema("drop table x;"); !errors.As(err, &ce) || ce.Field != "Table" {
+		t.Errorf("Schema(bad name) = %v, want a ConfigError naming Table", err)
 	}
-	if _, err := pgstore.New(nil); !errors.As(err, &ce) || ce.Field != "DB" {
-		t.Errorf("New(nil) = %v, want a ConfigError naming DB", err)
+	if _, err := pgstore.NewStore(nil); !errors.As(err, &ce) || ce.Field != "DB" {
+		t.Errorf("NewStore(nil) = %v, want a ConfigError naming DB", err)
+	}
+	if err := pgstore.Migrate(context.Background(), nil); !errors.As(err, &ce) || ce.Field != "DB" {
+		t.Errorf("Migrate(nil) = %v, want a ConfigError naming DB", err)
+	}
+	if err := pgstore.MigrateSQL(context.Background(), nil); !errors.As(err, &ce) || ce.Field != "DB" {
+		t.Errorf("MigrateSQL(nil) = %v, want a ConfigError naming DB", err)
 	}
 	p := newPool(t, deadURL, 1)
-	if _, err := pgstore.New(p, pgstore.WithTable("Bad-Name")); !errors.As(err, &ce) || ce.Field != "Table" {
-		t.Errorf("New(bad table) = %v, want a ConfigError naming Table", err)
+	if _, err := pgstore.NewStore(p, pgstore.WithTable("Bad-Name")); !errors.As(err, &ce) || ce.Field != "Table" {
+		t.Errorf("NewStore(bad table) = %v, want a ConfigError naming Table", err)
 	}
 	noop := func(context.Context, pgx.Tx, *consumer.Message) error { return nil }
-	if _, err := pgstore.Inbox(p, "", noop); !errors.As(err, &ce) || ce.Field != "Namespace" {
-		t.Errorf("Inbox(empty namespace) = %v, want a ConfigError naming Namespace", err)
+	if _, err := pgstore.NewInbox(p, "", noop); !errors.As(err, &ce) || ce.Field != "Namespace" {
+		t.Errorf("NewInbox(empty namespace) = %v, want a ConfigError naming Namespace", err)
 	}
-	if _, err := pgstore.Inbox(p, "x", nil); !errors.As(err, &ce) || ce.Field != "Handler" {
-		t.Errorf("Inbox(nil handler) = %v, want a ConfigError naming Handler", err)
+	if _, err := pgstore.NewInbox(p, "x", nil); !errors.As(err, &ce) || ce.Field != "Handler" {
+		t.Errorf("NewInbox(nil handler) = %v, want a ConfigError naming Handler", err)
 	}
-	if _, err := pgstore.Inbox(p, "x", noop, pgstore.WithRetention(0)); !errors.As(err, &ce) || ce.Field != "Retention" {
-		t.Errorf("Inbox(zero retention) = %v, want a ConfigError naming Retention", err)
+	if _, err := pgstore.NewInbox(p, "x", noop, pgstore.WithRetention(0)); !errors.As(err, &ce) || ce.Field != "Retention" {
+		t.Errorf("NewInbox(zero retention) = %v, want a ConfigError naming Retention", err)
 	}
 }
 
@@ -384,7 +426,7 @@ func TestDataExceptionIsPermanentAndNeverOpensTheBreaker(t *testing.T) {
 		handler func(t *testing.T, table string) consumer.Handler
 	}{
 		{"Middleware", func(t *testing.T, table string) consumer.Handler {
-			s, err := pgstore.New(p, pgstore.WithTable(table))
+			s, err := pgstore.NewStore(p, pgstore.WithTable(table))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -395,7 +437,7 @@ func TestDataExceptionIsPermanentAndNeverOpensTheBreaker(t *testing.T) {
 			return dedup.Wrap(consumer.HandlerFunc(noop))
 		}},
 		{"Inbox", func(t *testing.T, table string) consumer.Handler {
-			h, err := pgstore.Inbox(p, "orders-consumer", func(ctx context.Context, _ pgx.Tx, m *consumer.Message) error {
+			h, err := pgstore.NewInbox(p, "orders-consumer", func(ctx context.Context, _ pgx.Tx, m *consumer.Message) error {
 				return noop(ctx, m)
 			}, pgstore.WithTable(table))
 			if err != nil {
@@ -404,7 +446,7 @@ func TestDataExceptionIsPermanentAndNeverOpensTheBreaker(t *testing.T) {
 			return h
 		}},
 		{"SQLInbox", func(t *testing.T, table string) consumer.Handler {
-			h, err := pgstore.SQLInbox(db, "orders-consumer", func(ctx context.Context, _ *sql.Tx, m *consumer.Message) error {
+			h, err := pgstore.NewSQLInbox(db, "orders-consumer", func(ctx context.Context, _ *sql.Tx, m *consumer.Message) error {
 				return noop(ctx, m)
 			}, pgstore.WithTable(table))
 			if err != nil {

@@ -20,7 +20,7 @@ func BenchmarkClaimComplete(b *testing.B) {
 	ctx := context.Background()
 	prefix := testenv.UniqueName(b, "idem") + ":"
 	cleanPrefix(b, c, prefix)
-	s, err := redisstore.New(c, redisstore.WithPrefix(prefix+"k:"))
+	s, err := redisstore.NewStore(c, redisstore.WithPrefix(prefix+"k:"))
 	if err != nil {
 		b.Fatal(err)
 	}

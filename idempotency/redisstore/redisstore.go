@@ -1,21 +1,29 @@
 // Package redisstore keeps idempotency keys in Redis, over go-redis/v9.
 //
-// A claim is SET key token NX PX lease: one round trip when the key is new.
-// A duplicate costs a second round trip (GET and PTTL, pipelined) to tell a
-// completed key from one in progress. Complete and Release are Lua scripts
-// that act only when the key still holds the caller's owner token, so a slow
-// worker whose lease expired cannot touch the claim of the worker that took
-// the key over; each is one round trip (EVALSHA). Unlike the SQL stores,
-// a claim whose lease ran out is gone even if nobody took the key over
-// (Redis deleted it): its holder's Complete then gets ErrNotOwner and the
-// message runs again. Choose a lease longer than the handler runs.
+// [Store] (from [NewStore]) is an [idempotency.Store] for the idempotency
+// middleware ([idempotency.New]). A claim is SET key token NX PX lease: one
+// round trip when the key is new. A duplicate costs a second round trip (GET
+// and PTTL, pipelined) to tell a completed key from one in progress.
+// Complete and Release are Lua scripts that act only when the key still
+// holds the caller's owner token, so a slow worker whose lease expired
+// cannot touch the claim of the worker that took the key over; each is one
+// round trip (EVALSHA). Unlike the SQL stores, a claim whose lease ran out
+// is gone even if nobody took the key over (Redis deleted it): its holder's
+// Complete then gets [idempotency.ErrNotOwner] and the message runs again.
+// Choose a lease longer than the handler runs.
+//
+// Redis keys are binary safe, so the store keeps the namespaced key as it is,
+// after the prefix ([WithPrefix]): any bytes, NUL and invalid UTF-8
+// included, readable in redis-cli. A key costs its own length in memory for
+// its retention.
 //
 // Redis expires claims and completions by itself (their TTL is the lease or
-// the retention), so the store needs no Cleanup. Its cost is memory: one key
-// per message handled within the retention (15 days by default). Keys outlive
-// a Redis restart only as far as its persistence (AOF or RDB) is configured
-// to keep them; without persistence a restart forgets every completion, and
-// duplicates delivered after it run again.
+// the retention), so the store needs no Cleanup, and Redis no schema or
+// migration. Its cost is memory: one key per message handled within the
+// retention (15 days by default). Keys outlive a Redis restart only as far
+// as its persistence (AOF or RDB) is configured to keep them; without
+// persistence a restart forgets every completion, and duplicates delivered
+// after it run again.
 package redisstore
 
 import (
@@ -57,23 +65,28 @@ type Client interface {
 	redis.Scripter
 }
 
-// Option configures a Store. An invalid value makes New fail with a
+// Option configures NewStore. An invalid value makes NewStore fail with a
 // *consumer.ConfigError naming the field.
-type Option func(*Store) error
+type Option func(*config) error
 
-// WithPrefix sets the prefix of every Redis key the store writes. Default
+type config struct {
+	prefix string
+}
+
+// WithPrefix sets the prefix of every Redis key the store writes (the
+// namespaced idempotency key follows it). It must not be empty. Default
 // DefaultPrefix ("ferry:idem:").
 func WithPrefix(p string) Option {
-	return func(s *Store) error {
+	return func(c *config) error {
 		if p == "" {
 			return &consumer.ConfigError{Field: "Prefix", Reason: "must not be empty"}
 		}
-		s.prefix = p
+		c.prefix = p
 		return nil
 	}
 }
 
-// Store is an idempotency.Store in Redis.
+// Store is an idempotency.Store in Redis. Build one with NewStore.
 type Store struct {
 	c      Client
 	prefix string
@@ -81,21 +94,21 @@ type Store struct {
 
 var _ idempotency.Store = (*Store)(nil)
 
-// New returns a Store over c.
-func New(c Client, opts ...Option) (*Store, error) {
+// NewStore returns a Store over c.
+func NewStore(c Client, opts ...Option) (*Store, error) {
 	if c == nil {
 		return nil, &consumer.ConfigError{Field: "Client", Reason: "must not be nil"}
 	}
-	s := &Store{c: c, prefix: DefaultPrefix}
+	cfg := config{prefix: DefaultPrefix}
 	for _, o := range opts {
 		if o == nil {
 			continue
 		}
-		if err := o(s); err != nil {
+		if err := o(&cfg); err != nil {
 			return nil, err
 		}
 	}
-	return s, nil
+	return &Store{c: c, prefix: cfg.prefix}, nil
 }
 
 // Claim implements idempotency.Store.

@@ -66,7 +66,7 @@ func TestStore(t *testing.T) {
 		NewStore: func(t *testing.T) idempotency.Store {
 			prefix := testenv.UniqueName(t, "idem") + ":"
 			cleanPrefix(t, c, prefix)
-			s, err := redisstore.New(c, redisstore.WithPrefix(prefix))
+			s, err := redisstore.NewStore(c, redisstore.WithPrefix(prefix))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -83,7 +83,7 @@ func TestStore(t *testing.T) {
 func TestUnreachableRedisIsNotAckedAndHandlerNotCalled(t *testing.T) {
 	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: 1, DialTimeout: 5 * time.Second})
 	t.Cleanup(func() { c.Close() })
-	s, err := redisstore.New(c)
+	s, err := redisstore.NewStore(c)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -106,7 +106,7 @@ func TestUnreachableRedisIsNotAckedAndHandlerNotCalled(t *testing.T) {
 func TestUnreachableRedisThroughDeliveryLoop(t *testing.T) {
 	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1, DialTimeout: 5 * time.Second})
 	t.Cleanup(func() { c.Close() })
-	s, err := redisstore.New(c)
+	s, err := redisstore.NewStore(c)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -118,7 +118,7 @@ func TestCompletedKeyExpiresWithRetentionTTL(t *testing.T) {
 	ctx := context.Background()
 	prefix := testenv.UniqueName(t, "idem") + ":"
 	cleanPrefix(t, c, prefix)
-	s, err := redisstore.New(c, redisstore.WithPrefix(prefix))
+	s, err := redisstore.NewStore(c, redisstore.WithPrefix(prefix))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -137,12 +137,12 @@ func TestCompletedKeyExpiresWithRetentionTTL(t *testing.T) {
 
 func TestBadConfigurationNamesTheField(t *testing.T) {
 	var ce *consumer.ConfigError
-	if _, err := redisstore.New(nil); !errors.As(err, &ce) || ce.Field != "Client" {
-		t.Errorf("New(nil) = %v, want a ConfigError naming Client", err)
+	if _, err := redisstore.NewStore(nil); !errors.As(err, &ce) || ce.Field != "Client" {
+		t.Errorf("NewStore(nil) = %v, want a ConfigError naming Client", err)
 	}
 	c := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1"})
 	defer c.Close()
-	if _, err := redisstore.New(c, redisstore.WithPrefix("")); !errors.As(err, &ce) || ce.Field != "Prefix" {
+	if _, err := redisstore.NewStore(c, redisstore.WithPrefix("")); !errors.As(err, &ce) || ce.Field != "Prefix" {
 		t.Errorf("WithPrefix(\"\") = %v, want a ConfigError naming Prefix", err)
 	}
 }

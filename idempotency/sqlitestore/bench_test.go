@@ -28,7 +28,7 @@ func report(b *testing.B, n int, raw, ours time.Duration, unit string) {
 func BenchmarkClaimComplete(b *testing.B) {
 	db := openDB(b)
 	ctx := context.Background()
-	s, err := sqlitestore.New(db)
+	s, err := sqlitestore.NewStore(db)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -76,7 +76,7 @@ func BenchmarkInbox(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	h, err := sqlitestore.Inbox(db, "bench", func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error {
+	h, err := sqlitestore.NewInbox(db, "bench", func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error {
 		_, err := tx.StmtContext(ctx, ins).ExecContext(ctx, []byte(m.ID))
 		return err
 	})

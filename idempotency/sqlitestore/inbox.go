@@ -12,12 +12,12 @@ import (
 	"github.com/ferrymq/ferry/idempotency/internal/keytable"
 )
 
-// TxHandler handles a message inside the inbox's transaction: its writes
-// through tx commit together with the message's key, or not at all. It must
-// not commit or roll back tx.
+// TxHandler handles a message inside the inbox's transaction (NewInbox): its
+// writes through tx commit together with the message's key, or not at all.
+// It must not commit or roll back tx.
 type TxHandler func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error
 
-// Inbox returns a Handler that runs h once per key, in a transaction that
+// NewInbox returns a Handler that runs h once per key, in a transaction that
 // also records the key: see the package documentation. namespace is the
 // consumer's name, as for idempotency.New. WithTable, WithRetention and
 // WithKey apply.
@@ -27,8 +27,9 @@ type TxHandler func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error
 //
 // A handler error rolls back and is returned unchanged; a duplicate is
 // acknowledged (nil) without calling h; a database error is returned wrapped,
-// and h is not called.
-func Inbox(db *sql.DB, namespace string, h TxHandler, opts ...Option) (consumer.Handler, error) {
+// and h is not called (permanent when no retry can fix it). A message without
+// a key is a permanent error wrapping idempotency.ErrNoKey.
+func NewInbox(db *sql.DB, namespace string, h TxHandler, opts ...Option) (consumer.Handler, error) {
 	if db == nil {
 		return nil, configErr("DB", "must not be nil")
 	}

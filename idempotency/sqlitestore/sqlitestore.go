@@ -2,33 +2,37 @@
 // with modernc.org/sqlite (pure Go, no cgo): the embedded default for a
 // single node.
 //
-// Store is an idempotency.Store for the idempotency middleware; claim,
-// completion and release are one statement each. Inbox is the transactional
-// inbox: the handler receives a *sql.Tx in which the message's key was
-// already inserted, so the key and the handler's own writes commit together
-// or not at all, and there is no completion step to lose (see package
-// idempotency for the guarantee).
+// [Store] (from [NewStore]) is an [idempotency.Store] for the idempotency
+// middleware ([idempotency.New]); claim, completion and release are one
+// statement each. [NewInbox] builds the transactional inbox: the handler
+// receives a *sql.Tx in which the message's key was already inserted, so the
+// key and the handler's own writes commit together or not at all, and there
+// is no completion step to lose (see package idempotency for the guarantee).
+// Both keep their keys in one table (default [DefaultTable]), whose schema
+// is the SQL migration in [Migrations]: [Migrate] applies it, and [Schema]
+// returns it for another table name, for your own migration tool.
 //
 // SQLite allows one writer at a time, and its busy handler (which makes a
 // writer sleep and try again while another holds the lock) is neither fair
 // nor quick: many goroutines writing through many connections starve one
-// another into SQLITE_BUSY. Open therefore returns a *sql.DB with a single
+// another into SQLITE_BUSY. [Open] therefore returns a *sql.DB with a single
 // connection, so that goroutines queue in database/sql, in order, instead of
 // in SQLite; with a WAL journal, a busy timeout of 10 s (for other processes
 // that open the file) and BEGIN IMMEDIATE transactions. With one connection,
-// an Inbox handler must do its work through the *sql.Tx it receives, never
+// an inbox's handler must do its work through the *sql.Tx it receives, never
 // through the *sql.DB (which would wait for the connection the transaction
 // holds). A *sql.DB opened otherwise should be set up the same way.
 //
 // The table keeps the SHA-256 of each namespaced key (a BLOB), so that keys
 // of any bytes and any length take 32 bytes of the primary key. An error no
 // retry can fix (SQLITE_TOOBIG, SQLITE_MISMATCH) is returned marked
-// consumer.Permanent.
+// [consumer.Permanent], so its message is dead-lettered and a circuit
+// breaker does not count it; any other error of the database is retryable.
 //
 // Leases and retention are measured with this process's clock, which is
 // right for a database file that one node uses. Expired keys stay in the
-// table, counted as absent, until Cleanup deletes them; run it periodically
-// (idempotency.CleanEvery). Use one namespace with either the middleware or
+// table, counted as absent, until [Store.Cleanup] deletes them; run it
+// periodically ([idempotency.CleanEvery]). Use one namespace with either the middleware or
 // the inbox, never both: the inbox reads any live row as done.
 package sqlitestore
 
@@ -70,8 +74,11 @@ func Open(path string) (*sql.DB, error) {
 	return db, nil
 }
 
-// Option configures a Store, Migrate or Inbox. An invalid value makes the
-// constructor fail with a *consumer.ConfigError naming the field.
+// Option configures NewStore, NewInbox and Migrate. An invalid value makes
+// the function fail with a *consumer.ConfigError naming the field. An
+// option that does not apply to a function (WithRetention or WithKey given
+// to NewStore or Migrate) is ignored, so one list of options can serve an
+// inbox and its migration.
 type Option func(*config) error
 
 type config = keytable.Config
@@ -82,15 +89,17 @@ func WithTable(name string) Option {
 	return Option(keytable.Table(name))
 }
 
-// WithRetention sets how long the inbox keeps a key (Inbox only; the
-// middleware's retention is idempotency.WithRetention). Default
-// idempotency.DefaultRetention (15 days).
+// WithRetention sets how long the inbox keeps a key (NewInbox only; the
+// middleware's retention is idempotency.WithRetention). It must be > 0.
+// Default idempotency.DefaultRetention (15 days).
 func WithRetention(d time.Duration) Option {
 	return Option(keytable.Retention(d))
 }
 
-// WithKey sets how the inbox derives a message's key (Inbox only). Default
-// idempotency.DefaultKey.
+// WithKey sets how the inbox derives a message's key (NewInbox only; the
+// middleware's is idempotency.WithKey). It must not be nil. Default
+// idempotency.DefaultKey (the ferry-event-id header, else the broker's
+// message id).
 func WithKey(f idempotency.KeyFunc) Option {
 	return Option(keytable.Key(f))
 }
@@ -99,8 +108,11 @@ func buildConfig(opts []Option) (config, error) {
 	return keytable.Build(DefaultTable, opts)
 }
 
-// SQL returns the schema migration for the keys table named table.
-func SQL(table string) (string, error) {
+// Schema returns the schema migration for the keys table named table (all
+// the files of Migrations, in order, with the default table name replaced),
+// for use with your own migration tool. A name that WithTable would refuse
+// is a *consumer.ConfigError naming Table.
+func Schema(table string) (string, error) {
 	c, err := buildConfig([]Option{WithTable(table)})
 	if err != nil {
 		return "", err
@@ -112,7 +124,7 @@ func render(table string) (string, error) {
 	return keytable.Render(migrations, "migrations/*.sql", DefaultTable, table)
 }
 
-// Migrate creates the keys table if it does not exist, in one
+// Migrate creates the keys table (WithTable) if it does not exist, in one
 // transaction. It is safe to call again.
 func Migrate(ctx context.Context, db *sql.DB, opts ...Option) error {
 	if db == nil {
@@ -140,7 +152,8 @@ func Migrate(ctx context.Context, db *sql.DB, opts ...Option) error {
 	return nil
 }
 
-// Store is an idempotency.Store and idempotency.Cleaner in SQLite.
+// Store is an idempotency.Store and idempotency.Cleaner in SQLite. Build one
+// with NewStore.
 type Store struct {
 	db                              *sql.DB
 	now                             func() time.Time
@@ -152,10 +165,11 @@ var _ interface {
 	idempotency.Cleaner
 } = (*Store)(nil)
 
-// New returns a Store over db, whose table Migrate created, with its
-// statements prepared (so it fails if the table does not exist). Only
-// WithTable applies. Close releases the statements.
-func New(db *sql.DB, opts ...Option) (*Store, error) {
+// NewStore returns a Store over db, in the table (WithTable) that Migrate
+// created, with its statements prepared (so it fails if the table does not
+// exist). Of the options, only WithTable applies. Close releases the
+// statements.
+func NewStore(db *sql.DB, opts ...Option) (*Store, error) {
 	if db == nil {
 		return nil, configErr("DB", "must not be nil")
 	}

@@ -82,7 +82,7 @@ func TestStore(t *testing.T) {
 	}
 	storetest.Run(t, storetest.Config{
 		NewStore: func(t *testing.T) idempotency.Store {
-			s, err := sqlitestore.New(dbOf(t))
+			s, err := sqlitestore.NewStore(dbOf(t))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -100,7 +100,7 @@ func TestInboxExactlyOnce(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	h, err := sqlitestore.Inbox(db, "inbox", func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error {
+	h, err := sqlitestore.NewInbox(db, "inbox", func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error {
 		_, err := tx.StmtContext(ctx, ins).ExecContext(ctx, []byte(m.Header(idempotency.EventIDHeader)))
 		return err
 	})
@@ -116,7 +116,7 @@ func TestInboxHandlerErrorRollsBackKeyAndWrites(t *testing.T) {
 	e := newEffect(t, db)
 	boom := consumer.Permanent(errors.New("boom"))
 	var calls atomic.Int32
-	h, err := sqlitestore.Inbox(db, "inbox", func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error {
+	h, err := sqlitestore.NewInbox(db, "inbox", func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error {
 		if _, err := tx.ExecContext(ctx, effectInsert, []byte(m.Header(idempotency.EventIDHeader))); err != nil {
 			return err
 		}
@@ -147,7 +147,7 @@ func TestInboxHandlerErrorRollsBackKeyAndWrites(t *testing.T) {
 
 func TestDatabaseErrorIsNotAckedAndHandlerNotCalled(t *testing.T) {
 	db := openDB(t)
-	s, err := sqlitestore.New(db)
+	s, err := sqlitestore.NewStore(db)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -157,7 +157,7 @@ func TestDatabaseErrorIsNotAckedAndHandlerNotCalled(t *testing.T) {
 	}
 	var calls atomic.Int32
 	handler := func(context.Context, *sql.Tx, *consumer.Message) error { calls.Add(1); return nil }
-	in, err := sqlitestore.Inbox(db, "inbox", handler)
+	in, err := sqlitestore.NewInbox(db, "inbox", handler)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -182,7 +182,7 @@ func TestMigrateIsRepeatable(t *testing.T) {
 	if err := sqlitestore.Migrate(context.Background(), db, sqlitestore.WithTable("other_keys")); err != nil {
 		t.Fatalf("Migrate other table: %v", err)
 	}
-	s, err := sqlitestore.New(db, sqlitestore.WithTable("other_keys"))
+	s, err := sqlitestore.NewStore(db, sqlitestore.WithTable("other_keys"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -191,33 +191,33 @@ func TestMigrateIsRepeatable(t *testing.T) {
 	}
 }
 
-func TestSQLRendersTheTableName(t *testing.T) {
-	text, err := sqlitestore.SQL("my_keys")
+func TestSchemaRendersTheTableName(t *testing.T) {
+	text, err := sqlitestore.Schema("my_keys")
 	if err != nil {
 		t.Fatal(err)
 	}
 	if !strings.Contains(text, "CREATE TABLE IF NOT EXISTS my_keys (") || strings.Contains(text, sqlitestore.DefaultTable) {
-		t.Fatalf("SQL(my_keys) =\n%s", text)
+		t.Fatalf("Schema(my_keys) =\n%s", text)
 	}
 }
 
 func TestBadConfigurationNamesTheField(t *testing.T) {
 	var ce *consumer.ConfigError
-	if _, err := sqlitestore.SQL("x; drop"); !errors.As(err, &ce) || ce.Field != "Table" {
-		t.Errorf("SQL(bad name) = %v, want a ConfigError naming Table", err)
+	if _, err := sqlitestore.Schema("x; drop"); !errors.As(err, &ce) || ce.Field != "Table" {
+		t.Errorf("Schema(bad name) = %v, want a ConfigError naming Table", err)
 	}
-	if _, err := sqlitestore.New(nil); !errors.As(err, &ce) || ce.Field != "DB" {
-		t.Errorf("New(nil) = %v, want a ConfigError naming DB", err)
+	if _, err := sqlitestore.NewStore(nil); !errors.As(err, &ce) || ce.Field != "DB" {
+		t.Errorf("NewStore(nil) = %v, want a ConfigError naming DB", err)
 	}
 	if _, err := sqlitestore.Open(""); !errors.As(err, &ce) || ce.Field != "Path" {
 		t.Errorf("Open(\"\") = %v, want a ConfigError naming Path", err)
 	}
 	db := openDB(t)
 	noop := func(context.Context, *sql.Tx, *consumer.Message) error { return nil }
-	if _, err := sqlitestore.Inbox(db, "a:b", noop); !errors.As(err, &ce) || ce.Field != "Namespace" {
-		t.Errorf("Inbox(bad namespace) = %v, want a ConfigError naming Namespace", err)
+	if _, err := sqlitestore.NewInbox(db, "a:b", noop); !errors.As(err, &ce) || ce.Field != "Namespace" {
+		t.Errorf("NewInbox(bad namespace) = %v, want a ConfigError naming Namespace", err)
 	}
-	if _, err := sqlitestore.Inbox(db, "x", noop, sqlitestore.WithKey(nil)); !errors.As(err, &ce) || ce.Field != "Key" {
-		t.Errorf("Inbox(nil key) = %v, want a ConfigError naming Key", err)
+	if _, err := sqlitestore.NewInbox(db, "x", noop, sqlitestore.WithKey(nil)); !errors.As(err, &ce) || ce.Field != "Key" {
+		t.Errorf("NewInbox(nil key) = %v, want a ConfigError naming Key", err)
 	}
 }

@@ -108,12 +108,12 @@ func (b *billing) setUp(ctx context.Context, c Config, pub consumer.Publisher, d
 			return err
 		}
 	}
-	st, err := sqlitestore.New(b.db)
+	st, err := sqlitestore.NewStore(b.db)
 	if err != nil {
 		return err
 	}
 	b.store = st
-	if b.inboxH, err = sqlitestore.Inbox(b.db, billingNamespace, inboxTx, sqlitestore.WithTable(inboxTable)); err != nil {
+	if b.inboxH, err = sqlitestore.NewInbox(b.db, billingNamespace, inboxTx, sqlitestore.WithTable(inboxTable)); err != nil {
 		return err
 	}
 	// A duplicate that finds its key in progress is deferred: the consumer

@@ -54,7 +54,7 @@
 // idempotency middleware (over idempotency/sqlitestore's Store) claims the
 // event's id before the handler runs, so a duplicate never calls the
 // payments API again. The payment row is written through the transactional
-// inbox (sqlitestore.Inbox, on a table of its own), which records the
+// inbox (sqlitestore.NewInbox, on a table of its own), which records the
 // event's id in the same transaction as the row, so even a worker that dies
 // between its write and the middleware's completion cannot pay twice. The
 // payments table has no unique constraint on purpose: the verdict counts
