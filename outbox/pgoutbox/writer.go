@@ -21,8 +21,13 @@ const Channel = "ferry_outbox"
 // that serialise writers of one key (the second key is the key's hash).
 const lockNamespace = 0x46455259 // "FERY"
 
-// maxRowsPerInsert keeps one INSERT under PostgreSQL's 65535 parameters.
-const maxRowsPerInsert = 1000
+// One INSERT takes at most maxRowsPerInsert events, under PostgreSQL's 65535
+// parameters, and at most maxBytesPerInsert bytes of them (unless one event
+// is larger), well under its 1 GB limit on one message.
+const (
+	maxRowsPerInsert  = 1000
+	maxBytesPerInsert = 32 << 20
+)
 
 // Writer adds events to the outbox inside the caller's transaction. It is
 // safe for concurrent use and holds no connection.
@@ -42,12 +47,17 @@ func NewWriter(opts ...outbox.WriterOption) (*Writer, error) {
 
 // Add writes events in tx, a pgx transaction: they are published once tx
 // commits, and never if it rolls back. An invalid event fails the whole call
-// with an *outbox.EventError before anything is written.
+// with an *outbox.EventError before anything is sent to the database, so tx
+// stays usable. Any number of events fits in one call.
 //
-// Add takes a transaction-scoped advisory lock per key, so that two
-// transactions writing events of one key commit one after the other; a
-// transaction that writes several keys should write them in one Add call, or
-// always in the same order, to stay clear of deadlocks with others.
+// Add takes transaction-scoped advisory locks, so that two transactions
+// writing events of one key commit one after the other: up to 1,000 distinct
+// keys, a lock per key (and the outbox's write lock, shared); above that, the
+// outbox's write lock alone, exclusive, which waits for the transactions
+// writing events now and holds every other writer back until tx ends. Every
+// Add takes its locks in one order, so single Add calls never deadlock; a
+// transaction that writes several keys should write them in one Add call (or
+// always in the same order), and a large batch in an Add of its own.
 func (w *Writer) Add(ctx context.Context, tx pgx.Tx, events ...outbox.Event) error {
 	if tx == nil {
 		return errors.New("outbox/pgoutbox: Add: nil transaction")
@@ -83,13 +93,11 @@ func (w *Writer) add(ctx context.Context, exec execer, events []outbox.Event) er
 			return fmt.Errorf("outbox/pgoutbox: lock keys: %w", err)
 		}
 	}
-	for len(rows) > 0 {
-		n := min(len(rows), maxRowsPerInsert)
-		q, args := insert(rows[:n])
+	for _, c := range row.Chunks(rows, maxRowsPerInsert, maxBytesPerInsert) {
+		q, args := insert(c)
 		if err := exec(ctx, q, args...); err != nil {
-			return fmt.Errorf("outbox/pgoutbox: insert %d events: %w", n, err)
+			return fmt.Errorf("outbox/pgoutbox: insert %d events: %w", len(c), err)
 		}
-		rows = rows[n:]
 	}
 	return nil
 }
@@ -104,32 +112,54 @@ func prepare(cfg row.Config, events []outbox.Event) ([]row.Row, error) {
 	})
 }
 
-// lockAndNotify builds the statement that takes the per-key locks in hash
-// order and queues the commit notification.
+// maxKeyLocks is the most keys one Add locks one by one. An Add of more
+// keys takes the outbox's write lock instead, so that no Add needs more
+// locks than PostgreSQL's lock table holds.
+const maxKeyLocks = 1000
+
+// writeLock is the advisory lock that writers of the outbox table (the one
+// the search_path resolves ferry_outbox to) take, shared by an Add that locks
+// its keys one by one, exclusive by an Add of more than maxKeyLocks keys.
+const writeLock = `(%d, 'ferry_outbox'::regclass::oid::int4)`
+
+var (
+	writeLockShared    = `pg_advisory_xact_lock_shared` + fmt.Sprintf(writeLock, lockNamespace+2)
+	writeLockExclusive = `pg_advisory_xact_lock` + fmt.Sprintf(writeLock, lockNamespace+2)
+	notifySQL          = `pg_notify('` + Channel + `', '')`
+)
+
+// lockAndNotify builds the statement that takes the locks of an Add and
+// queues the commit notification. Up to maxKeyLocks keys, it takes the
+// write lock shared and then a lock per key in hash order; above, the write
+// lock exclusive, which waits for every other writer and keeps them waiting
+// until the transaction ends. Either way, two transactions writing one key
+// take turns, and two single Add calls never deadlock: every Add takes its
+// locks in one global order (the write lock, then keys by hash). The keys
+// travel as one text parameter, which any driver sends.
 func lockAndNotify(rows []row.Row, notify bool) (string, []any) {
 	hashes := row.KeyHashes(rows)
+	n := ""
+	if notify {
+		n = ", " + notifySQL
+	}
 	switch {
 	case len(hashes) == 0 && !notify:
 		return "", nil
 	case len(hashes) == 0:
-		return `SELECT pg_notify('` + Channel + `', '')`, nil
+		return `SELECT ` + notifySQL, nil
+	case len(hashes) > maxKeyLocks:
+		return `SELECT ` + writeLockExclusive + n, nil
 	}
 	var b strings.Builder
-	b.WriteString(`SELECT pg_advisory_xact_lock(` + strconv.Itoa(lockNamespace) + `, v)`)
-	if notify {
-		b.WriteString(`, pg_notify('` + Channel + `', '')`)
-	}
-	b.WriteString(` FROM (VALUES `)
-	args := make([]any, len(hashes))
 	for i, h := range hashes {
 		if i > 0 {
 			b.WriteByte(',')
 		}
-		b.WriteString(`($` + strconv.Itoa(i+1) + `::int4)`)
-		args[i] = h
+		b.WriteString(strconv.Itoa(int(h)))
 	}
-	b.WriteString(`) AS k(v)`)
-	return b.String(), args
+	return `WITH w AS MATERIALIZED (SELECT ` + writeLockShared + n + `)
+		SELECT count(pg_advisory_xact_lock(` + strconv.Itoa(lockNamespace) + `, k))
+		FROM w, unnest(string_to_array($1::text, ',')::int4[]) AS k`, []any{b.String()}
 }
 
 func insert(rows []row.Row) (string, []any) {

@@ -105,7 +105,13 @@ func NewWriter(opts ...outbox.WriterOption) (*Writer, error) {
 	return &Writer{cfg: cfg}, nil
 }
 
-const maxRowsPerInsert = 100 // 7 parameters each, under SQLite's default limit
+// One INSERT takes at most maxRowsPerInsert events (7 parameters each, under
+// SQLite's limit) and at most maxBytesPerInsert bytes of them, unless one
+// event is larger.
+const (
+	maxRowsPerInsert  = 100
+	maxBytesPerInsert = 32 << 20
+)
 
 // Add writes events in tx: they are published once tx commits, and never if
 // it rolls back. An invalid event fails the whole call with an
@@ -130,12 +136,12 @@ func (w *Writer) Add(ctx context.Context, tx *sql.Tx, events ...outbox.Event) er
 		return err
 	}
 	now := time.Now().UnixMicro()
-	for len(rows) > 0 {
-		n := min(len(rows), maxRowsPerInsert)
+	for _, c := range row.Chunks(rows, maxRowsPerInsert, maxBytesPerInsert) {
+		n := len(c)
 		var b strings.Builder
 		b.WriteString(`INSERT INTO ferry_outbox (event_id, lane, destination, key, body, headers, created_at) VALUES `)
 		args := make([]any, 0, 7*n)
-		for i, r := range rows[:n] {
+		for i, r := range c {
 			if i > 0 {
 				b.WriteByte(',')
 			}
@@ -149,7 +155,6 @@ func (w *Writer) Add(ctx context.Context, tx *sql.Tx, events ...outbox.Event) er
 		if _, err := tx.ExecContext(ctx, b.String(), args...); err != nil {
 			return fmt.Errorf("outbox/sqliteoutbox: insert %d events: %w", n, err)
 		}
-		rows = rows[n:]
 	}
 	if w.cfg.Notify {
 		wakeAll()

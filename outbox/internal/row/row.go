@@ -143,6 +143,29 @@ func Prepare(cfg Config, events []Event, invalid Invalid) ([]Row, error) {
 	return rows, nil
 }
 
+// Chunks splits rows into runs of at most maxRows rows and, unless a run
+// is a single row, at most maxBytes bytes of data: the statements that
+// insert them stay under the database's limits on parameters and on the
+// size of one message.
+func Chunks(rows []Row, maxRows, maxBytes int) [][]Row {
+	var out [][]Row
+	for len(rows) > 0 {
+		n, size := 0, 0
+		for n < len(rows) && n < maxRows {
+			r := &rows[n]
+			s := len(r.EventID) + len(r.Destination) + len(r.Key) + len(r.Body) + len(r.Headers)
+			if n > 0 && size+s > maxBytes {
+				break
+			}
+			size += s
+			n++
+		}
+		out = append(out, rows[:n:n])
+		rows = rows[n:]
+	}
+	return out
+}
+
 // KeyHashes returns the distinct key hashes of rows with a key, sorted, so
 // that transactions take their per-key locks in one global order.
 func KeyHashes(rows []Row) []int32 {

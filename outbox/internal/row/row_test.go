@@ -3,6 +3,7 @@ package row
 import (
 	"errors"
 	"maps"
+	"slices"
 	"testing"
 )
 
@@ -41,4 +42,26 @@ func FuzzHeaders(f *testing.F) {
 		}
 		DecodeHeaders([]byte(k1 + v1)) // must not panic
 	})
+}
+
+func TestChunksBoundRowsAndBytes(t *testing.T) {
+	rows := make([]Row, 10)
+	for i := range rows {
+		rows[i].Body = make([]byte, 100)
+	}
+	rows[4].Body = make([]byte, 1000) // alone over the limit: a chunk of its own
+	var got []int
+	for _, c := range Chunks(rows, 3, 250) {
+		got = append(got, len(c))
+	}
+	if want := []int{2, 2, 1, 2, 2, 1}; !slices.Equal(got, want) {
+		t.Fatalf("chunk sizes %v, want %v", got, want)
+	}
+	got = got[:0]
+	for _, c := range Chunks(rows[:7], 3, 1<<20) {
+		got = append(got, len(c))
+	}
+	if want := []int{3, 3, 1}; !slices.Equal(got, want) {
+		t.Fatalf("chunk sizes %v, want %v", got, want)
+	}
 }
