@@ -65,9 +65,12 @@
 // their next renewal: within the TTL plus a third of it.
 //
 // A relay publishes only while its lease has a tenth of the TTL left by its
-// own clock, counted from before the renewal was sent, and cuts its publish
-// calls short at that point, so it has stopped before the database (whose
-// clock decides the expiry on PostgreSQL) hands the lane to another. Leases
+// own clock, counted from before the renewal was sent, so it has stopped
+// before the database (whose clock decides the expiry on PostgreSQL) hands
+// the lane to another. A publish call gets the publish timeout
+// (WithPublishTimeout, default half the TTL): the relay renews its lease
+// before a call when less than that is left, and ends the call at the
+// timeout. Leases
 // in a table were chosen over session advisory locks because a session lock
 // lives as long as the server thinks the connection does, which after a
 // network failure can be minutes; a lease expires when it says.

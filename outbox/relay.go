@@ -80,9 +80,11 @@ func WithPollInterval(d time.Duration) Option {
 }
 
 // WithLeaseTTL sets how long a relay's hold on its lanes lasts without being
-// renewed; the relay renews every third of it. A relay that dies loses its
-// lanes to the others after at most this long plus one renewal period.
-// Default 5s.
+// renewed; the relay renews every third of it, and before a publish when
+// less than the publish timeout is left. A relay that dies loses its lanes
+// to the others after at most this long plus one renewal period. It must be
+// at least 100ms, and at least five fourths of the publish timeout when
+// [WithPublishTimeout] sets one. Default 5s.
 func WithLeaseTTL(d time.Duration) Option {
 	return func(c *relayConfig) error {
 		if d < 100*time.Millisecond {
@@ -110,8 +112,15 @@ func WithBackoff(min, max time.Duration) Option {
 	}
 }
 
-// WithPublishTimeout bounds one Publish call. The relay also ends a call
-// before its lease on the lanes runs out. Default 30s.
+// WithPublishTimeout sets how long one Publish call may take: its context
+// ends that long after the call. The relay holds its lanes' lease for at
+// least that long, with a tenth of the TTL to spare, by renewing the lease
+// before a call when less is left, so d must be at most four fifths of the
+// lease TTL (see [WithLeaseTTL]); NewRelay fails with a *consumer.ConfigError
+// otherwise. Only a renewal slow enough to eat into that spare time makes a
+// call shorter. A call that times out is retried with backoff, and what it
+// published may be published again. Default half the lease TTL (2.5s with
+// the default TTL).
 func WithPublishTimeout(d time.Duration) Option {
 	return func(c *relayConfig) error {
 		if d <= 0 {
@@ -190,7 +199,6 @@ func NewRelay(store Store, pub consumer.Publisher, opts ...Option) (*Relay, erro
 		ttl:            5 * time.Second,
 		backoffMin:     100 * time.Millisecond,
 		backoffMax:     10 * time.Second,
-		publishTimeout: 30 * time.Second,
 		listen:         true,
 	}
 	for _, o := range opts {
@@ -200,6 +208,13 @@ func NewRelay(store Store, pub consumer.Publisher, opts ...Option) (*Relay, erro
 		if err := o(&c); err != nil {
 			return nil, err
 		}
+	}
+	if c.publishTimeout == 0 {
+		c.publishTimeout = c.ttl / 2
+	}
+	if limit := c.ttl * 4 / 5; c.publishTimeout > limit {
+		return nil, cfgErr("PublishTimeout", "%s does not fit in the lease TTL %s: must be at most %s (four fifths of it); raise WithLeaseTTL or lower WithPublishTimeout",
+			c.publishTimeout, c.ttl, limit)
 	}
 	if c.logger == nil {
 		c.logger = slog.Default()
@@ -338,7 +353,9 @@ func (r *Relay) loop(ctx context.Context, wake <-chan struct{}) error {
 	}
 	for ctx.Err() == nil {
 		now := time.Now()
+		renewed := false
 		if !now.Before(nextLease) {
+			renewed = true
 			held, err := r.store.Lease(ctx, r.cfg.name, r.cfg.ttl)
 			if err != nil {
 				if ctx.Err() != nil {
@@ -384,6 +401,12 @@ func (r *Relay) loop(ctx context.Context, wake <-chan struct{}) error {
 		if len(recs) == 0 {
 			workBo.reset()
 			wait(minTime(time.Now().Add(r.cfg.poll), nextLease), true)
+			continue
+		}
+		if time.Until(leaseUntil.Add(-margin)) < r.cfg.publishTimeout && !renewed {
+			// Too little of the lease is left for a whole publish: renew
+			// it first, and read again (the lanes may change).
+			nextLease = time.Now()
 			continue
 		}
 		err = r.ship(ctx, recs, leaseUntil.Add(-margin))
@@ -450,7 +473,9 @@ type failure struct {
 }
 
 // ship publishes recs and deletes what the publisher confirmed. It returns an
-// error when some events could not be published for now.
+// error when some events could not be published for now. The publish gets
+// the publish timeout, and never runs past leaseEnd (which the loop keeps
+// later than that, but for a slow renewal).
 func (r *Relay) ship(ctx context.Context, recs []Record, leaseEnd time.Time) error {
 	recs = cut(recs)
 	deadline := minTime(leaseEnd, time.Now().Add(r.cfg.publishTimeout))
