@@ -144,3 +144,37 @@ func BenchmarkRelayLatency(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkBacklog measures one Store.Backlog call, which the relay's
+// metrics make at every collection, with 1,000, 20,000 and 200,000 events
+// waiting: the cost must not grow with the backlog (counting stops at
+// outbox.BacklogCountLimit, and the oldest event is found by id).
+func BenchmarkBacklog(b *testing.B) {
+	for _, db := range benchBackends(b) {
+		for _, n := range []int{1_000, 20_000, 200_000} {
+			b.Run(db+"/events="+strconv.Itoa(n), func(b *testing.B) {
+				be := openBench(b, db)
+				ctx := context.Background()
+				for done := 0; done < n; {
+					k := min(n-done, 5000)
+					evs := make([]outbox.Event, k)
+					for i := range evs {
+						evs[i] = outbox.Event{Destination: queue, Key: "k" + strconv.Itoa(i%100)}
+					}
+					if err := be.add(ctx, evs...); err != nil {
+						b.Fatal(err)
+					}
+					done += k
+				}
+				st := be.store(b, "")
+				b.ReportAllocs()
+				b.ResetTimer()
+				for b.Loop() {
+					if _, err := st.Backlog(ctx); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
+	}
+}

@@ -11,15 +11,15 @@ import (
 )
 
 // Metric instrument names. They are observed from the relay's counters and
-// one backlog query when a reader collects, so a relay costs nothing per
-// event for its metrics, and nothing at all when no MeterProvider is
-// installed. Each carries the attribute ferry.outbox.relay (the relay's
+// one backlog query (Store.Backlog, whose cost does not grow with the
+// backlog) when a reader collects, so a relay costs nothing per event for its
+// metrics, and nothing at all when no MeterProvider is installed. Each carries the attribute ferry.outbox.relay (the relay's
 // name).
 const (
 	MetricPublished       = "ferry.outbox.published"        // counter: events published and deleted
 	MetricPublishFailures = "ferry.outbox.publish_failures" // counter: Publish calls that failed
 	MetricFailed          = "ferry.outbox.failed"           // counter: events moved to the failed-events table
-	MetricBacklog         = "ferry.outbox.backlog"          // gauge: events waiting to be published
+	MetricBacklog         = "ferry.outbox.backlog"          // gauge: events waiting to be published, counted up to BacklogCountLimit
 	MetricOldestAge       = "ferry.outbox.oldest_age"       // gauge, seconds: age of the oldest waiting event
 	MetricLanes           = "ferry.outbox.lanes"            // gauge: lanes this relay holds
 )

@@ -193,13 +193,13 @@ func NewRelay(store Store, pub consumer.Publisher, opts ...Option) (*Relay, erro
 	}
 	host, _ := os.Hostname()
 	c := relayConfig{
-		name:           host + "-" + strconv.Itoa(os.Getpid()) + "-" + row.NewID()[:8],
-		batch:          100,
-		poll:           time.Second,
-		ttl:            5 * time.Second,
-		backoffMin:     100 * time.Millisecond,
-		backoffMax:     10 * time.Second,
-		listen:         true,
+		name:       host + "-" + strconv.Itoa(os.Getpid()) + "-" + row.NewID()[:8],
+		batch:      100,
+		poll:       time.Second,
+		ttl:        5 * time.Second,
+		backoffMin: 100 * time.Millisecond,
+		backoffMax: 10 * time.Second,
+		listen:     true,
 	}
 	for _, o := range opts {
 		if o == nil {

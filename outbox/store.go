@@ -17,13 +17,23 @@ type Record struct {
 	CreatedAt time.Time
 }
 
+// BacklogCountLimit is where a Store stops counting events for Backlog:
+// Events and Failed are exact up to it, and a value of BacklogCountLimit
+// means that many or more. Counting further would cost a scan of the whole
+// table at every metrics collection, just when the backlog is long.
+const BacklogCountLimit = 10_000
+
 // Backlog describes the events not yet published.
 type Backlog struct {
-	// Events is how many events wait to be published.
+	// Events is how many events wait to be published, up to
+	// BacklogCountLimit.
 	Events int64
-	// OldestAge is the age of the oldest of them; zero when there are none.
+	// OldestAge is the age of the oldest of them (the first written); zero
+	// when there are none. It is exact however long the backlog: alert on
+	// it.
 	OldestAge time.Duration
-	// Failed is how many events sit in the failed-events table.
+	// Failed is how many events sit in the failed-events table, up to
+	// BacklogCountLimit.
 	Failed int64
 }
 
@@ -52,7 +62,9 @@ type Store interface {
 	// Fail moves the event seq to the failed-events table with reason.
 	Fail(ctx context.Context, seq int64, reason string) error
 
-	// Backlog reports the events not yet published.
+	// Backlog reports the events not yet published. It must cost the same
+	// however long the backlog: count at most BacklogCountLimit rows of a
+	// table, and find the oldest event through an index.
 	Backlog(ctx context.Context) (Backlog, error)
 }
 

@@ -160,17 +160,23 @@ func (s *Store) Fail(ctx context.Context, seq int64, reason string) error {
 	return nil
 }
 
+// backlogSQL reads the backlog at a cost that does not grow with it: the
+// counts stop at outbox.BacklogCountLimit rows ($1) of the primary key
+// index, and the oldest event is the first by id.
+const backlogSQL = `SELECT
+	(SELECT count(*) FROM (SELECT 1 FROM ferry_outbox ORDER BY id LIMIT $1) e),
+	coalesce((SELECT extract(epoch FROM clock_timestamp() - created_at) FROM ferry_outbox ORDER BY id LIMIT 1), 0)::float8,
+	(SELECT count(*) FROM (SELECT 1 FROM ferry_outbox_failed ORDER BY id LIMIT $1) f)`
+
+func backlogArgs() []any { return []any{outbox.BacklogCountLimit} }
+
 // Backlog implements outbox.Store.
 func (s *Store) Backlog(ctx context.Context) (outbox.Backlog, error) {
 	var (
 		b   outbox.Backlog
 		age float64
 	)
-	err := s.pool.QueryRow(ctx, `SELECT count(*),
-			coalesce(extract(epoch FROM clock_timestamp() - min(created_at)), 0)::float8,
-			(SELECT count(*) FROM ferry_outbox_failed)
-		FROM ferry_outbox`).Scan(&b.Events, &age, &b.Failed)
-	if err != nil {
+	if err := s.pool.QueryRow(ctx, backlogSQL, backlogArgs()...).Scan(&b.Events, &age, &b.Failed); err != nil {
 		return b, fmt.Errorf("outbox/pgoutbox: backlog: %w", err)
 	}
 	b.OldestAge = time.Duration(age * float64(time.Second))

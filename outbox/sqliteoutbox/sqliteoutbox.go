@@ -416,14 +416,21 @@ func (s *Store) Fail(ctx context.Context, seq int64, reason string) error {
 	return nil
 }
 
+// backlogSQL reads the backlog at a cost that does not grow with it: the
+// counts stop at outbox.BacklogCountLimit rows, and the oldest event is the
+// first by id.
+const backlogSQL = `SELECT
+	(SELECT count(*) FROM (SELECT 1 FROM ferry_outbox ORDER BY id LIMIT ?1)),
+	(SELECT created_at FROM ferry_outbox ORDER BY id LIMIT 1),
+	(SELECT count(*) FROM (SELECT 1 FROM ferry_outbox_failed ORDER BY id LIMIT ?1))`
+
 // Backlog implements outbox.Store.
 func (s *Store) Backlog(ctx context.Context) (outbox.Backlog, error) {
 	var (
 		b      outbox.Backlog
 		oldest sql.NullInt64
 	)
-	err := s.db.QueryRowContext(ctx, `SELECT count(*), min(created_at), (SELECT count(*) FROM ferry_outbox_failed) FROM ferry_outbox`).
-		Scan(&b.Events, &oldest, &b.Failed)
+	err := s.db.QueryRowContext(ctx, backlogSQL, outbox.BacklogCountLimit).Scan(&b.Events, &oldest, &b.Failed)
 	if err != nil {
 		return b, fmt.Errorf("outbox/sqliteoutbox: backlog: %w", err)
 	}
