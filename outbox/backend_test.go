@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"path/filepath"
 	"strings"
@@ -220,7 +221,7 @@ type flaky struct {
 	refuse func(m consumer.Message) bool
 }
 
-var errDown = fmt.Errorf("broker down")
+var errDown = errors.New("broker down")
 
 func (f *flaky) Publish(ctx context.Context, dest string, msgs ...consumer.Message) error {
 	f.calls.Add(1)
@@ -230,14 +231,12 @@ func (f *flaky) Publish(ctx context.Context, dest string, msgs ...consumer.Messa
 	if f.refuse != nil {
 		var pe consumer.PublishError
 		var ok []consumer.Message
-		var okIdx []int
 		for i, m := range msgs {
 			if f.refuse(m) {
 				pe.Failed = append(pe.Failed, consumer.FailedMessage{Index: i, Err: consumer.Permanent(fmt.Errorf("message too large"))})
 				continue
 			}
 			ok = append(ok, m)
-			okIdx = append(okIdx, i)
 		}
 		if len(pe.Failed) > 0 {
 			if err := f.Broker.Publish(ctx, dest, ok...); err != nil {

@@ -19,7 +19,7 @@ const EventIDHeader = "ferry-event-id"
 // FNV-1a hash of its key modulo Lanes (of its id when the key is empty).
 // Relays lease whole lanes, so every event of one key is published by one
 // relay at a time, in order. The number is part of the schema.
-const Lanes = row.Lanes
+const Lanes = 64
 
 // Event is one event to publish once the caller's transaction commits.
 //
@@ -46,7 +46,7 @@ type Event struct {
 	Headers map[string]string
 }
 
-// ErrInvalidEvent matches, through errors.Is, every *EventError.
+// ErrInvalidEvent matches, through errors.Is, every [*EventError].
 var ErrInvalidEvent = errors.New("outbox: invalid event")
 
 // EventError says why an event was refused at write time. Nothing of the
@@ -65,6 +65,7 @@ type EventError struct {
 	Reason string
 }
 
+// Error says which event was refused, and why.
 func (e *EventError) Error() string {
 	return fmt.Sprintf("outbox: event #%d (id %q): %s %s", e.Index, e.ID, e.Field, e.Reason)
 }

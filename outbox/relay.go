@@ -8,9 +8,11 @@ import (
 	"math/rand/v2"
 	"os"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"go.opentelemetry.io/otel/metric"
 
@@ -18,11 +20,13 @@ import (
 	"github.com/ferrymq/ferry/outbox/internal/row"
 )
 
-// ErrRelayRunning is returned by Run when the Relay is already running.
+// ErrRelayRunning is returned by [Relay.Run] when the Relay is already
+// running.
 var ErrRelayRunning = errors.New("outbox: relay is already running")
 
-// Option configures a Relay. An option given a bad value makes NewRelay
-// fail with a *consumer.ConfigError naming the field.
+// Option configures a Relay. An option given a bad value makes [NewRelay]
+// fail with a *consumer.ConfigError naming the field; a nil Option changes
+// nothing.
 type Option func(*relayConfig) error
 
 type relayConfig struct {
@@ -42,13 +46,19 @@ func cfgErr(field, format string, args ...any) error {
 	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
 }
 
-// WithName names the relay in the lanes table and in logs. Names must
-// differ between relays of one outbox. Default the host name, the process id
-// and a random suffix.
+// WithName names the relay in the lanes table, in logs and in metrics. Names
+// must differ between relays of one outbox; a name is text (UTF-8 without
+// NUL) of at most 200 bytes. Default the host name, the process id and a
+// random suffix.
 func WithName(name string) Option {
 	return func(c *relayConfig) error {
-		if name == "" {
+		switch {
+		case name == "":
 			return cfgErr("Name", "must not be empty")
+		case len(name) > 200:
+			return cfgErr("Name", "is %d bytes long, more than 200", len(name))
+		case !utf8.ValidString(name) || strings.IndexByte(name, 0) >= 0:
+			return cfgErr("Name", "%q is not text: invalid UTF-8 or NUL", name)
 		}
 		c.name = name
 		return nil
@@ -162,9 +172,9 @@ type RelayStats struct {
 	Lanes           int   // lanes held now
 }
 
-// Relay publishes committed outbox events through a consumer.Publisher and
+// Relay publishes committed outbox events through a [consumer.Publisher] and
 // deletes them once the publisher confirmed. See the package documentation
-// for the guarantees.
+// for the guarantees. Build one with [NewRelay] and run it with [Relay.Run].
 type Relay struct {
 	store Store
 	pub   consumer.Publisher
@@ -238,7 +248,9 @@ func (r *Relay) Stats() RelayStats {
 	}
 }
 
-// Backlog reports how many events wait and how old the oldest is.
+// Backlog reports how many events wait (up to [BacklogCountLimit]), how old
+// the oldest is, and how many sit in the failed-events table, through the
+// relay's Store. It may be called at any time, running or not.
 func (r *Relay) Backlog(ctx context.Context) (Backlog, error) { return r.store.Backlog(ctx) }
 
 type backoff struct {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -526,8 +527,16 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 	if _, err := pgoutbox.NewStore(nil); !errors.As(err, &ce) || ce.Field != "Pool" {
 		t.Fatalf("pgoutbox.NewStore(nil) = %v", err)
 	}
-	if _, err := sqliteoutbox.NewWriter(outbox.WriterMaxEventSize(0)); !errors.As(err, &ce) || ce.Field != "MaxEventSize" {
-		t.Fatalf("NewWriter(WriterMaxEventSize(0)) = %v", err)
+	for _, n := range []int{0, -1, 64<<20 + 1} {
+		if _, err := sqliteoutbox.NewWriter(outbox.WriterMaxEventSize(n)); !errors.As(err, &ce) || ce.Field != "MaxEventSize" {
+			t.Fatalf("sqliteoutbox.NewWriter(WriterMaxEventSize(%d)) = %v", n, err)
+		}
+		if _, err := pgoutbox.NewWriter(outbox.WriterMaxEventSize(n)); !errors.As(err, &ce) || ce.Field != "MaxEventSize" {
+			t.Fatalf("pgoutbox.NewWriter(WriterMaxEventSize(%d)) = %v", n, err)
+		}
+	}
+	if _, err := pgoutbox.NewWriter(outbox.WriterOption{}, outbox.WriterMaxEventSize(64<<20), outbox.WriterNotify(false)); err != nil {
+		t.Fatalf("pgoutbox.NewWriter with good options: %v", err)
 	}
 	good := openSQLite(t).store(t, "")
 	for _, c := range []struct {
@@ -544,6 +553,11 @@ func TestConfigErrorsNameTheField(t *testing.T) {
 		{"Backoff", good, br, outbox.WithBackoff(time.Second, time.Millisecond)},
 		{"PublishTimeout", good, br, outbox.WithPublishTimeout(0)},
 		{"Name", good, br, outbox.WithName("")},
+		{"Name", good, br, outbox.WithName("relay\x00")},
+		{"Name", good, br, outbox.WithName("relay\xff")},
+		{"Name", good, br, outbox.WithName(strings.Repeat("r", 201))},
+		{"PublishTimeout", good, br, outbox.WithPublishTimeout(time.Minute)},
+		{"MeterProvider", good, br, outbox.WithMeterProvider(nil)},
 		{"Logger", good, br, outbox.WithLogger(nil)},
 	} {
 		_, err := outbox.NewRelay(c.store, c.pub, c.opt)

@@ -1,9 +1,11 @@
-// Package pgoutbox keeps the outbox in PostgreSQL: the schema and Migrate,
-// a Writer that adds events in the caller's transaction (pgx.Tx through Add,
-// *sql.Tx of any PostgreSQL driver through AddSQL), and a Store over a pgx
-// pool for the outbox.Relay, which wakes on LISTEN/NOTIFY.
+// Package pgoutbox keeps the outbox in PostgreSQL: the schema
+// ([Migrations], applied by [Migrate], or [MigrateSQL] over database/sql), a
+// [Writer] that adds events in the caller's transaction (pgx.Tx through
+// [Writer.Add], *sql.Tx of any PostgreSQL driver through [Writer.AddSQL]),
+// and a [Store] over a pgx pool for the [outbox.Relay], which wakes on
+// LISTEN/NOTIFY ([Channel]).
 //
-// Add takes a transaction-scoped advisory lock per key of the events it
+// [Writer.Add] takes a transaction-scoped advisory lock per key of the events it
 // writes, pg_advisory_xact_lock(0x46455259, hash of the key), after the
 // outbox's write lock in shared mode,
 // pg_advisory_xact_lock_shared(0x46455259+2, oid of the ferry_outbox table).

@@ -65,8 +65,9 @@ type Beginner interface {
 type execer func(ctx context.Context, sql string, args ...any) error
 
 // Migrate creates or upgrades the outbox tables in the current schema (the
-// first of the connection's search_path) in one transaction. Replicas may
-// call it at once at start-up: an advisory lock makes them take turns.
+// first of the connection's search_path) in one transaction, through db: the
+// pool a [Store] is given, or any other [Beginner]. Replicas may call it at
+// once at start-up: an advisory lock makes them take turns.
 func Migrate(ctx context.Context, db Beginner) error {
 	tx, err := db.Begin(ctx)
 	if err != nil {
@@ -98,7 +99,7 @@ func Migrate(ctx context.Context, db Beginner) error {
 	return nil
 }
 
-// MigrateSQL is Migrate for database/sql, over any PostgreSQL driver.
+// MigrateSQL is [Migrate] for database/sql, over any PostgreSQL driver.
 func MigrateSQL(ctx context.Context, db *sql.DB) error {
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {

@@ -35,8 +35,9 @@ type Writer struct {
 	cfg row.Config
 }
 
-// NewWriter returns a Writer. It fails with a *consumer.ConfigError naming
-// the field when an option is invalid.
+// NewWriter returns a Writer configured by opts ([outbox.WriterMaxEventSize],
+// [outbox.WriterNotify]). It fails with a *consumer.ConfigError naming the
+// field when an option is invalid.
 func NewWriter(opts ...outbox.WriterOption) (*Writer, error) {
 	cfg, err := row.Apply(opts)
 	if err != nil {
@@ -68,7 +69,7 @@ func (w *Writer) Add(ctx context.Context, tx pgx.Tx, events ...outbox.Event) err
 	}, events)
 }
 
-// AddSQL is Add for a database/sql transaction over any PostgreSQL driver
+// AddSQL is [Writer.Add] for a database/sql transaction over any PostgreSQL driver
 // (pgx's stdlib, lib/pq).
 func (w *Writer) AddSQL(ctx context.Context, tx *sql.Tx, events ...outbox.Event) error {
 	if tx == nil {

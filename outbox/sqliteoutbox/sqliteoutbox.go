@@ -42,7 +42,8 @@ var migrationFiles embed.FS
 // [Migrate] applies them and records each version in ferry_outbox_migrations.
 var Migrations fs.FS = migrationFiles
 
-// Migrate creates or upgrades the outbox tables in one transaction.
+// Migrate creates or upgrades the outbox tables in one transaction, through
+// db: the database a [Store] is given.
 func Migrate(ctx context.Context, db *sql.DB) error {
 	files, err := fs.Glob(Migrations, "migrations/*.sql")
 	if err != nil {
@@ -95,8 +96,9 @@ type Writer struct {
 	cfg row.Config
 }
 
-// NewWriter returns a Writer. It fails with a *consumer.ConfigError naming
-// the field when an option is invalid.
+// NewWriter returns a Writer configured by opts ([outbox.WriterMaxEventSize],
+// [outbox.WriterNotify]). It fails with a *consumer.ConfigError naming the
+// field when an option is invalid.
 func NewWriter(opts ...outbox.WriterOption) (*Writer, error) {
 	cfg, err := row.Apply(opts)
 	if err != nil {
