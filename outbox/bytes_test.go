@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"maps"
 	"sync"
 	"testing"
@@ -165,4 +166,30 @@ func TestAddLeavesTheCallersTransactionUsable(t *testing.T) {
 			t.Fatalf("backlog %d, want the %d accepted events", bl.Events, accepted)
 		}
 	})
+}
+
+// A publisher's reason for refusing an event may quote the event's bytes;
+// the event still moves to the failed-events table (its reason column is
+// text, so the reason is made text first).
+func TestRefusalReasonWithAwkwardBytesIsRecorded(t *testing.T) {
+	forEachBackend(t, func(t *testing.T, b *backend) {
+		ctx := ctxFor(t, 30*time.Second)
+		if err := b.add(ctx, outbox.Event{ID: "bad", Destination: queue, Key: "k\x00\xff"}); err != nil {
+			t.Fatal(err)
+		}
+		pub := &refuser{}
+		st := b.store(t, "")
+		r, _ := runRelay(t, st, pub, fast()...)
+		eventually(t, 20*time.Second, "the refused event did not reach the failed events", func() bool {
+			bl, err := st.Backlog(ctx)
+			return err == nil && bl.Events == 0 && bl.Failed == 1 && r.Stats().Failed == 1
+		})
+	})
+}
+
+// refuser refuses every message for good, quoting its key.
+type refuser struct{}
+
+func (refuser) Publish(_ context.Context, _ string, msgs ...consumer.Message) error {
+	return consumer.Permanent(fmt.Errorf("key %s is not allowed", msgs[0].Key))
 }

@@ -484,6 +484,13 @@ type failure struct {
 	reason string
 }
 
+// asText makes a publisher's reason storable as text: the error may quote
+// the event's bytes, and a database's text column takes neither NUL nor
+// invalid UTF-8.
+func asText(reason string) string {
+	return strings.ReplaceAll(strings.ToValidUTF8(reason, "\uFFFD"), "\x00", `\x00`)
+}
+
 // ship publishes recs and deletes what the publisher confirmed. It returns an
 // error when some events could not be published for now. The publish gets
 // the publish timeout, and never runs past leaseEnd (which the loop keeps
@@ -535,7 +542,7 @@ func (r *Relay) ship(ctx context.Context, recs []Record, leaseEnd time.Time) err
 		r.published.Add(int64(len(done)))
 	}
 	for _, f := range fails {
-		if err := r.store.Fail(sctx, f.seq, f.reason); err != nil {
+		if err := r.store.Fail(sctx, f.seq, asText(f.reason)); err != nil {
 			r.storeErrs.Add(1)
 			return fmt.Errorf("outbox: moving event %d to the failed events: %w", f.seq, err)
 		}

@@ -59,7 +59,8 @@ type Store interface {
 	// Delete removes published events by Seq.
 	Delete(ctx context.Context, seqs []int64) error
 
-	// Fail moves the event seq to the failed-events table with reason.
+	// Fail moves the event seq to the failed-events table with reason, which
+	// the relay makes text (valid UTF-8 without NUL) first.
 	Fail(ctx context.Context, seq int64, reason string) error
 
 	// Backlog reports the events not yet published. It must cost the same
