@@ -3,9 +3,12 @@ package consumer
 import (
 	"context"
 	"errors"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/ferrymq/ferry/consumer/driver"
 )
 
 // In at-most-once mode a breaker's hold still pauses fetching, so an open
@@ -33,5 +36,252 @@ func TestAtMostOnceHoldPausesFetching(t *testing.T) {
 	if runs.Load() > 1 {
 		t.Errorf("breaker held for a minute, yet %d messages were fetched, acked (%d) and dropped within 200ms; Held stat = %d",
 			runs.Load(), acked, l.Stats().Held)
+	}
+}
+
+// openBreaker returns a breaker that is open now and half-open after
+// openFor: one failed call through it opened it.
+func openBreaker(t *testing.T, openFor time.Duration, opts ...BreakerOption) *Breaker {
+	t.Helper()
+	b, err := NewBreaker(append([]BreakerOption{BreakerFailures(1), BreakerOpenFor(openFor)}, opts...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fail := b.Wrap(HandlerFunc(func(context.Context, *Message) error { return errors.New("dependency down") }))
+	_ = fail.Handle(context.Background(), &Message{})
+	if b.State() != BreakerOpen {
+		t.Fatalf("breaker %s, want open", b.State())
+	}
+	return b
+}
+
+// In at-most-once mode the loop asks the chain's breakers before the ack.
+// When one holds the message there, the handler never ran, yet finish sets
+// d.runs from d.msg.Attempt, which call() never set on this delivery: 0 on a
+// first delivery, so runs becomes -1 and the next run sees Attempt 0.
+func TestAtMostOnceHoldBeforeTheAckKeepsAttemptOne(t *testing.T) {
+	drv := newScriptLog(true)
+	drv.push(driver.Message{ID: "m", Deliveries: 1, Handle: "m"})
+	b := openBreaker(t, 100*time.Millisecond)
+	l, err := New(drv, WithConcurrency(1), WithDeliveryMode(AtMostOnce))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan int, 4)
+	stop := runLoop(t, l, Chain(HandlerFunc(func(ctx context.Context, m *Message) error {
+		got <- m.Attempt
+		return nil
+	}), b.Wrap))
+	var attempt int
+	select {
+	case attempt = <-got:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the held message never ran")
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if l.Stats().Held == 0 {
+		t.Fatal("the breaker did not hold the message: the test tested nothing")
+	}
+	if attempt != 1 {
+		t.Fatalf("first run of a message held before its ack saw Attempt %d, want 1", attempt)
+	}
+}
+
+// failingAckLog fails every Settle while fail is set, after a signal that
+// it was called; it holds the Settle until release is closed.
+type failingAckLog struct {
+	*scriptLog
+	called  chan struct{}
+	release chan struct{}
+	once    sync.Once
+}
+
+func (f *failingAckLog) Settle(ctx context.Context, b []driver.Settlement) error {
+	first := false
+	f.once.Do(func() { first = true })
+	if first {
+		close(f.called)
+		<-f.release
+		return errors.New("commit refused: partition revoked")
+	}
+	return f.scriptLog.Settle(ctx, b)
+}
+
+// At most once: the worker reserves a call of every breaker before the ack.
+// When the lane is revoked while the ack is with the driver and the ack then
+// fails, finish takes the revoked branch (drop) before releaseReservations,
+// so the reservation is never given back. A half-open breaker whose one
+// trial is that reservation stays half-open for good and holds every later
+// message (gobreaker counts the request until its done is called).
+func TestRevokedAtMostOnceAckFailureGivesBackTheBreakerCall(t *testing.T) {
+	drv := &failingAckLog{scriptLog: newScriptLog(false), called: make(chan struct{}), release: make(chan struct{})}
+	b := openBreaker(t, 50*time.Millisecond) // one trial when half-open
+	time.Sleep(80 * time.Millisecond)        // half-open now
+	drv.push(driver.Message{ID: "A", Lane: "0", Deliveries: 1, Handle: "A"})
+	l, err := New(drv, WithConcurrency(2), WithDeliveryMode(AtMostOnce))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ran := make(chan string, 4)
+	stop := runLoop(t, l, Chain(HandlerFunc(func(ctx context.Context, m *Message) error {
+		ran <- m.ID
+		return nil
+	}), b.Wrap))
+	<-drv.called // A's ack is with the driver; A holds the breaker's one trial
+	done := make(chan struct{})
+	drv.revCh <- driver.Revocation{Lanes: []string{"0"}, Done: done}
+	close(drv.release) // the ack fails
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Done never closed")
+	}
+	drv.push(driver.Message{ID: "B", Lane: "1", Deliveries: 1, Handle: "B"})
+	var got string
+	select {
+	case got = <-ran:
+	case <-time.After(3 * time.Second):
+	}
+	st := b.State()
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if got != "B" {
+		t.Fatalf("B never ran (breaker %s, held %d times): the trial reserved for A, whose ack failed after its lane was revoked, was never given back", st, b.Held())
+	}
+}
+
+// slowFirstSettle holds its first Settle until gate is closed, and signals
+// when that Settle began.
+type slowFirstSettle struct {
+	*scriptLog
+	began chan struct{}
+	gate  chan struct{}
+	once  sync.Once
+}
+
+func (s *slowFirstSettle) Settle(ctx context.Context, b []driver.Settlement) error {
+	first := false
+	s.once.Do(func() { first = true })
+	if first {
+		close(s.began)
+		<-s.gate
+	}
+	return s.scriptLog.Settle(ctx, b)
+}
+
+// At most once, shutdown mid-ack: a message whose ack was only queued (not
+// yet sent: an earlier Settle was still being made) when the grace ended is
+// still acked after the grace, and its handler then starts with its context
+// already cancelled. The message was not started when the grace ended, so
+// it should go back (not attempted), not be acked and run on a dead
+// context: in a graceful shutdown that is a lost message.
+func TestAtMostOnceAckNotSentWhenTheGraceEndsIsNotMade(t *testing.T) {
+	drv := &slowFirstSettle{scriptLog: newScriptLog(true), began: make(chan struct{}), gate: make(chan struct{})}
+	drv.push(driver.Message{ID: "1", Deliveries: 1, Handle: "1"})
+	l, err := New(drv, WithConcurrency(2), WithDeliveryMode(AtMostOnce), WithShutdownGrace(50*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	startedCancelled := map[string]bool{}
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error, 1)
+	go func() {
+		errc <- l.Run(ctx, HandlerFunc(func(ctx context.Context, m *Message) error {
+			mu.Lock()
+			startedCancelled[m.ID] = ctx.Err() != nil
+			mu.Unlock()
+			return nil
+		}))
+	}()
+	<-drv.began // 1's ack is with the driver
+	drv.push(driver.Message{ID: "2", Deliveries: 1, Handle: "2"})
+	eventually(t, "2 to be fetched", func() bool { return l.Stats().Fetched == 2 })
+	time.Sleep(100 * time.Millisecond) // its worker asks for its ack, which queues behind 1's
+	cancel()
+	time.Sleep(200 * time.Millisecond) // the grace is over
+	close(drv.gate)
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	acts := drv.outcomes()["2"]
+	mu.Lock()
+	defer mu.Unlock()
+	if len(acts) == 1 && acts[0] == driver.Ack && startedCancelled["2"] {
+		t.Fatalf("2 was acked after the grace ended and its handler started on a cancelled context (settled %v)", acts)
+	}
+}
+
+// At most once: an ack that failed is counted in Stats.Acked, and as a
+// handler failure in Stats.Failed, though nothing was acked and no handler
+// ran (finish takes the d.acked branch for errAckFailed).
+func TestAtMostOnceFailedAckIsNeitherAckedNorAFailureInStats(t *testing.T) {
+	drv := &failingAckLog{scriptLog: newScriptLog(true), called: make(chan struct{}), release: make(chan struct{})}
+	close(drv.release)
+	drv.push(driver.Message{ID: "1", Deliveries: 1, Handle: "1"})
+	l, err := New(drv, WithDeliveryMode(AtMostOnce))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ran atomic.Int32
+	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { ran.Add(1); return nil }))
+	eventually(t, "the message to leave", func() bool { return l.Stats().Fetched == 1 && l.Stats().InFlight == 0 })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	s := l.Stats()
+	if ran.Load() != 0 {
+		t.Fatalf("handler ran after its ack failed")
+	}
+	if s.Acked != 0 || s.Failed != 0 {
+		t.Fatalf("Stats after one failed ack and no run: Acked = %d, Failed = %d, SettleErrors = %d; want Acked 0, Failed 0",
+			s.Acked, s.Failed, s.SettleErrors)
+	}
+}
+
+// At most once: a revocation that arrives after a worker took a delivery
+// and before the dispatcher serves its ack request (the worker is in
+// reserveGates, here slowed by a breaker's state-change callback) marks the
+// delivery revoked, yet ackFirst queues its ack all the same: the loop acks
+// a message of a lane it was told it no longer owns, after the revocation,
+// and then runs its handler on a cancelled context. ackFirst should answer
+// a revoked (or graceOver) delivery's request with false at once.
+func TestAtMostOnceRevokedBeforeItsAckIsNotAcked(t *testing.T) {
+	inCallback, proceed := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	b := openBreaker(t, 50*time.Millisecond, BreakerOnStateChange(func(from, to BreakerState) {
+		if to == BreakerHalfOpen {
+			once.Do(func() { close(inCallback); <-proceed })
+		}
+	}))
+	time.Sleep(80 * time.Millisecond) // the next Allow turns it half-open
+	drv := newScriptLog(false)
+	drv.push(driver.Message{ID: "A", Lane: "0", Deliveries: 1, Handle: "A"})
+	l, err := New(drv, WithConcurrency(1), WithDeliveryMode(AtMostOnce))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ran atomic.Int32
+	stop := runLoop(t, l, Chain(HandlerFunc(func(ctx context.Context, m *Message) error {
+		ran.Add(1)
+		return nil
+	}), b.Wrap))
+	<-inCallback // the worker holds A, reserving the breaker's call
+	done := make(chan struct{})
+	drv.revCh <- driver.Revocation{Lanes: []string{"0"}, Done: done}
+	close(proceed)
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Done never closed")
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if acts := drv.outcomes()["A"]; len(acts) > 0 {
+		t.Errorf("A, whose lane was revoked before its ack was decided, was settled %v (ran %d times)", acts, ran.Load())
 	}
 }

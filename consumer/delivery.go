@@ -43,6 +43,8 @@ type delivery struct {
 	revoked  bool // its lane was taken away: nothing of it is settled
 	acked    bool // at most once: acked before it ran
 	deferred bool // waiting after Defer: counted apart from the in-flight bound
+	called   bool // the worker called the handler this time (set by the worker)
+	late     bool // the handler returned after the shutdown grace ended (set by the worker)
 
 	known driver.History // what the broker carried of the runs before this delivery
 	prior int            // handler runs known before this delivery
@@ -55,7 +57,7 @@ type delivery struct {
 	heapIdx   int
 
 	settleSent bool          // the settlement is with the driver now
-	ackWait    chan bool     // at most once: the worker waiting for this delivery's ack
+	ackWait    chan error    // at most once: the worker waiting for this delivery's ack
 	reserved   []reservation // at most once: breaker calls taken before the ack
 
 	awaited []*revocationWait // revocations waiting for this delivery
@@ -72,6 +74,15 @@ func newDelivery(m *driver.Message, aser driver.Aser) *delivery {
 	}
 	d.ctx.d = d
 	return d
+}
+
+// ackRequest is a worker asking for an at-most-once delivery's ack before
+// it runs it. The dispatcher answers on reply: nil once the ack is made,
+// errNotStarted when the delivery must not run (its lane was revoked, the
+// grace ended), errAckFailed when the ack failed.
+type ackRequest struct {
+	d     *delivery
+	reply chan error
 }
 
 // history is what the loop knows of the message's runs, this delivery's

@@ -43,7 +43,7 @@ type run struct {
 
 	work    chan *delivery
 	done    chan *delivery
-	ackReq  chan *delivery // at most once: a worker asks for the ack before it runs
+	ackReq  chan ackRequest // at most once: a worker asks for the ack before it runs
 	fetched chan []*delivery
 	back    chan []*delivery
 	fatal   chan error
@@ -81,7 +81,7 @@ func newRun(ctx context.Context, l *Loop, h Handler, breakers []*Breaker) *run {
 		breakers: breakers,
 		work:     work,
 		done:     make(chan *delivery, l.cfg.concurrency),
-		ackReq:   make(chan *delivery),
+		ackReq:   make(chan ackRequest),
 		fetched:  make(chan []*delivery),
 		back:     make(chan []*delivery),
 		fatal:    make(chan error, 1),
@@ -143,7 +143,7 @@ func (r *run) dispatch(ctx context.Context, stopFetch context.CancelFunc, fetche
 		if len(r.ready) > 0 {
 			workC, next = r.work, r.ready[0]
 		}
-		if r.io.canSettle() {
+		if r.io.stage() {
 			settleC = r.io.settleC
 		}
 		if r.io.canExtend() {
@@ -161,8 +161,8 @@ func (r *run) dispatch(ctx context.Context, stopFetch context.CancelFunc, fetche
 			r.running--
 			r.finish(d)
 
-		case d := <-r.ackReq:
-			r.ackFirst(d)
+		case req := <-r.ackReq:
+			r.ackFirst(req)
 
 		case batch := <-fetched:
 			for _, d := range batch {
@@ -265,7 +265,9 @@ func (r *run) admit(d *delivery) {
 func (r *run) countPriorRuns(d *delivery) {
 	prior := d.known
 	if r.ledger != nil {
-		if h, ok := r.ledger.take(ledgerKey{d.msg.Source, d.msg.ID}); ok && h.Deliveries > prior.Deliveries {
+		// An entry counts only for a later delivery of the message it
+		// recorded: a fresh message that reuses an id inherits nothing.
+		if h, ok := r.ledger.take(ledgerKey{d.msg.Source, d.msg.ID}); ok && h.Deliveries > prior.Deliveries && d.msg.Deliveries > h.Deliveries {
 			prior = h
 		}
 	}
@@ -279,18 +281,19 @@ func (r *run) countPriorRuns(d *delivery) {
 // finish applies a handler's outcome.
 func (r *run) finish(d *delivery) {
 	l := r.l
+	r.releaseReservations(d)
 	if d.revoked {
 		r.drop(d)
 		return
 	}
-	err := d.err
-	d.err = nil
-	r.releaseReservations(d)
+	err, late := d.err, d.late
+	d.err, d.late = nil, false
 	held, isHeld := asHeld(err)
 	isDeferred := !isHeld && err != nil && IsDeferred(err)
-	if err != errNotStarted && err != errAckFailed {
+	if d.called {
 		// A hold or a deferral is not a run: the run it would have been
 		// was not made.
+		d.called = false
 		d.runs = d.msg.Attempt
 		if isHeld || isDeferred {
 			d.runs--
@@ -303,6 +306,9 @@ func (r *run) finish(d *delivery) {
 	if d.acked {
 		// At most once: acked before it ran, so whatever happened is final.
 		switch {
+		case err == errAckFailed:
+			// Not run, and perhaps not acked: neither a success nor a
+			// handler failure (the settle error is counted).
 		case isHeld:
 			r.log.Warn("ferry: at-most-once message held after its ack (a retry inside the chain) is dropped", "id", d.msg.ID)
 		case err != nil:
@@ -319,7 +325,7 @@ func (r *run) finish(d *delivery) {
 		r.releaseKey(d)
 	case err == errNotStarted:
 		r.settle(d, driver.Return, 0)
-	case err == nil && r.graceOver.Load():
+	case err == nil && late:
 		// It returned after its context was cancelled: it may have stopped
 		// short of its work, so let it run again.
 		r.settle(d, driver.Return, 0)

@@ -26,7 +26,10 @@
 //     again; Attempt does not grow.
 //   - Defer(err, d): not attempted (a duplicate of it runs elsewhere). The
 //     loop keeps it and runs it again after d; fetching goes on, and deferred
-//     messages do not take room from fresh ones.
+//     messages do not take room from fresh ones. Up to MaxInFlight of them
+//     wait beside MaxInFlight others, so up to twice the bound can be
+//     unsettled at once; beyond that a broker that takes messages back gets
+//     them back with the delay.
 //   - any other error, or a panic: delivered again after the redelivery
 //     backoff (WithRedeliveryBackoff).
 //

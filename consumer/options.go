@@ -140,8 +140,10 @@ func WithConcurrency(n int) Option {
 
 // WithMaxInFlight bounds how many messages the consumer holds unsettled at
 // once, running, queued behind their key or waiting for a retry; fetching
-// stops while it is full. It must be at least the concurrency. Default four
-// times the concurrency.
+// stops while it is full. Deferred messages (Defer) are counted apart, up to
+// as many again, so that duplicates waiting on another worker never starve
+// fresh messages. It must be at least the concurrency. Default four times
+// the concurrency.
 func WithMaxInFlight(n int) Option {
 	return func(c *config) error {
 		if n <= 0 {

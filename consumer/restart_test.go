@@ -151,3 +151,41 @@ func TestAtMostOnceBreakerHoldsBeforeTheAck(t *testing.T) {
 		}
 	}
 }
+
+// The loop's ledger remembers the runs of every message it returned, by
+// (source, id), and countPriorRuns takes an entry whenever it covers more
+// deliveries than the broker's own Known, which for a fresh message is
+// none. A different message that reuses the id (an outbox row published
+// again after a crash, a redrive, any producer-set id on a standard queue)
+// then starts with the returned message's runs: its first run says Attempt
+// 2, and DeadLetter spends its budget early. The ledger entry should only be
+// used for a delivery that came after the one it recorded
+// (Message.Deliveries > entry.Deliveries).
+func TestLedgerLendsNoRunsToAFreshMessageWithTheSameID(t *testing.T) {
+	s := newScenario(t, "review-ledger", 30*time.Second)
+	pub := func(body string) {
+		t.Helper()
+		if err := s.b.Publish(context.Background(), s.queue, consumer.Message{ID: "dup", Body: []byte(body)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	pub("a")
+	returned := make(chan struct{})
+	got := make(chan int, 1)
+	l, stop := s.run(consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		if string(m.Body) == "a" {
+			close(returned)
+			return consumer.RetryAfter(errors.New("transient"), time.Hour)
+		}
+		got <- m.Attempt
+		return nil
+	}))
+	<-returned
+	waitFor(t, "a to be returned", func() bool { return l.Stats().Returned == 1 })
+	pub("b")
+	attempt := <-got
+	stop()
+	if attempt != 1 {
+		t.Fatalf("a fresh message, first delivery, ran with Attempt %d: it inherited the runs of another message with its id", attempt)
+	}
+}

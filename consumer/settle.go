@@ -45,7 +45,8 @@ type ioQueue struct {
 
 	settleC    chan settleJob
 	settleBack chan settleJob
-	pending    settleJob // the next settle job, being filled
+	pending    settleJob // settlements decided and not yet staged
+	staged     settleJob // the next settle job, to be sent as soon as the settle goroutine takes it
 	spare      settleJob // buffers of the last job, for reuse
 	settling   bool      // a settle job is with the driver
 	out        int       // settlements in that job
@@ -67,8 +68,40 @@ func (q *ioQueue) init(ctx context.Context, l *Loop) {
 	q.extendBack = make(chan extendJob)
 }
 
-func (q *ioQueue) canSettle() bool {
-	return !q.settling && len(q.pending.ds) > 0 && q.blocked == 0
+// stage makes the next settle job from what is pending, when no job is
+// with the driver, and reports whether a staged job waits to be sent. A
+// delivery whose extension is being made now stays pending until the
+// extension is back; the rest go without it, so that one slow Extend does
+// not hold back the acks of other messages.
+func (q *ioQueue) stage() bool {
+	if q.settling || len(q.staged.ds) > 0 || len(q.pending.ds) == q.blocked {
+		return len(q.staged.ds) > 0 && !q.settling
+	}
+	if q.blocked == 0 {
+		q.staged = q.pending
+		q.pending = settleJob{batch: q.spare.batch[:0], ds: q.spare.ds[:0]}
+	} else {
+		q.staged = settleJob{batch: q.spare.batch[:0], ds: q.spare.ds[:0]}
+		kept := 0
+		for i, d := range q.pending.ds {
+			if d.extending {
+				q.pending.ds[kept], q.pending.batch[kept] = d, q.pending.batch[i]
+				kept++
+				continue
+			}
+			q.staged.ds = append(q.staged.ds, d)
+			q.staged.batch = append(q.staged.batch, q.pending.batch[i])
+		}
+		clear(q.pending.ds[kept:])
+		clear(q.pending.batch[kept:])
+		q.pending.ds, q.pending.batch = q.pending.ds[:kept], q.pending.batch[:kept]
+	}
+	q.spare = settleJob{}
+	for _, d := range q.staged.ds {
+		// Sent, as far as extensions go: none is started for it now.
+		d.settleSent = true
+	}
+	return true
 }
 
 func (q *ioQueue) canExtend() bool { return !q.extending && len(q.ext.ds) > 0 }
@@ -76,15 +109,15 @@ func (q *ioQueue) canExtend() bool { return !q.extending && len(q.ext.ds) > 0 }
 // idle reports whether nothing is decided and unsent, and nothing is with
 // the driver.
 func (q *ioQueue) idle() bool {
-	return !q.settling && !q.extending && len(q.pending.ds) == 0 && len(q.ext.ds) == 0
+	return !q.settling && !q.extending && len(q.pending.ds) == 0 && len(q.staged.ds) == 0 && len(q.ext.ds) == 0
 }
 
 // outstanding is how many settlements are decided and not yet made.
 func (q *ioQueue) outstanding() int {
-	return len(q.pending.ds) + q.out
+	return len(q.pending.ds) + len(q.staged.ds) + q.out
 }
 
-func (q *ioQueue) settleJob() settleJob { return q.pending }
+func (q *ioQueue) settleJob() settleJob { return q.staged }
 func (q *ioQueue) extendJob() extendJob { return q.ext }
 
 // add queues a settlement for d with the next settle job.
@@ -97,13 +130,9 @@ func (q *ioQueue) add(d *delivery, s driver.Settlement) {
 }
 
 func (q *ioQueue) settleSent() {
-	for _, d := range q.pending.ds {
-		d.settleSent = true
-	}
 	q.settling = true
-	q.out = len(q.pending.ds)
-	q.pending = settleJob{batch: q.spare.batch[:0], ds: q.spare.ds[:0]}
-	q.spare = settleJob{}
+	q.out = len(q.staged.ds)
+	q.staged = settleJob{}
 }
 
 func (q *ioQueue) extendSent() {
@@ -170,11 +199,41 @@ func (r *run) settle(d *delivery, a driver.Action, delay time.Duration) {
 }
 
 // ackFirst queues the ack of an at-most-once delivery that a worker is about
-// to run; the worker waits until the ack is made.
-func (r *run) ackFirst(d *delivery) {
+// to run; the worker waits until the ack is made. A delivery whose lane was
+// revoked, or asked for after the grace ended, is refused: it does not run.
+func (r *run) ackFirst(req ackRequest) {
+	d := req.d
+	if d.revoked || r.graceOver.Load() {
+		req.reply <- errNotStarted
+		return
+	}
 	d.acked = true
-	r.l.stats.acked.Add(1)
+	d.ackWait = req.reply
 	r.io.add(d, driver.Settlement{Handle: d.msg.handle, Action: driver.Ack})
+}
+
+// withdrawAcks takes back the at-most-once acks that are decided and not yet
+// staged, when the grace ends: their handlers would start on a cancelled
+// context, so the messages go back not attempted instead.
+func (r *run) withdrawAcks() {
+	q := &r.io
+	kept := 0
+	for i, d := range q.pending.ds {
+		if d.ackWait == nil {
+			q.pending.ds[kept], q.pending.batch[kept] = d, q.pending.batch[i]
+			kept++
+			continue
+		}
+		if d.extending {
+			q.blocked--
+		}
+		d.acked = false
+		d.ackWait <- errNotStarted
+		d.ackWait = nil
+	}
+	clear(q.pending.ds[kept:])
+	clear(q.pending.batch[kept:])
+	q.pending.ds, q.pending.batch = q.pending.ds[:kept], q.pending.batch[:kept]
 }
 
 // settled takes back a settle job the driver is done with.
@@ -192,7 +251,12 @@ func (r *run) settled(job settleJob) {
 		d.settleSent = false
 		if d.ackWait != nil {
 			// At most once: acked before it runs; tell its worker.
-			d.ackWait <- !failed.has(i)
+			if failed.has(i) {
+				d.ackWait <- errAckFailed
+			} else {
+				r.l.stats.acked.Add(1)
+				d.ackWait <- nil
+			}
 			d.ackWait = nil
 			continue
 		}
@@ -270,7 +334,7 @@ func (r *run) extendLeases() {
 		q.ext.ds = append(q.ext.ds, d)
 		d.extending = true
 		d.leaseAt = now.Add(lease)
-		if d.state == stateSettling || d.ackWait != nil {
+		if d.state == stateSettling {
 			q.blocked++ // its settlement waits for the extension
 		}
 	}
@@ -280,12 +344,19 @@ func (r *run) extendLeases() {
 func (r *run) extended(job extendJob) {
 	q := &r.io
 	q.extending = false
-	if job.err != nil {
+	failed := job.err != nil
+	if failed {
 		r.l.stats.settleErrors.Add(1)
-		r.log.Warn("ferry: extending leases failed", "err", job.err, "count", len(job.handles))
+		r.log.Warn("ferry: extending leases failed; trying again at the next tick", "err", job.err, "count", len(job.handles))
 	}
+	now := time.Now()
 	for _, d := range job.ds {
 		d.extending = false
+		if failed {
+			// Its lease was taken as extended when the job was made; it
+			// was not, so it is due again.
+			d.leaseAt = now
+		}
 		if (d.state == stateSettling || d.ackWait != nil) && !d.settleSent {
 			q.blocked--
 		}

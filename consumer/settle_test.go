@@ -163,3 +163,108 @@ func TestSettlementsWaitingBehindAHungSettleKeepTheirLeases(t *testing.T) {
 		t.Fatalf("extended while their settlement was under way: %v", drv.overlaps)
 	}
 }
+
+// The worker writes d.ackWait before it asks for the ack; extendLeases, on
+// the dispatcher, counts a delivery with ackWait set as one whose settlement
+// waits for its extension (blocked++). If the extend tick is served between
+// the worker's write and the dispatcher taking the ack request (the select
+// picks among ready cases at random), the delivery is counted blocked twice
+// (again by io.add, as it is extending) and uncounted once when the
+// extension returns: blocked stays 1, canSettle is false for good, and no
+// settlement is ever sent again. (The read is also a data race on ackWait.)
+// This test replays that interleaving on the dispatcher's methods.
+func TestExtensionRacingAnAtMostOnceAckRequestLeavesNothingBlocked(t *testing.T) {
+	drv := newLeaseLog(time.Second)
+	l, err := New(drv, WithDeliveryMode(AtMostOnce))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newRun(context.Background(), l, HandlerFunc(func(context.Context, *Message) error { return nil }), nil)
+	defer r.cancelHandler()
+	defer r.io.cancel()
+	d := newDelivery(&driver.Message{ID: "m", Deliveries: 1, Handle: "m"}, nil)
+	r.l.inflight.Add(1)
+	r.admit(d)
+	// The dispatcher hands it to a worker.
+	r.ready = r.ready[1:]
+	d.state = stateRunning
+	r.running++
+	d.leaseAt = time.Now() // its lease is due for extension
+	// The worker, in runAtMostOnce, blocks on r.ackReq while the
+	// dispatcher serves the extend tick first,
+	r.extendLeases()
+	job := r.io.extendJob()
+	r.io.extendSent()
+	// then the ack request,
+	r.ackFirst(ackRequest{d, make(chan error, 1)})
+	// then the extension comes back.
+	r.extended(job)
+	if r.io.blocked != 0 || !r.io.stage() {
+		t.Fatalf("after the extension returned: blocked = %d, nothing staged; the ack can never be sent", r.io.blocked)
+	}
+}
+
+// hungExtend is a leased driver whose first Extend hangs until released.
+type hungExtend struct {
+	*scriptLog
+	began   chan struct{}
+	release chan struct{}
+	once    sync.Once
+}
+
+func (h *hungExtend) Lease() time.Duration { return time.Second }
+
+func (h *hungExtend) Extend(ctx context.Context, _ []any, _ time.Duration) error {
+	first := false
+	h.once.Do(func() { first = true })
+	if first {
+		close(h.began)
+		select {
+		case <-h.release:
+		case <-ctx.Done():
+		}
+	}
+	return nil
+}
+
+// One slow Extend call stalls every settlement: once a delivery whose
+// extension is in flight has its outcome decided, io.blocked > 0 and
+// the dispatcher held back the whole pending batch, including the acks of
+// messages that have nothing to do with that extension, for as long as the
+// Extend takes (up to ioTimeout, 30s). Meanwhile nothing is acked, the
+// in-flight slots stay taken, and at shutdown finished messages are left
+// to their leases (run twice). Only the extending deliveries need to wait;
+// the rest of the batch could go.
+func TestAHungExtendDoesNotHoldBackOtherAcks(t *testing.T) {
+	drv := &hungExtend{scriptLog: newScriptLog(true), began: make(chan struct{}), release: make(chan struct{})}
+	defer func() {
+		select {
+		case <-drv.release:
+		default:
+			close(drv.release)
+		}
+	}()
+	drv.push(driver.Message{ID: "A", Deliveries: 1, Handle: "A"})
+	l, err := New(drv, WithConcurrency(2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
+		if m.ID == "A" {
+			<-drv.began // runs until its extension is under way
+		}
+		return nil
+	}))
+	eventually(t, "A acked (decided)", func() bool { return l.Stats().Acked == 1 })
+	drv.push(driver.Message{ID: "B", Deliveries: 1, Handle: "B"})
+	eventually(t, "B acked (decided)", func() bool { return l.Stats().Acked == 2 })
+	time.Sleep(time.Second)
+	out := drv.outcomes()
+	close(drv.release)
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if len(out["B"]) == 0 {
+		t.Fatalf("B's ack was not sent within 1s while an Extend of A hung (settled so far: %v)", out)
+	}
+}

@@ -63,6 +63,7 @@ func (r *run) endGrace(s *shutdown) {
 		r.log.Warn("ferry: shutdown grace over; cancelling running handlers", "running", r.running)
 	}
 	r.cancelHandler()
+	r.withdrawAcks()
 	// Take the key queues away first, so that returning a ready delivery
 	// does not promote the one behind it into the ready queue.
 	keys := r.keys

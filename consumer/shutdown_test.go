@@ -283,3 +283,41 @@ func TestShutdownDoesNotWaitOnAHungSettle(t *testing.T) {
 		t.Fatalf("Run took %s to return behind a hung Settle, want about the grace plus a second", waited)
 	}
 }
+
+// A handler that returned nil before the grace ended, on a live context, is
+// returned instead of acked when the dispatcher happens to serve the grace
+// timer before that handler's done (both ready in one select: the choice is
+// random): finish decides "returned after its context was cancelled" from
+// graceOver at the time it runs, not from when the handler returned. The
+// message then runs again although it finished in time (contract 8: "acks
+// what finished"). The worker should note, as the handler returns, whether
+// the grace was over then. This test replays that interleaving.
+func TestHandlerThatFinishedBeforeTheGraceIsAcked(t *testing.T) {
+	drv := newScriptLog(true)
+	l, err := New(drv, WithShutdownGrace(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newRun(context.Background(), l, HandlerFunc(func(context.Context, *Message) error { return nil }), nil)
+	defer r.cancelHandler()
+	defer r.io.cancel()
+	var sd shutdown
+	defer sd.stop()
+	d := newDelivery(&driver.Message{ID: "m", Deliveries: 1, Handle: "m"}, nil)
+	r.l.inflight.Add(1)
+	r.admit(d)
+	r.ready = r.ready[1:]
+	d.state = stateRunning
+	r.running++
+	r.beginShutdown(&sd)
+	// The worker ran the handler (as worker() does), which returned nil
+	// with its context still live, and put d on r.done ...
+	d.err = r.call(d)
+	// ... but the dispatcher served the grace timer first.
+	r.endGrace(&sd)
+	r.running--
+	r.finish(d)
+	if n := len(r.io.pending.batch); n != 1 || r.io.pending.batch[0].Action != driver.Ack {
+		t.Fatalf("a handler that returned nil before the grace ended was settled %+v, want an ack", r.io.pending.batch)
+	}
+}

@@ -71,20 +71,27 @@ func (r *run) wakeDue() {
 // deferRun keeps a deferred delivery and runs it again after delay. Deferred
 // deliveries wait on someone else (a duplicate of theirs running on another
 // worker), so they are counted apart from the in-flight bound: a pile of
-// them never stops fresh messages from being fetched. Up to the bound of
-// them wait here; beyond it, and when stopping, they go back to the broker
-// with the delay, not attempted.
+// them never stops fresh messages from being fetched, and so up to twice the
+// bound can be unsettled at once. Beyond the bound, a broker that takes
+// messages back gets them back with the delay, not attempted; a log, which
+// cannot take one back, keeps it waiting here inside the bound. When
+// stopping, it goes back to the broker with its delay.
 func (r *run) deferRun(d *delivery, delay time.Duration) {
-	if r.shutting || r.deferred >= r.l.cfg.maxInFlight {
-		r.settle(d, driver.Return, delay)
-		return
-	}
 	r.l.stats.deferred.Add(1)
-	d.deferred = true
-	r.deferred++
-	r.l.deferredNow.Add(1)
-	r.l.signalSpace()
-	r.wait(d, time.Now().Add(delay))
+	switch {
+	case r.shutting:
+		r.settle(d, driver.Return, delay)
+	case r.deferred < r.l.cfg.maxInFlight:
+		d.deferred = true
+		r.deferred++
+		r.l.deferredNow.Add(1)
+		r.l.signalSpace()
+		r.wait(d, time.Now().Add(delay))
+	case r.l.caps.Redelivers:
+		r.settle(d, driver.Return, delay)
+	default:
+		r.wait(d, time.Now().Add(delay))
+	}
 }
 
 // undefer counts a deferred delivery back into the in-flight bound.

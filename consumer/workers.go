@@ -16,9 +16,9 @@ import (
 // worker runs handlers.
 func (r *run) worker() {
 	atMostOnce := r.l.cfg.mode == AtMostOnce
-	var ack chan bool
+	var ack chan error
 	if atMostOnce {
-		ack = make(chan bool, 1)
+		ack = make(chan error, 1)
 	}
 	for d := range r.work {
 		switch {
@@ -33,6 +33,10 @@ func (r *run) worker() {
 		default:
 			d.err = r.call(d)
 		}
+		if !d.called {
+			// Calls reserved at a breaker that no run will take.
+			r.releaseReservations(d)
+		}
 		select {
 		case r.done <- d:
 		case <-r.abandon:
@@ -44,23 +48,21 @@ func (r *run) worker() {
 // runAtMostOnce asks the breakers in the chain first, so that a message they
 // would hold is kept rather than acked and dropped; then it has the message
 // acked, waits until the ack is made, and only then runs the handler.
-func (r *run) runAtMostOnce(d *delivery, ack chan bool) error {
+func (r *run) runAtMostOnce(d *delivery, ack chan error) error {
 	if hold := r.reserveGates(d); hold != nil {
 		return hold
 	}
-	d.ackWait = ack
 	select {
-	case r.ackReq <- d:
+	case r.ackReq <- ackRequest{d, ack}:
 	case <-r.abandon:
 		return errAckFailed
 	}
-	var ok bool
 	select {
-	case ok = <-ack:
+	case err := <-ack:
+		if err != nil {
+			return err
+		}
 	case <-r.abandon:
-		return errAckFailed
-	}
-	if !ok {
 		return errAckFailed
 	}
 	return r.call(d)
@@ -77,6 +79,12 @@ func (r *run) call(d *delivery) (err error) {
 	}()
 	d.msg.Attempt = d.runs + 1
 	d.rec.deadLettered = false
+	d.called = true
+	defer func() {
+		// Noted as it returns: a handler that finished before the grace
+		// ended did its work on a live context.
+		d.late = r.graceOver.Load()
+	}()
 	return r.h.Handle(&d.ctx, &d.msg)
 }
 
