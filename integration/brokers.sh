@@ -56,18 +56,18 @@ ports_of() { # every port a service listens on
 
 CHECKER=$STATE/bin/brokercheck
 
-# build_checker builds internal/testenv/cmd/brokercheck, with -race where it
+# build_checker builds integration/brokercheck, with -race where it
 # can: then the client libraries it compiles are the ones `go test -race` needs.
 build_checker() {
-	command -v go >/dev/null || die "go is not on PATH (it builds the readiness checker internal/testenv/cmd/brokercheck)"
+	command -v go >/dev/null || die "go is not on PATH (it builds the readiness checker integration/brokercheck)"
 	mkdir -p "$STATE/bin"
 	(
 		cd "$ROOT"
-		go build -race -o "$CHECKER" ./internal/testenv/cmd/brokercheck >"$STATE/bin/build.log" 2>&1 ||
-			go build -o "$CHECKER" ./internal/testenv/cmd/brokercheck >>"$STATE/bin/build.log" 2>&1
+		go build -race -o "$CHECKER" ./integration/brokercheck >"$STATE/bin/build.log" 2>&1 ||
+			go build -o "$CHECKER" ./integration/brokercheck >>"$STATE/bin/build.log" 2>&1
 	) || {
 		cat "$STATE/bin/build.log" >&2
-		die "could not build internal/testenv/cmd/brokercheck"
+		die "could not build integration/brokercheck"
 	}
 }
 

@@ -25,7 +25,7 @@ import (
 	"strings"
 
 	"github.com/ferrymq/ferry/consumer"
-	"github.com/ferrymq/ferry/internal/demo"
+	"github.com/ferrymq/ferry/cmd/ferry/internal/demo"
 )
 
 // Exit codes.

@@ -10,7 +10,7 @@ import (
 
 	"go.uber.org/goleak"
 
-	"github.com/ferrymq/ferry/internal/demo"
+	"github.com/ferrymq/ferry/cmd/ferry/internal/demo"
 )
 
 func TestMain(m *testing.M) {

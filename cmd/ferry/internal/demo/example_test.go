@@ -5,7 +5,7 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/ferrymq/ferry/internal/demo"
+	"github.com/ferrymq/ferry/cmd/ferry/internal/demo"
 )
 
 // A whole run in a few seconds, printing nothing but what the verdict says.
