@@ -1,0 +1,704 @@
+package kafka
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/sasl"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/driver"
+)
+
+// Errors returned by the adapter. Match them with errors.Is.
+var (
+	// ErrClosed is returned by every call on a closed Broker. A consumer's
+	// Fetch wraps it with driver.Fatal, so its Run ends.
+	ErrClosed = errors.New("kafka: broker closed")
+
+	// ErrAuthentication is wrapped by the error of any call the broker
+	// refused because the client could not authenticate (a wrong SASL user
+	// or password, a TLS handshake that failed). A consumer's Run ends with
+	// it (it is marked driver.Fatal) instead of retrying for ever. The
+	// error never carries the password.
+	ErrAuthentication = errors.New("kafka: authentication failed")
+)
+
+// GroupProtocol chooses how the members of a consumer group share a topic's
+// partitions.
+type GroupProtocol uint8
+
+const (
+	// Classic is the consumer group protocol every Kafka version speaks,
+	// with the cooperative-sticky assignor: a rebalance moves only the
+	// partitions that change owner, and the others keep flowing. This is
+	// the default.
+	Classic GroupProtocol = iota
+	// NextGen is KIP-848, the consumer group protocol of Kafka 4.x: the group
+	// coordinator assigns partitions (its uniform assignor) and members
+	// reconcile one partition at a time, with no group-wide barrier. It
+	// needs a broker whose group.coordinator.rebalance.protocols includes
+	// "consumer" (the default from 4.0).
+	NextGen
+)
+
+func (p GroupProtocol) String() string {
+	switch p {
+	case Classic:
+		return "classic"
+	case NextGen:
+		return "consumer"
+	}
+	return "GroupProtocol(" + strconv.Itoa(int(p)) + ")"
+}
+
+// Defaults of the options.
+const (
+	// DefaultCommitInterval is how often a consumer commits what it finished,
+	// between rebalances.
+	DefaultCommitInterval = time.Second
+	// DefaultPartitionBuffer is how many fetched records of one partition a
+	// consumer holds unfinished before it pauses fetching that partition.
+	DefaultPartitionBuffer = 1000
+	// DefaultRevokeWait bounds how long a rebalance waits for the handlers of
+	// revoked partitions to return before it commits and lets go.
+	DefaultRevokeWait = 20 * time.Second
+)
+
+type config struct {
+	kopts           []kgo.Opt
+	logger          *slog.Logger
+	protocol        GroupProtocol
+	commitInterval  time.Duration
+	partitionBuffer int
+	revokeWait      time.Duration
+	sessionTimeout  time.Duration
+	rebalanceTO     time.Duration
+	commitHook      func(CommitEvent)
+}
+
+// Option configures a Broker. An option given a bad value makes New fail
+// with a *consumer.ConfigError naming the field.
+type Option func(*config) error
+
+func configErr(field, format string, args ...any) error {
+	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
+}
+
+// WithClientOpts passes franz-go options through to every client the Broker
+// makes (producer, consumers, admin): fetch and batch sizes, timeouts,
+// compression, dialers, hooks. Options that would break Ferry's contract are
+// refused with a *consumer.ConfigError: a consumer group or topics of their
+// own (a consumer's group and topic are given to NewConsumer or Driver),
+// autocommit settings (Ferry commits only what handlers finished), partition
+// callbacks and BlockRebalanceOnPoll (Ferry owns the rebalance), acks other
+// than all and a disabled idempotent producer (Publish promises durability
+// and order). Default: none.
+func WithClientOpts(opts ...kgo.Opt) Option {
+	return func(c *config) error {
+		for _, o := range opts {
+			if o == nil {
+				return configErr("ClientOpts", "must not contain nil")
+			}
+		}
+		c.kopts = append(c.kopts, opts...)
+		return nil
+	}
+}
+
+// WithTLS dials the brokers over TLS with cfg (kgo.DialTLSConfig). Default:
+// plaintext.
+func WithTLS(cfg *tls.Config) Option {
+	return func(c *config) error {
+		if cfg == nil {
+			return configErr("TLS", "must not be nil")
+		}
+		c.kopts = append(c.kopts, kgo.DialTLSConfig(cfg))
+		return nil
+	}
+}
+
+// WithSASL authenticates every connection with m, for example
+// scram.Auth{User: u, Pass: p}.AsSha512Mechanism() from
+// github.com/twmb/franz-go/pkg/sasl/scram. A failed authentication is an
+// error wrapping ErrAuthentication. Default: no SASL.
+func WithSASL(m sasl.Mechanism) Option {
+	return func(c *config) error {
+		if m == nil {
+			return configErr("SASL", "must not be nil")
+		}
+		c.kopts = append(c.kopts, kgo.SASL(m))
+		return nil
+	}
+}
+
+// WithClientID sets the client id the brokers see in their logs and quotas.
+// Default "ferry".
+func WithClientID(id string) Option {
+	return func(c *config) error {
+		if id == "" {
+			return configErr("ClientID", "must not be empty")
+		}
+		c.kopts = append(c.kopts, kgo.ClientID(id))
+		return nil
+	}
+}
+
+// WithLogger sends the adapter's own logs, and franz-go's warnings and
+// errors, to l. Default slog.Default().
+func WithLogger(l *slog.Logger) Option {
+	return func(c *config) error {
+		if l == nil {
+			return configErr("Logger", "must not be nil")
+		}
+		c.logger = l
+		return nil
+	}
+}
+
+// WithGroupProtocol chooses the consumer group protocol of the Broker's
+// consumers. Default Classic (cooperative-sticky).
+func WithGroupProtocol(p GroupProtocol) Option {
+	return func(c *config) error {
+		if p != Classic && p != NextGen {
+			return configErr("GroupProtocol", "must be Classic or NextGen, got %d", p)
+		}
+		c.protocol = p
+		return nil
+	}
+}
+
+// WithCommitInterval sets how often a consumer commits, per partition, the
+// offset below which every record is finished. Commits also happen when
+// partitions are revoked and when the consumer stops. Default 1s
+// (DefaultCommitInterval).
+func WithCommitInterval(d time.Duration) Option {
+	return func(c *config) error {
+		if d <= 0 {
+			return configErr("CommitInterval", "must be > 0, got %s", d)
+		}
+		c.commitInterval = d
+		return nil
+	}
+}
+
+// WithPartitionBuffer sets how many records of one partition a consumer may
+// hold fetched and unfinished before it pauses fetching that partition (its
+// records wait behind a retry, a hold or a slow key); the partition resumes
+// once half of them are finished, and other partitions flow meanwhile.
+// Default 1000 (DefaultPartitionBuffer).
+func WithPartitionBuffer(n int) Option {
+	return func(c *config) error {
+		if n <= 0 {
+			return configErr("PartitionBuffer", "must be > 0, got %d", n)
+		}
+		c.partitionBuffer = n
+		return nil
+	}
+}
+
+// WithSessionTimeout sets the consumer group session timeout: how long the
+// coordinator waits for a heartbeat before it removes a member. Heartbeats
+// run in the background, so a slow handler does not need a longer one.
+// Default 45s (franz-go's default; the broker bounds it with
+// group.min/max.session.timeout.ms).
+func WithSessionTimeout(d time.Duration) Option {
+	return func(c *config) error {
+		if d <= 0 {
+			return configErr("SessionTimeout", "must be > 0, got %s", d)
+		}
+		c.sessionTimeout = d
+		return nil
+	}
+}
+
+// WithRebalanceTimeout sets how long a classic group waits for its members
+// to rejoin during a rebalance, which bounds how long a member may take to
+// let go of revoked partitions. A consumer waits at most this, less a
+// margin, for the handlers of revoked partitions (whose contexts are
+// cancelled at once) before it commits and lets go. Default 60s.
+func WithRebalanceTimeout(d time.Duration) Option {
+	return func(c *config) error {
+		if d <= 0 {
+			return configErr("RebalanceTimeout", "must be > 0, got %s", d)
+		}
+		c.rebalanceTO = d
+		return nil
+	}
+}
+
+// CommitEvent describes one offset commit the broker accepted, for
+// WithCommitHook.
+type CommitEvent struct {
+	Topic  string
+	Group  string
+	Member string          // the member id the coordinator knows this consumer by
+	Offset map[int32]int64 // partition -> committed offset (the next record to read)
+}
+
+// WithCommitHook calls fn after each commit the broker accepted, from the
+// goroutine that committed. It is meant for tests and audits (who committed
+// what, when); fn must not block. Default: none.
+func WithCommitHook(fn func(CommitEvent)) Option {
+	return func(c *config) error {
+		if fn == nil {
+			return configErr("CommitHook", "must not be nil")
+		}
+		c.commitHook = fn
+		return nil
+	}
+}
+
+// Broker is a connection to a Kafka cluster: a consumer.Publisher, and the
+// factory of consumers (NewConsumer, Driver). It is safe for concurrent use.
+type Broker struct {
+	seeds []string
+	cfg   config
+	log   *slog.Logger
+
+	prod *kgo.Client
+	adm  *kadm.Client
+	admc *kgo.Client
+
+	mu        sync.Mutex
+	drivers   map[*kafkaDriver]struct{}
+	closed    chan struct{}
+	closeOnce sync.Once
+}
+
+var _ consumer.Publisher = (*Broker)(nil)
+
+// New connects to the cluster whose bootstrap addresses are seeds (host:port)
+// and returns a Broker. It fails with a *consumer.ConfigError naming the
+// field when seeds is empty or an option is wrong; it does not wait for the
+// cluster to answer (the first Publish, Fetch or admin call does).
+func New(seeds []string, opts ...Option) (*Broker, error) {
+	if len(seeds) == 0 {
+		return nil, configErr("Seeds", "must name at least one broker address")
+	}
+	for _, s := range seeds {
+		if s == "" {
+			return nil, configErr("Seeds", "must not contain an empty address")
+		}
+	}
+	cfg := config{
+		logger:          slog.Default(),
+		commitInterval:  DefaultCommitInterval,
+		partitionBuffer: DefaultPartitionBuffer,
+		revokeWait:      DefaultRevokeWait,
+	}
+	for _, o := range opts {
+		if o == nil {
+			continue
+		}
+		if err := o(&cfg); err != nil {
+			return nil, err
+		}
+	}
+	if err := checkClientOpts(seeds, cfg.kopts); err != nil {
+		return nil, err
+	}
+	b := &Broker{
+		seeds:   append([]string(nil), seeds...),
+		cfg:     cfg,
+		log:     cfg.logger,
+		drivers: make(map[*kafkaDriver]struct{}),
+		closed:  make(chan struct{}),
+	}
+	prod, err := kgo.NewClient(b.clientOpts(
+		kgo.RequiredAcks(kgo.AllISRAcks()),
+		// Java's default partitioner: murmur2 of the key for keyed records,
+		// sticky batches for the others.
+		kgo.RecordPartitioner(kgo.UniformBytesPartitioner(64<<10, true, true, nil)),
+		kgo.ProducerLinger(0),
+		kgo.RecordDeliveryTimeout(2*time.Minute),
+	)...)
+	if err != nil {
+		return nil, fmt.Errorf("kafka: producer: %w", err)
+	}
+	admc, err := kgo.NewClient(b.clientOpts()...)
+	if err != nil {
+		prod.Close()
+		return nil, fmt.Errorf("kafka: admin client: %w", err)
+	}
+	b.prod, b.admc, b.adm = prod, admc, kadm.NewClient(admc)
+	return b, nil
+}
+
+// clientOpts is every client's base: seeds, the user's options, a logger,
+// and extra.
+func (b *Broker) clientOpts(extra ...kgo.Opt) []kgo.Opt {
+	o := []kgo.Opt{kgo.SeedBrokers(b.seeds...), kgo.ClientID("ferry"), kgo.WithLogger(kgoLogger{b.log})}
+	o = append(o, b.cfg.kopts...)
+	return append(o, extra...)
+}
+
+// checkClientOpts refuses the franz-go options that would break the
+// contract. It reads them back from a client that never connects (a
+// franz-go client dials only when asked to do something).
+func checkClientOpts(seeds []string, opts []kgo.Opt) error {
+	if len(opts) == 0 {
+		return nil
+	}
+	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(seeds...)}, opts...)...)
+	if err != nil {
+		return configErr("ClientOpts", "%v", err)
+	}
+	defer cl.Close()
+	refuse := func(name, why string) error { return configErr("ClientOpts", "%s is not allowed: %s", name, why) }
+	if g, _ := cl.OptValue(kgo.ConsumerGroup).(string); g != "" {
+		return refuse("kgo.ConsumerGroup", "a consumer's group is the consumer's name (consumer.WithName), or the group given to Driver")
+	}
+	if ts, _ := cl.OptValue(kgo.ConsumeTopics).([]string); len(ts) > 0 {
+		return refuse("kgo.ConsumeTopics", "a consumer's topic is the one given to NewConsumer or Driver")
+	}
+	if ps, _ := cl.OptValue(kgo.ConsumePartitions).(map[string]map[int32]kgo.Offset); len(ps) > 0 {
+		return refuse("kgo.ConsumePartitions", "a consumer reads its topic through its group")
+	}
+	if b, _ := cl.OptValue(kgo.ConsumeRegex).(bool); b {
+		return refuse("kgo.ConsumeRegex", "a consumer reads one topic")
+	}
+	if b, _ := cl.OptValue(kgo.BlockRebalanceOnPoll).(bool); b {
+		return refuse("kgo.BlockRebalanceOnPoll", "processing runs off the poll path; a blocked rebalance would stall the group")
+	}
+	if b, _ := cl.OptValue(kgo.GreedyAutoCommit).(bool); b {
+		return refuse("kgo.GreedyAutoCommit", "Ferry commits only what handlers finished")
+	}
+	if b, _ := cl.OptValue(kgo.AutoCommitMarks).(bool); b {
+		return refuse("kgo.AutoCommitMarks", "Ferry commits only what handlers finished")
+	}
+	if d, _ := cl.OptValue(kgo.AutoCommitInterval).(time.Duration); d != 5*time.Second {
+		return refuse("kgo.AutoCommitInterval", "Ferry commits itself; use WithCommitInterval")
+	}
+	if b, _ := cl.OptValue(kgo.DisableIdempotentWrite).(bool); b {
+		return refuse("kgo.DisableIdempotentWrite", "Publish keeps per-key order with the idempotent producer")
+	}
+	for _, name := range []struct {
+		opt  any
+		name string
+	}{
+		{kgo.OnPartitionsAssigned, "kgo.OnPartitionsAssigned"},
+		{kgo.OnPartitionsRevoked, "kgo.OnPartitionsRevoked"},
+		{kgo.OnPartitionsLost, "kgo.OnPartitionsLost"},
+	} {
+		if v := cl.OptValue(name.opt); v != nil && !isNilFunc(v) {
+			return refuse(name.name, "the consumer owns the rebalance callbacks and commits")
+		}
+	}
+	if a, ok := cl.OptValue(kgo.RequiredAcks).(kgo.Acks); ok && a != kgo.AllISRAcks() {
+		return refuse("kgo.RequiredAcks", "Publish returns only once all in-sync replicas have the records")
+	}
+	return nil
+}
+
+func isNilFunc(v any) bool {
+	switch f := v.(type) {
+	case func(context.Context, *kgo.Client, map[string][]int32):
+		return f == nil
+	case nil:
+		return true
+	}
+	return false
+}
+
+// Close closes the Broker's producer and admin connections and every
+// consumer driver it made that is still open (their Run then ends with an
+// error wrapping ErrClosed). Consumers should be stopped first, by
+// cancelling their Run: that commits what they finished. Calling Close again
+// does nothing.
+func (b *Broker) Close() error {
+	b.closeOnce.Do(func() {
+		close(b.closed)
+		b.mu.Lock()
+		ds := make([]*kafkaDriver, 0, len(b.drivers))
+		for d := range b.drivers {
+			ds = append(ds, d)
+		}
+		b.mu.Unlock()
+		for _, d := range ds {
+			_ = d.Close()
+		}
+		b.prod.Close()
+		b.admc.Close()
+	})
+	return nil
+}
+
+func (b *Broker) isClosed() bool {
+	select {
+	case <-b.closed:
+		return true
+	default:
+		return false
+	}
+}
+
+// Publish sends msgs to topic and returns nil once all in-sync replicas
+// have every record (acks=all, idempotent producer). Key is the record key
+// and picks the partition as the Java client does (murmur2), so Ferry and
+// Java producers agree; an empty Key is no key (records spread over
+// partitions). Headers become record headers; ID, when set, travels in the
+// header HeaderMessageID. Records of one key are produced in the order given,
+// within a call and across calls.
+//
+// Records the cluster refused are reported in a *consumer.PublishError,
+// each wrapping franz-go's error (kerr errors match with errors.Is). A
+// record refused before it was sent (larger than the producer's batch
+// limit) also fails every later record of its key in the call, without
+// sending them.
+func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Message) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if b.isClosed() {
+		return fmt.Errorf("kafka: publish to %q: %w", topic, ErrClosed)
+	}
+	if topic == "" {
+		return configErr("topic", "must not be empty")
+	}
+	if len(msgs) == 0 {
+		return nil
+	}
+	maxBytes, _ := b.prod.OptValue(kgo.ProducerBatchMaxBytes).(int32)
+	var (
+		mu     sync.Mutex
+		failed []consumer.FailedMessage
+		wg     sync.WaitGroup
+		dead   map[string]bool // keys with a record refused before sending
+	)
+	fail := func(i int, err error) {
+		mu.Lock()
+		failed = append(failed, consumer.FailedMessage{Index: i, Err: err})
+		mu.Unlock()
+	}
+	recs := make([]kgo.Record, len(msgs))
+	for i := range msgs {
+		m := &msgs[i]
+		if dead[m.Key] && m.Key != "" {
+			fail(i, fmt.Errorf("kafka: not sent: an earlier record of key %q in this call failed", m.Key))
+			continue
+		}
+		r := &recs[i]
+		r.Topic = topic
+		if m.Key != "" {
+			r.Key = []byte(m.Key)
+		}
+		r.Value = m.Body
+		if len(m.Headers) > 0 || m.ID != "" {
+			r.Headers = make([]kgo.RecordHeader, 0, len(m.Headers)+1)
+			if m.ID != "" {
+				r.Headers = append(r.Headers, kgo.RecordHeader{Key: HeaderMessageID, Value: []byte(m.ID)})
+			}
+			for k, v := range m.Headers {
+				if k == HeaderMessageID && m.ID != "" {
+					continue
+				}
+				r.Headers = append(r.Headers, kgo.RecordHeader{Key: k, Value: []byte(v)})
+			}
+		}
+		if maxBytes > 0 && recordSize(r) > int(maxBytes) {
+			err := fmt.Errorf("kafka: record of %d bytes exceeds the producer's batch limit of %d bytes: %w", recordSize(r), maxBytes, kerr.MessageTooLarge)
+			fail(i, err)
+			if m.Key != "" {
+				if dead == nil {
+					dead = make(map[string]bool)
+				}
+				dead[m.Key] = true
+			}
+			continue
+		}
+		wg.Add(1)
+		b.prod.Produce(ctx, r, func(r *kgo.Record, err error) {
+			defer wg.Done()
+			if err != nil {
+				fail(i, publishErr(topic, err))
+			}
+		})
+	}
+	wg.Wait()
+	if len(failed) == 0 {
+		return nil
+	}
+	sortFailed(failed)
+	if len(failed) == len(msgs) {
+		if err := ctx.Err(); err != nil {
+			return fmt.Errorf("kafka: publish to %q: %w", topic, err)
+		}
+	}
+	return &consumer.PublishError{Failed: failed}
+}
+
+func publishErr(topic string, err error) error {
+	if isAuthErr(err) {
+		return fmt.Errorf("kafka: publish to %q: %w: %w", topic, ErrAuthentication, err)
+	}
+	return fmt.Errorf("kafka: publish to %q: %w", topic, err)
+}
+
+func sortFailed(f []consumer.FailedMessage) {
+	for i := 1; i < len(f); i++ {
+		for j := i; j > 0 && f[j].Index < f[j-1].Index; j-- {
+			f[j], f[j-1] = f[j-1], f[j]
+		}
+	}
+}
+
+// recordSize estimates a record's size in a batch, as franz-go counts it
+// before it refuses one as too large.
+func recordSize(r *kgo.Record) int {
+	n := len(r.Key) + len(r.Value) + 21
+	for _, h := range r.Headers {
+		n += len(h.Key) + len(h.Value) + 10
+	}
+	return n
+}
+
+// HeaderMessageID is the record header that carries consumer.Message.ID
+// when a publisher sets one. A consumed record without it gets the ID
+// topic/partition/offset.
+const HeaderMessageID = "ferry-message-id"
+
+// TopicConfig says how CreateTopic makes a topic.
+type TopicConfig struct {
+	// Partitions is the number of partitions. Default 1.
+	Partitions int32
+	// ReplicationFactor is how many brokers keep each partition. Default -1:
+	// the cluster's default.replication.factor.
+	ReplicationFactor int16
+	// Retention is how long records are kept (retention.ms). Default 0: the
+	// cluster's log.retention setting. Negative keeps them for ever.
+	Retention time.Duration
+	// Configs are further topic configs (cleanup.policy, min.insync.replicas...).
+	Configs map[string]string
+}
+
+// CreateTopic creates topic with cfg and waits until its partitions have
+// leaders. A topic that exists already is not an error (its configuration
+// is left as it is).
+func (b *Broker) CreateTopic(ctx context.Context, topic string, cfg TopicConfig) error {
+	if topic == "" {
+		return configErr("topic", "must not be empty")
+	}
+	if cfg.Partitions < 0 {
+		return configErr("TopicConfig.Partitions", "must be >= 0, got %d", cfg.Partitions)
+	}
+	if cfg.Partitions == 0 {
+		cfg.Partitions = 1
+	}
+	if cfg.ReplicationFactor == 0 {
+		cfg.ReplicationFactor = -1
+	}
+	configs := make(map[string]*string, len(cfg.Configs)+1)
+	for k, v := range cfg.Configs {
+		configs[k] = &v
+	}
+	if cfg.Retention != 0 {
+		ms := "-1"
+		if cfg.Retention > 0 {
+			ms = strconv.FormatInt(cfg.Retention.Milliseconds(), 10)
+		}
+		configs["retention.ms"] = &ms
+	}
+	resp, err := b.adm.CreateTopic(ctx, cfg.Partitions, cfg.ReplicationFactor, configs, topic)
+	if err == nil {
+		err = resp.Err
+	}
+	if err != nil && !errors.Is(err, kerr.TopicAlreadyExists) {
+		return fmt.Errorf("kafka: create topic %q: %w", topic, wrapAuth(err))
+	}
+	// Wait for leaders: a produce right after CreateTopics may otherwise
+	// wait for metadata to catch up.
+	for {
+		md, err := b.adm.Metadata(ctx, topic)
+		if err == nil {
+			if t, ok := md.Topics[topic]; ok && t.Err == nil && len(t.Partitions) > 0 {
+				ready := true
+				for _, p := range t.Partitions {
+					if p.Err != nil || p.Leader < 0 {
+						ready = false
+					}
+				}
+				if ready {
+					return nil
+				}
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("kafka: create topic %q: waiting for leaders: %w", topic, ctx.Err())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// DeleteTopic deletes topic. A topic that does not exist is not an error.
+func (b *Broker) DeleteTopic(ctx context.Context, topic string) error {
+	resp, err := b.adm.DeleteTopic(ctx, topic)
+	if err == nil {
+		err = resp.Err
+	}
+	if err != nil && !errors.Is(err, kerr.UnknownTopicOrPartition) {
+		return fmt.Errorf("kafka: delete topic %q: %w", topic, wrapAuth(err))
+	}
+	return nil
+}
+
+// Admin returns a kadm client over the Broker's admin connection, for
+// what Ferry does not wrap (describing groups, listing offsets). It is
+// closed with the Broker.
+func (b *Broker) Admin() *kadm.Client { return b.adm }
+
+// NewConsumer returns a delivery loop over topic: consumer.New over a
+// Driver whose group is the loop's name (consumer.WithName, default
+// "ferry"), with opts. Every consumer of one topic and name is a member of
+// one group, and shares the topic's partitions with the others.
+func (b *Broker) NewConsumer(topic string, opts ...consumer.Option) (*consumer.Loop, error) {
+	d, err := b.newDriver(topic)
+	if err != nil {
+		return nil, err
+	}
+	l, err := consumer.New(d, opts...)
+	if err != nil {
+		b.forget(d)
+		return nil, err
+	}
+	if err := d.start(l.Name()); err != nil {
+		b.forget(d)
+		return nil, err
+	}
+	return l, nil
+}
+
+// Driver returns the driver of one member of group over topic, for
+// consumer.New or a loop of your own. It implements driver.Revoker,
+// driver.LagReporter and driver.Aser (a handler reaches the *kgo.Record
+// with Message.As, given a **kgo.Record or a *kgo.Record to copy into).
+func (b *Broker) Driver(topic, group string) (driver.Driver, error) {
+	if group == "" {
+		return nil, configErr("group", "must not be empty")
+	}
+	d, err := b.newDriver(topic)
+	if err != nil {
+		return nil, err
+	}
+	if err := d.start(group); err != nil {
+		b.forget(d)
+		return nil, err
+	}
+	return d, nil
+}
+
+func (b *Broker) forget(d *kafkaDriver) {
+	b.mu.Lock()
+	delete(b.drivers, d)
+	b.mu.Unlock()
+}

@@ -1,0 +1,72 @@
+package kafka_test
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"testing"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/consumertest"
+	"github.com/ferrymq/ferry/kafka"
+)
+
+// TestConformance runs the conformance suite against the real Kafka, with
+// every consumer of a source in one group, under both group protocols.
+func TestConformance(t *testing.T) {
+	for _, p := range []kafka.GroupProtocol{kafka.Classic, kafka.NextGen} {
+		t.Run(p.String(), func(t *testing.T) {
+			consumertest.Run(t, &harness{b: newBroker(t, kafka.WithGroupProtocol(p))})
+		})
+	}
+}
+
+// harness makes a topic of four partitions per test; the key picks the
+// partition, so every topic is an ordered source.
+type harness struct {
+	b *kafka.Broker
+}
+
+var _ consumertest.Harness = (*harness)(nil)
+
+func (h *harness) NewSource(t *testing.T, cfg consumertest.SourceConfig) string {
+	return newTopic(t, h.b, "conformance", 4)
+}
+
+func (h *harness) Publisher(t *testing.T) consumer.Publisher { return h.b }
+
+func (h *harness) NewConsumer(t *testing.T, source string, opts ...consumer.Option) consumer.Consumer {
+	d, err := h.b.Driver(source, source+"-group")
+	if err != nil {
+		t.Fatalf("driver: %v", err)
+	}
+	c, err := consumer.New(d, opts...)
+	if err != nil {
+		_ = d.Close()
+		t.Fatalf("consumer.New: %v", err)
+	}
+	return c
+}
+
+func (h *harness) AsCheck(m *consumer.Message) error {
+	var r *kgo.Record
+	if !m.As(&r) {
+		return errors.New("Message.As(**kgo.Record) = false")
+	}
+	if r.Topic != m.Source || r.Offset != m.Offset || strconv.Itoa(int(r.Partition)) != m.Lane || string(r.Value) != string(m.Body) {
+		return fmt.Errorf("Message.As gave %s/%d/%d for message at %s/%s/%d", r.Topic, r.Partition, r.Offset, m.Source, m.Lane, m.Offset)
+	}
+	var cp kgo.Record
+	if !m.As(&cp) || cp.Offset != r.Offset {
+		return errors.New("Message.As(*kgo.Record) did not copy the record")
+	}
+	return nil
+}
+
+func (h *harness) Capabilities() consumertest.Capabilities {
+	// A log: no lease, no redelivery by the broker, ordered partitions; a
+	// record batch is at most 1 MB by default (message.max.bytes).
+	return consumertest.Capabilities{Ordered: true, MaxBody: 900 << 10}
+}

@@ -1,0 +1,87 @@
+// Package kafka runs Ferry consumers and publishers on Apache Kafka, over
+// franz-go (github.com/twmb/franz-go/pkg/kgo).
+//
+// # What it guarantees
+//
+// A consumer is one member of a consumer group: every consumer of one topic
+// with one name (consumer.WithName, the group id) shares the topic's
+// partitions with the others, and each partition belongs to one member at a
+// time. Records of a partition are handled in offset order by default
+// (consumer.OrderByLane, a lane is a partition); with consumer.OrderByKey,
+// records of different keys in one partition run at once while each key
+// keeps its order.
+//
+// A record is committed only after its handler returned nil (or, in
+// consumer.AtMostOnce mode, before it ran). Per partition, the consumer
+// commits the highest offset below which every fetched record is finished:
+// a record that finished before an earlier one (another key, under
+// OrderByKey) never moves the commit past the unfinished one. Commits
+// happen every second (WithCommitInterval), when partitions are revoked and
+// when Run ends. A member commits only for partitions it owns now; a
+// committed offset never goes down; when the group takes partitions away
+// without a clean handover (partitions lost: the member was too slow to
+// heartbeat, or the coordinator moved on), the member commits nothing for
+// them. A crash therefore costs at most a second of finished work, which
+// runs again on the partition's next owner: delivery is at least once.
+//
+// A failed record is retried in place after its delay: a log cannot skip a
+// record without losing its order, so its partition (or, under OrderByKey,
+// its key) waits for it. Use consumer.DeadLetter (part of consumer.Standard)
+// so that a record that fails for good goes to a dead-letter topic and its
+// partition moves on. While a consumer.Breaker is open, held records do not
+// count as attempts, fetching stops, and the member stays in its group:
+// heartbeats run in the background, never on the handler's path, so a slow
+// handler does not cost the membership either.
+//
+// # How Kafka maps onto the delivery loop
+//
+//   - Fetch: PollRecords off the handlers' path, at most as many records as
+//     the loop has room for; a record becomes a consumer.Message with Lane the
+//     partition number, Offset the record offset, Key, Body and Headers as
+//     produced, PublishedAt the record timestamp, and ID the header
+//     HeaderMessageID when the producer set one (Publish does, for a
+//     Message.ID), otherwise topic/partition/offset. Deliveries is always 1:
+//     Kafka keeps no delivery count; the loop counts attempts in process.
+//   - Settle Ack marks the record finished (the commit point moves at the
+//     next commit). There is no Return: the loop retries in place
+//     (driver.Capabilities.Redelivers is false); at shutdown a Return leaves
+//     the record uncommitted, to be read again by the partition's next owner.
+//   - Backpressure: a partition with WithPartitionBuffer records fetched and
+//     unfinished is paused (PauseFetchPartitions) until half of them are done,
+//     so that one stuck partition does not fill the loop; when the loop is
+//     full or a breaker holds, it stops polling and franz-go keeps at most one
+//     buffered fetch. Pauses are lifted when a partition is revoked or
+//     assigned, since franz-go keeps them across rebalances.
+//   - Rebalances: cooperative-sticky by default, so only the partitions that
+//     move stop; KIP-848 (WithGroupProtocol(NextGen)) as an option. On
+//     revoke, the loop cancels the handlers of the partitions' records and
+//     drops what it had queued; the rebalance waits for those handlers to
+//     return (at most a few seconds less than the rebalance timeout), commits
+//     what finished, and lets the partitions go.
+//   - Lag: per partition, the high watermark minus the group's committed
+//     offset, as kadm reports it; plus the records fetched and unfinished and
+//     the age of the oldest of them.
+//
+// # Publishing
+//
+// Broker is a consumer.Publisher: acks from all in-sync replicas with the
+// idempotent producer, so Publish returns nil only once every record is
+// durable, retries never duplicate or reorder a partition, and records of one
+// key keep their order within and across calls. The key picks the partition
+// with murmur2, as the Java client does, so Ferry and Java producers of a
+// topic agree. Records the cluster refused come back in a
+// *consumer.PublishError by index.
+//
+// # Configuration
+//
+// New takes the bootstrap addresses and options; franz-go options pass
+// through WithClientOpts (fetch sizes, timeouts, dialers), except those that
+// would break the contract above (autocommit, a group or topics of their own,
+// rebalance callbacks), which New refuses with a *consumer.ConfigError. TLS
+// and SASL have options of their own (WithTLS, WithSASL); a wrong password
+// makes Publish fail and Run return within seconds with an error wrapping
+// ErrAuthentication, and no password appears in any log line or error.
+//
+// CreateTopic and DeleteTopic manage topics for tests and for users' own
+// integration tests.
+package kafka

@@ -1,0 +1,572 @@
+package kafka
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	"github.com/ferrymq/ferry/consumer/driver"
+)
+
+// kafkaDriver is one consumer group member over one topic. Fetch runs on
+// the loop's fetcher, Settle on its settler, the rebalance callbacks on
+// franz-go's group goroutine, and commits on a goroutine of the driver's
+// own; mu guards the partition table they share.
+type kafkaDriver struct {
+	b     *Broker
+	topic string
+	group string
+	log   *slog.Logger
+
+	revC chan driver.Revocation
+
+	mu     sync.Mutex
+	cl     *kgo.Client
+	parts  map[int32]*partition // owned now; a new assignment gets a new *partition
+	member string
+
+	// commitMu serialises commits: the periodic one, the one on revoke and
+	// the last one on Close. cancelCommit cancels a periodic commit in
+	// progress, so that a rebalance never waits behind one.
+	commitMu     sync.Mutex
+	cancelCommit context.CancelFunc
+
+	stop      chan struct{}
+	closeOnce sync.Once
+	wg        sync.WaitGroup
+}
+
+var (
+	_ driver.Driver      = (*kafkaDriver)(nil)
+	_ driver.Revoker     = (*kafkaDriver)(nil)
+	_ driver.LagReporter = (*kafkaDriver)(nil)
+	_ driver.Aser        = (*kafkaDriver)(nil)
+)
+
+// handle is what the loop holds for one delivery: the record, and the
+// assignment of its partition it was fetched under.
+type handle struct {
+	rec *kgo.Record
+	p   *partition
+}
+
+func (b *Broker) newDriver(topic string) (*kafkaDriver, error) {
+	if topic == "" {
+		return nil, configErr("topic", "must not be empty")
+	}
+	if b.isClosed() {
+		return nil, fmt.Errorf("kafka: consumer of %q: %w", topic, ErrClosed)
+	}
+	d := &kafkaDriver{
+		b:     b,
+		topic: topic,
+		log:   b.log,
+		revC:  make(chan driver.Revocation),
+		parts: make(map[int32]*partition),
+		stop:  make(chan struct{}),
+	}
+	b.mu.Lock()
+	b.drivers[d] = struct{}{}
+	b.mu.Unlock()
+	return d, nil
+}
+
+// start names the group. The client is made on the first Fetch, once a
+// loop runs to hear of revocations.
+func (d *kafkaDriver) start(group string) error {
+	if group == "" {
+		return configErr("group", "must not be empty")
+	}
+	d.group = group
+	d.log = d.b.log.With("topic", d.topic, "group", group)
+	return nil
+}
+
+func (d *kafkaDriver) clientOpts() []kgo.Opt {
+	c := &d.b.cfg
+	opts := []kgo.Opt{
+		kgo.ConsumerGroup(d.group),
+		kgo.ConsumeTopics(d.topic),
+		kgo.DisableAutoCommit(),
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
+		kgo.Balancers(kgo.CooperativeStickyBalancer()),
+		kgo.OnPartitionsAssigned(d.onAssigned),
+		kgo.OnPartitionsRevoked(d.onRevoked),
+		kgo.OnPartitionsLost(d.onLost),
+		kgo.FetchMaxWait(500 * time.Millisecond),
+	}
+	if c.protocol == NextGen {
+		opts = append(opts, kgo.ServerSideBalancer())
+	}
+	if c.sessionTimeout > 0 {
+		opts = append(opts, kgo.SessionTimeout(c.sessionTimeout))
+	}
+	if c.rebalanceTO > 0 {
+		opts = append(opts, kgo.RebalanceTimeout(c.rebalanceTO))
+	}
+	return d.b.clientOpts(opts...)
+}
+
+// revokeWait is how long a rebalance waits for the loop to let go of
+// revoked partitions: the configured bound, and always some seconds less
+// than the rebalance timeout.
+func (d *kafkaDriver) revokeWait() time.Duration {
+	w := d.b.cfg.revokeWait
+	if rt := d.b.cfg.rebalanceTO; rt > 0 {
+		w = min(w, max(rt-5*time.Second, rt/2))
+	}
+	return w
+}
+
+// client returns the group client, making it on first use.
+func (d *kafkaDriver) client() (*kgo.Client, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.cl != nil {
+		return d.cl, nil
+	}
+	select {
+	case <-d.stop:
+		return nil, fmt.Errorf("kafka: consumer of %q: %w", d.topic, ErrClosed)
+	default:
+	}
+	cl, err := kgo.NewClient(d.clientOpts()...)
+	if err != nil {
+		return nil, fmt.Errorf("kafka: consumer of %q: %w", d.topic, err)
+	}
+	d.cl = cl
+	d.wg.Add(1)
+	go d.commitLoop()
+	return cl, nil
+}
+
+// Capabilities reports a log: records cannot be taken back, so the loop
+// retries them in place.
+func (d *kafkaDriver) Capabilities() driver.Capabilities {
+	return driver.Capabilities{Redelivers: false}
+}
+
+// Revoked delivers the partitions a rebalance takes away, as lanes.
+func (d *kafkaDriver) Revoked() <-chan driver.Revocation { return d.revC }
+
+// Fetch polls up to max records. Records of partitions this member no
+// longer owns are dropped; their next owner reads them from the committed
+// offset.
+func (d *kafkaDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([]driver.Message, error) {
+	cl, err := d.client()
+	if err != nil {
+		return dst, driver.Fatal(err)
+	}
+	if max <= 0 {
+		max = 1
+	}
+	fs := cl.PollRecords(ctx, max)
+	if err := ctx.Err(); err != nil {
+		return dst, err
+	}
+	var ferr error
+	fs.EachError(func(topic string, p int32, err error) {
+		if ferr == nil || isAuthErr(err) || errors.Is(err, kgo.ErrClientClosed) {
+			ferr = err
+		}
+	})
+	var pause map[string][]int32
+	limit := d.b.cfg.partitionBuffer
+	d.mu.Lock()
+	fs.EachRecord(func(r *kgo.Record) {
+		p := d.parts[r.Partition]
+		if p == nil || r.Topic != d.topic {
+			return
+		}
+		p.add(r)
+		dst = append(dst, d.message(r, p))
+		if !p.paused && p.outstanding >= limit {
+			p.paused = true
+			if pause == nil {
+				pause = make(map[string][]int32)
+			}
+			pause[d.topic] = append(pause[d.topic], p.id)
+		}
+	})
+	d.mu.Unlock()
+	if pause != nil {
+		cl.PauseFetchPartitions(pause)
+		d.log.Debug("ferry/kafka: paused fetching partitions whose records wait", "partitions", pause[d.topic], "buffer", limit)
+	}
+	switch {
+	case ferr == nil:
+		return dst, nil
+	case errors.Is(ferr, kgo.ErrClientClosed):
+		return dst, driver.Fatal(fmt.Errorf("kafka: fetch %q: %w", d.topic, ErrClosed))
+	case isAuthErr(ferr):
+		return dst, driver.Fatal(fmt.Errorf("kafka: fetch %q: %w: %w", d.topic, ErrAuthentication, ferr))
+	}
+	return dst, fmt.Errorf("kafka: fetch %q: %w", d.topic, ferr)
+}
+
+func (d *kafkaDriver) message(r *kgo.Record, p *partition) driver.Message {
+	m := driver.Message{
+		Key:         string(r.Key),
+		Body:        r.Value,
+		Source:      r.Topic,
+		Lane:        p.lane,
+		Offset:      r.Offset,
+		PublishedAt: r.Timestamp,
+		Deliveries:  1,
+		Handle:      &handle{rec: r, p: p},
+	}
+	if len(r.Headers) > 0 {
+		m.Headers = make(map[string]string, len(r.Headers))
+		for _, h := range r.Headers {
+			m.Headers[h.Key] = string(h.Value)
+		}
+		m.ID = m.Headers[HeaderMessageID]
+	}
+	if m.ID == "" {
+		m.ID = r.Topic + "/" + p.lane + "/" + strconv.FormatInt(r.Offset, 10)
+	}
+	return m
+}
+
+// Settle marks acked records done. A record whose partition was revoked
+// since it was fetched is left alone: its offset belongs to the next owner.
+// Return is a no-op: the record stays unfinished, so no commit passes it,
+// and whoever owns the partition next reads it again.
+func (d *kafkaDriver) Settle(ctx context.Context, batch []driver.Settlement) error {
+	var resume map[string][]int32
+	limit := d.b.cfg.partitionBuffer
+	d.mu.Lock()
+	for i := range batch {
+		s := &batch[i]
+		h, ok := s.Handle.(*handle)
+		if !ok || h == nil {
+			continue
+		}
+		if s.Action != driver.Ack {
+			continue
+		}
+		p := h.p
+		if d.parts[p.id] != p {
+			continue // revoked since: not ours to commit
+		}
+		p.ack(h.rec.Offset)
+		if p.paused && p.outstanding <= limit/2 {
+			p.paused = false
+			if resume == nil {
+				resume = make(map[string][]int32)
+			}
+			resume[d.topic] = append(resume[d.topic], p.id)
+		}
+	}
+	cl := d.cl
+	d.mu.Unlock()
+	if resume != nil && cl != nil {
+		cl.ResumeFetchPartitions(resume)
+	}
+	return nil
+}
+
+// As gives a handler the record: target is a **kgo.Record (set to the
+// record itself) or a *kgo.Record (a copy).
+func (d *kafkaDriver) As(h, target any) bool {
+	hd, ok := h.(*handle)
+	if !ok || hd == nil {
+		return false
+	}
+	switch t := target.(type) {
+	case **kgo.Record:
+		if t == nil {
+			return false
+		}
+		*t = hd.rec
+		return true
+	case *kgo.Record:
+		if t == nil {
+			return false
+		}
+		*t = *hd.rec
+		return true
+	}
+	return false
+}
+
+// onAssigned starts tracking newly assigned partitions, each with a fresh
+// state, and makes sure none of them stays paused from an earlier
+// assignment (franz-go keeps pauses across rebalances).
+func (d *kafkaDriver) onAssigned(_ context.Context, cl *kgo.Client, assigned map[string][]int32) {
+	ps := assigned[d.topic]
+	if len(ps) == 0 {
+		return
+	}
+	d.mu.Lock()
+	for _, id := range ps {
+		d.parts[id] = newPartition(id)
+	}
+	d.member, _ = cl.GroupMetadata()
+	d.mu.Unlock()
+	cl.ResumeFetchPartitions(map[string][]int32{d.topic: ps})
+	d.log.Debug("ferry/kafka: partitions assigned", "partitions", ps)
+}
+
+// onRevoked lets the loop cancel the handlers of the revoked partitions
+// and waits (bounded) until they returned and their outcomes were settled,
+// commits what finished, and then forgets the partitions.
+func (d *kafkaDriver) onRevoked(ctx context.Context, cl *kgo.Client, revoked map[string][]int32) {
+	ps := revoked[d.topic]
+	if len(ps) == 0 {
+		return
+	}
+	d.handOver(ps)
+	d.commit(ctx, ps, true)
+	d.forgetPartitions(cl, ps)
+	d.log.Debug("ferry/kafka: partitions revoked", "partitions", ps)
+}
+
+// onLost lets the loop cancel the handlers of lost partitions, and commits
+// nothing: another member may own them already.
+func (d *kafkaDriver) onLost(_ context.Context, cl *kgo.Client, lost map[string][]int32) {
+	ps := lost[d.topic]
+	if len(ps) == 0 {
+		return
+	}
+	d.forgetPartitions(cl, ps) // before the loop hears: nothing of them is settled or committed from now on
+	d.handOver(ps)
+	d.log.Warn("ferry/kafka: partitions lost (the group went on without this member); their unfinished records go to their next owner", "partitions", ps)
+}
+
+// handOver tells the loop the partitions are gone and waits for it to let
+// go of them, at most revokeWait.
+func (d *kafkaDriver) handOver(ps []int32) {
+	d.interruptCommit()
+	lanes := make([]string, len(ps))
+	for i, p := range ps {
+		lanes[i] = strconv.Itoa(int(p))
+	}
+	rev := driver.Revocation{Lanes: lanes, Done: make(chan struct{})}
+	t := time.NewTimer(d.revokeWait())
+	defer t.Stop()
+	select {
+	case d.revC <- rev:
+	case <-d.stop:
+		return
+	case <-t.C:
+		d.log.Warn("ferry/kafka: the loop did not take a revocation in time", "partitions", ps)
+		return
+	}
+	select {
+	case <-rev.Done:
+	case <-d.stop:
+	case <-t.C:
+		d.log.Warn("ferry/kafka: handlers of revoked partitions still run; committing what finished", "partitions", ps)
+	}
+}
+
+func (d *kafkaDriver) forgetPartitions(cl *kgo.Client, ps []int32) {
+	d.mu.Lock()
+	for _, id := range ps {
+		delete(d.parts, id)
+	}
+	d.mu.Unlock()
+	cl.ResumeFetchPartitions(map[string][]int32{d.topic: ps})
+}
+
+// interruptCommit cancels a periodic commit in progress, so that a
+// rebalance does not wait behind it.
+func (d *kafkaDriver) interruptCommit() {
+	d.mu.Lock()
+	if d.cancelCommit != nil {
+		d.cancelCommit()
+	}
+	d.mu.Unlock()
+}
+
+func (d *kafkaDriver) commitLoop() {
+	defer d.wg.Done()
+	t := time.NewTicker(d.b.cfg.commitInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-d.stop:
+			return
+		case <-t.C:
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		d.mu.Lock()
+		d.cancelCommit = cancel
+		d.mu.Unlock()
+		if err := d.commit(ctx, nil, false); err != nil && ctx.Err() == nil {
+			d.log.Warn("ferry/kafka: commit failed; retrying at the next interval", "err", err)
+		}
+		d.mu.Lock()
+		d.cancelCommit = nil
+		d.mu.Unlock()
+		cancel()
+	}
+}
+
+// commit commits, for each owned partition (of only, when only is not
+// nil), the offset below which every fetched record is finished, when it
+// is past what was committed. A partition revoked meanwhile is left out.
+func (d *kafkaDriver) commit(ctx context.Context, only []int32, rebalance bool) error {
+	d.commitMu.Lock()
+	defer d.commitMu.Unlock()
+	d.mu.Lock()
+	cl := d.cl
+	offs := make(map[int32]kgo.EpochOffset)
+	at := make(map[int32]*partition)
+	for id, p := range d.parts {
+		if only != nil && !slices.Contains(only, id) {
+			continue
+		}
+		if p.next > p.committed {
+			offs[id] = kgo.EpochOffset{Epoch: p.nextEpoch, Offset: p.next}
+			at[id] = p
+		}
+	}
+	d.mu.Unlock()
+	if len(offs) == 0 || cl == nil {
+		return nil
+	}
+	var (
+		cerr error
+		ok   = make(map[int32]int64, len(offs))
+	)
+	cl.CommitOffsetsSync(ctx, map[string]map[int32]kgo.EpochOffset{d.topic: offs},
+		func(_ *kgo.Client, _ *kmsg.OffsetCommitRequest, resp *kmsg.OffsetCommitResponse, err error) {
+			if err != nil {
+				cerr = err
+				return
+			}
+			for _, t := range resp.Topics {
+				for _, p := range t.Partitions {
+					if err := kerr.ErrorForCode(p.ErrorCode); err != nil {
+						cerr = err
+						continue
+					}
+					if o, found := offs[p.Partition]; found {
+						ok[p.Partition] = o.Offset
+					}
+				}
+			}
+		})
+	d.mu.Lock()
+	for id, off := range ok {
+		if p := at[id]; off > p.committed {
+			p.committed = off
+		}
+	}
+	member := d.member
+	d.mu.Unlock()
+	if len(ok) > 0 && d.b.cfg.commitHook != nil {
+		d.b.cfg.commitHook(CommitEvent{Topic: d.topic, Group: d.group, Member: member, Offset: maps.Clone(ok)})
+	}
+	if cerr != nil {
+		if rebalance {
+			d.log.Warn("ferry/kafka: commit on revoke failed; the next owner reads the uncommitted records again", "err", cerr)
+		}
+		return fmt.Errorf("kafka: commit %q: %w", d.topic, cerr)
+	}
+	return nil
+}
+
+// Close commits what finished, leaves the group and closes the client.
+// The loop calls it when Run ends.
+func (d *kafkaDriver) Close() error {
+	d.closeOnce.Do(func() {
+		d.mu.Lock()
+		cl := d.cl
+		d.mu.Unlock()
+		if cl != nil {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			if err := d.commit(ctx, nil, false); err != nil {
+				d.log.Warn("ferry/kafka: last commit failed; the next owner reads the uncommitted records again", "err", err)
+			}
+			cancel()
+		}
+		close(d.stop)
+		d.interruptCommit()
+		d.wg.Wait()
+		if cl != nil {
+			// Leaving the group revokes everything; onRevoked sees stop
+			// closed, tells no loop, and commits nothing new.
+			cl.Close()
+		}
+		d.b.forget(d)
+	})
+	return nil
+}
+
+// Lag reports, per partition, the high watermark minus the group's
+// committed offset, as kadm computes it for the group; InFlight is how many
+// fetched records are unfinished here, and OldestAge the age of the oldest
+// of them (by record timestamp).
+func (d *kafkaDriver) Lag(ctx context.Context) (driver.Lag, error) {
+	lags, err := d.b.adm.Lag(ctx, d.group)
+	if err != nil {
+		return driver.Lag{}, fmt.Errorf("kafka: lag of group %q: %w", d.group, wrapAuth(err))
+	}
+	gl, ok := lags[d.group]
+	if !ok {
+		return driver.Lag{}, fmt.Errorf("kafka: lag of group %q: no answer for the group", d.group)
+	}
+	if err := gl.Error(); err != nil {
+		return driver.Lag{}, fmt.Errorf("kafka: lag of group %q: %w", d.group, wrapAuth(err))
+	}
+	out := driver.Lag{Lanes: make(map[string]int64)}
+	for _, pl := range gl.Lag[d.topic] {
+		if pl.Err != nil {
+			return driver.Lag{}, fmt.Errorf("kafka: lag of group %q, partition %d: %w", d.group, pl.Partition, pl.Err)
+		}
+		out.Lanes[strconv.Itoa(int(pl.Partition))] = pl.Lag
+		out.Messages += pl.Lag
+	}
+	d.mu.Lock()
+	var oldest int64
+	for _, p := range d.parts {
+		out.InFlight += int64(p.outstanding)
+		if ts := p.oldest(); ts > 0 && (oldest == 0 || ts < oldest) {
+			oldest = ts
+		}
+	}
+	d.mu.Unlock()
+	if oldest > 0 {
+		out.OldestAge = time.Since(time.Unix(0, oldest))
+	}
+	return out, nil
+}
+
+// isAuthErr reports whether err is a failure to authenticate: SASL refused,
+// or a TLS handshake that failed.
+func isAuthErr(err error) bool {
+	var (
+		unknownCA x509.UnknownAuthorityError
+		hostname  x509.HostnameError
+		verify    *tls.CertificateVerificationError
+		alert     tls.AlertError
+	)
+	return errors.Is(err, kerr.SaslAuthenticationFailed) ||
+		errors.Is(err, kerr.IllegalSaslState) ||
+		errors.Is(err, kerr.UnsupportedSaslMechanism) ||
+		errors.As(err, &unknownCA) || errors.As(err, &hostname) ||
+		errors.As(err, &verify) || errors.As(err, &alert)
+}
+
+// wrapAuth marks authentication failures with ErrAuthentication.
+func wrapAuth(err error) error {
+	if err != nil && isAuthErr(err) && !errors.Is(err, ErrAuthentication) {
+		return fmt.Errorf("%w: %w", ErrAuthentication, err)
+	}
+	return err
+}

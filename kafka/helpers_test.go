@@ -1,0 +1,142 @@
+package kafka_test
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
+	"github.com/ferrymq/ferry/kafka"
+)
+
+// newBroker connects to the test Kafka (skipping or failing, per
+// FERRY_REQUIRE_BROKERS, when it is not there) and closes the Broker when
+// the test ends.
+func newBroker(t testing.TB, opts ...kafka.Option) *kafka.Broker {
+	t.Helper()
+	seeds := testenv.RequireKafka(t)
+	opts = append([]kafka.Option{kafka.WithLogger(testLogger(t))}, opts...)
+	b, err := kafka.New(seeds, opts...)
+	if err != nil {
+		t.Fatalf("kafka.New: %v", err)
+	}
+	t.Cleanup(func() { _ = b.Close() })
+	return b
+}
+
+func testLogger(t testing.TB) *slog.Logger {
+	if tt, ok := t.(*testing.T); ok {
+		return slog.New(slog.NewTextHandler(tt.Output(), &slog.HandlerOptions{Level: slog.LevelInfo}))
+	}
+	return slog.New(slog.NewTextHandler(io.Discard, nil))
+}
+
+// newTopic creates a topic with a unique name and n partitions, deleted
+// when the test ends.
+func newTopic(t testing.TB, b *kafka.Broker, prefix string, partitions int32) string {
+	t.Helper()
+	topic := testenv.UniqueName(t, prefix)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := b.CreateTopic(ctx, topic, kafka.TopicConfig{Partitions: partitions}); err != nil {
+		t.Fatalf("create topic: %v", err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		_ = b.DeleteTopic(ctx, topic)
+	})
+	return topic
+}
+
+func ctxFor(t testing.TB, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// waitFor polls cond until it holds or d passes.
+func waitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s", d, what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// running is one consumer's Run in a goroutine.
+type running struct {
+	cancel context.CancelFunc
+	done   chan error
+	once   sync.Once
+	err    error
+}
+
+func runConsumer(t testing.TB, c consumer.Consumer, h consumer.Handler) *running {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	r := &running{cancel: cancel, done: make(chan error, 1)}
+	go func() { r.done <- c.Run(ctx, h) }()
+	t.Cleanup(func() { r.stop(t) })
+	return r
+}
+
+// stop cancels the run and waits for Run to return (nil expected).
+func (r *running) stop(t testing.TB) {
+	t.Helper()
+	r.once.Do(func() {
+		r.cancel()
+		select {
+		case r.err = <-r.done:
+		case <-time.After(60 * time.Second):
+			t.Errorf("Run did not return within 60s of cancel")
+		}
+		if r.err != nil {
+			t.Errorf("Run returned %v", r.err)
+		}
+	})
+}
+
+// committed reads the group's committed offsets of topic through kadm.
+func committed(t testing.TB, adm *kadm.Client, group, topic string) map[int32]int64 {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	os, err := adm.FetchOffsets(ctx, group)
+	if err != nil {
+		t.Fatalf("fetch offsets of %s: %v", group, err)
+	}
+	out := make(map[int32]int64)
+	os.Each(func(o kadm.OffsetResponse) {
+		if o.Topic == topic && o.Err == nil {
+			out[o.Partition] = o.At
+		}
+	})
+	return out
+}
+
+// produceRaw writes records with franz-go directly (for the tests that
+// place records on exact partitions).
+func produceRaw(t testing.TB, recs ...*kgo.Record) {
+	t.Helper()
+	cl, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaBrokers()...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	if err := cl.ProduceSync(ctx, recs...).FirstErr(); err != nil {
+		t.Fatalf("produce: %v", err)
+	}
+}
