@@ -84,6 +84,7 @@ type config struct {
 	sessionTimeout  time.Duration
 	rebalanceTO     time.Duration
 	commitHook      func(CommitEvent)
+	rebalanceHook   func(RebalanceEvent)
 }
 
 // Option configures a Broker. An option given a bad value makes New fail
@@ -254,6 +255,32 @@ func WithCommitHook(fn func(CommitEvent)) Option {
 			return configErr("CommitHook", "must not be nil")
 		}
 		c.commitHook = fn
+		return nil
+	}
+}
+
+// RebalanceEvent describes what one rebalance callback did, for
+// WithRebalanceHook: partitions assigned, partitions revoked (after the
+// loop let go of them and what finished was committed), or partitions lost
+// (nothing committed).
+type RebalanceEvent struct {
+	Topic    string
+	Group    string
+	Member   string
+	Assigned []int32
+	Revoked  []int32
+	Lost     []int32
+}
+
+// WithRebalanceHook calls fn at the end of each rebalance callback that
+// concerned the consumer's topic, from franz-go's group goroutine. It is
+// meant for tests and audits; fn must not block. Default: none.
+func WithRebalanceHook(fn func(RebalanceEvent)) Option {
+	return func(c *config) error {
+		if fn == nil {
+			return configErr("RebalanceHook", "must not be nil")
+		}
+		c.rebalanceHook = fn
 		return nil
 	}
 }

@@ -1,5 +1,155 @@
 package kafka_test
 
-const childEnv = "FERRY_KAFKA_TEST_CHILD"
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
 
-func runChild() int { return 0 }
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
+	"github.com/ferrymq/ferry/kafka"
+)
+
+// The killed-member test runs one group member in a separate OS process:
+// this test binary, run again with childEnv set, which TestMain hands to
+// runChild. The child reports on stdout, one line each: "H p o" when a
+// handler starts partition p offset o, "C p o" when a commit of offset o
+// for p was accepted, and "B" when it blocks in a handler for good.
+const (
+	childEnv        = "FERRY_KAFKA_TEST_CHILD"
+	childTopicEnv   = "FERRY_KAFKA_TEST_CHILD_TOPIC"
+	childGroupEnv   = "FERRY_KAFKA_TEST_CHILD_GROUP"
+	childBlockEnv   = "FERRY_KAFKA_TEST_CHILD_BLOCK_AFTER"
+	childSessionEnv = "FERRY_KAFKA_TEST_CHILD_SESSION"
+)
+
+func runChild() int {
+	var mu sync.Mutex
+	out := func(format string, args ...any) {
+		mu.Lock()
+		defer mu.Unlock()
+		fmt.Fprintf(os.Stdout, format+"\n", args...)
+	}
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	session, _ := time.ParseDuration(os.Getenv(childSessionEnv))
+	b, err := kafka.New(testenv.KafkaBrokers(),
+		kafka.WithLogger(log),
+		kafka.WithSessionTimeout(session),
+		kafka.WithClientOpts(kgo.HeartbeatInterval(500*time.Millisecond)),
+		kafka.WithCommitHook(func(ev kafka.CommitEvent) {
+			for p, o := range ev.Offset {
+				out("C %d %d", p, o)
+			}
+		}))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 2
+	}
+	c, err := b.NewConsumer(os.Getenv(childTopicEnv), consumer.WithName(os.Getenv(childGroupEnv)),
+		consumer.WithConcurrency(4), consumer.WithLogger(log))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 2
+	}
+	blockAfter, _ := strconv.Atoi(os.Getenv(childBlockEnv))
+	var n atomic.Int64
+	err = c.Run(context.Background(), consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		out("H %s %d", m.Lane, m.Offset)
+		if n.Add(1) == int64(blockAfter) {
+			out("B")
+			<-ctx.Done()
+			return ctx.Err()
+		}
+		time.Sleep(5 * time.Millisecond)
+		return nil
+	}))
+	fmt.Fprintln(os.Stderr, "child: Run returned", err)
+	return 1
+}
+
+// child is the parent's view of a child process.
+type child struct {
+	cmd     *exec.Cmd
+	mu      sync.Mutex
+	handled map[[2]int64]int
+	commits map[int32]int64 // highest committed offset per partition
+	blocked bool
+	done    chan struct{}
+}
+
+func startChild(t *testing.T, topic, group string, blockAfter int, session time.Duration) *child {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), childEnv+"=1", childTopicEnv+"="+topic, childGroupEnv+"="+group,
+		childBlockEnv+"="+strconv.Itoa(blockAfter), childSessionEnv+"="+session.String())
+	cmd.Stderr = t.Output()
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	c := &child{cmd: cmd, handled: make(map[[2]int64]int), commits: make(map[int32]int64), done: make(chan struct{})}
+	go func() {
+		defer close(c.done)
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			f := strings.Fields(sc.Text())
+			c.mu.Lock()
+			switch {
+			case len(f) == 1 && f[0] == "B":
+				c.blocked = true
+			case len(f) == 3:
+				p, _ := strconv.ParseInt(f[1], 10, 64)
+				o, _ := strconv.ParseInt(f[2], 10, 64)
+				if f[0] == "H" {
+					c.handled[[2]int64{p, o}]++
+				} else if f[0] == "C" {
+					c.commits[int32(p)] = max(c.commits[int32(p)], o)
+				}
+			}
+			c.mu.Unlock()
+		}
+	}()
+	t.Cleanup(func() {
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+	})
+	return c
+}
+
+func (c *child) kill(t *testing.T) {
+	t.Helper()
+	if err := c.cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatalf("kill child: %v", err)
+	}
+	<-c.done
+	_ = c.cmd.Wait()
+}
+
+func (c *child) state() (handled map[[2]int64]int, commits map[int32]int64, blocked bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	h := make(map[[2]int64]int, len(c.handled))
+	for k, v := range c.handled {
+		h[k] = v
+	}
+	cm := make(map[int32]int64, len(c.commits))
+	for k, v := range c.commits {
+		cm[k] = v
+	}
+	return h, cm, c.blocked
+}

@@ -13,6 +13,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
@@ -318,6 +319,17 @@ func (d *kafkaDriver) onAssigned(_ context.Context, cl *kgo.Client, assigned map
 	d.mu.Unlock()
 	cl.ResumeFetchPartitions(map[string][]int32{d.topic: ps})
 	d.log.Debug("ferry/kafka: partitions assigned", "partitions", ps)
+	d.hook(RebalanceEvent{Assigned: ps})
+}
+
+func (d *kafkaDriver) hook(ev RebalanceEvent) {
+	if fn := d.b.cfg.rebalanceHook; fn != nil {
+		d.mu.Lock()
+		ev.Member = d.member
+		d.mu.Unlock()
+		ev.Topic, ev.Group = d.topic, d.group
+		fn(ev)
+	}
 }
 
 // onRevoked lets the loop cancel the handlers of the revoked partitions
@@ -332,6 +344,7 @@ func (d *kafkaDriver) onRevoked(ctx context.Context, cl *kgo.Client, revoked map
 	d.commit(ctx, ps, true)
 	d.forgetPartitions(cl, ps)
 	d.log.Debug("ferry/kafka: partitions revoked", "partitions", ps)
+	d.hook(RebalanceEvent{Revoked: ps})
 }
 
 // onLost lets the loop cancel the handlers of lost partitions, and commits
@@ -344,6 +357,7 @@ func (d *kafkaDriver) onLost(_ context.Context, cl *kgo.Client, lost map[string]
 	d.forgetPartitions(cl, ps) // before the loop hears: nothing of them is settled or committed from now on
 	d.handOver(ps)
 	d.log.Warn("ferry/kafka: partitions lost (the group went on without this member); their unfinished records go to their next owner", "partitions", ps)
+	d.hook(RebalanceEvent{Lost: ps})
 }
 
 // handOver tells the loop the partitions are gone and waits for it to let
@@ -509,28 +523,51 @@ func (d *kafkaDriver) Close() error {
 }
 
 // Lag reports, per partition, the high watermark minus the group's
-// committed offset, as kadm computes it for the group; InFlight is how many
-// fetched records are unfinished here, and OldestAge the age of the oldest
-// of them (by record timestamp).
+// committed offset (the log start offset where the group committed nothing
+// yet), as kadm computes it; InFlight is how many fetched records are
+// unfinished here, and OldestAge the age of the oldest of them (by record
+// timestamp). It reads the coordinator's offsets directly rather than
+// through kadm.Client.Lag, which describes groups with the classic API only
+// and so cannot see a KIP-848 group.
 func (d *kafkaDriver) Lag(ctx context.Context) (driver.Lag, error) {
-	lags, err := d.b.adm.Lag(ctx, d.group)
+	adm := d.b.adm
+	fail := func(what string, err error) (driver.Lag, error) {
+		return driver.Lag{}, fmt.Errorf("kafka: lag of group %q on %q: %s: %w", d.group, d.topic, what, wrapAuth(err))
+	}
+	commits, err := adm.FetchOffsets(ctx, d.group)
 	if err != nil {
-		return driver.Lag{}, fmt.Errorf("kafka: lag of group %q: %w", d.group, wrapAuth(err))
+		return fail("committed offsets", err)
 	}
-	gl, ok := lags[d.group]
-	if !ok {
-		return driver.Lag{}, fmt.Errorf("kafka: lag of group %q: no answer for the group", d.group)
+	ends, err := adm.ListEndOffsets(ctx, d.topic)
+	if err != nil {
+		return fail("end offsets", err)
 	}
-	if err := gl.Error(); err != nil {
-		return driver.Lag{}, fmt.Errorf("kafka: lag of group %q: %w", d.group, wrapAuth(err))
+	starts, err := adm.ListStartOffsets(ctx, d.topic)
+	if err != nil {
+		return fail("start offsets", err)
 	}
 	out := driver.Lag{Lanes: make(map[string]int64)}
-	for _, pl := range gl.Lag[d.topic] {
-		if pl.Err != nil {
-			return driver.Lag{}, fmt.Errorf("kafka: lag of group %q, partition %d: %w", d.group, pl.Partition, pl.Err)
+	var ferr error
+	ends.Each(func(e kadm.ListedOffset) {
+		if e.Topic != d.topic {
+			return
 		}
-		out.Lanes[strconv.Itoa(int(pl.Partition))] = pl.Lag
-		out.Messages += pl.Lag
+		if e.Err != nil {
+			ferr = e.Err
+			return
+		}
+		from := int64(0)
+		if c, ok := commits.Lookup(d.topic, e.Partition); ok && c.Err == nil && c.At >= 0 {
+			from = c.At
+		} else if s, ok := starts.Lookup(d.topic, e.Partition); ok && s.Err == nil {
+			from = s.Offset
+		}
+		lag := max(e.Offset-from, 0)
+		out.Lanes[strconv.Itoa(int(e.Partition))] = lag
+		out.Messages += lag
+	})
+	if ferr != nil {
+		return fail("end offsets", ferr)
 	}
 	d.mu.Lock()
 	var oldest int64

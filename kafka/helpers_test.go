@@ -125,11 +125,11 @@ func committed(t testing.TB, adm *kadm.Client, group, topic string) map[int32]in
 	return out
 }
 
-// produceRaw writes records with franz-go directly (for the tests that
-// place records on exact partitions).
+// produceRaw writes records with franz-go directly, each to the partition
+// it names.
 func produceRaw(t testing.TB, recs ...*kgo.Record) {
 	t.Helper()
-	cl, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaBrokers()...))
+	cl, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaBrokers()...), kgo.RecordPartitioner(kgo.ManualPartitioner()))
 	if err != nil {
 		t.Fatal(err)
 	}
