@@ -149,13 +149,15 @@ func TestJoiningMemberAndManyRebalances(t *testing.T) {
 		}
 		const n = 6000
 		var a audit
-		b := newBroker(t, append(groupOpts(proto), a.options()...)...)
+		// Frequent commits: every rebalance meets commits in flight.
+		opts := append(groupOpts(proto), kafka.WithCommitInterval(100*time.Millisecond))
+		b := newBroker(t, append(opts, a.options()...)...)
 		topic := newTopic(t, b, "join", 6)
 		group := testenv.UniqueName(t, "join-group")
 		publishKeyed(t, b, topic, 0, n/2, 500)
 
 		slow := func(ctx context.Context, m *consumer.Message) error {
-			return sleepCtx(ctx, 2*time.Millisecond)
+			return sleepCtx(ctx, 5*time.Millisecond)
 		}
 		start := func(name string) *running {
 			c, err := b.NewConsumer(topic, consumer.WithName(group), consumer.WithConcurrency(8),
@@ -204,6 +206,29 @@ func TestJoiningMemberAndManyRebalances(t *testing.T) {
 		start("c") // joins mid-run
 		publishKeyed(t, b, topic, n/2, n/2, 500)
 
+		// Records keep coming while the group churns, so that every
+		// rebalance finds work in flight.
+		stopPub := make(chan struct{})
+		pubDone := make(chan struct{})
+		go func() {
+			defer close(pubDone)
+			for i := n; ; i += 100 {
+				select {
+				case <-stopPub:
+					return
+				case <-time.After(100 * time.Millisecond):
+				}
+				var msgs []consumer.Message
+				for j := i; j < i+100; j++ {
+					msgs = append(msgs, consumer.Message{Key: "key-" + strconv.Itoa(j%500), Body: []byte(strconv.Itoa(j))})
+				}
+				if err := b.Publish(context.Background(), topic, msgs...); err != nil {
+					t.Errorf("publish: %v", err)
+					return
+				}
+			}
+		}()
+
 		// Churn: a member joins, takes partitions, and leaves, until the
 		// group has been through enough rebalances (each join and each
 		// leave is one).
@@ -211,9 +236,11 @@ func TestJoiningMemberAndManyRebalances(t *testing.T) {
 			before := a.count("assigned")
 			r := start("churn-" + strconv.Itoa(i))
 			waitFor(t, 60*time.Second, "the churning member to get partitions", func() bool { return a.count("assigned") > before })
-			time.Sleep(50 * time.Millisecond)
+			time.Sleep(200 * time.Millisecond) // a few commits by the new owner
 			r.stop(t)
 		}
+		close(stopPub)
+		<-pubDone
 		ends := endOffsets(t, b.Admin(), topic)
 		waitFor(t, 120*time.Second, "every record to be handled", func() bool {
 			done := a.doneSet()
