@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-		"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/ferrymq/ferry/consumer"
