@@ -7,6 +7,8 @@
 #                                   wait until each answers a real client operation
 #   integration/brokers.sh down     stop them (state is kept)
 #   integration/brokers.sh status   one line per service; exit 1 if any is down
+#   integration/brokers.sh restart kafka   stop and start the named services only (the
+#                                   others keep running), and wait until they answer
 #   integration/brokers.sh logs [service...]   the last lines of their logs
 #
 # Natively (the default) everything runs from Debian packages and Maven Central
@@ -20,6 +22,10 @@ CONF=$ROOT/integration/config
 STATE=${FERRY_BROKERS_DIR:-$ROOT/.brokers}
 SERVICES=(rabbitmq kafka sqs postgres redis)
 KAFKA_CLUSTER_ID=ZmVycnlGZXJyeUthZmthMQ # any 16 bytes, base64url: a fixed test cluster
+# The SCRAM user of Kafka's SASL_SSL listener: test credentials, the same as
+# internal/testenv's KafkaSCRAMUser and KafkaSCRAMPassword.
+KAFKA_SCRAM_USER=ferry
+KAFKA_SCRAM_PASSWORD=ferry-scram-test
 UP_TIMEOUT=${FERRY_BROKERS_TIMEOUT:-180}
 
 log() { printf 'brokers: %s\n' "$*" >&2; }
@@ -27,11 +33,12 @@ die() { log "error: $*"; exit 1; }
 
 usage() {
 	cat >&2 <<EOF
-usage: integration/brokers.sh up | down | status | logs [service...]
+usage: integration/brokers.sh up | down | status | restart service... | logs [service...]
 
   up      install what is missing, start the brokers, wait until each is ready
   down    stop the brokers (their state stays in ${STATE/#$ROOT\//})
   status  print one line per broker; exit 1 if any is not ready
+  restart stop and start the named brokers only, and wait until they are ready
   logs    print the last lines of each broker's log (or of those named)
 
 services: ${SERVICES[*]}
@@ -48,7 +55,7 @@ port_of() { # the client port of a service
 
 ports_of() { # every port a service listens on
 	case $1 in
-	rabbitmq) echo 5672 25672 ;; kafka) echo 9092 9093 ;; *) port_of "$1" ;;
+	rabbitmq) echo 5672 25672 ;; kafka) echo 9092 9093 9094 ;; *) port_of "$1" ;;
 	esac
 }
 
@@ -310,11 +317,35 @@ start_kafka() {
 	cp "$CONF/kafka-log4j2.properties" "$d/log4j2.properties"
 	local jvm=(-Xms256m -Xmx512m -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -XX:+ExitOnOutOfMemoryError
 		-Djava.awt.headless=true -Dkafka.logs.dir="$d/logs" -Dlog4j2.configurationFile="$d/log4j2.properties")
+	kafka_tls "$d/tls" || return 1
 	if [[ ! -f $d/data/meta.properties ]]; then
+		# The SCRAM user of the SASL_SSL listener is created with the log dir;
+		# on one formatted before, brokercheck creates it through the admin API.
 		java "${jvm[@]}" -cp "$cp" kafka.tools.StorageTool format -t "$KAFKA_CLUSTER_ID" \
-			-c "$d/server.properties" --standalone -g >"$d/logs/format.log" 2>&1 || return 1
+			-c "$d/server.properties" --standalone -g \
+			--add-scram "SCRAM-SHA-512=[name=$KAFKA_SCRAM_USER,password=$KAFKA_SCRAM_PASSWORD]" \
+			>"$d/logs/format.log" 2>&1 || return 1
 	fi
 	jvm_start "$d/kafka.pid" "$d/kafka.out" "${jvm[@]}" -cp "$cp" kafka.Kafka "$d/server.properties"
+}
+
+# kafka_tls DIR: a self-signed certificate for 127.0.0.1, made once. server.pem
+# (PKCS#8 key, then the certificate) is the broker's PEM keystore; ca.pem is
+# what clients trust (FERRY_KAFKA_CA).
+kafka_tls() {
+	local dir=$1
+	[[ -s $dir/server.pem && -s $dir/ca.pem ]] && return 0
+	command -v openssl >/dev/null || die "openssl is not on PATH (it makes the Kafka SASL_SSL certificate)"
+	mkdir -p "$dir"
+	openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj /CN=127.0.0.1 \
+		-addext subjectAltName=IP:127.0.0.1 -keyout "$dir/key.pem" -out "$dir/ca.pem" >"$dir/openssl.log" 2>&1 || {
+		cat "$dir/openssl.log" >&2
+		return 1
+	}
+	openssl pkcs8 -topk8 -nocrypt -in "$dir/key.pem" -out "$dir/key8.pem" 2>>"$dir/openssl.log" || return 1
+	cat "$dir/key8.pem" "$dir/ca.pem" >"$dir/server.pem"
+	rm -f "$dir/key.pem" "$dir/key8.pem"
+	chmod 600 "$dir/server.pem"
 }
 
 start_sqs() {
@@ -354,6 +385,11 @@ versions() { # versions for the checker's lines, from what we run
 		v=$(tr ':' '\n' <"$STATE/classpath/elasticmq.classpath" | sed -n 's|.*/elasticmq-server_2.13-\(.*\)\.jar$|\1|p' | head -n1)
 		[[ -n $v ]] && echo "-version=sqs=elasticmq-$v"
 	fi
+	return 0
+}
+
+kafka_ca_flag() { # the checker also checks the SASL_SSL listener when it can trust it
+	[[ -s $STATE/kafka/tls/ca.pem ]] && echo "-kafka-ca=$STATE/kafka/tls/ca.pem"
 	return 0
 }
 
@@ -446,7 +482,7 @@ cmd_up() {
 		esac
 		[[ -n $pid ]] && watch+=("-pid=$svc=$pid")
 	done
-	out=$("$CHECKER" -wait "${UP_TIMEOUT}s" $(versions) "${watch[@]}" "${SERVICES[@]}") || rc=$?
+	out=$("$CHECKER" -wait "${UP_TIMEOUT}s" $(versions) $(kafka_ca_flag) "${watch[@]}" "${SERVICES[@]}") || rc=$?
 	for svc in "${SERVICES[@]}"; do
 		local line
 		line=$(grep "^$svc " <<<"$out" || true)
@@ -475,13 +511,49 @@ cmd_down() {
 	wait
 }
 
+# cmd_restart SERVICE...: stop and start only the named services (a broker
+# restart in a fault test), leaving the others running, and wait until the
+# restarted ones answer.
+cmd_restart() {
+	(($#)) || die "restart: name the services to restart (one of: ${SERVICES[*]})"
+	use_docker && {
+		docker_compose restart "$@"
+		return
+	}
+	setup_state
+	local svc out rc=0 watch=() line
+	for svc in "$@"; do
+		[[ -n $(port_of "$svc") ]] || die "unknown service $svc (one of: ${SERVICES[*]})"
+	done
+	build_checker
+	for svc in "$@"; do
+		stop_service "$svc" >/dev/null
+		local port
+		for port in $(ports_of "$svc"); do
+			port_open "$port" && die "port $port ($svc) is still held by $(port_owner "$port") after stopping"
+		done
+		"start_$svc" || die "starting $svc failed"
+		watch+=("-pid=$svc=$(pid_of "$svc" || echo 0)")
+	done
+	out=$("$CHECKER" -wait "${UP_TIMEOUT}s" $(versions) $(kafka_ca_flag) "${watch[@]}" "$@") || rc=$?
+	for svc in "$@"; do
+		line=$(grep "^$svc " <<<"$out" || true)
+		echo "$line"
+		[[ $line == *" ready" ]] || {
+			tail_logs "$svc" 30
+			rc=1
+		}
+	done
+	return $rc
+}
+
 cmd_status() {
 	if ! use_docker; then
 		[[ -d $STATE ]] && setup_state
 	fi
 	build_checker
 	local out rc=0 svc line pid
-	out=$("$CHECKER" $(versions) "${SERVICES[@]}") || rc=$?
+	out=$("$CHECKER" $(versions) $(kafka_ca_flag) "${SERVICES[@]}") || rc=$?
 	for svc in "${SERVICES[@]}"; do
 		line=$(grep "^$svc " <<<"$out" || true)
 		if pid=$(pid_of "$svc"); then line+=" (pid $pid)"; fi
@@ -509,6 +581,10 @@ case ${1:-} in
 up) cmd_up ;;
 down) cmd_down ;;
 status) cmd_status ;;
+restart)
+	shift
+	cmd_restart "$@"
+	;;
 logs)
 	shift
 	cmd_logs "$@"

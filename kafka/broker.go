@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kadm"
@@ -296,6 +297,8 @@ type Broker struct {
 	adm  *kadm.Client
 	admc *kgo.Client
 
+	authOK atomic.Bool // the producer has authenticated once
+
 	mu        sync.Mutex
 	drivers   map[*kafkaDriver]struct{}
 	closed    chan struct{}
@@ -495,6 +498,9 @@ func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Mes
 	if len(msgs) == 0 {
 		return nil
 	}
+	if err := b.checkAuth(ctx, b.prod); err != nil {
+		return fmt.Errorf("kafka: publish to %q: %w", topic, err)
+	}
 	maxBytes, _ := b.prod.OptValue(kgo.ProducerBatchMaxBytes).(int32)
 	var (
 		mu     sync.Mutex
@@ -562,6 +568,29 @@ func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Mes
 		}
 	}
 	return &consumer.PublishError{Failed: failed}
+}
+
+// checkAuth makes sure cl can authenticate before records wait on a
+// connection that never comes: franz-go retries a refused SASL handshake
+// until the records' delivery timeout, so a wrong password would otherwise
+// look like a hang. Once the producer got in, it is not asked again.
+func (b *Broker) checkAuth(ctx context.Context, cl *kgo.Client) error {
+	if cl == b.prod && b.authOK.Load() {
+		return nil
+	}
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	err := cl.Ping(pctx)
+	switch {
+	case err == nil:
+		if cl == b.prod {
+			b.authOK.Store(true)
+		}
+		return nil
+	case isAuthErr(err):
+		return fmt.Errorf("%w: %w", ErrAuthentication, err)
+	}
+	return nil // unreachable for now: the client keeps trying, as it should
 }
 
 func publishErr(topic string, err error) error {

@@ -131,24 +131,43 @@ func (d *kafkaDriver) revokeWait() time.Duration {
 	return w
 }
 
-// client returns the group client, making it on first use.
+// client returns the group client, making it on first use (only Fetch
+// calls it, never concurrently with itself).
 func (d *kafkaDriver) client() (*kgo.Client, error) {
 	d.mu.Lock()
-	defer d.mu.Unlock()
-	if d.cl != nil {
-		return d.cl, nil
+	cl := d.cl
+	d.mu.Unlock()
+	if cl != nil {
+		return cl, nil
 	}
+	closedErr := fmt.Errorf("kafka: consumer of %q: %w", d.topic, ErrClosed)
 	select {
 	case <-d.stop:
-		return nil, fmt.Errorf("kafka: consumer of %q: %w", d.topic, ErrClosed)
+		return nil, closedErr
 	default:
 	}
 	cl, err := kgo.NewClient(d.clientOpts()...)
 	if err != nil {
 		return nil, fmt.Errorf("kafka: consumer of %q: %w", d.topic, err)
 	}
+	// A refused login is retried by franz-go for ever, quietly: ask once,
+	// so that a wrong password ends Run instead of looking like an idle
+	// topic.
+	if err := d.b.checkAuth(context.Background(), cl); err != nil {
+		cl.Close()
+		return nil, fmt.Errorf("kafka: consumer of %q: %w", d.topic, err)
+	}
+	d.mu.Lock()
+	select {
+	case <-d.stop:
+		d.mu.Unlock()
+		cl.Close()
+		return nil, closedErr
+	default:
+	}
 	d.cl = cl
 	d.wg.Add(1)
+	d.mu.Unlock()
 	go d.commitLoop()
 	return cl, nil
 }
@@ -500,6 +519,7 @@ func (d *kafkaDriver) commit(ctx context.Context, only []int32, rebalance bool) 
 func (d *kafkaDriver) Close() error {
 	d.closeOnce.Do(func() {
 		d.mu.Lock()
+		close(d.stop) // under mu: no client is made after this
 		cl := d.cl
 		d.mu.Unlock()
 		if cl != nil {
@@ -509,12 +529,11 @@ func (d *kafkaDriver) Close() error {
 			}
 			cancel()
 		}
-		close(d.stop)
 		d.interruptCommit()
 		d.wg.Wait()
 		if cl != nil {
 			// Leaving the group revokes everything; onRevoked sees stop
-			// closed, tells no loop, and commits nothing new.
+			// closed, tells no loop, and commits what finished (nothing new by now).
 			cl.Close()
 		}
 		d.b.forget(d)

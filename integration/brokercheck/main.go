@@ -4,15 +4,21 @@
 //
 // Usage:
 //
-//	brokercheck [-wait 120s] [-version kafka=4.4.0] [-pid kafka=1234] [service ...]
+//	brokercheck [-wait 120s] [-version kafka=4.4.0] [-pid kafka=1234] [-kafka-ca ca.pem] [service ...]
 //
 // Addresses come from the same environment variables as the tests (see
 // internal/testenv). With -pid, the wait for a service ends as soon as its
-// process is gone. It exits 1 if any broker is not ready in time.
+// process is gone. With -kafka-ca, Kafka is ready only once its SASL_SSL
+// listener authenticates the test SCRAM user over TLS trusting that CA; the
+// checker creates the user through the admin API first when it is missing
+// (a log dir formatted before the listener existed). It exits 1 if any
+// broker is not ready in time.
 package main
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"flag"
 	"fmt"
@@ -31,6 +37,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/sasl/scram"
 
 	"github.com/ferrymq/ferry/internal/testenv"
 )
@@ -54,6 +61,7 @@ func main() {
 	flag.Var(vers, "version", "service=version to print instead of the detected version (repeatable)")
 	pids := versions{}
 	flag.Var(pids, "pid", "service=pid: stop waiting for service once this process is gone (repeatable)")
+	flag.StringVar(&kafkaCA, "kafka-ca", "", "PEM file of the CA of Kafka's SASL_SSL listener: check that listener too")
 	flag.Parse()
 	redis.SetLogger(quietLogger{})
 
@@ -143,9 +151,77 @@ func check(ctx context.Context, s testenv.Service) (string, error) {
 	return "", fmt.Errorf("unknown service %q", s)
 }
 
+// kafkaCA is the -kafka-ca flag.
+var kafkaCA string
+
 // checkKafka asks for the API versions and the cluster metadata, and wants a
-// broker registered with the controller.
+// broker registered with the controller; with -kafka-ca, it also makes sure
+// the SCRAM user exists and authenticates through the SASL_SSL listener.
 func checkKafka(ctx context.Context) (string, error) {
+	ver, err := checkKafkaPlain(ctx)
+	if err != nil || kafkaCA == "" {
+		return ver, err
+	}
+	if err := ensureKafkaSCRAM(ctx); err != nil {
+		return "", fmt.Errorf("SCRAM user %s: %w", testenv.KafkaSCRAMUser, err)
+	}
+	if err := checkKafkaSASL(ctx); err != nil {
+		return "", fmt.Errorf("SASL_SSL listener %s: %w", testenv.KafkaSASLBrokers()[0], err)
+	}
+	return ver, nil
+}
+
+// ensureKafkaSCRAM creates the test SCRAM-SHA-512 user unless it exists.
+func ensureKafkaSCRAM(ctx context.Context) error {
+	cl, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaBrokers()...), kgo.DialTimeout(2*time.Second))
+	if err != nil {
+		return err
+	}
+	defer cl.Close()
+	adm := kadm.NewClient(cl)
+	users, err := adm.DescribeUserSCRAMs(ctx, testenv.KafkaSCRAMUser)
+	if err == nil {
+		if u, ok := users[testenv.KafkaSCRAMUser]; ok && u.Err == nil {
+			for _, c := range u.CredInfos {
+				if c.Mechanism == kadm.ScramSha512 {
+					return nil
+				}
+			}
+		}
+	}
+	res, err := adm.AlterUserSCRAMs(ctx, nil, []kadm.UpsertSCRAM{{
+		User: testenv.KafkaSCRAMUser, Mechanism: kadm.ScramSha512, Iterations: 8192,
+		Password: testenv.KafkaSCRAMPassword,
+	}})
+	if err != nil {
+		return err
+	}
+	return res.Error()
+}
+
+// checkKafkaSASL authenticates through the SASL_SSL listener and asks for
+// the cluster metadata.
+func checkKafkaSASL(ctx context.Context) error {
+	pem, err := os.ReadFile(kafkaCA)
+	if err != nil {
+		return err
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(pem) {
+		return fmt.Errorf("no certificate in %s", kafkaCA)
+	}
+	cl, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaSASLBrokers()...), kgo.DialTimeout(2*time.Second),
+		kgo.DialTLSConfig(&tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}),
+		kgo.SASL(scram.Auth{User: testenv.KafkaSCRAMUser, Pass: testenv.KafkaSCRAMPassword}.AsSha512Mechanism()))
+	if err != nil {
+		return err
+	}
+	defer cl.Close()
+	_, err = kadm.NewClient(cl).BrokerMetadata(ctx)
+	return err
+}
+
+func checkKafkaPlain(ctx context.Context) (string, error) {
 	cl, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaBrokers()...), kgo.DialTimeout(2*time.Second))
 	if err != nil {
 		return "", err

@@ -5,6 +5,9 @@
 // starting the brokers: integration/brokers.sh (native) and docker-compose.yml.
 //
 //	FERRY_KAFKA_BROKERS   127.0.0.1:9092 (comma-separated list)
+//	FERRY_KAFKA_SASL_BROKERS 127.0.0.1:9094 (the SASL_SSL listener, SCRAM-SHA-512)
+//	FERRY_KAFKA_CA        the CA of that listener (default: kafka/tls/ca.pem in
+//	                      FERRY_BROKERS_DIR, or in .brokers at the repository root)
 //	FERRY_AMQP_URL        amqp://guest:guest@127.0.0.1:5672/
 //	FERRY_SQS_ENDPOINT    http://127.0.0.1:9324
 //	FERRY_SQS_REGION      us-east-1
@@ -22,6 +25,8 @@ import (
 	"net"
 	"net/url"
 	"os"
+	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -35,6 +40,14 @@ const (
 	EnvRequireBrokers = "FERRY_REQUIRE_BROKERS"
 	// EnvKafkaBrokers is a comma-separated list of Kafka bootstrap addresses.
 	EnvKafkaBrokers = "FERRY_KAFKA_BROKERS"
+	// EnvKafkaSASLBrokers is a comma-separated list of the bootstrap
+	// addresses of Kafka's SASL_SSL listener.
+	EnvKafkaSASLBrokers = "FERRY_KAFKA_SASL_BROKERS"
+	// EnvKafkaCA is the PEM file of the CA that signed the certificate of
+	// Kafka's SASL_SSL listener.
+	EnvKafkaCA = "FERRY_KAFKA_CA"
+	// EnvBrokersDir is the state folder of integration/brokers.sh.
+	EnvBrokersDir = "FERRY_BROKERS_DIR"
 	// EnvAMQPURL is the AMQP 0-9-1 URL of RabbitMQ.
 	EnvAMQPURL = "FERRY_AMQP_URL"
 	// EnvSQSEndpoint is the base URL of the SQS-compatible server.
@@ -51,6 +64,8 @@ const (
 const (
 	// DefaultKafkaBrokers is the default of FERRY_KAFKA_BROKERS.
 	DefaultKafkaBrokers = "127.0.0.1:9092"
+	// DefaultKafkaSASLBrokers is the default of FERRY_KAFKA_SASL_BROKERS.
+	DefaultKafkaSASLBrokers = "127.0.0.1:9094"
 	// DefaultAMQPURL is the default of FERRY_AMQP_URL.
 	DefaultAMQPURL = "amqp://guest:guest@127.0.0.1:5672/"
 	// DefaultSQSEndpoint is the default of FERRY_SQS_ENDPOINT.
@@ -74,6 +89,16 @@ const (
 	SQSAccessKey = "ferry"
 	// SQSSecretKey is the secret key test SQS clients sign with.
 	SQSSecretKey = "ferry"
+)
+
+// KafkaSCRAMUser and KafkaSCRAMPassword are the SCRAM-SHA-512 credentials
+// of Kafka's SASL_SSL listener, created by integration/brokers.sh (test
+// credentials, not a secret).
+const (
+	// KafkaSCRAMUser is the SCRAM user of the SASL_SSL listener.
+	KafkaSCRAMUser = "ferry"
+	// KafkaSCRAMPassword is its password.
+	KafkaSCRAMPassword = "ferry-scram-test"
 )
 
 // Service names a broker the tests can ask for.
@@ -115,6 +140,62 @@ func KafkaBrokers() []string {
 		out = []string{DefaultKafkaBrokers}
 	}
 	return out
+}
+
+// KafkaSASLBrokers returns the bootstrap addresses of Kafka's SASL_SSL
+// listener (FERRY_KAFKA_SASL_BROKERS).
+func KafkaSASLBrokers() []string {
+	var out []string
+	for _, b := range strings.Split(env(EnvKafkaSASLBrokers, DefaultKafkaSASLBrokers), ",") {
+		if b = strings.TrimSpace(b); b != "" {
+			out = append(out, b)
+		}
+	}
+	if len(out) == 0 {
+		out = []string{DefaultKafkaSASLBrokers}
+	}
+	return out
+}
+
+// KafkaCAFile returns the PEM file of the CA of Kafka's SASL_SSL listener:
+// FERRY_KAFKA_CA, or kafka/tls/ca.pem in the brokers' state folder
+// (FERRY_BROKERS_DIR, by default .brokers at the repository root).
+func KafkaCAFile() string {
+	if v := env(EnvKafkaCA, ""); v != "" {
+		return v
+	}
+	dir := env(EnvBrokersDir, "")
+	if dir == "" {
+		_, file, _, ok := runtime.Caller(0)
+		if !ok {
+			return ""
+		}
+		dir = filepath.Join(filepath.Dir(file), "..", "..", ".brokers")
+	}
+	return filepath.Join(dir, "kafka", "tls", "ca.pem")
+}
+
+// RequireKafkaSASL requires Kafka's SASL_SSL listener and its CA file, and
+// returns the listener's addresses and the CA file.
+func RequireKafkaSASL(t testing.TB) (brokers []string, caFile string) {
+	t.Helper()
+	Require(t, Kafka)
+	brokers, caFile = KafkaSASLBrokers(), KafkaCAFile()
+	var err error
+	if c, derr := net.DialTimeout("tcp", brokers[0], DialTimeout); derr != nil {
+		err = derr
+	} else {
+		c.Close()
+		_, err = os.Stat(caFile)
+	}
+	if err != nil {
+		msg := fmt.Sprintf("the Kafka SASL_SSL listener is not usable (%v); start the brokers with %s", err, StartCommand)
+		if RequireBrokers() {
+			t.Fatalf("%s (%s=1 makes this a failure)", msg, EnvRequireBrokers)
+		}
+		t.Skipf("%s, or set %s=1 to fail instead of skipping", msg, EnvRequireBrokers)
+	}
+	return brokers, caFile
 }
 
 // AMQPURL returns the RabbitMQ AMQP URL (FERRY_AMQP_URL).
