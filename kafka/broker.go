@@ -69,7 +69,7 @@ const (
 	DefaultCommitInterval = time.Second
 	// DefaultPartitionBuffer is how many fetched records of one partition a
 	// consumer holds unfinished before it pauses fetching that partition.
-	DefaultPartitionBuffer = 1000
+	DefaultPartitionBuffer = 10000
 	// DefaultRevokeWait bounds how long a rebalance waits for the handlers of
 	// revoked partitions to return before it commits and lets go.
 	DefaultRevokeWait = 20 * time.Second
@@ -297,7 +297,8 @@ type Broker struct {
 	adm  *kadm.Client
 	admc *kgo.Client
 
-	authOK atomic.Bool // the producer has authenticated once
+	authOK    atomic.Bool // the producer has authenticated once
+	maxRecord int32       // the producer's batch limit: a larger record cannot be sent
 
 	mu        sync.Mutex
 	drivers   map[*kafkaDriver]struct{}
@@ -361,6 +362,7 @@ func New(seeds []string, opts ...Option) (*Broker, error) {
 		return nil, fmt.Errorf("kafka: admin client: %w", err)
 	}
 	b.prod, b.admc, b.adm = prod, admc, kadm.NewClient(admc)
+	b.maxRecord, _ = prod.OptValue(kgo.ProducerBatchMaxBytes).(int32)
 	return b, nil
 }
 
@@ -501,7 +503,7 @@ func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Mes
 	if err := b.checkAuth(ctx, b.prod); err != nil {
 		return fmt.Errorf("kafka: publish to %q: %w", topic, err)
 	}
-	maxBytes, _ := b.prod.OptValue(kgo.ProducerBatchMaxBytes).(int32)
+	maxBytes := b.maxRecord
 	var (
 		mu     sync.Mutex
 		failed []consumer.FailedMessage
