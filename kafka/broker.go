@@ -381,13 +381,17 @@ func checkClientOpts(seeds []string, opts []kgo.Opt) error {
 	if len(opts) == 0 {
 		return nil
 	}
-	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(seeds...)}, opts...)...)
+	// A group of the probe's own, so that franz-go accepts group options
+	// (it refuses autocommit options without a group) and we can refuse
+	// them ourselves, saying why.
+	const probeGroup = "ferry.probe.group"
+	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(seeds...), kgo.ConsumerGroup(probeGroup)}, opts...)...)
 	if err != nil {
 		return configErr("ClientOpts", "%v", err)
 	}
 	defer cl.Close()
 	refuse := func(name, why string) error { return configErr("ClientOpts", "%s is not allowed: %s", name, why) }
-	if g, _ := cl.OptValue(kgo.ConsumerGroup).(string); g != "" {
+	if g, _ := cl.OptValue(kgo.ConsumerGroup).(string); g != probeGroup {
 		return refuse("kgo.ConsumerGroup", "a consumer's group is the consumer's name (consumer.WithName), or the group given to Driver")
 	}
 	if ts, _ := cl.OptValue(kgo.ConsumeTopics).([]string); len(ts) > 0 {
@@ -414,32 +418,18 @@ func checkClientOpts(seeds []string, opts []kgo.Opt) error {
 	if b, _ := cl.OptValue(kgo.DisableIdempotentWrite).(bool); b {
 		return refuse("kgo.DisableIdempotentWrite", "Publish keeps per-key order with the idempotent producer")
 	}
-	for _, name := range []struct {
-		opt  any
-		name string
-	}{
-		{kgo.OnPartitionsAssigned, "kgo.OnPartitionsAssigned"},
-		{kgo.OnPartitionsRevoked, "kgo.OnPartitionsRevoked"},
-		{kgo.OnPartitionsLost, "kgo.OnPartitionsLost"},
-	} {
-		if v := cl.OptValue(name.opt); v != nil && !isNilFunc(v) {
-			return refuse(name.name, "the consumer owns the rebalance callbacks and commits")
-		}
+	// franz-go wraps rebalance callbacks once a group is set, so they are
+	// told apart without one: franz-go refuses callbacks and autocommit
+	// settings on a client with no group.
+	nogroup, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(seeds...)}, opts...)...)
+	if err != nil {
+		return refuse("a rebalance callback or autocommit setting", fmt.Sprintf("the consumer owns its group's callbacks and commits (%v)", err))
 	}
+	nogroup.Close()
 	if a, ok := cl.OptValue(kgo.RequiredAcks).(kgo.Acks); ok && a != kgo.AllISRAcks() {
 		return refuse("kgo.RequiredAcks", "Publish returns only once all in-sync replicas have the records")
 	}
 	return nil
-}
-
-func isNilFunc(v any) bool {
-	switch f := v.(type) {
-	case func(context.Context, *kgo.Client, map[string][]int32):
-		return f == nil
-	case nil:
-		return true
-	}
-	return false
 }
 
 // Close closes the Broker's producer and admin connections and every

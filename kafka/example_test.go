@@ -1,0 +1,173 @@
+package kafka_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
+	"github.com/ferrymq/ferry/kafka"
+)
+
+// exampleTopic returns a fresh topic name for an example (users pick their
+// own).
+func exampleTopic(prefix string) string {
+	return "ferry-example-" + prefix + "-" + fmt.Sprint(time.Now().UnixNano())
+}
+
+// Publish two records of one key and handle them with a consumer group
+// member. The key picks the partition (murmur2, as the Java client does),
+// so the two records keep their order; each is committed once its handler
+// returned nil. It prints
+//
+//	order-1: created (attempt 1)
+//	order-1: paid (attempt 1)
+//
+// (it needs a broker, so go test does not run it; TestExample runs it
+// against the test Kafka and checks what it prints).
+func Example() {
+	ctx := context.Background()
+	b, err := kafka.New(testenv.KafkaBrokers())
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer b.Close()
+
+	topic := exampleTopic("orders")
+	if err := b.CreateTopic(ctx, topic, kafka.TopicConfig{Partitions: 3, Retention: time.Hour}); err != nil {
+		log.Fatal(err)
+	}
+	defer b.DeleteTopic(ctx, topic)
+
+	err = b.Publish(ctx, topic,
+		consumer.Message{Key: "order-1", Body: []byte("created")},
+		consumer.Message{Key: "order-1", Body: []byte("paid")},
+	)
+	if err != nil {
+		log.Fatal(err)
+	}
+
+	// Every consumer of this topic named "billing" is a member of the
+	// group "billing".
+	c, err := b.NewConsumer(topic, consumer.WithName("billing-"+topic))
+	if err != nil {
+		log.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	n := 0
+	err = c.Run(ctx, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		fmt.Printf("%s: %s (attempt %d)\n", m.Key, m.Body, m.Attempt)
+		if n++; n == 2 {
+			cancel() // Run drains, commits, leaves the group and returns nil
+		}
+		return nil
+	}))
+	if err != nil {
+		log.Fatal(err)
+	}
+}
+
+// Many keys in one partition, handled at once: OrderByKey runs one record
+// at a time per key, and the commit never passes a record that is not done,
+// whatever finished after it.
+func ExampleBroker_NewConsumer_orderByKey() {
+	b, err := kafka.New(testenv.KafkaBrokers())
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer b.Close()
+	c, err := b.NewConsumer("payments",
+		consumer.WithName("ledger"),
+		consumer.WithOrdering(consumer.OrderByKey),
+		consumer.WithConcurrency(64),
+	)
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println(c.Name())
+	// Output: ledger
+}
+
+// A broker reached through SASL_SSL: SCRAM over TLS. A wrong password makes
+// Publish fail, and Run return, within seconds with an error matching
+// ErrAuthentication; the password appears in no error and no log line.
+func ExampleWithSASL() {
+	// In real code:
+	//
+	//	kafka.WithTLS(&tls.Config{RootCAs: pool}),
+	//	kafka.WithSASL(scram.Auth{User: user, Pass: pass}.AsSha512Mechanism()),
+	//
+	// Here, a nil TLS config shows the error that names the field.
+	b, err := kafka.New([]string{"kafka.internal:9094"},
+		kafka.WithTLS(nil),
+		kafka.WithSASL(nil),
+	)
+	var ce *consumer.ConfigError
+	fmt.Println(errors.As(err, &ce), ce.Field, b == nil)
+	// Output: true TLS true
+}
+
+// franz-go options pass through; those that would break Ferry's commits or
+// groups are refused at construction with a ConfigError naming the field.
+func ExampleWithClientOpts() {
+	_, err := kafka.New([]string{"127.0.0.1:9092"},
+		kafka.WithClientOpts(kgo.FetchMaxBytes(16<<20), kgo.AutoCommitMarks()))
+	fmt.Println(err)
+	b, err := kafka.New([]string{"127.0.0.1:9092"},
+		kafka.WithClientOpts(kgo.FetchMaxBytes(16<<20)), kafka.WithGroupProtocol(kafka.NextGen))
+	fmt.Println(err)
+	b.Close()
+	// Output:
+	// ferry: invalid configuration: ClientOpts kgo.AutoCommitMarks is not allowed: Ferry commits only what handlers finished
+	// <nil>
+}
+
+// A record that fails for good goes to a dead-letter topic with its story
+// (source, partition, offset, attempts, last error) through the Standard
+// stack, and its partition moves on.
+func ExampleBroker_Publish_deadLetter() {
+	b, err := kafka.New(testenv.KafkaBrokers())
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer b.Close()
+	stack, err := consumer.Standard(b, "orders-dlq")
+	if err != nil {
+		log.Fatal(err)
+	}
+	h := stack.Wrap(consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		return consumer.Permanent(errors.New("cannot parse"))
+	}))
+	_ = h // c.Run(ctx, h)
+	fmt.Fprintln(os.Stdout, stack.DeadLetter.MaxAttempts())
+	// Output: 10
+}
+
+// TestExample runs Example against the test Kafka and checks what it
+// prints.
+func TestExample(t *testing.T) {
+	testenv.RequireKafka(t)
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout := os.Stdout
+	os.Stdout = w
+	Example()
+	os.Stdout = stdout
+	w.Close()
+	out, _ := io.ReadAll(r)
+	want := "order-1: created (attempt 1)\norder-1: paid (attempt 1)\n"
+	if string(out) != want {
+		t.Errorf("Example printed %q, want %q", out, want)
+	}
+}
