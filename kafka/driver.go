@@ -332,7 +332,13 @@ func (d *kafkaDriver) onAssigned(_ context.Context, cl *kgo.Client, assigned map
 	}
 	d.mu.Lock()
 	for _, id := range ps {
-		d.parts[id] = newPartition(id)
+		// A partition assigned again without a revocation in between
+		// (an incremental KIP-848 assignment restating what we own)
+		// keeps its state: a fresh one would forget records in flight
+		// and commit past them.
+		if d.parts[id] == nil {
+			d.parts[id] = newPartition(id)
+		}
 	}
 	d.member, _ = cl.GroupMetadata()
 	d.mu.Unlock()
@@ -360,7 +366,9 @@ func (d *kafkaDriver) onRevoked(ctx context.Context, cl *kgo.Client, revoked map
 		return
 	}
 	d.handOver(ps)
-	d.commit(ctx, ps, true)
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	_ = d.commit(cctx, ps, true)
+	cancel()
 	d.forgetPartitions(cl, ps)
 	d.log.Debug("ferry/kafka: partitions revoked", "partitions", ps)
 	d.hook(RebalanceEvent{Revoked: ps})
