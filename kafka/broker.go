@@ -212,7 +212,9 @@ func WithPartitionBuffer(n int) Option {
 // coordinator waits for a heartbeat before it removes a member. Heartbeats
 // run in the background, so a slow handler does not need a longer one.
 // Default 45s (franz-go's default; the broker bounds it with
-// group.min/max.session.timeout.ms).
+// group.min/max.session.timeout.ms). It applies to Classic groups; a
+// NextGen (KIP-848) group's session timeout is the group config
+// consumer.session.timeout.ms on the broker.
 func WithSessionTimeout(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {

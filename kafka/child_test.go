@@ -15,7 +15,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/internal/testenv"
@@ -33,6 +35,7 @@ const (
 	childGroupEnv   = "FERRY_KAFKA_TEST_CHILD_GROUP"
 	childBlockEnv   = "FERRY_KAFKA_TEST_CHILD_BLOCK_AFTER"
 	childSessionEnv = "FERRY_KAFKA_TEST_CHILD_SESSION"
+	childProtoEnv   = "FERRY_KAFKA_TEST_CHILD_PROTOCOL"
 )
 
 func runChild() int {
@@ -44,8 +47,13 @@ func runChild() int {
 	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	session, _ := time.ParseDuration(os.Getenv(childSessionEnv))
+	proto := kafka.Classic
+	if os.Getenv(childProtoEnv) == kafka.NextGen.String() {
+		proto = kafka.NextGen
+	}
 	b, err := kafka.New(testenv.KafkaBrokers(),
 		kafka.WithLogger(log),
+		kafka.WithGroupProtocol(proto),
 		kafka.WithSessionTimeout(session),
 		kafka.WithClientOpts(kgo.HeartbeatInterval(500*time.Millisecond)),
 		kafka.WithCommitHook(func(ev kafka.CommitEvent) {
@@ -89,11 +97,11 @@ type child struct {
 	done    chan struct{}
 }
 
-func startChild(t *testing.T, topic, group string, blockAfter int, session time.Duration) *child {
+func startChild(t *testing.T, proto kafka.GroupProtocol, topic, group string, blockAfter int, session time.Duration) *child {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), childEnv+"=1", childTopicEnv+"="+topic, childGroupEnv+"="+group,
-		childBlockEnv+"="+strconv.Itoa(blockAfter), childSessionEnv+"="+session.String())
+		childBlockEnv+"="+strconv.Itoa(blockAfter), childSessionEnv+"="+session.String(), childProtoEnv+"="+proto.String())
 	cmd.Stderr = t.Output()
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
@@ -152,4 +160,38 @@ func (c *child) state() (handled map[[2]int64]int, commits map[int32]int64, bloc
 		cm[k] = v
 	}
 	return h, cm, c.blocked
+}
+
+// shortenGroupSession sets a KIP-848 group's session timeout and heartbeat
+// interval, which are group configs on the broker (the client's
+// SessionTimeout applies to classic groups only).
+func shortenGroupSession(t *testing.T, group string, session time.Duration) {
+	t.Helper()
+	cl, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaBrokers()...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	req := kmsg.NewPtrIncrementalAlterConfigsRequest()
+	res := kmsg.NewIncrementalAlterConfigsRequestResource()
+	res.ResourceType = kmsg.ConfigResourceTypeGroupConfig
+	res.ResourceName = group
+	for k, v := range map[string]string{
+		"consumer.session.timeout.ms":   strconv.Itoa(int(session.Milliseconds())),
+		"consumer.heartbeat.interval.ms": "500",
+	} {
+		c := kmsg.NewIncrementalAlterConfigsRequestResourceConfig()
+		c.Name, c.Value = k, kmsg.StringPtr(v)
+		res.Configs = append(res.Configs, c)
+	}
+	req.Resources = append(req.Resources, res)
+	resp, err := req.RequestWith(ctxFor(t, 10*time.Second), cl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range resp.Resources {
+		if err := kerr.ErrorForCode(r.ErrorCode); err != nil {
+			t.Fatalf("set group configs of %s: %v", group, err)
+		}
+	}
 }

@@ -74,20 +74,27 @@ func allOffsets(ends map[int32]int64) [][2]int64 {
 // dead member had not committed; a record is handled twice only if the dead
 // member had it in flight (never past what it committed).
 func TestKilledMemberLosesNothing(t *testing.T) {
+	forProtocols(t, testKilledMember)
+}
+
+func testKilledMember(t *testing.T, proto kafka.GroupProtocol) {
 	const n = 3000
 	b := newBroker(t)
 	topic := newTopic(t, b, "killed", 4)
 	group := testenv.UniqueName(t, "killed-group")
 	publishKeyed(t, b, topic, 0, n, 997)
+	if proto == kafka.NextGen {
+		shortenGroupSession(t, group, 6*time.Second)
+	}
 
-	ch := startChild(t, topic, group, 200, 6*time.Second)
+	ch := startChild(t, proto, topic, group, 200, 6*time.Second)
 	waitFor(t, 60*time.Second, "the child to handle records", func() bool {
 		h, _, _ := ch.state()
 		return len(h) >= 50
 	})
 
 	var a audit
-	sb := newBroker(t, append(groupOpts(kafka.Classic), a.options()...)...)
+	sb := newBroker(t, append(groupOpts(proto), a.options()...)...)
 	survivor, err := sb.NewConsumer(topic, consumer.WithName(group), consumer.WithConcurrency(4))
 	if err != nil {
 		t.Fatal(err)
@@ -472,6 +479,9 @@ func TestBreakerOpenStopsFetchingAndKeepsMembership(t *testing.T) {
 	lag1, err := c.Lag(ctxFor(t, 10*time.Second))
 	if err != nil {
 		t.Fatal(err)
+	}
+	if lag1.InFlight <= 0 || lag1.OldestAge < down {
+		t.Errorf("lag reports %d records held, the oldest %s old; want the held records, older than the %s outage", lag1.InFlight, lag1.OldestAge, down)
 	}
 	if got := c.Stats().Fetched - fetched; got > 100 {
 		t.Errorf("the consumer fetched %d records while its breaker was open", got)
