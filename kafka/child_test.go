@@ -177,7 +177,7 @@ func shortenGroupSession(t *testing.T, group string, session time.Duration) {
 	res.ResourceType = kmsg.ConfigResourceTypeGroupConfig
 	res.ResourceName = group
 	for k, v := range map[string]string{
-		"consumer.session.timeout.ms":   strconv.Itoa(int(session.Milliseconds())),
+		"consumer.session.timeout.ms":    strconv.Itoa(int(session.Milliseconds())),
 		"consumer.heartbeat.interval.ms": "500",
 	} {
 		c := kmsg.NewIncrementalAlterConfigsRequestResourceConfig()
