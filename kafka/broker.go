@@ -67,9 +67,10 @@ const (
 	// DefaultCommitInterval is how often a consumer commits what it finished,
 	// between rebalances.
 	DefaultCommitInterval = time.Second
-	// DefaultPartitionBuffer is how many fetched records of one partition a
-	// consumer holds unfinished before it pauses fetching that partition.
-	DefaultPartitionBuffer = 10000
+	// StuckAfter is how long a partition whose records wait (fetched,
+	// unfinished) may go without finishing any before the consumer pauses
+	// fetching it, when WithPartitionBuffer is not set.
+	StuckAfter = 500 * time.Millisecond
 	// DefaultRevokeWait bounds how long a rebalance waits for the handlers of
 	// revoked partitions to return before it commits and lets go.
 	DefaultRevokeWait = 20 * time.Second
@@ -194,10 +195,15 @@ func WithCommitInterval(d time.Duration) Option {
 }
 
 // WithPartitionBuffer sets how many records of one partition a consumer may
-// hold fetched and unfinished before it pauses fetching that partition (its
-// records wait behind a retry, a hold or a slow key); the partition resumes
-// once half of them are finished, and other partitions flow meanwhile.
-// Default 1000 (DefaultPartitionBuffer).
+// hold fetched and unfinished before it pauses fetching that partition; the
+// partition resumes once half of them are finished, and the other
+// partitions flow meanwhile. Default: automatic: a partition holding half a
+// fetch batch of the loop (consumer.WithFetchBatch) or more, none of which
+// finished for half a second (StuckAfter: it waits behind a retry in place, a
+// hold or a slow key), is paused, so that it does not take the loop's room
+// from the others; partitions that make progress are never paused, however
+// many records they hold. A set value pauses at that count whether the
+// partition makes progress or not: a hard cap on what one partition holds.
 func WithPartitionBuffer(n int) Option {
 	return func(c *config) error {
 		if n <= 0 {
@@ -324,10 +330,9 @@ func New(seeds []string, opts ...Option) (*Broker, error) {
 		}
 	}
 	cfg := config{
-		logger:          slog.Default(),
-		commitInterval:  DefaultCommitInterval,
-		partitionBuffer: DefaultPartitionBuffer,
-		revokeWait:      DefaultRevokeWait,
+		logger:         slog.Default(),
+		commitInterval: DefaultCommitInterval,
+		revokeWait:     DefaultRevokeWait,
 	}
 	for _, o := range opts {
 		if o == nil {

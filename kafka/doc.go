@@ -46,12 +46,15 @@
 //     next commit). There is no Return: the loop retries in place
 //     (driver.Capabilities.Redelivers is false); at shutdown a Return leaves
 //     the record uncommitted, to be read again by the partition's next owner.
-//   - Backpressure: a partition with WithPartitionBuffer records fetched and
-//     unfinished is paused (PauseFetchPartitions) until half of them are done,
-//     so that one stuck partition does not fill the loop; when the loop is
-//     full or a breaker holds, it stops polling and franz-go keeps at most one
-//     buffered fetch. Pauses are lifted when a partition is revoked or
-//     assigned, since franz-go keeps them across rebalances.
+//   - Backpressure: a partition whose records wait (half a fetch batch of
+//     the loop or more, none finished for half a second: a retry in place, a hold,
+//     a slow key) is paused (PauseFetchPartitions) until half of them are
+//     done, so that it does not take the loop's room from the others;
+//     WithPartitionBuffer makes it a hard cap instead. When the loop is full
+//     or a breaker holds, it stops polling, and franz-go keeps at most one
+//     buffered fetch: lag grows, memory does not. Pauses are lifted when a
+//     partition is revoked or assigned, since franz-go keeps them across
+//     rebalances.
 //   - Rebalances: cooperative-sticky by default, so only the partitions that
 //     move stop; KIP-848 (WithGroupProtocol(NextGen)) as an option. On
 //     revoke, the loop cancels the handlers of the partitions' records and

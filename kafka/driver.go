@@ -33,10 +33,11 @@ type kafkaDriver struct {
 
 	revC chan driver.Revocation
 
-	mu     sync.Mutex
-	cl     *kgo.Client
-	parts  map[int32]*partition // owned now; a new assignment gets a new *partition
-	member string
+	mu       sync.Mutex
+	cl       *kgo.Client
+	maxAsked int                  // the largest batch the loop asked Fetch for
+	parts    map[int32]*partition // owned now; a new assignment gets a new *partition
+	member   string
 
 	// commitMu serialises commits: the periodic one, the one on revoke and
 	// the last one on Close. cancelCommit cancels a periodic commit in
@@ -203,8 +204,12 @@ func (d *kafkaDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 		}
 	})
 	var pause map[string][]int32
-	limit := d.b.cfg.partitionBuffer
 	d.mu.Lock()
+	if max > d.maxAsked {
+		d.maxAsked = max
+	}
+	limit, fixed := d.bufferLimit()
+	now := time.Now().UnixNano()
 	fs.EachRecord(func(r *kgo.Record) {
 		p := d.parts[r.Partition]
 		if p == nil || r.Topic != d.topic {
@@ -212,14 +217,17 @@ func (d *kafkaDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 		}
 		p.add(r)
 		dst = append(dst, d.message(r, p))
-		if !p.paused && p.outstanding >= limit {
+	})
+	stuck := now - int64(StuckAfter)
+	for _, p := range d.parts {
+		if !p.paused && p.outstanding >= limit && (fixed || p.progress < stuck) {
 			p.paused = true
 			if pause == nil {
 				pause = make(map[string][]int32)
 			}
 			pause[d.topic] = append(pause[d.topic], p.id)
 		}
-	})
+	}
 	d.mu.Unlock()
 	if pause != nil {
 		cl.PauseFetchPartitions(pause)
@@ -234,6 +242,16 @@ func (d *kafkaDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 		return dst, driver.Fatal(fmt.Errorf("kafka: fetch %q: %w: %w", d.topic, ErrAuthentication, ferr))
 	}
 	return dst, fmt.Errorf("kafka: fetch %q: %w", d.topic, ferr)
+}
+
+// bufferLimit is how many unfinished records of one partition pause it, and
+// whether that is a hard cap (WithPartitionBuffer) or applies only to a
+// partition that makes no progress. d.mu is held.
+func (d *kafkaDriver) bufferLimit() (limit int, fixed bool) {
+	if n := d.b.cfg.partitionBuffer; n > 0 {
+		return n, true
+	}
+	return max(d.maxAsked/2, 1), false
 }
 
 func (d *kafkaDriver) message(r *kgo.Record, p *partition) driver.Message {
@@ -266,8 +284,8 @@ func (d *kafkaDriver) message(r *kgo.Record, p *partition) driver.Message {
 // and whoever owns the partition next reads it again.
 func (d *kafkaDriver) Settle(ctx context.Context, batch []driver.Settlement) error {
 	var resume map[string][]int32
-	limit := d.b.cfg.partitionBuffer
 	d.mu.Lock()
+	limit, _ := d.bufferLimit()
 	for i := range batch {
 		s := &batch[i]
 		h, ok := s.Handle.(*handle)

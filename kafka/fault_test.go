@@ -679,3 +679,63 @@ func forProtocols(t *testing.T, fn func(t *testing.T, p kafka.GroupProtocol)) {
 		t.Run(p.String(), func(t *testing.T) { fn(t, p) })
 	}
 }
+
+// TestStuckPartitionIsPausedAndOthersFlow: a partition whose first record
+// fails again and again (retried in place) holds the records behind it;
+// once it has made no progress for StuckAfter it is paused, so that the
+// records that keep arriving on it stop taking the loop's room, while the
+// other partition's records are all handled.
+func TestStuckPartitionIsPausedAndOthersFlow(t *testing.T) {
+	b := newBroker(t)
+	topic := newTopic(t, b, "stuck", 2)
+	group := testenv.UniqueName(t, "stuck-group")
+	var recs []*kgo.Record
+	for i := 0; i < 500; i++ {
+		recs = append(recs, &kgo.Record{Topic: topic, Partition: 1, Value: []byte(strconv.Itoa(i))})
+	}
+	produceRaw(t, recs...)
+	c, err := b.NewConsumer(topic, consumer.WithName(group), consumer.WithMaxInFlight(1000), consumer.WithFetchBatch(20),
+		consumer.WithRedeliveryBackoff(10*time.Millisecond, 20*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var p1 atomic.Int64
+	runConsumer(t, c, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		if m.Lane == "0" {
+			return errors.New("partition 0 is stuck on its first record")
+		}
+		p1.Add(1)
+		return nil
+	}))
+	// Partition 0 gets 10 records every 50 ms for 5 s: 1000 records, as
+	// many as the loop has room for.
+	cl, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaBrokers()...), kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	for i := 0; i < 100; i++ {
+		var batch []*kgo.Record
+		for j := 0; j < 10; j++ {
+			batch = append(batch, &kgo.Record{Topic: topic, Partition: 0, Value: []byte("stuck")})
+		}
+		if err := cl.ProduceSync(ctxFor(t, 30*time.Second), batch...).FirstErr(); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	waitFor(t, 60*time.Second, "partition 1's 500 records to be handled", func() bool { return p1.Load() == 500 })
+	lag, err := c.Lag(ctxFor(t, 10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Paused after StuckAfter with half a fetch batch held: it holds what
+	// arrived until then, far fewer than the 1000 records published.
+	if lag.InFlight > 300 {
+		t.Errorf("the stuck partition holds %d records: it was not paused", lag.InFlight)
+	}
+	if lag.Lanes["0"] != 1000 || lag.Lanes["1"] != 0 {
+		t.Errorf("lag per partition %v, want 1000 on the stuck one and none on the other", lag.Lanes)
+	}
+	t.Logf("the stuck partition holds %d records", lag.InFlight)
+}

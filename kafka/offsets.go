@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"sort"
 	"strconv"
+	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
 )
@@ -28,8 +29,9 @@ type partition struct {
 	nextEpoch int32 // leader epoch of the last finished record before next
 	committed int64 // the last offset this assignment committed; -1 none
 
-	outstanding int  // fetched and unfinished
-	paused      bool // fetching paused because outstanding reached the buffer
+	outstanding int   // fetched and unfinished
+	paused      bool  // fetching paused because outstanding reached the buffer
+	progress    int64 // when a record last finished (or the partition was assigned), unix nanos
 }
 
 type entry struct {
@@ -40,7 +42,7 @@ type entry struct {
 }
 
 func newPartition(id int32) *partition {
-	return &partition{id: id, lane: strconv.Itoa(int(id)), next: -1, committed: -1}
+	return &partition{id: id, lane: strconv.Itoa(int(id)), next: -1, committed: -1, progress: time.Now().UnixNano()}
 }
 
 func (p *partition) add(r *kgo.Record) {
@@ -59,6 +61,7 @@ func (p *partition) ack(off int64) bool {
 	}
 	live[i].done = true
 	p.outstanding--
+	p.progress = time.Now().UnixNano()
 	for p.head < len(p.ents) && p.ents[p.head].done {
 		e := &p.ents[p.head]
 		p.next, p.nextEpoch = e.off+1, e.epoch
