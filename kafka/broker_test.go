@@ -173,13 +173,6 @@ func TestPublishReportsFailedRecords(t *testing.T) {
 		t.Errorf("stored %q, %q; want a1, a2", recs[0].Value, recs[1].Value)
 	}
 
-	// A topic that does not exist fails every record, each by index.
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	err = b.Publish(ctx, topic+"-missing", consumer.Message{Body: []byte("x")}, consumer.Message{Body: []byte("y")})
-	if !errors.As(err, &pe) || len(pe.Failed) != 2 {
-		t.Errorf("publish to a missing topic = %v, want both records failed", err)
-	}
 }
 
 // TestLagMatchesKadm: the consumer's lag per partition is what kadm
