@@ -433,11 +433,18 @@ func consumeRaw(t testing.TB, topic string, n int) []*kgo.Record {
 // in its group (no revocation, the group stays stable with it), and the
 // backlog drains by itself afterwards.
 func TestBreakerOpenStopsFetchingAndKeepsMembership(t *testing.T) {
+	forProtocols(t, testBreakerOpen)
+}
+
+func testBreakerOpen(t *testing.T, proto kafka.GroupProtocol) {
 	const down = 30 * time.Second
 	var a audit
-	b := newBroker(t, append(groupOpts(kafka.Classic), a.options()...)...)
+	b := newBroker(t, append(groupOpts(proto), a.options()...)...)
 	topic := newTopic(t, b, "breaker", 3)
 	group := testenv.UniqueName(t, "breaker-group")
+	if proto == kafka.NextGen {
+		shortenGroupSession(t, group, 6*time.Second)
+	}
 	publishKeyed(t, b, topic, 0, 300, 30)
 
 	var isDown atomic.Bool
@@ -489,12 +496,22 @@ func TestBreakerOpenStopsFetchingAndKeepsMembership(t *testing.T) {
 	if lag1.Messages < lag0.Messages+3000 {
 		t.Errorf("lag went from %d to %d while 3000 records were published: want it to grow by all of them", lag0.Messages, lag1.Messages)
 	}
-	desc, err := b.Admin().DescribeGroups(ctxFor(t, 10*time.Second), group)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if g := desc[group]; g.State != "Stable" || len(g.Members) != 1 {
-		t.Errorf("after %s with the breaker open the group is %s with %d members, want Stable with 1", down, g.State, len(g.Members))
+	if proto == kafka.Classic {
+		desc, err := b.Admin().DescribeGroups(ctxFor(t, 10*time.Second), group)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if g := desc[group]; g.State != "Stable" || len(g.Members) != 1 {
+			t.Errorf("after %s with the breaker open the group is %s with %d members, want Stable with 1", down, g.State, len(g.Members))
+		}
+	} else {
+		desc, err := b.Admin().DescribeConsumerGroups(ctxFor(t, 10*time.Second), group)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if g := desc[group]; g.State != "Stable" || len(g.Members) != 1 {
+			t.Errorf("after %s with the breaker open the group is %s with %d members, want Stable with 1", down, g.State, len(g.Members))
+		}
 	}
 	if n := a.count("revoked") + a.count("lost"); n > 0 {
 		t.Errorf("%d revocations while the breaker was open: the member left its group", n)
@@ -576,87 +593,97 @@ func TestPausedPartitionResumesAfterRevokeAndReassign(t *testing.T) {
 // it); a handler that would outlast the rebalance timeout has its context
 // cancelled when its partition is revoked, and the rebalance completes.
 func TestSlowHandlerKeepsMembership(t *testing.T) {
-	t.Run("LongerThanSessionTimeout", func(t *testing.T) {
-		var a audit
-		b := newBroker(t, append(groupOpts(kafka.Classic), a.options()...)...)
-		topic := newTopic(t, b, "slow", 1)
-		group := testenv.UniqueName(t, "slow-group")
-		publishKeyed(t, b, topic, 0, 3, 1)
-		c, err := b.NewConsumer(topic, consumer.WithName(group))
-		if err != nil {
-			t.Fatal(err)
-		}
-		var ctxErr atomic.Value
-		runConsumer(t, c, a.handler("slow", func(ctx context.Context, m *consumer.Message) error {
-			if m.Offset == 0 {
-				if err := sleepCtx(ctx, 9*time.Second); err != nil { // session timeout is 6 s
-					ctxErr.Store(err)
-					return err
-				}
-			}
-			return nil
-		}))
-		waitFor(t, 60*time.Second, "the three records to be handled", func() bool { return len(a.doneSet()) == 3 })
-		if v := ctxErr.Load(); v != nil {
-			t.Errorf("the slow handler's context ended: %v", v)
-		}
-		if n := a.count("revoked") + a.count("lost"); n > 0 {
-			t.Errorf("%d revocations: the member was fenced while its handler ran", n)
-		}
-		for po, k := range a.doneSet() {
-			if k != 1 {
-				t.Errorf("offset %d handled %d times", po[1], k)
+	t.Run("LongerThanSessionTimeout", func(t *testing.T) { forProtocols(t, testSlowerThanSession) })
+	t.Run("LongerThanRebalanceTimeout", func(t *testing.T) { forProtocols(t, testSlowerThanRebalance) })
+}
+
+func testSlowerThanSession(t *testing.T, proto kafka.GroupProtocol) {
+	var a audit
+	b := newBroker(t, append(groupOpts(proto), a.options()...)...)
+	topic := newTopic(t, b, "slow", 1)
+	group := testenv.UniqueName(t, "slow-group")
+	if proto == kafka.NextGen {
+		shortenGroupSession(t, group, 6*time.Second)
+	}
+	publishKeyed(t, b, topic, 0, 3, 1)
+	c, err := b.NewConsumer(topic, consumer.WithName(group))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ctxErr atomic.Value
+	runConsumer(t, c, a.handler("slow", func(ctx context.Context, m *consumer.Message) error {
+		if m.Offset == 0 {
+			if err := sleepCtx(ctx, 9*time.Second); err != nil { // session timeout is 6 s
+				ctxErr.Store(err)
+				return err
 			}
 		}
-	})
-	t.Run("LongerThanRebalanceTimeout", func(t *testing.T) {
-		var a audit
-		opts := append(groupOpts(kafka.Classic), kafka.WithRebalanceTimeout(10*time.Second))
-		b := newBroker(t, append(opts, a.options()...)...)
-		topic := newTopic(t, b, "slow-rb", 2)
-		group := testenv.UniqueName(t, "slow-rb-group")
-		produceRaw(t, &kgo.Record{Topic: topic, Partition: 0, Value: []byte("p0")}, &kgo.Record{Topic: topic, Partition: 1, Value: []byte("p1")})
-		var cancelled sync.Map // lane -> time the handler saw its context end
-		ca, err := b.NewConsumer(topic, consumer.WithName(group))
-		if err != nil {
-			t.Fatal(err)
+		return nil
+	}))
+	waitFor(t, 60*time.Second, "the three records to be handled", func() bool { return len(a.doneSet()) == 3 })
+	if v := ctxErr.Load(); v != nil {
+		t.Errorf("the slow handler's context ended: %v", v)
+	}
+	if n := a.count("revoked") + a.count("lost"); n > 0 {
+		t.Errorf("%d revocations: the member was fenced while its handler ran", n)
+	}
+	for po, k := range a.doneSet() {
+		if k != 1 {
+			t.Errorf("offset %d handled %d times", po[1], k)
 		}
-		runConsumer(t, ca, a.handler("a", func(ctx context.Context, m *consumer.Message) error {
-			<-ctx.Done() // would run for ever
-			cancelled.Store(m.Lane, time.Now())
-			return ctx.Err()
-		}))
-		waitFor(t, 60*time.Second, "a to run both records", func() bool { return a.count("start") >= 2 })
-		joined := time.Now()
-		cb, err := b.NewConsumer(topic, consumer.WithName(group))
-		if err != nil {
-			t.Fatal(err)
-		}
-		runConsumer(t, cb, a.handler("b", nil))
-		waitFor(t, 30*time.Second, "b to handle the record of the partition it took", func() bool { return len(a.doneSet()) == 1 })
-		var lane string
-		for po := range a.doneSet() {
-			lane = strconv.Itoa(int(po[0]))
-		}
-		v, ok := cancelled.Load(lane)
-		if !ok {
-			t.Fatalf("the handler of partition %s, revoked from a, was not cancelled", lane)
-		}
-		if d := v.(time.Time).Sub(joined); d > 10*time.Second {
-			t.Errorf("the revoked handler was cancelled %s after b joined, past the rebalance timeout", d)
-		}
-		other := "0"
-		if lane == "0" {
-			other = "1"
-		}
-		if _, ok := cancelled.Load(other); ok {
-			t.Errorf("the handler of partition %s, which a kept, was cancelled too", other)
-		}
-		if n := a.count("lost"); n > 0 {
-			t.Errorf("%d partitions lost: the rebalance did not complete in time", n)
-		}
-		a.check(t)
-	})
+	}
+}
+
+func testSlowerThanRebalance(t *testing.T, proto kafka.GroupProtocol) {
+	var a audit
+	opts := append(groupOpts(proto), kafka.WithRebalanceTimeout(10*time.Second))
+	b := newBroker(t, append(opts, a.options()...)...)
+	topic := newTopic(t, b, "slow-rb", 2)
+	group := testenv.UniqueName(t, "slow-rb-group")
+	if proto == kafka.NextGen {
+		shortenGroupSession(t, group, 6*time.Second)
+	}
+	produceRaw(t, &kgo.Record{Topic: topic, Partition: 0, Value: []byte("p0")}, &kgo.Record{Topic: topic, Partition: 1, Value: []byte("p1")})
+	var cancelled sync.Map // lane -> time the handler saw its context end
+	ca, err := b.NewConsumer(topic, consumer.WithName(group), consumer.WithShutdownGrace(time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	runConsumer(t, ca, a.handler("a", func(ctx context.Context, m *consumer.Message) error {
+		<-ctx.Done() // would run for ever
+		cancelled.Store(m.Lane, time.Now())
+		return ctx.Err()
+	}))
+	waitFor(t, 60*time.Second, "a to run both records", func() bool { return a.count("start") >= 2 })
+	joined := time.Now()
+	cb, err := b.NewConsumer(topic, consumer.WithName(group))
+	if err != nil {
+		t.Fatal(err)
+	}
+	runConsumer(t, cb, a.handler("b", nil))
+	waitFor(t, 30*time.Second, "b to handle the record of the partition it took", func() bool { return len(a.doneSet()) == 1 })
+	var lane string
+	for po := range a.doneSet() {
+		lane = strconv.Itoa(int(po[0]))
+	}
+	v, ok := cancelled.Load(lane)
+	if !ok {
+		t.Fatalf("the handler of partition %s, revoked from a, was not cancelled", lane)
+	}
+	if d := v.(time.Time).Sub(joined); d > 10*time.Second {
+		t.Errorf("the revoked handler was cancelled %s after b joined, past the rebalance timeout", d)
+	}
+	other := "0"
+	if lane == "0" {
+		other = "1"
+	}
+	if _, ok := cancelled.Load(other); ok {
+		t.Errorf("the handler of partition %s, which a kept, was cancelled too", other)
+	}
+	if n := a.count("lost"); n > 0 {
+		t.Errorf("%d partitions lost: the rebalance did not complete in time", n)
+	}
+	a.check(t)
 }
 
 func sleepCtx(ctx context.Context, d time.Duration) error {
