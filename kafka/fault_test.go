@@ -330,8 +330,12 @@ func TestRevokeMidBatchLeavesNoGap(t *testing.T) {
 // N of a partition fails for good; it goes to the dead-letter topic with
 // its story, and the records after it are handled.
 func TestPoisonRecordIsDeadLetteredAndPartitionMovesOn(t *testing.T) {
+	forProtocols(t, testPoison)
+}
+
+func testPoison(t *testing.T, proto kafka.GroupProtocol) {
 	const n, poison = 20, 7
-	b := newBroker(t)
+	b := newBroker(t, kafka.WithGroupProtocol(proto))
 	topic := newTopic(t, b, "poison", 1)
 	dlq := newTopic(t, b, "poison-dlq", 1)
 	publishKeyed(t, b, topic, 0, n, 3)

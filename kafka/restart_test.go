@@ -29,7 +29,11 @@ func TestBrokerRestart(t *testing.T) {
 	if os.Getenv(envRestart) != "1" {
 		t.Skipf("restarts the shared Kafka: set %s=1 (and FERRY_BROKERS_DIR) to run it", envRestart)
 	}
-	b := newBroker(t, groupOpts(kafka.Classic)...)
+	forProtocols(t, testBrokerRestart)
+}
+
+func testBrokerRestart(t *testing.T, proto kafka.GroupProtocol) {
+	b := newBroker(t, groupOpts(proto)...)
 	topic := newTopic(t, b, "restart", 3)
 	group := testenv.UniqueName(t, "restart-group")
 
