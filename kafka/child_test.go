@@ -60,6 +60,14 @@ func runChild() int {
 			for p, o := range ev.Offset {
 				out("C %d %d", p, o)
 			}
+		}),
+		kafka.WithRebalanceHook(func(ev kafka.RebalanceEvent) {
+			for _, p := range ev.Lost {
+				out("L %d", p)
+			}
+			for _, p := range ev.Assigned {
+				out("A %d", p)
+			}
 		}))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "child:", err)
@@ -93,6 +101,7 @@ type child struct {
 	mu      sync.Mutex
 	handled map[[2]int64]int
 	commits map[int32]int64 // highest committed offset per partition
+	log     []string        // every line, in order
 	blocked bool
 	done    chan struct{}
 }
@@ -117,6 +126,7 @@ func startChild(t *testing.T, proto kafka.GroupProtocol, topic, group string, bl
 		for sc.Scan() {
 			f := strings.Fields(sc.Text())
 			c.mu.Lock()
+			c.log = append(c.log, sc.Text())
 			switch {
 			case len(f) == 1 && f[0] == "B":
 				c.blocked = true
@@ -193,5 +203,19 @@ func shortenGroupSession(t *testing.T, group string, session time.Duration) {
 		if err := kerr.ErrorForCode(r.ErrorCode); err != nil {
 			t.Fatalf("set group configs of %s: %v", group, err)
 		}
+	}
+}
+
+// lines returns every line the child printed so far.
+func (c *child) lines() []string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]string(nil), c.log...)
+}
+
+func (c *child) signal(t *testing.T, sig syscall.Signal) {
+	t.Helper()
+	if err := c.cmd.Process.Signal(sig); err != nil {
+		t.Fatalf("signal %v: %v", sig, err)
 	}
 }

@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -769,4 +771,87 @@ func TestStuckPartitionIsPausedAndOthersFlow(t *testing.T) {
 		t.Errorf("lag per partition %v, want 1000 on the stuck one and none on the other", lag.Lanes)
 	}
 	t.Logf("the stuck partition holds %d records", lag.InFlight)
+}
+
+// TestLostPartitionsCommitNothing: a member frozen (SIGSTOP) past its
+// session timeout loses its partitions to the other member; when it wakes
+// up (SIGCONT), franz-go reports them lost, and the woken member commits
+// nothing for them, although its handlers finish the records they had.
+// Every record is handled, and no committed offset goes down.
+func TestLostPartitionsCommitNothing(t *testing.T) {
+	const n = 3000
+	b := newBroker(t)
+	topic := newTopic(t, b, "lost", 4)
+	group := testenv.UniqueName(t, "lost-group")
+	publishKeyed(t, b, topic, 0, n, 997)
+
+	ch := startChild(t, kafka.Classic, topic, group, -1, 6*time.Second)
+	waitFor(t, 60*time.Second, "the child to handle records", func() bool {
+		h, _, _ := ch.state()
+		return len(h) >= 50
+	})
+	var a audit
+	sb := newBroker(t, append(groupOpts(kafka.Classic), a.options()...)...)
+	survivor, err := sb.NewConsumer(topic, consumer.WithName(group), consumer.WithConcurrency(4))
+	if err != nil {
+		t.Fatal(err)
+	}
+	runConsumer(t, survivor, a.handler("survivor", func(ctx context.Context, m *consumer.Message) error {
+		return sleepCtx(ctx, 5*time.Millisecond)
+	}))
+	waitFor(t, 60*time.Second, "the survivor to share the partitions", func() bool { return a.count("done") >= 50 })
+
+	ch.signal(t, syscall.SIGSTOP)
+	time.Sleep(500 * time.Millisecond) // the pipe drains
+	frozenAt := len(ch.lines())
+	// The survivor takes everything once the child's session expires.
+	waitFor(t, 60*time.Second, "the survivor to take the frozen member's partitions", func() bool { return a.count("assigned") >= 2 })
+	time.Sleep(2 * time.Second) // and commits on them
+	ch.signal(t, syscall.SIGCONT)
+	waitFor(t, 30*time.Second, "the woken member to see its partitions lost", func() bool {
+		for _, l := range ch.lines()[frozenAt:] {
+			if strings.HasPrefix(l, "L ") {
+				return true
+			}
+		}
+		return false
+	})
+	ends := endOffsets(t, b.Admin(), topic)
+	waitFor(t, 90*time.Second, "every record to be handled", func() bool {
+		childHandled, _, _ := ch.state()
+		done := a.doneSet()
+		for _, po := range allOffsets(ends) {
+			if done[po] == 0 && childHandled[po] == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	time.Sleep(2 * time.Second) // the woken member's commit interval, twice
+	// After waking, the member rejoins and may be given partitions again:
+	// a commit for a partition is legitimate only after it was assigned
+	// anew.
+	reassigned := map[string]bool{}
+	lost := 0
+	for _, l := range ch.lines()[frozenAt:] {
+		f := strings.Fields(l)
+		switch {
+		case len(f) == 2 && f[0] == "A":
+			reassigned[f[1]] = true
+		case len(f) == 2 && f[0] == "L":
+			lost++
+		case len(f) == 3 && f[0] == "C" && !reassigned[f[1]]:
+			t.Errorf("the member committed partition %s at %s after losing it, before it was assigned again", f[1], f[2])
+		}
+	}
+	if lost == 0 {
+		t.Error("the frozen member never reported its partitions lost")
+	}
+	a.check(t)
+	got := committed(t, b.Admin(), group, topic)
+	for p, end := range ends {
+		if got[p] > end {
+			t.Errorf("partition %d committed at %d, past its end %d", p, got[p], end)
+		}
+	}
 }
