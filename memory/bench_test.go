@@ -35,7 +35,10 @@ func prepublish(b *testing.B, br *memory.Broker, queue string, n int) {
 // BenchmarkConsume measures the whole path fetch → handler → ack through a
 // consumer.Loop at concurrency 8 with a handler that does nothing.
 func BenchmarkConsume(b *testing.B) {
-	br := memory.New()
+	br, err := memory.New()
+	if err != nil {
+		b.Fatal(err)
+	}
 	defer br.Close()
 	prepublish(b, br, "bench", b.N)
 	loop, err := br.NewConsumer("bench",
@@ -75,7 +78,10 @@ func BenchmarkConsume(b *testing.B) {
 // carries its own event id, so every one is claimed and completed. Its
 // msgs/s against BenchmarkConsume's is the cost of the safety.
 func BenchmarkConsumeFullStack(b *testing.B) {
-	br := memory.New()
+	br, err := memory.New()
+	if err != nil {
+		b.Fatal(err)
+	}
 	defer br.Close()
 	batch := make([]consumer.Message, 0, 256)
 	body := make([]byte, 64)
@@ -129,7 +135,10 @@ func BenchmarkConsumeFullStack(b *testing.B) {
 // BenchmarkFetchAck measures the broker alone: fetch a batch of 32, ack it,
 // as the loop does.
 func BenchmarkFetchAck(b *testing.B) {
-	br := memory.New()
+	br, err := memory.New()
+	if err != nil {
+		b.Fatal(err)
+	}
 	defer br.Close()
 	prepublish(b, br, "bench", b.N)
 	d, err := br.Driver("bench")
@@ -162,7 +171,10 @@ func BenchmarkFetchAck(b *testing.B) {
 
 // BenchmarkPublish measures Publish in batches of 32 messages of 64 bytes.
 func BenchmarkPublish(b *testing.B) {
-	br := memory.New()
+	br, err := memory.New()
+	if err != nil {
+		b.Fatal(err)
+	}
 	defer br.Close()
 	batch := make([]consumer.Message, 32)
 	for i := range batch {

@@ -93,7 +93,10 @@ func setUp(ctx context.Context, cfg Config, dir string) (_ *run, err error) {
 		}
 	}()
 
-	r.broker = memory.New(memory.WithAutoCreate(false))
+	r.broker, err = memory.New(memory.WithAutoCreate(false))
+	if err != nil {
+		return nil, err
+	}
 	if err := r.broker.CreateQueue(DeadLetterQueue, memory.QueueConfig{}); err != nil {
 		return nil, err
 	}
