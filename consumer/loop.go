@@ -44,8 +44,8 @@ type Loop struct {
 // Stats is a snapshot of a Loop's counters.
 type Stats struct {
 	Fetched      int64 // deliveries taken from the broker
-	Acked        int64 // deliveries acknowledged
-	Returned     int64 // deliveries returned to the broker for redelivery
+	Acked        int64 // acks made (a failed ack is not counted)
+	Returned     int64 // returns to the broker for redelivery, made
 	Failed       int64 // handler runs that returned an error (panics included)
 	Panics       int64 // handler runs that panicked
 	Held         int64 // handler runs held by a circuit breaker (not attempts)
