@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer/driver"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // ErrAlreadyRun is returned by a second call to Loop.Run: a Loop runs once
@@ -28,6 +29,7 @@ type Loop struct {
 	caps     driver.Capabilities
 	extender driver.Extender // nil when the broker keeps no lease
 	revoker  driver.Revoker  // nil when the broker never revokes
+	tracer   trace.Tracer    // nil without WithTracerProvider
 
 	ran         atomic.Bool
 	inflight    atomic.Int64 // deliveries taken and not yet settled or dropped
@@ -78,6 +80,9 @@ func New(drv driver.Driver, opts ...Option) (*Loop, error) {
 	}
 	if r, ok := drv.(driver.Revoker); ok {
 		l.revoker = r
+	}
+	if cfg.tracerProvider != nil {
+		l.tracer = cfg.tracerProvider.Tracer(tracerName)
 	}
 	return l, nil
 }

@@ -193,6 +193,11 @@ type Capabilities struct {
 	// it again later (SQS, RabbitMQ, memory). When false (a Kafka log) the
 	// loop retries a failed message in place, holding its lane.
 	Redelivers bool
+
+	// System names the broker in traces: OpenTelemetry's messaging.system
+	// ("kafka", "aws_sqs", "rabbitmq"; the memory broker says
+	// "ferry_memory"). Empty leaves the attribute out.
+	System string
 }
 
 // Driver is what every broker implements.
