@@ -231,6 +231,8 @@ func (h *deadLetterHandler) Handle(ctx context.Context, m *Message) error {
 // Unwrap returns the handler whose failures DeadLetter judges.
 func (h *deadLetterHandler) Unwrap() Handler { return h.next }
 
+func (h *deadLetterHandler) deadLetterer() *DeadLetter { return h.d }
+
 // DeadLetterError says a message should have been dead-lettered but the
 // publish to the dead-letter destination failed; the message was not
 // acknowledged and comes back later. It unwraps to the publish error only:

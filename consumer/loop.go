@@ -30,6 +30,7 @@ type Loop struct {
 	extender driver.Extender // nil when the broker keeps no lease
 	revoker  driver.Revoker  // nil when the broker never revokes
 	tracer   trace.Tracer    // nil without WithTracerProvider
+	health   healthWindow
 
 	ran         atomic.Bool
 	inflight    atomic.Int64 // deliveries taken and not yet settled or dropped
@@ -84,6 +85,7 @@ func New(drv driver.Driver, opts ...Option) (*Loop, error) {
 	if cfg.tracerProvider != nil {
 		l.tracer = cfg.tracerProvider.Tracer(tracerName)
 	}
+	l.health.size, l.health.interval = cfg.healthSamples, cfg.healthInterval
 	return l, nil
 }
 
@@ -150,10 +152,14 @@ func Name(ctx context.Context) string {
 // when the driver reports a fatal one. A Loop runs once: a second call
 // returns ErrAlreadyRun.
 func (l *Loop) Run(ctx context.Context, h Handler) error {
-	breakers, err := inspectChain(h)
+	parts, err := inspectChain(h)
 	if err != nil {
 		return err
 	}
+	breakers := parts.breakers
+	l.health.mu.Lock()
+	l.health.parts = parts
+	l.health.mu.Unlock()
 	if !l.ran.CompareAndSwap(false, true) {
 		return ErrAlreadyRun
 	}
@@ -168,6 +174,11 @@ func (l *Loop) Run(ctx context.Context, h Handler) error {
 	}
 	r := newRun(ctx, l, h, breakers)
 	defer r.cancelHandler()
+
+	sampleCtx, stopSampling := context.WithCancel(context.WithoutCancel(ctx))
+	sampled := make(chan struct{})
+	go func() { defer close(sampled); l.sampleHealth(sampleCtx) }()
+	defer func() { stopSampling(); <-sampled }()
 
 	fetchCtx, stopFetch := context.WithCancel(ctx)
 	defer stopFetch()

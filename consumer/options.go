@@ -102,6 +102,11 @@ type config struct {
 	fetchBatchOK   bool
 	meterProvider  metric.MeterProvider
 	tracerProvider trace.TracerProvider
+
+	healthInterval    time.Duration
+	healthSamples     int
+	retention         time.Duration
+	retentionFraction float64
 }
 
 func defaultConfig() config {
@@ -114,6 +119,9 @@ func defaultConfig() config {
 		backoffMin:   100 * time.Millisecond,
 		backoffMax:   10 * time.Second,
 		fetchBackoff: 5 * time.Second,
+
+		healthInterval: 5 * time.Second,
+		healthSamples:  12,
 	}
 }
 

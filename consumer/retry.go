@@ -185,6 +185,8 @@ func (h *retryHandler) Handle(ctx context.Context, m *Message) error {
 // Unwrap returns the handler Retry runs.
 func (h *retryHandler) Unwrap() Handler { return h.next }
 
+func (h *retryHandler) retrier() *Retry { return h.r }
+
 func (r *Retry) handle(ctx context.Context, m *Message, next Handler) error {
 	ctx, rec := withRecord(ctx)
 	if m.Attempt < 1 {

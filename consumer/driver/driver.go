@@ -285,6 +285,10 @@ type Lag struct {
 	// Lanes holds the lag per lane where the broker reports it (Kafka: per
 	// partition); nil otherwise.
 	Lanes map[string]int64
+	// Positions holds each lane's committed position where the broker has
+	// one (Kafka: the group's committed offset per partition); nil
+	// otherwise. The loop's lag verdicts watch it move.
+	Positions map[string]int64
 }
 
 // LagReporter is implemented by drivers that can say how far behind the
