@@ -156,13 +156,13 @@ func (l *Loop) Run(ctx context.Context, h Handler) error {
 	if err != nil {
 		return err
 	}
+	if !l.ran.CompareAndSwap(false, true) {
+		return ErrAlreadyRun
+	}
 	breakers := parts.breakers
 	l.health.mu.Lock()
 	l.health.parts = parts
 	l.health.mu.Unlock()
-	if !l.ran.CompareAndSwap(false, true) {
-		return ErrAlreadyRun
-	}
 	defer l.drv.Close()
 	if reg, err := l.registerMetrics(); err != nil {
 		l.cfg.logger.Warn("ferry: metrics unavailable", "consumer", l.cfg.name, "err", err)
