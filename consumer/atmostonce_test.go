@@ -383,3 +383,42 @@ func TestAtMostOnceStagedAckIsWithdrawnAtTheGrace(t *testing.T) {
 		t.Fatal("the worker waits for an ack that is neither staged nor withdrawn")
 	}
 }
+
+// settleRecorder keeps every settlement its driver was given.
+type settleRecorder struct {
+	*scriptLog
+	mu  sync.Mutex
+	got []driver.Settlement
+}
+
+func (s *settleRecorder) Settle(ctx context.Context, b []driver.Settlement) error {
+	s.mu.Lock()
+	s.got = append(s.got, b...)
+	s.mu.Unlock()
+	return s.scriptLog.Settle(ctx, b)
+}
+
+// The ack an at-most-once delivery gets before its handler runs says so
+// (BeforeRun), so that a driver that makes acks durable later (a Kafka
+// commit on a timer) makes this one durable before the handler runs; an
+// at-least-once ack does not.
+func TestAnAckBeforeTheRunSaysSo(t *testing.T) {
+	for _, mode := range []DeliveryMode{AtMostOnce, AtLeastOnce} {
+		drv := &settleRecorder{scriptLog: newScriptLog(true)}
+		drv.push(driver.Message{ID: "m", Deliveries: 1, Handle: "m"})
+		l, err := New(drv, WithDeliveryMode(mode))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ran := make(chan struct{}, 1)
+		stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { ran <- struct{}{}; return nil }))
+		<-ran
+		eventually(t, "the ack", func() bool { drv.mu.Lock(); defer drv.mu.Unlock(); return len(drv.got) == 1 })
+		if err := stop(); err != nil {
+			t.Fatal(err)
+		}
+		if got := drv.got[0]; got.Action != driver.Ack || got.BeforeRun != (mode == AtMostOnce) {
+			t.Errorf("mode %v: settlement %+v, want an ack with BeforeRun %v", mode, got, mode == AtMostOnce)
+		}
+	}
+}

@@ -206,7 +206,7 @@ func (r *run) ackFirst(req ackRequest) {
 	}
 	d.acked = true
 	d.ackWait = req.reply
-	r.io.add(d, driver.Settlement{Handle: d.msg.handle, Action: driver.Ack})
+	r.io.add(d, driver.Settlement{Handle: d.msg.handle, Action: driver.Ack, BeforeRun: true})
 }
 
 // withdrawAcks takes back the at-most-once acks that are decided and not yet

@@ -185,6 +185,13 @@ type Settlement struct {
 	// as Message.Known on the next delivery, so that Message.Attempt stays
 	// exact across redeliveries. Drivers that cannot carry it ignore it.
 	History History
+
+	// BeforeRun is true for the ack of an at-most-once delivery, which the
+	// loop makes before the handler runs and only then runs it: the ack
+	// must be durable when Settle returns. A driver that makes acks durable
+	// later (a Kafka commit on a timer) makes this one durable before
+	// Settle returns, or fails it.
+	BeforeRun bool
 }
 
 // Capabilities says what a broker can do, so that the loop can do the rest.
