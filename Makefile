@@ -29,8 +29,9 @@ brokers-status:
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)
 
-## vet: go vet and a gofmt check
+## vet: go vet, staticcheck (a tool of go.mod) and a gofmt check
 vet:
 	$(GO) vet $(PKGS)
+	$(GO) tool staticcheck $(PKGS)
 	@unformatted=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './.brokers/*')); \
 	if [ -n "$$unformatted" ]; then echo "gofmt needed:"; echo "$$unformatted"; exit 1; fi

@@ -48,14 +48,11 @@ func mustDeadLetter(t *testing.T, pub Publisher, opts ...DeadLetterOption) *Dead
 	return d
 }
 
-// deliver plays a redelivering broker: it hands m to h with Attempt 1, 2, ...
-// until h returns nil, a hold, or limit deliveries were made. It returns the
-// last error and the number of deliveries.
-// deliver hands m to h up to limit times, as the delivery loop would
-// redeliver it to one consumer: one record for all the deliveries, Attempt
-// one past the runs made so far, Deliveries the delivery's number. It
-// returns the last error and the number of deliveries.
-func deliver(h Handler, m Message, limit int) (error, int) {
+// deliver hands m to h up to limit times, until h returns nil or a hold, as
+// the delivery loop would redeliver it to one consumer: one record for all
+// the deliveries, Attempt one past the runs made so far, Deliveries the
+// delivery's number. It returns the number of deliveries and the last error.
+func deliver(h Handler, m Message, limit int) (int, error) {
 	var err error
 	ctx, _ := withRecord(context.Background())
 	m.Attempt = 0
@@ -63,10 +60,10 @@ func deliver(h Handler, m Message, limit int) (error, int) {
 		m.Attempt++
 		m.Deliveries = delivery
 		if err = h.Handle(ctx, &m); err == nil || errors.Is(err, ErrHeld) {
-			return err, delivery
+			return delivery, err
 		}
 	}
-	return err, limit
+	return limit, err
 }
 
 func TestDeadLetterPermanentErrorAtOnceWithTheWholeStory(t *testing.T) {
@@ -82,7 +79,7 @@ func TestDeadLetterPermanentErrorAtOnceWithTheWholeStory(t *testing.T) {
 		return Permanent(fmt.Errorf("decode: %w", json.Unmarshal([]byte(`{"x":`), &v)))
 	}))
 	before := time.Now()
-	err, deliveries := deliver(h, m, 10)
+	deliveries, err := deliver(h, m, 10)
 	if err != nil || deliveries != 1 || runs != 1 {
 		t.Fatalf("err = %v after %d deliveries, %d runs; want nil (acked) after 1", err, deliveries, runs)
 	}
@@ -136,7 +133,7 @@ func TestDeadLetterAfterMaxAttemptsWithoutRetry(t *testing.T) {
 	h := d.Wrap(HandlerFunc(func(context.Context, *Message) error { runs++; return errDown }))
 	published := time.Now().Add(-time.Minute)
 	before := time.Now()
-	err, deliveries := deliver(h, Message{ID: "m", Offset: -1, PublishedAt: published}, 10)
+	deliveries, err := deliver(h, Message{ID: "m", Offset: -1, PublishedAt: published}, 10)
 	if err != nil || deliveries != 4 || runs != 4 || d.Count() != 1 {
 		t.Fatalf("err = %v, deliveries %d, runs %d, count %d; want nil, 4, 4, 1", err, deliveries, runs, d.Count())
 	}
@@ -264,7 +261,7 @@ func TestAttemptsAgreeWhicheverSideOfRetryDeadLetterIs(t *testing.T) {
 					} else {
 						h = Chain(base, r.Wrap, d.Wrap)
 					}
-					err, _ := deliver(h, Message{ID: "m", Offset: -1}, 100)
+					_, err := deliver(h, Message{ID: "m", Offset: -1}, 100)
 					want := c.max
 					if permanent {
 						want = 1

@@ -1,4 +1,4 @@
-// Package consumer is the core of Ferry: one Handler that runs unchanged on
+// Package consumer is the core of Ferry: one [Handler] that runs unchanged on
 // Amazon SQS, RabbitMQ, Apache Kafka or the in-process memory broker, and the
 // delivery loop that gives every broker the same guarantees.
 //
@@ -7,34 +7,34 @@
 // Delivery is at least once. A message is acknowledged (deleted, acked, its
 // offset committed) only after its handler returned nil. A handler error, a
 // panic, a lost connection or a shutdown mid-handler leaves the message with
-// the broker, and it is delivered again with Message.Attempt one higher. A
+// the broker, and it is delivered again with [Message.Attempt] one higher. A
 // handler that crashes after its work and before the ack therefore runs
 // twice: exactly-once effects come from idempotent handling (package
 // idempotency), never from the broker. The at-most-once mode
-// (WithDeliveryMode(AtMostOnce)) acks before the handler runs, for data where
+// ([WithDeliveryMode]([AtMostOnce])) acks before the handler runs, for data where
 // a gap is better than a duplicate.
 //
 // What the loop does with a handler's result:
 //
 //   - nil: ack.
-//   - Permanent(err): no retry can help. The DeadLetter middleware moves the
+//   - [Permanent](err): no retry can help. The [DeadLetter] middleware moves the
 //     message to a dead-letter destination; without it the loop logs an error
 //     and returns the message like any failure (nothing is ever dropped).
-//   - RetryAfter(err, d): delivered again no sooner than d from now.
-//   - Hold(err, d): not attempted at all (a circuit breaker is open). The loop
+//   - [RetryAfter](err, d): delivered again no sooner than d from now.
+//   - [Hold](err, d): not attempted at all (a circuit breaker is open). The loop
 //     keeps the message and its lease, pauses fetching for d, and runs it
 //     again; Attempt does not grow.
-//   - Defer(err, d): not attempted (a duplicate of it runs elsewhere). The
+//   - [Defer](err, d): not attempted (a duplicate of it runs elsewhere). The
 //     loop keeps it and runs it again after d; fetching goes on, and deferred
 //     messages do not take room from fresh ones. Up to MaxInFlight of them
 //     wait beside MaxInFlight others, so up to twice the bound can be
 //     unsettled at once; beyond that a broker that takes messages back gets
 //     them back with the delay.
 //   - any other error, or a panic: delivered again after the redelivery
-//     backoff (WithRedeliveryBackoff).
+//     backoff ([WithRedeliveryBackoff]).
 //
-// IsPermanent, IsHeld and IsDeferred tell the outcomes apart, as do
-// errors.Is with ErrPermanent, ErrHeld and ErrDeferred.
+// [IsPermanent], [IsHeld] and [IsDeferred] tell the outcomes apart, as do
+// errors.Is with [ErrPermanent], [ErrHeld] and [ErrDeferred].
 //
 // Where the broker can take a message back (SQS, RabbitMQ, memory), the loop
 // returns it with the delay. Where it cannot (a Kafka log), the loop runs it
@@ -44,15 +44,15 @@
 // # Order and parallelism
 //
 // A lane is what the broker keeps in order: a Kafka partition, an SQS FIFO
-// message group, nothing for a standard queue. By default (OrderByLane) a lane
+// message group, nothing for a standard queue. By default ([OrderByLane]) a lane
 // runs one message at a time, in order, while different lanes and unlaned
-// messages run in parallel on WithConcurrency workers. OrderByKey runs one
+// messages run in parallel on [WithConcurrency] workers. [OrderByKey] runs one
 // message at a time per key inside each lane, for a partition that carries
 // many keys. A later message of a key never completes before an earlier one.
 //
 // # Bounds, leases and shutdown
 //
-// The loop holds at most WithMaxInFlight unsettled messages (running, queued
+// The loop holds at most [WithMaxInFlight] unsettled messages (running, queued
 // behind their key, or waiting for a retry) and stops fetching while it is
 // full, so slow handlers slow the fetch instead of growing memory. While it
 // holds a message whose broker lease runs out (an SQS visibility timeout) it
@@ -72,7 +72,7 @@
 //
 // Message.Attempt counts handler runs, exactly where they can be known: in
 // process, and across redeliveries where this Loop or the broker kept the
-// count (see Message.Attempt). Message.Deliveries is the broker's own count.
+// count (see Message.Attempt). [Message.Deliveries] is the broker's own count.
 // The dead-letter middleware judges a message by its runs, and its headers
 // carry both figures.
 //
@@ -86,7 +86,7 @@
 //
 // # Writing handlers
 //
-// A Handler is one method; HandlerFunc turns a function into one; a
-// Middleware wraps one; Chain composes them, the first listed outermost. JSON
+// A Handler is one method; [HandlerFunc] turns a function into one; a
+// [Middleware] wraps one; [Chain] composes them, the first listed outermost. [JSON]
 // gives a typed handler whose undecodable bodies are permanent errors.
 package consumer

@@ -15,7 +15,10 @@ import (
 // permanent error, so its message goes to the dead-letter queue at once, with
 // the story in its headers, and the good message next to it is unaffected.
 func ExampleStandard() {
-	broker := memory.New()
+	broker, err := memory.New()
+	if err != nil {
+		panic(err)
+	}
 	defer broker.Close()
 	_ = broker.Publish(context.Background(), "orders",
 		consumer.Message{ID: "o-1", Body: []byte(`{"qty":1}`)},

@@ -18,7 +18,10 @@ type orderPlaced struct {
 // a permanent error that names the field, for a DeadLetter middleware to
 // move aside.
 func ExampleJSON() {
-	b := memory.New()
+	b, err := memory.New()
+	if err != nil {
+		panic(err)
+	}
 	defer b.Close()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()

@@ -70,7 +70,10 @@ func BenchmarkStandardStackOverMemory(b *testing.B) {
 		}},
 	} {
 		b.Run(c.name, func(b *testing.B) {
-			broker := memory.New()
+			broker, err := memory.New()
+			if err != nil {
+				b.Fatal(err)
+			}
 			defer broker.Close()
 			msgs := make([]consumer.Message, 0, 1000)
 			for i := 0; i < b.N; i++ {

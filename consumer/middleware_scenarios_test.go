@@ -23,16 +23,18 @@ var quiet = slog.New(slog.DiscardHandler)
 
 // scenario is one broker with a work queue and its dead-letter queue.
 type scenario struct {
-	t      *testing.T
-	b      *memory.Broker
-	queue  string
-	dlq    string
-	cancel []func()
+	t     *testing.T
+	b     *memory.Broker
+	queue string
+	dlq   string
 }
 
 func newScenario(t *testing.T, name string, visibility time.Duration) *scenario {
 	t.Helper()
-	b := memory.New(memory.WithAutoCreate(false))
+	b, err := memory.New(memory.WithAutoCreate(false))
+	if err != nil {
+		t.Fatal(err)
+	}
 	t.Cleanup(func() { _ = b.Close() })
 	s := &scenario{t: t, b: b, queue: name, dlq: name + "-dlq"}
 	for _, q := range []string{s.queue, s.dlq} {

@@ -13,7 +13,10 @@ import (
 )
 
 func TestStackMetricsReportDeadLettersRetriesAndBreaker(t *testing.T) {
-	b := memory.New()
+	b, err := memory.New()
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer b.Close()
 	stack, err := consumer.Standard(b, "orders-dlq",
 		consumer.StandardRetry(consumer.RetryAttempts(3), consumer.RetryInitial(time.Millisecond)))

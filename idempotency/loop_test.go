@@ -16,7 +16,10 @@ import (
 // published three times (three broker messages, one event id), and the
 // handler's effect happens once per event.
 func TestThroughDeliveryLoopEachEventOnce(t *testing.T) {
-	b := memory.New()
+	b, err := memory.New()
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer b.Close()
 	ctx := context.Background()
 	const events, copies = 300, 3

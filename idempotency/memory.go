@@ -15,16 +15,19 @@ import (
 // single process. Its keys do not survive a restart and are not shared with
 // other processes, so it dedups only deliveries that reach this process.
 // Expired entries are treated as absent at once but take memory until
-// [MemoryStore.Cleanup]. Keys are kept as they are, any bytes and any length;
-// each costs its own length in memory for its retention.
+// [MemoryStore.Cleanup]. A key may be any bytes of any length; the store
+// keeps a 128-bit hash of it (two independently seeded 64-bit hashes), so
+// each key costs the same few bytes for its retention however long it is,
+// and the garbage collector has no pointers to follow through the entries.
+// Two keys in a billion share a hash with a probability below 10^-20.
 //
 // It answers without blocking, so the middleware calls it directly, with no
 // deadline and no copy of the namespaced key per message.
 type MemoryStore struct {
-	epoch time.Time     // expiries are monotonic nanoseconds since epoch
-	seed  maphash.Seed  // picks a key's shard
-	seq   atomic.Uint64 // owner tokens handed out, in blocks
-	mu    sync.RWMutex  // guards tables
+	epoch time.Time       // expiries are monotonic nanoseconds since epoch
+	seeds [2]maphash.Seed // of the two halves of a key's hash
+	seq   atomic.Uint64   // owner tokens handed out, in blocks
+	mu    sync.RWMutex    // guards tables
 	tabs  map[string]*memTable
 	bare  *memTable // keys without ':', which name no namespace
 }
@@ -44,16 +47,20 @@ type memTable struct {
 }
 
 type memShard struct {
-	mu   sync.Mutex
-	keys map[string]memEntry
-	toks string // a block of unused owner tokens, tokenLen bytes each
-	_    [64]byte
+	mu      sync.Mutex
+	keys    map[keyHash]memEntry
+	toks    string // a block of unused owner tokens, tokenLen bytes each
+	nextTok uint64 // the number of the first token in toks
+	_       [64]byte
 }
 
-// memEntry is a claim (token set) or a completion (token ""), until expires
-// (nanoseconds since the store's epoch).
+// keyHash is what a table keeps of a key.
+type keyHash [2]uint64
+
+// memEntry is a claim (token set: its number) or a completion (token 0),
+// until expires (nanoseconds since the store's epoch).
 type memEntry struct {
-	token   string
+	token   uint64
 	expires int64
 }
 
@@ -67,7 +74,7 @@ const (
 
 // NewMemoryStore returns an empty MemoryStore.
 func NewMemoryStore() *MemoryStore {
-	s := &MemoryStore{epoch: time.Now(), seed: maphash.MakeSeed(), tabs: make(map[string]*memTable)}
+	s := &MemoryStore{epoch: time.Now(), seeds: [2]maphash.Seed{maphash.MakeSeed(), maphash.MakeSeed()}, tabs: make(map[string]*memTable)}
 	s.bare = s.newTable()
 	return s
 }
@@ -75,7 +82,7 @@ func NewMemoryStore() *MemoryStore {
 func (s *MemoryStore) newTable() *memTable {
 	t := &memTable{store: s}
 	for i := range t.shards {
-		t.shards[i].keys = make(map[string]memEntry)
+		t.shards[i].keys = make(map[keyHash]memEntry)
 	}
 	return t
 }
@@ -108,15 +115,17 @@ func (s *MemoryStore) locate(key string) (*memTable, string) {
 	return s.table(ns), id
 }
 
-func (t *memTable) shard(id string) *memShard {
-	return &t.shards[maphash.String(t.store.seed, id)%memShards]
+// hash returns what the table keeps of id, and the shard it lives in.
+func (t *memTable) hash(id string) (keyHash, *memShard) {
+	h := keyHash{maphash.String(t.store.seeds[0], id), maphash.String(t.store.seeds[1], id)}
+	return h, &t.shards[h[0]%memShards]
 }
 
-// token returns a fresh owner token, unique in the store. Call with sh.mu
-// held.
-func (t *memTable) token(sh *memShard) string {
+// token returns a fresh owner token, unique in the store, and its number
+// (never 0). Call with sh.mu held.
+func (t *memTable) token(sh *memShard) (string, uint64) {
 	if sh.toks == "" {
-		first := t.store.seq.Add(tokensPerBlock) - tokensPerBlock
+		first := t.store.seq.Add(tokensPerBlock) - tokensPerBlock + 1
 		buf := make([]byte, tokensPerBlock*tokenLen)
 		var n [8]byte
 		for i := range uint64(tokensPerBlock) {
@@ -124,49 +133,65 @@ func (t *memTable) token(sh *memShard) string {
 			hex.Encode(buf[i*tokenLen:], n[:])
 		}
 		sh.toks = string(buf)
+		sh.nextTok = first
 	}
-	tok := sh.toks[:tokenLen]
+	tok, num := sh.toks[:tokenLen], sh.nextTok
 	sh.toks = sh.toks[tokenLen:]
-	return tok
+	sh.nextTok++
+	return tok, num
+}
+
+// tokenNumber returns the number of a token this store handed out, or 0.
+func tokenNumber(token string) uint64 {
+	var n [8]byte
+	if len(token) != tokenLen {
+		return 0
+	}
+	if _, err := hex.Decode(n[:], []byte(token)); err != nil {
+		return 0
+	}
+	return binary.BigEndian.Uint64(n[:])
 }
 
 func (t *memTable) claim(id string, lease time.Duration) Claim {
-	sh := t.shard(id)
+	h, sh := t.hash(id)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
 	now := t.store.clock()
-	if e, ok := sh.keys[id]; ok && now < e.expires {
-		if e.token == "" {
+	if e, ok := sh.keys[h]; ok && now < e.expires {
+		if e.token == 0 {
 			return Claim{Status: Done}
 		}
 		return Claim{Status: InProgress, LeaseLeft: time.Duration(e.expires - now)}
 	}
-	tok := t.token(sh)
-	sh.keys[id] = memEntry{token: tok, expires: now + int64(lease)}
+	tok, num := t.token(sh)
+	sh.keys[h] = memEntry{token: num, expires: now + int64(lease)}
 	return Claim{Status: Claimed, Token: tok}
 }
 
 func (t *memTable) complete(id, token string, retention time.Duration) error {
-	sh := t.shard(id)
+	num := tokenNumber(token)
+	h, sh := t.hash(id)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	e, ok := sh.keys[id]
-	if !ok || token == "" || e.token != token {
+	e, ok := sh.keys[h]
+	if !ok || num == 0 || e.token != num {
 		return ErrNotOwner
 	}
-	sh.keys[id] = memEntry{expires: t.store.clock() + int64(retention)}
+	sh.keys[h] = memEntry{expires: t.store.clock() + int64(retention)}
 	return nil
 }
 
 func (t *memTable) release(id, token string) error {
-	sh := t.shard(id)
+	num := tokenNumber(token)
+	h, sh := t.hash(id)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	e, ok := sh.keys[id]
-	if !ok || token == "" || e.token != token {
+	e, ok := sh.keys[h]
+	if !ok || num == 0 || e.token != num {
 		return ErrNotOwner
 	}
-	delete(sh.keys, id)
+	delete(sh.keys, h)
 	return nil
 }
 

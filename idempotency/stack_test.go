@@ -18,7 +18,10 @@ import (
 // is deferred); it must never be dead-lettered for waiting, whatever the
 // number of redeliveries it takes, and it must not open the breaker.
 func TestDuplicateWaitingBehindALongHandlerIsNeverDeadLettered(t *testing.T) {
-	b := memory.New()
+	b, err := memory.New()
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer b.Close()
 	if err := b.CreateQueue("orders", memory.QueueConfig{VisibilityTimeout: 5 * time.Second}); err != nil {
 		t.Fatal(err)

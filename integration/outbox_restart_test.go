@@ -103,7 +103,10 @@ func testRelayThroughRestart(t *testing.T, mode testenv.StopMode) {
 		t.Fatal(err)
 	}
 
-	br := memory.New()
+	br, err := memory.New()
+	if err != nil {
+		t.Fatal(err)
+	}
 	t.Cleanup(func() { br.Close() })
 	// The relay runs with its default options: what a service gets.
 	relay, err := outbox.NewRelay(st, br, outbox.WithLogger(slog.New(slog.NewTextHandler(t.Output(), nil))))

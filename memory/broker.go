@@ -107,22 +107,37 @@ type QueueConfig struct {
 	DeadLetterQueue string
 }
 
-// Option configures a Broker.
-type Option func(*Broker)
+// Option configures a Broker. New applies the options in order and fails
+// with a *consumer.ConfigError on the first that is invalid.
+type Option func(*config) error
+
+type config struct {
+	autoCreate  bool
+	dedupWindow time.Duration
+}
 
 // WithAutoCreate chooses what happens on Publish, Driver or NewConsumer for a
 // queue that does not exist. When true (the default), such a queue is
 // created with the zero QueueConfig, which is what a test double wants. When
 // false, those calls fail with ErrQueueNotFound, as SQS does.
 func WithAutoCreate(enabled bool) Option {
-	return func(b *Broker) { b.autoCreate = enabled }
+	return func(c *config) error {
+		c.autoCreate = enabled
+		return nil
+	}
 }
 
 // WithDedupWindow sets how long FIFO queues remember published message IDs
-// to drop duplicates. Default 5m (DefaultDedupWindow); zero or negative
-// turns deduplication off.
+// to drop duplicates. Default 5m (DefaultDedupWindow); zero turns
+// deduplication off. A negative window is refused.
 func WithDedupWindow(d time.Duration) Option {
-	return func(b *Broker) { b.dedupWindow = d }
+	return func(c *config) error {
+		if d < 0 {
+			return fieldErr("DedupWindow", fmt.Sprintf("must be >= 0 (0 turns deduplication off), got %v", d))
+		}
+		c.dedupWindow = d
+		return nil
+	}
 }
 
 // Broker is an in-process message broker with named queues. It is safe for
@@ -143,24 +158,28 @@ type Broker struct {
 
 var _ consumer.Publisher = (*Broker)(nil)
 
-// New returns an empty broker.
-func New(opts ...Option) *Broker {
+// New returns an empty broker, or a *consumer.ConfigError when an option is
+// invalid.
+func New(opts ...Option) (*Broker, error) {
+	c := config{autoCreate: true, dedupWindow: DefaultDedupWindow}
+	for _, o := range opts {
+		if o == nil {
+			continue
+		}
+		if err := o(&c); err != nil {
+			return nil, err
+		}
+	}
 	var p [4]byte
 	_, _ = rand.Read(p[:])
-	b := &Broker{
+	return &Broker{
 		epoch:       time.Now(),
-		autoCreate:  true,
-		dedupWindow: DefaultDedupWindow,
+		autoCreate:  c.autoCreate,
+		dedupWindow: c.dedupWindow,
 		idPrefix:    hex.EncodeToString(p[:]) + "-",
 		queues:      make(map[string]*queue),
 		closed:      make(chan struct{}),
-	}
-	for _, o := range opts {
-		if o != nil {
-			o(b)
-		}
-	}
-	return b
+	}, nil
 }
 
 // now reads the broker's monotonic clock in nanoseconds.

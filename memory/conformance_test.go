@@ -43,7 +43,10 @@ func (h *conformanceHarness) broker(t *testing.T) *memory.Broker {
 	if h.brokers == nil {
 		h.brokers = make(map[*testing.T]*memory.Broker)
 	}
-	b := memory.New(memory.WithAutoCreate(false))
+	b, err := memory.New(memory.WithAutoCreate(false))
+	if err != nil {
+		t.Fatal(err)
+	}
 	h.brokers[t] = b
 	t.Cleanup(func() {
 		delete(h.brokers, t)

@@ -13,14 +13,17 @@ import (
 // Publish two messages and consume them with a handler through the delivery
 // loop. Run returns once its context ends, after acking what was handled.
 func Example() {
-	b := memory.New()
+	b, err := memory.New()
+	if err != nil {
+		panic(err)
+	}
 	defer b.Close()
 	if err := b.CreateQueue("orders", memory.QueueConfig{VisibilityTimeout: time.Minute}); err != nil {
 		panic(err)
 	}
 
 	ctx := context.Background()
-	err := b.Publish(ctx, "orders",
+	err = b.Publish(ctx, "orders",
 		consumer.Message{Key: "order-1", Body: []byte("order 1 created")},
 		consumer.Message{Key: "order-2", Body: []byte("order 2 created")},
 	)
@@ -55,12 +58,15 @@ func Example() {
 // A message whose handler keeps failing is moved to the dead-letter queue
 // once it was received MaxReceiveCount times, as SQS redrive does.
 func ExampleBroker_CreateQueue_deadLetterQueue() {
-	b := memory.New()
+	b, err := memory.New()
+	if err != nil {
+		panic(err)
+	}
 	defer b.Close()
 	if err := b.CreateQueue("payments-dlq", memory.QueueConfig{}); err != nil {
 		panic(err)
 	}
-	err := b.CreateQueue("payments", memory.QueueConfig{MaxReceiveCount: 3, DeadLetterQueue: "payments-dlq"})
+	err = b.CreateQueue("payments", memory.QueueConfig{MaxReceiveCount: 3, DeadLetterQueue: "payments-dlq"})
 	if err != nil {
 		panic(err)
 	}

@@ -16,7 +16,10 @@ const patience = 30 * time.Second
 
 func newBroker(t testing.TB, opts ...memory.Option) *memory.Broker {
 	t.Helper()
-	b := memory.New(opts...)
+	b, err := memory.New(opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
 	t.Cleanup(func() { _ = b.Close() })
 	return b
 }

@@ -374,7 +374,10 @@ func TestPublishCopiesBodyAndHeaders(t *testing.T) {
 }
 
 func TestCloseUnblocksFetch(t *testing.T) {
-	b := memory.New()
+	b, err := memory.New()
+	if err != nil {
+		t.Fatal(err)
+	}
 	d, err := b.Driver("q")
 	if err != nil {
 		t.Fatal(err)
@@ -518,6 +521,9 @@ func TestBadConfigNamesTheField(t *testing.T) {
 	if _, err := b.Driver(""); !errors.As(err, &ce) || ce.Field != "queue" {
 		t.Fatalf("Driver(\"\") = %v, want a ConfigError naming queue", err)
 	}
+	if nb, err := memory.New(memory.WithDedupWindow(-time.Second)); !errors.As(err, &ce) || ce.Field != "DedupWindow" || nb != nil {
+		t.Fatalf("New(WithDedupWindow(-1s)) = %v, %v; want no broker and a ConfigError naming DedupWindow", nb, err)
+	}
 }
 
 func TestCreateQueueIsIdempotent(t *testing.T) {
@@ -563,7 +569,7 @@ func TestMessagesIsASnapshotInOrder(t *testing.T) {
 	publish(t, b, "q", msg("m1", "a"), msg("m2", "b"), msg("m3", "c"))
 	ms := fetch(t, d, 1)
 	settle(t, d, ack(ms[0]))
-	ms = fetch(t, d, 1) // m2, in flight
+	fetch(t, d, 1) // m2, in flight
 	got := b.Messages("q")
 	if len(got) != 2 || got[0].ID != "m2" || got[0].Deliveries != 1 || got[1].ID != "m3" || got[1].Deliveries != 0 {
 		t.Fatalf("Messages = %+v, want m2 (received once) and m3", got)

@@ -75,7 +75,10 @@ func BenchmarkRelayThroughput(b *testing.B) {
 					}
 					done += n
 				}
-				br := memory.New()
+				br, err := memory.New()
+				if err != nil {
+					b.Fatal(err)
+				}
 				defer br.Close()
 				pub := &counting{Broker: br, arrived: make(chan time.Time, 1)}
 				b.ReportAllocs()
@@ -105,7 +108,10 @@ func BenchmarkRelayLatency(b *testing.B) {
 			b.Run(db+"/"+mode, func(b *testing.B) {
 				be := openBench(b, db)
 				ctx := context.Background()
-				br := memory.New()
+				br, err := memory.New()
+				if err != nil {
+					b.Fatal(err)
+				}
 				defer br.Close()
 				pub := &counting{Broker: br, arrived: make(chan time.Time, 1)}
 				opts := []outbox.Option{outbox.WithPollInterval(100 * time.Millisecond)}

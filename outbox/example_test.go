@@ -45,7 +45,10 @@ func Example() {
 		panic(err)
 	}
 
-	broker := memory.New()
+	broker, err := memory.New()
+	if err != nil {
+		panic(err)
+	}
 	defer broker.Close()
 	store, _ := sqliteoutbox.NewStore(db)
 	relay, _ := outbox.NewRelay(store, broker)

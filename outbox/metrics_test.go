@@ -52,7 +52,10 @@ func collect(t *testing.T, reader *sdkmetric.ManualReader) map[string]float64 {
 func TestMetricsReportBacklogAgeAndPublished(t *testing.T) {
 	b := openSQLite(t)
 	ctx := ctxFor(t, 30*time.Second)
-	br := memory.New()
+	br, err := memory.New()
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer br.Close()
 	pub := &flaky{Broker: br}
 	pub.failing.Store(true)

@@ -60,7 +60,10 @@ func drain(t *testing.T, st outbox.Store) {
 func TestPartialFailureRepublishesTheKeyInOrder(t *testing.T) {
 	b := openSQLite(t)
 	ctx := ctxFor(t, 30*time.Second)
-	br := memory.New()
+	br, err := memory.New()
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer br.Close()
 	if err := b.add(ctx,
 		outbox.Event{ID: "k1", Destination: queue, Key: "k"},
@@ -98,7 +101,10 @@ func TestPartialFailureRepublishesTheKeyInOrder(t *testing.T) {
 func TestBatchRefusedForGoodIsTriedOneByOne(t *testing.T) {
 	b := openSQLite(t)
 	ctx := ctxFor(t, 30*time.Second)
-	br := memory.New()
+	br, err := memory.New()
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer br.Close()
 	if err := b.add(ctx,
 		outbox.Event{ID: "a", Destination: queue, Key: "k"},
@@ -133,7 +139,10 @@ func TestBatchRefusedForGoodIsTriedOneByOne(t *testing.T) {
 func TestKeyAcrossDestinationsKeepsOrder(t *testing.T) {
 	b := openSQLite(t)
 	ctx := ctxFor(t, 30*time.Second)
-	br := memory.New()
+	br, err := memory.New()
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer br.Close()
 	if err := b.add(ctx,
 		outbox.Event{ID: "1", Destination: "a", Key: "k"},

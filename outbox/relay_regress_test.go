@@ -84,7 +84,10 @@ func (s *lostAck) Fetch(ctx context.Context, lanes []int, max int) ([]outbox.Rec
 // relay, and two relays must never read one lane in the same period.
 func TestRelayLetsGoOfLanesWhenARenewalFails(t *testing.T) {
 	b := openSQLite(t)
-	br := memory.New()
+	br, err := memory.New()
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer br.Close()
 	log := &fetchLog{last: map[int]string{}}
 	a := &lostAck{Store: b.store(t, ""), name: "A", log: log}

@@ -184,10 +184,13 @@ func TestInvalidEventRefusedAtWrite(t *testing.T) {
 func TestRollbackPublishesNothingCommitPublishesOnce(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, b *backend) {
 		ctx := ctxFor(t, 60*time.Second)
-		br := memory.New()
+		br, err := memory.New()
+		if err != nil {
+			t.Fatal(err)
+		}
 		defer br.Close()
 		errRollback := errors.New("roll back")
-		err := b.tx(ctx, func(add addFunc, _ execFunc) error {
+		err = b.tx(ctx, func(add addFunc, _ execFunc) error {
 			if err := add(ctx, outbox.Event{ID: "rolled-back", Destination: queue, Key: "k"}); err != nil {
 				return err
 			}
@@ -225,7 +228,10 @@ func TestRollbackPublishesNothingCommitPublishesOnce(t *testing.T) {
 func TestCrashBetweenPublishAndDeletePublishesAgain(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, b *backend) {
 		ctx := ctxFor(t, 60*time.Second)
-		br := memory.New()
+		br, err := memory.New()
+		if err != nil {
+			t.Fatal(err)
+		}
 		defer br.Close()
 		if err := b.add(ctx, outbox.Event{ID: "ev-1", Destination: queue, Key: "k", Body: []byte("1")}); err != nil {
 			t.Fatal(err)
@@ -271,7 +277,10 @@ func TestCrashBetweenPublishAndDeletePublishesAgain(t *testing.T) {
 func TestThreeRelaysShareLanesAndKeepKeyOrder(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, b *backend) {
 		ctx := ctxFor(t, 120*time.Second)
-		br := memory.New()
+		br, err := memory.New()
+		if err != nil {
+			t.Fatal(err)
+		}
 		defer br.Close()
 		const (
 			txs  = 2500
@@ -313,7 +322,10 @@ func TestThreeRelaysShareLanesAndKeepKeyOrder(t *testing.T) {
 func TestDeadRelayLanesTakenOver(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, b *backend) {
 		ctx := ctxFor(t, 120*time.Second)
-		br := memory.New()
+		br, err := memory.New()
+		if err != nil {
+			t.Fatal(err)
+		}
 		defer br.Close()
 		const (
 			txs  = 1500
@@ -389,7 +401,10 @@ func TestDeadRelayLanesTakenOver(t *testing.T) {
 func TestPostgresOutageRelayRecovers(t *testing.T) {
 	b := openPostgres(t)
 	ctx := ctxFor(t, 120*time.Second)
-	br := memory.New()
+	br, err := memory.New()
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer br.Close()
 	app := "ferry-outbox-relay-" + strconv.FormatInt(rand.Int64(), 36)
 	r, _ := runRelay(t, b.store(t, app), br, fast()...)
@@ -444,7 +459,10 @@ func TestPostgresOutageRelayRecovers(t *testing.T) {
 func TestPublisherDownBacklogGrowsThenDrains(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, b *backend) {
 		ctx := ctxFor(t, 60*time.Second)
-		br := memory.New()
+		br, err := memory.New()
+		if err != nil {
+			t.Fatal(err)
+		}
 		defer br.Close()
 		pub := &flaky{Broker: br}
 		pub.failing.Store(true)
@@ -490,7 +508,10 @@ func TestPublisherDownBacklogGrowsThenDrains(t *testing.T) {
 func TestRefusedEventMovedToFailed(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, b *backend) {
 		ctx := ctxFor(t, 60*time.Second)
-		br := memory.New()
+		br, err := memory.New()
+		if err != nil {
+			t.Fatal(err)
+		}
 		defer br.Close()
 		pub := &flaky{Broker: br, refuse: func(m consumer.Message) bool { return string(m.Body) == "poison" }}
 		if err := b.add(ctx,
@@ -517,7 +538,10 @@ func TestRefusedEventMovedToFailed(t *testing.T) {
 }
 
 func TestConfigErrorsNameTheField(t *testing.T) {
-	br := memory.New()
+	br, err := memory.New()
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer br.Close()
 	st, err := sqliteoutbox.NewStore(nil)
 	var ce *consumer.ConfigError

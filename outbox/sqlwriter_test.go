@@ -101,7 +101,10 @@ func TestPostgresDatabaseSQLWriter(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	br := memory.New()
+	br, err := memory.New()
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer br.Close()
 	_, stop := runRelay(t, st, br, fast()...)
 	defer stop()

@@ -72,7 +72,10 @@ func TestPublishGetsThePublishTimeout(t *testing.T) {
 // A publish timeout that does not fit in the lease is refused when the relay
 // is built, whatever the order of the options.
 func TestPublishTimeoutMustFitInTheLease(t *testing.T) {
-	br := memory.New()
+	br, err := memory.New()
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer br.Close()
 	st := openSQLite(t).store(t, "")
 	var ce *consumer.ConfigError

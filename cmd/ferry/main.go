@@ -24,8 +24,8 @@ import (
 	"os/signal"
 	"strings"
 
-	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/cmd/ferry/internal/demo"
+	"github.com/ferrymq/ferry/consumer"
 )
 
 // Exit codes.

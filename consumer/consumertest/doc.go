@@ -36,7 +36,7 @@
 //   - a consumer.Hold does not count as an attempt;
 //   - a consumer stopped gracefully runs what it fetched instead of handing
 //     it back (each hand-back would count as a delivery);
-//   - Message.As reaches the broker's own delivery (Harness.AsCheck) and
+//   - Message.As reaches the broker's own delivery ([Harness.AsCheck]) and
 //     refuses a type it does not know.
 //
 // Each check is a subtest named after its clause, such as
@@ -48,9 +48,9 @@
 //
 // # Running it for an adapter
 //
-// Write a Harness: four methods that create a fresh source, hand out a
+// Write a [Harness]: four methods that create a fresh source, hand out a
 // Publisher, build a Consumer over a source with the suite's options, and
-// say what the broker can do. Then call Run from a test. A sketch for a
+// say what the broker can do. Then call [Run] from a test. A sketch for a
 // Kafka adapter (the kafka names and the topic helpers are illustrative):
 //
 //	func TestConformance(t *testing.T) {
@@ -98,7 +98,7 @@
 // are in the test output (shown with -v or on failure).
 //
 // A harness whose broker can count a source's unacknowledged messages may
-// also implement InFlightCounter, and the in-flight test then checks that
+// also implement [InFlightCounter], and the in-flight test then checks that
 // count too. The memory broker's harness in memory/conformance_test.go is a
 // complete, short example.
 //

@@ -46,7 +46,10 @@ func (h *memHarness) broker(t *testing.T) *memory.Broker {
 	if h.brokers == nil {
 		h.brokers = make(map[*testing.T]*memory.Broker)
 	}
-	b := memory.New(memory.WithAutoCreate(false))
+	b, err := memory.New(memory.WithAutoCreate(false))
+	if err != nil {
+		t.Fatal(err)
+	}
 	h.brokers[t] = b
 	t.Cleanup(func() {
 		delete(h.brokers, t)

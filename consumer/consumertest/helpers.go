@@ -345,20 +345,6 @@ func (r *recorder) distinctBy(name string) int {
 	return len(seen)
 }
 
-// ids returns the suite ids of the messages delivered to consumer name, or
-// to any consumer when name is "".
-func (r *recorder) ids(name string) map[string]bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	seen := make(map[string]bool)
-	for _, d := range r.all {
-		if name == "" || d.consumer == name {
-			seen[d.id] = true
-		}
-	}
-	return seen
-}
-
 // duplicates lists the suite ids delivered more than once, with the number
 // of deliveries, sorted.
 func (r *recorder) duplicates() []string {

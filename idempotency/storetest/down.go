@@ -17,7 +17,10 @@ import (
 // that the handler is never called.
 func StoreDown(t *testing.T, s idempotency.Store) {
 	t.Helper()
-	b := memory.New()
+	b, err := memory.New()
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer b.Close()
 	ctx := ctxFor(t)
 	if err := b.Publish(ctx, "orders", *Message("ev", 1)); err != nil {

@@ -130,7 +130,10 @@ const stallBound = 20 * time.Second
 // opened or a message was not acked in time, and returns the stack.
 func throughStack(t *testing.T, h consumer.Handler, msgs []consumer.Message) *consumer.Stack {
 	t.Helper()
-	b := memory.New()
+	b, err := memory.New()
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer b.Close()
 	ctx := ctxFor(t)
 	if err := b.Publish(ctx, "orders", msgs...); err != nil {

@@ -239,13 +239,15 @@ func checkKafkaPlain(ctx context.Context) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	for _, b := range api.Sorted() {
-		if b.Err != nil {
-			return "", b.Err
-		}
-		return b.VersionGuess(), nil
+	answers := api.Sorted()
+	if len(answers) == 0 {
+		return "", errors.New("no ApiVersions answer")
 	}
-	return "", errors.New("no ApiVersions answer")
+	// Every broker answered alike (one node here); the first says the version.
+	if answers[0].Err != nil {
+		return "", answers[0].Err
+	}
+	return answers[0].VersionGuess(), nil
 }
 
 // checkRabbitMQ opens an AMQP connection and a channel.

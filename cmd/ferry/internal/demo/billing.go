@@ -84,13 +84,10 @@ func (b *billing) setUp(ctx context.Context, c Config, pub consumer.Publisher, d
 			consumer.BreakerFailures(5),
 			consumer.BreakerOpenFor(c.openFor()),
 			consumer.BreakerCounts(countsAgainstAPI)),
-		consumer.StandardDeadLetter(
-			// Three deliveries' worth of runs: a message whose consumer was
-			// killed comes back with its lost delivery counted as a full
-			// Retry budget, and must still outlive the first failing runs of
-			// an outage before the breaker opens.
-			consumer.DeadLetterMaxAttempts(9),
-			consumer.DeadLetterLogger(log)),
+		// DeadLetter's default budget (10 handler runs) outlives the failing
+		// runs of an outage before the breaker opens, and a delivery lost
+		// with a killed consumer costs one run, not a Retry budget.
+		consumer.StandardDeadLetter(consumer.DeadLetterLogger(log)),
 		consumer.StandardTimeout(timeout))
 	if err != nil {
 		return err

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/driver"
 )
 
 // MinOrders is the fewest orders a run takes: room for the four poison
@@ -111,8 +112,9 @@ func (c Config) Validate() error {
 	if c.SlowLatency < c.BaseLatency {
 		return &consumer.ConfigError{Field: "SlowLatency", Reason: fmt.Sprintf("%s is below BaseLatency %s", c.SlowLatency, c.BaseLatency)}
 	}
-	if c.VisibilityTimeout < 100*time.Millisecond {
-		return &consumer.ConfigError{Field: "VisibilityTimeout", Reason: fmt.Sprintf("must be >= 100ms, got %s", c.VisibilityTimeout)}
+	if c.VisibilityTimeout < driver.MinLease {
+		// A shorter lease could not be extended in time.
+		return &consumer.ConfigError{Field: "VisibilityTimeout", Reason: fmt.Sprintf("must be >= %s, got %s", driver.MinLease, c.VisibilityTimeout)}
 	}
 	return nil
 }

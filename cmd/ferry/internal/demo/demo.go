@@ -93,7 +93,10 @@ func setUp(ctx context.Context, cfg Config, dir string) (_ *run, err error) {
 		}
 	}()
 
-	r.broker = memory.New(memory.WithAutoCreate(false))
+	r.broker, err = memory.New(memory.WithAutoCreate(false))
+	if err != nil {
+		return nil, err
+	}
 	if err := r.broker.CreateQueue(DeadLetterQueue, memory.QueueConfig{}); err != nil {
 		return nil, err
 	}
@@ -162,6 +165,8 @@ func (r *run) loopOptions(name string, grace time.Duration) []consumer.Option {
 		consumer.WithMaxInFlight(12),
 		consumer.WithShutdownGrace(grace),
 		consumer.WithLogger(r.log),
+		// A health window of a few seconds, to follow the phases.
+		consumer.WithHealthWindow(500*time.Millisecond, 6),
 	}
 }
 
@@ -412,6 +417,7 @@ func (r *run) snapshot(ctx context.Context) snapshot {
 		breaker:    r.billing.stack.Breaker.State().String(),
 		dead:       r.billing.stack.DeadLetter.Count(),
 		suppressed: r.billing.suppressed(),
+		health:     string(r.loop1.Health().State),
 	}
 	if lag, err := r.loop1.Lag(ctx); err == nil {
 		s.lag = lag.Messages + max(lag.InFlight, 0)
