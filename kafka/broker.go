@@ -85,6 +85,7 @@ type config struct {
 	revokeWait      time.Duration
 	sessionTimeout  time.Duration
 	rebalanceTO     time.Duration
+	kgoRebalanceTO  time.Duration // kgo.RebalanceTimeout in kopts (franz-go's default when absent)
 	commitHook      func(CommitEvent)
 	rebalanceHook   func(RebalanceEvent)
 }
@@ -103,9 +104,13 @@ func configErr(field, format string, args ...any) error {
 // refused with a *consumer.ConfigError: a consumer group or topics of their
 // own (a consumer's group and topic are given to NewConsumer or Driver),
 // autocommit settings (Ferry commits only what handlers finished), partition
-// callbacks and BlockRebalanceOnPoll (Ferry owns the rebalance), acks other
-// than all and a disabled idempotent producer (Publish promises durability
-// and order). Default: none.
+// callbacks and BlockRebalanceOnPoll (Ferry owns the rebalance), kgo.InstanceID
+// (every consumer of the Broker would join as one static member), acks other
+// than all, a disabled idempotent producer, kgo.ManualFlushing and
+// kgo.DefaultProduceTopicAlways (Publish promises durability, order and its
+// topic). A kgo.RebalanceTimeout given here bounds a consumer's wait on
+// revoke as WithRebalanceTimeout does (which wins when both are set).
+// Default: none.
 func WithClientOpts(opts ...kgo.Opt) Option {
 	return func(c *config) error {
 		for _, o := range opts {
@@ -342,7 +347,7 @@ func New(seeds []string, opts ...Option) (*Broker, error) {
 			return nil, err
 		}
 	}
-	if err := checkClientOpts(seeds, cfg.kopts); err != nil {
+	if err := checkClientOpts(seeds, &cfg); err != nil {
 		return nil, err
 	}
 	b := &Broker{
@@ -384,7 +389,8 @@ func (b *Broker) clientOpts(extra ...kgo.Opt) []kgo.Opt {
 // checkClientOpts refuses the franz-go options that would break the
 // contract. It reads them back from a client that never connects (a
 // franz-go client dials only when asked to do something).
-func checkClientOpts(seeds []string, opts []kgo.Opt) error {
+func checkClientOpts(seeds []string, c *config) error {
+	opts := c.kopts
 	if len(opts) == 0 {
 		return nil
 	}
@@ -421,6 +427,16 @@ func checkClientOpts(seeds []string, opts []kgo.Opt) error {
 	}
 	if d, _ := cl.OptValue(kgo.AutoCommitInterval).(time.Duration); d != 5*time.Second {
 		return refuse("kgo.AutoCommitInterval", "Ferry commits itself; use WithCommitInterval")
+	}
+	c.kgoRebalanceTO, _ = cl.OptValue(kgo.RebalanceTimeout).(time.Duration)
+	if b, _ := cl.OptValue(kgo.ManualFlushing).(bool); b {
+		return refuse("kgo.ManualFlushing", "Publish returns once its records are durable, and nothing would ever flush them")
+	}
+	if b, _ := cl.OptValue(kgo.DefaultProduceTopicAlways).(bool); b {
+		return refuse("kgo.DefaultProduceTopicAlways", "Publish writes to the topic it is given, and dead letters to theirs")
+	}
+	if vs := cl.OptValues(kgo.InstanceID); len(vs) == 2 && vs[1] == true {
+		return refuse("kgo.InstanceID", "every consumer of a Broker would join as the same static member and fence the others")
 	}
 	if b, _ := cl.OptValue(kgo.DisableIdempotentWrite).(bool); b {
 		return refuse("kgo.DisableIdempotentWrite", "Publish keeps per-key order with the idempotent producer")

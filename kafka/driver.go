@@ -126,7 +126,11 @@ func (d *kafkaDriver) clientOpts() []kgo.Opt {
 // than the rebalance timeout.
 func (d *kafkaDriver) revokeWait() time.Duration {
 	w := d.b.cfg.revokeWait
-	if rt := d.b.cfg.rebalanceTO; rt > 0 {
+	rt := d.b.cfg.rebalanceTO
+	if rt == 0 {
+		rt = d.b.cfg.kgoRebalanceTO
+	}
+	if rt > 0 {
 		w = min(w, max(rt-5*time.Second, rt/2))
 	}
 	return w

@@ -1,0 +1,52 @@
+package kafka
+
+import (
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/ferrymq/ferry/consumer"
+)
+
+// New connects to nothing, so these need no broker.
+
+func TestNewRefusesInstanceID(t *testing.T) {
+	b, err := New([]string{"127.0.0.1:9092"}, WithClientOpts(kgo.InstanceID("static-1")))
+	if err == nil {
+		b.Close()
+		t.Fatal("New accepted kgo.InstanceID: every consumer of the Broker would be one static member")
+	}
+	var ce *consumer.ConfigError
+	if !errors.As(err, &ce) {
+		t.Fatalf("New = %v, want a *consumer.ConfigError", err)
+	}
+}
+
+func TestClientOptsRebalanceTimeoutBoundsRevokeWait(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		opts []Option
+		want time.Duration
+	}{
+		{"default", nil, DefaultRevokeWait},
+		{"kgo", []Option{WithClientOpts(kgo.RebalanceTimeout(8 * time.Second))}, 4 * time.Second},
+		{"both", []Option{WithClientOpts(kgo.RebalanceTimeout(8 * time.Second)), WithRebalanceTimeout(30 * time.Second)}, 20 * time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			b, err := New([]string{"127.0.0.1:9092"}, tc.opts...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer b.Close()
+			d, err := b.newDriver("t")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := d.revokeWait(); got != tc.want {
+				t.Errorf("revokeWait = %s, want %s", got, tc.want)
+			}
+		})
+	}
+}
