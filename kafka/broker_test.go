@@ -221,7 +221,13 @@ func TestLagMatchesKadm(t *testing.T) {
 		if got := lag.Lanes[strconv.Itoa(int(l.Partition))]; got != l.Lag {
 			t.Errorf("partition %d: lag %d, kadm says %d", l.Partition, got, l.Lag)
 		}
+		if got, ok := lag.Positions[strconv.Itoa(int(l.Partition))]; ok != (l.Commit.At >= 0) || (ok && got != l.Commit.At) {
+			t.Errorf("partition %d: position %d (reported %v), the group committed %d", l.Partition, got, ok, l.Commit.At)
+		}
 		total += l.Lag
+	}
+	if sys := d.Capabilities().System; sys != "kafka" {
+		t.Errorf("Capabilities().System = %q, want kafka", sys)
 	}
 	if lag.Messages != total || total < 60 {
 		t.Errorf("lag %d, kadm total %d; want equal and at least the 60 published while stopped", lag.Messages, total)

@@ -180,7 +180,7 @@ func (d *kafkaDriver) client() (*kgo.Client, error) {
 // Capabilities reports a log: records cannot be taken back, so the loop
 // retries them in place.
 func (d *kafkaDriver) Capabilities() driver.Capabilities {
-	return driver.Capabilities{Redelivers: false}
+	return driver.Capabilities{Redelivers: false, System: "kafka"}
 }
 
 // Revoked delivers the partitions a rebalance takes away, as lanes.
@@ -287,7 +287,12 @@ func (d *kafkaDriver) message(r *kgo.Record, p *partition) driver.Message {
 // Return is a no-op: the record stays unfinished, so no commit passes it,
 // and whoever owns the partition next reads it again.
 func (d *kafkaDriver) Settle(ctx context.Context, batch []driver.Settlement) error {
-	var resume map[string][]int32
+	var (
+		resume   map[string][]int32
+		amo      []int   // at-most-once acks: committed before Settle returns
+		amoParts []int32 // their partitions
+		gone     []int   // at-most-once acks of partitions no longer ours
+	)
 	d.mu.Lock()
 	limit, _ := d.bufferLimit()
 	for i := range batch {
@@ -301,9 +306,18 @@ func (d *kafkaDriver) Settle(ctx context.Context, batch []driver.Settlement) err
 		}
 		p := h.p
 		if d.parts[p.id] != p {
+			if s.BeforeRun {
+				gone = append(gone, i) // its handler must not run: nothing of it can be committed
+			}
 			continue // revoked since: not ours to commit
 		}
 		p.ack(h.rec.Offset)
+		if s.BeforeRun {
+			amo = append(amo, i)
+			if !slices.Contains(amoParts, p.id) {
+				amoParts = append(amoParts, p.id)
+			}
+		}
 		if p.paused && p.outstanding <= limit/2 {
 			p.paused = false
 			if resume == nil {
@@ -316,6 +330,22 @@ func (d *kafkaDriver) Settle(ctx context.Context, batch []driver.Settlement) err
 	d.mu.Unlock()
 	if resume != nil && cl != nil {
 		cl.ResumeFetchPartitions(resume)
+	}
+	if len(amo) > 0 {
+		// At most once: the handler runs once Settle returns, so the
+		// commit must be made by then, or a crash during the handler
+		// would run the record again on the next owner.
+		cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		err := d.commit(cctx, amoParts, false)
+		cancel()
+		if err != nil {
+			gone = append(gone, amo...)
+			slices.Sort(gone)
+			return &driver.SettleError{Failed: gone, Err: err}
+		}
+	}
+	if len(gone) > 0 {
+		return &driver.SettleError{Failed: gone, Err: fmt.Errorf("kafka: settle %q: partition revoked since the record was fetched", d.topic)}
 	}
 	return nil
 }
@@ -595,7 +625,7 @@ func (d *kafkaDriver) Lag(ctx context.Context) (driver.Lag, error) {
 	if err != nil {
 		return fail("start offsets", err)
 	}
-	out := driver.Lag{Lanes: make(map[string]int64)}
+	out := driver.Lag{Lanes: make(map[string]int64), Positions: make(map[string]int64)}
 	var ferr error
 	ends.Each(func(e kadm.ListedOffset) {
 		if e.Topic != d.topic {
@@ -608,6 +638,7 @@ func (d *kafkaDriver) Lag(ctx context.Context) (driver.Lag, error) {
 		from := int64(0)
 		if c, ok := commits.Lookup(d.topic, e.Partition); ok && c.Err == nil && c.At >= 0 {
 			from = c.At
+			out.Positions[strconv.Itoa(int(e.Partition))] = c.At
 		} else if s, ok := starts.Lookup(d.topic, e.Partition); ok && s.Err == nil {
 			from = s.Offset
 		}
