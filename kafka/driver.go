@@ -36,6 +36,7 @@ type kafkaDriver struct {
 	mu       sync.Mutex
 	cl       *kgo.Client
 	maxAsked int                  // the largest batch the loop asked Fetch for
+	wakePoll context.CancelFunc   // ends Fetch's poll, for records waiting here
 	parts    map[int32]*partition // owned now; a new assignment gets a new *partition
 	member   string
 
@@ -197,46 +198,66 @@ func (d *kafkaDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 	if max <= 0 {
 		max = 1
 	}
-	fs := cl.PollRecords(ctx, max)
-	if err := ctx.Err(); err != nil {
-		return dst, err
-	}
-	var ferr error
-	fs.EachError(func(topic string, p int32, err error) {
-		if ferr == nil || isAuthErr(err) || errors.Is(err, kgo.ErrClientClosed) {
-			ferr = err
-		}
-	})
-	var pause map[string][]int32
 	d.mu.Lock()
 	if max > d.maxAsked {
 		d.maxAsked = max
 	}
 	limit, fixed := d.bufferLimit()
-	now := time.Now().UnixNano()
-	fs.EachRecord(func(r *kgo.Record) {
-		p := d.parts[r.Partition]
-		if p == nil || r.Topic != d.topic {
-			return
-		}
-		p.add(r)
-		dst = append(dst, d.message(r, p))
-	})
-	stuck := now - int64(StuckAfter)
-	for _, p := range d.parts {
-		if !p.paused && p.outstanding >= limit && (fixed || p.progress < stuck) {
-			p.paused = true
-			if pause == nil {
-				pause = make(map[string][]int32)
-			}
-			pause[d.topic] = append(pause[d.topic], p.id)
-		}
+	// Records polled earlier beyond their partition's share go first.
+	n0 := len(dst)
+	dst = d.drainStashes(dst, max, limit)
+	var (
+		pctx   = ctx
+		cancel context.CancelFunc
+	)
+	if len(dst) == n0 {
+		// Nothing waiting here: poll, and let Settle wake the poll when
+		// a partition's waiting records may go out.
+		pctx, cancel = context.WithCancel(ctx)
+		d.wakePoll = cancel
 	}
 	d.mu.Unlock()
-	if pause != nil {
-		cl.PauseFetchPartitions(pause)
-		d.log.Debug("ferry/kafka: paused fetching partitions whose records wait", "partitions", pause[d.topic], "buffer", limit)
+	var ferr error
+	if cancel != nil {
+		fs := cl.PollRecords(pctx, max)
+		d.mu.Lock()
+		d.wakePoll = nil
+		d.mu.Unlock()
+		woken := pctx.Err() != nil
+		cancel()
+		if err := ctx.Err(); err != nil {
+			return dst, err
+		}
+		fs.EachError(func(topic string, p int32, err error) {
+			if woken && errors.Is(err, context.Canceled) {
+				return
+			}
+			if ferr == nil || isAuthErr(err) || errors.Is(err, kgo.ErrClientClosed) {
+				ferr = err
+			}
+		})
+		d.mu.Lock()
+		fs.EachRecord(func(r *kgo.Record) {
+			p := d.parts[r.Partition]
+			if p == nil || r.Topic != d.topic {
+				return
+			}
+			// A partition holds at most limit of the loop's room: the
+			// rest waits here, in order, until its records finish, so
+			// that a partition whose oldest record does not progress
+			// cannot fill the loop.
+			if len(p.stash) > 0 || p.outstanding >= limit {
+				p.stash = append(p.stash, r)
+				return
+			}
+			p.add(r)
+			dst = append(dst, d.message(r, p))
+		})
+		d.mu.Unlock()
 	}
+	d.mu.Lock()
+	d.adjustPauses(cl, limit, fixed)
+	d.mu.Unlock()
 	switch {
 	case ferr == nil:
 		return dst, nil
@@ -248,14 +269,68 @@ func (d *kafkaDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 	return dst, fmt.Errorf("kafka: fetch %q: %w", d.topic, ferr)
 }
 
-// bufferLimit is how many unfinished records of one partition pause it, and
-// whether that is a hard cap (WithPartitionBuffer) or applies only to a
-// partition that makes no progress. d.mu is held.
+// bufferLimit is how many unfinished records of one partition the loop may
+// hold: half of the loop's fetch batch (itself bounded by the loop's
+// in-flight limit), or WithPartitionBuffer. fixed reports a set
+// WithPartitionBuffer, under which a partition holding as many is paused
+// at once rather than once it makes no progress. d.mu is held.
 func (d *kafkaDriver) bufferLimit() (limit int, fixed bool) {
 	if n := d.b.cfg.partitionBuffer; n > 0 {
 		return n, true
 	}
 	return max(d.maxAsked/2, 1), false
+}
+
+// drainStashes appends, up to max in all, the records partitions polled
+// beyond their limit, as far as their limit now allows. d.mu is held.
+func (d *kafkaDriver) drainStashes(dst []driver.Message, max, limit int) []driver.Message {
+	n := 0
+	for _, p := range d.parts {
+		for len(p.stash) > 0 && p.outstanding < limit && n < max {
+			r := p.stash[0]
+			p.stash[0] = nil
+			p.stash = p.stash[1:]
+			p.add(r)
+			dst = append(dst, d.message(r, p))
+			n++
+		}
+		if len(p.stash) == 0 {
+			p.stash = nil
+		}
+	}
+	return dst
+}
+
+// adjustPauses pauses fetching a partition whose records wait (a full
+// stash; or as many unfinished as its limit, with no progress for
+// StuckAfter, or at once under WithPartitionBuffer) and resumes one that
+// is down to half its limit. franz-go is called under d.mu, so that the
+// pauses and resumes Fetch and Settle decide reach it in the order they
+// were decided. d.mu is held.
+func (d *kafkaDriver) adjustPauses(cl *kgo.Client, limit int, fixed bool) {
+	stuck := time.Now().UnixNano() - int64(StuckAfter)
+	var pause, resume []int32
+	for _, p := range d.parts {
+		held := p.outstanding + len(p.stash)
+		switch {
+		case !p.paused && (len(p.stash) >= limit || held >= limit && (fixed || p.progress < stuck)):
+			p.paused = true
+			pause = append(pause, p.id)
+		case p.paused && held <= limit/2:
+			p.paused = false
+			resume = append(resume, p.id)
+		}
+	}
+	if cl == nil {
+		return
+	}
+	if pause != nil {
+		cl.PauseFetchPartitions(map[string][]int32{d.topic: pause})
+		d.log.Debug("ferry/kafka: paused fetching partitions whose records wait", "partitions", pause, "buffer", limit)
+	}
+	if resume != nil {
+		cl.ResumeFetchPartitions(map[string][]int32{d.topic: resume})
+	}
 }
 
 func (d *kafkaDriver) message(r *kgo.Record, p *partition) driver.Message {
@@ -288,13 +363,13 @@ func (d *kafkaDriver) message(r *kgo.Record, p *partition) driver.Message {
 // and whoever owns the partition next reads it again.
 func (d *kafkaDriver) Settle(ctx context.Context, batch []driver.Settlement) error {
 	var (
-		resume   map[string][]int32
+		wake     bool
 		amo      []int   // at-most-once acks: committed before Settle returns
 		amoParts []int32 // their partitions
 		gone     []int   // at-most-once acks of partitions no longer ours
 	)
 	d.mu.Lock()
-	limit, _ := d.bufferLimit()
+	limit, fixed := d.bufferLimit()
 	for i := range batch {
 		s := &batch[i]
 		h, ok := s.Handle.(*handle)
@@ -318,19 +393,15 @@ func (d *kafkaDriver) Settle(ctx context.Context, batch []driver.Settlement) err
 				amoParts = append(amoParts, p.id)
 			}
 		}
-		if p.paused && p.outstanding <= limit/2 {
-			p.paused = false
-			if resume == nil {
-				resume = make(map[string][]int32)
-			}
-			resume[d.topic] = append(resume[d.topic], p.id)
+		if len(p.stash) > 0 && p.outstanding < limit {
+			wake = true
 		}
 	}
-	cl := d.cl
-	d.mu.Unlock()
-	if resume != nil && cl != nil {
-		cl.ResumeFetchPartitions(resume)
+	if wake && d.wakePoll != nil {
+		d.wakePoll() // a partition's waiting records may go out now
 	}
+	d.adjustPauses(d.cl, limit, fixed)
+	d.mu.Unlock()
 	if len(amo) > 0 {
 		// At most once: the handler runs once Settle returns, so the
 		// commit must be made by then, or a crash during the handler
@@ -391,10 +462,11 @@ func (d *kafkaDriver) onAssigned(_ context.Context, cl *kgo.Client, assigned map
 		if d.parts[id] == nil {
 			d.parts[id] = newPartition(id)
 		}
+		d.parts[id].paused = false // resumed below; paused again if it still waits
 	}
 	d.member, _ = cl.GroupMetadata()
+	cl.ResumeFetchPartitions(map[string][]int32{d.topic: ps}) // under d.mu: see adjustPauses
 	d.mu.Unlock()
-	cl.ResumeFetchPartitions(map[string][]int32{d.topic: ps})
 	d.log.Debug("ferry/kafka: partitions assigned", "partitions", ps)
 	d.hook(RebalanceEvent{Assigned: ps})
 }
@@ -471,8 +543,8 @@ func (d *kafkaDriver) forgetPartitions(cl *kgo.Client, ps []int32) {
 	for _, id := range ps {
 		delete(d.parts, id)
 	}
+	cl.ResumeFetchPartitions(map[string][]int32{d.topic: ps}) // under d.mu: see adjustPauses
 	d.mu.Unlock()
-	cl.ResumeFetchPartitions(map[string][]int32{d.topic: ps})
 }
 
 // interruptCommit cancels a periodic commit in progress, so that a
@@ -652,8 +724,12 @@ func (d *kafkaDriver) Lag(ctx context.Context) (driver.Lag, error) {
 	d.mu.Lock()
 	var oldest int64
 	for _, p := range d.parts {
-		out.InFlight += int64(p.outstanding)
-		if ts := p.oldest(); ts > 0 && (oldest == 0 || ts < oldest) {
+		out.InFlight += int64(p.outstanding + len(p.stash))
+		ts := p.oldest()
+		if ts == 0 && len(p.stash) > 0 {
+			ts = p.stash[0].Timestamp.UnixNano()
+		}
+		if ts > 0 && (oldest == 0 || ts < oldest) {
 			oldest = ts
 		}
 	}

@@ -29,9 +29,10 @@ type partition struct {
 	nextEpoch int32 // leader epoch of the last finished record before next
 	committed int64 // the last offset this assignment committed; -1 none
 
-	outstanding int   // fetched and unfinished
-	paused      bool  // fetching paused because outstanding reached the buffer
-	progress    int64 // when a record last finished (or the partition was assigned), unix nanos
+	stash       []*kgo.Record // polled beyond the partition's share of the loop, not yet handed out
+	outstanding int           // handed out and unfinished
+	paused      bool          // fetching paused because outstanding reached the buffer
+	progress    int64         // when a record last finished (or the partition was assigned), unix nanos
 }
 
 type entry struct {
