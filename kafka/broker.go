@@ -6,12 +6,14 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kbin"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/sasl"
@@ -200,15 +202,16 @@ func WithCommitInterval(d time.Duration) Option {
 }
 
 // WithPartitionBuffer sets how many records of one partition a consumer may
-// hold fetched and unfinished before it pauses fetching that partition; the
-// partition resumes once half of them are finished, and the other
-// partitions flow meanwhile. Default: automatic: a partition holding half a
-// fetch batch of the loop (consumer.WithFetchBatch) or more, none of which
-// finished for half a second (StuckAfter: it waits behind a retry in place, a
-// hold or a slow key), is paused, so that it does not take the loop's room
-// from the others; partitions that make progress are never paused, however
-// many records they hold. A set value pauses at that count whether the
-// partition makes progress or not: a hard cap on what one partition holds.
+// hold fetched and unfinished: what a poll brings beyond waits in the
+// consumer, fetching that partition pauses, and it resumes once half of
+// them are finished, while the other partitions flow. Default: automatic:
+// half of the loop's fetch batch (consumer.WithFetchBatch, at most the
+// loop's in-flight bound), so that a partition whose oldest record does not
+// progress (a retry in place, a hold, a slow key) leaves the rest of the
+// loop's room to the others; it is paused once it holds that many with none
+// finished for half a second (StuckAfter), or as many again wait in the
+// consumer. A set value pauses at that count whether the partition makes
+// progress or not.
 func WithPartitionBuffer(n int) Option {
 	return func(c *config) error {
 		if n <= 0 {
@@ -312,6 +315,7 @@ type Broker struct {
 
 	authOK    atomic.Bool // the producer has authenticated once
 	maxRecord int32       // the producer's batch limit: a larger record cannot be sent
+	maxWrite  int32       // the producer's request limit
 
 	mu        sync.Mutex
 	drivers   map[*kafkaDriver]struct{}
@@ -375,6 +379,7 @@ func New(seeds []string, opts ...Option) (*Broker, error) {
 	}
 	b.prod, b.admc, b.adm = prod, admc, kadm.NewClient(admc)
 	b.maxRecord, _ = prod.OptValue(kgo.ProducerBatchMaxBytes).(int32)
+	b.maxWrite, _ = prod.OptValue(kgo.BrokerMaxWriteBytes).(int32)
 	return b, nil
 }
 
@@ -496,10 +501,11 @@ func (b *Broker) isClosed() bool {
 // within a call and across calls.
 //
 // Records the cluster refused are reported in a *consumer.PublishError,
-// each wrapping franz-go's error (kerr errors match with errors.Is). A
-// record refused before it was sent (larger than the producer's batch
-// limit) also fails every later record of its key in the call, without
-// sending them.
+// each wrapping franz-go's error (kerr errors match with errors.Is). Every
+// record is checked before any is sent, and the records of one key are sent
+// one after another: a record that fails, refused here (larger than the
+// producer's batch limit) or by the cluster, fails every later record of
+// its key in the call, without sending them.
 func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Message) error {
 	if err := ctx.Err(); err != nil {
 		return err
@@ -516,25 +522,39 @@ func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Mes
 	if err := b.checkAuth(ctx, b.prod); err != nil {
 		return fmt.Errorf("kafka: publish to %q: %w", topic, err)
 	}
-	maxBytes := b.maxRecord
+	maxBytes := b.maxRecordFor(topic)
 	var (
 		mu     sync.Mutex
 		failed []consumer.FailedMessage
-		wg     sync.WaitGroup
-		dead   map[string]bool // keys with a record refused before sending
+		dead   map[string]bool // keys with a failed record: their later records are not sent
 	)
 	fail := func(i int, err error) {
 		mu.Lock()
 		failed = append(failed, consumer.FailedMessage{Index: i, Err: err})
 		mu.Unlock()
 	}
+	kill := func(key string) {
+		if key == "" {
+			return
+		}
+		mu.Lock()
+		if dead == nil {
+			dead = make(map[string]bool)
+		}
+		dead[key] = true
+		mu.Unlock()
+	}
+	// Every record is checked before any is sent, and the records of a
+	// key are sent one after another (the next once the cluster has the
+	// previous): a record of a key that fails, here or in the cluster,
+	// fails the key's later records of the call without sending them.
 	recs := make([]kgo.Record, len(msgs))
+	var (
+		wave  []int            // sent together: keyless records, and the first of each key
+		queue map[string][]int // each key's later records, in order
+	)
 	for i := range msgs {
 		m := &msgs[i]
-		if dead[m.Key] && m.Key != "" {
-			fail(i, fmt.Errorf("kafka: not sent: an earlier record of key %q in this call failed", m.Key))
-			continue
-		}
 		r := &recs[i]
 		r.Topic = topic
 		if m.Key != "" {
@@ -553,26 +573,61 @@ func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Mes
 				r.Headers = append(r.Headers, kgo.RecordHeader{Key: k, Value: []byte(v)})
 			}
 		}
-		if maxBytes > 0 && recordSize(r) > int(maxBytes) {
-			err := fmt.Errorf("kafka: record of %d bytes exceeds the producer's batch limit of %d bytes: %w", recordSize(r), maxBytes, kerr.MessageTooLarge)
-			fail(i, err)
-			if m.Key != "" {
-				if dead == nil {
-					dead = make(map[string]bool)
-				}
-				dead[m.Key] = true
+		switch {
+		case m.Key == "":
+			wave = append(wave, i)
+		case queue[m.Key] != nil:
+			queue[m.Key] = append(queue[m.Key], i)
+		default:
+			if queue == nil {
+				queue = make(map[string][]int)
 			}
-			continue
+			queue[m.Key] = []int{}
+			wave = append(wave, i)
 		}
-		wg.Add(1)
-		b.prod.Produce(ctx, r, func(r *kgo.Record, err error) {
-			defer wg.Done()
-			if err != nil {
-				fail(i, publishErr(topic, err))
-			}
-		})
 	}
-	wg.Wait()
+	var sendable []int
+	for len(wave) > 0 {
+		sendable = sendable[:0]
+		for _, i := range wave {
+			r, key := &recs[i], msgs[i].Key
+			mu.Lock()
+			isDead := dead[key]
+			mu.Unlock()
+			switch {
+			case isDead:
+				fail(i, fmt.Errorf("kafka: not sent: an earlier record of key %q in this call failed", key))
+			case maxBytes > 0 && recordSize(r) > int(maxBytes):
+				fail(i, fmt.Errorf("kafka: record of about %d bytes exceeds the producer's batch limit of %d bytes: %w", recordSize(r), maxBytes, kerr.MessageTooLarge))
+				kill(key)
+			default:
+				sendable = append(sendable, i)
+			}
+		}
+		var wg sync.WaitGroup
+		wg.Add(len(sendable))
+		for _, i := range sendable {
+			key := msgs[i].Key
+			b.prod.Produce(ctx, &recs[i], func(_ *kgo.Record, err error) {
+				defer wg.Done()
+				if err != nil {
+					fail(i, publishErr(topic, err))
+					kill(key)
+				}
+			})
+		}
+		wg.Wait()
+		wave = wave[:0]
+		for key, rest := range queue {
+			if len(rest) == 0 {
+				delete(queue, key)
+				continue
+			}
+			wave = append(wave, rest[0])
+			queue[key] = rest[1:]
+		}
+		slices.Sort(wave)
+	}
 	if len(failed) == 0 {
 		return nil
 	}
@@ -623,14 +678,36 @@ func sortFailed(f []consumer.FailedMessage) {
 	}
 }
 
-// recordSize estimates a record's size in a batch, as franz-go counts it
-// before it refuses one as too large.
+// recordSize is the size of a batch holding r alone, as franz-go counts it
+// before it refuses a record as too large (a v2 batch header, and the
+// record's varint-framed encoding), plus a small margin.
 func recordSize(r *kgo.Record) int {
-	n := len(r.Key) + len(r.Value) + 21
+	const (
+		batchHeader = 61 // franz-go's recordBatchOverhead
+		margin      = 16
+	)
+	l := 1 + 1 + 1 + // attributes, timestamp delta, offset delta (first of its batch)
+		kbin.VarintLen(int32(len(r.Key))) + len(r.Key) +
+		kbin.VarintLen(int32(len(r.Value))) + len(r.Value) +
+		kbin.VarintLen(int32(len(r.Headers)))
 	for _, h := range r.Headers {
-		n += len(h.Key) + len(h.Value) + 10
+		l += kbin.VarintLen(int32(len(h.Key))) + len(h.Key) + kbin.VarintLen(int32(len(h.Value))) + len(h.Value)
 	}
-	return n
+	return batchHeader + kbin.VarintLen(int32(l)) + l + margin
+}
+
+// maxRecordFor is the largest batch the producer sends to topic: its batch
+// limit, or less when its request limit leaves less room.
+func (b *Broker) maxRecordFor(topic string) int32 {
+	m := b.maxRecord
+	if b.maxWrite > 0 {
+		// A produce request's own header, the topic and the partition
+		// come out of the request limit; 512 bytes is more than those.
+		if w := b.maxWrite - 512 - int32(len(topic)); m <= 0 || w < m {
+			m = w
+		}
+	}
+	return m
 }
 
 // HeaderMessageID is the record header that carries consumer.Message.ID

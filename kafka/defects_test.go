@@ -18,6 +18,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/kafka"
 )
 
@@ -243,4 +244,39 @@ func TestOneStuckPartitionDoesNotStallTheOthers(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	t.Errorf("partition 1: %d of 20 records handled in 20s while partition 0 held one failing record (%d failures): one stuck partition stalls the member", p1, failures)
+}
+
+// TestPublishClusterRefusalFailsLaterRecordsOfItsKey: a record the cluster
+// refuses after it was sent (here larger than the topic's
+// max.message.bytes, which the producer cannot know) fails the later
+// records of its key in the call too, unsent; a record of another key is
+// published.
+func TestPublishClusterRefusalFailsLaterRecordsOfItsKey(t *testing.T) {
+	b := newBroker(t)
+	topic := testenv.UniqueName(t, "defect-topiclimit")
+	if err := b.CreateTopic(ctxFor(t, 30*time.Second), topic, kafka.TopicConfig{Configs: map[string]string{"max.message.bytes": "2048"}}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = b.DeleteTopic(context.Background(), topic) })
+	err := b.Publish(ctxFor(t, 60*time.Second), topic,
+		consumer.Message{Key: "k", Body: make([]byte, 8000)},
+		consumer.Message{Key: "k", Body: []byte("after-big")},
+		consumer.Message{Key: "other", Body: []byte("other")},
+	)
+	var pe *consumer.PublishError
+	if !errors.As(err, &pe) {
+		t.Fatalf("Publish = %v, want a *consumer.PublishError", err)
+	}
+	idx := map[int]bool{}
+	for _, f := range pe.Failed {
+		idx[f.Index] = true
+	}
+	if !idx[0] || !idx[1] || idx[2] || len(pe.Failed) != 2 {
+		t.Errorf("failed %v; want 0 (refused by the cluster) and 1 (a later record of its key), and 2 published", pe.Failed)
+	}
+	for _, r := range consumeRaw(t, topic, 3-len(pe.Failed)) {
+		if string(r.Key) == "k" {
+			t.Errorf("record %q of key k was stored although an earlier record of key k in the same call failed", r.Value)
+		}
+	}
 }

@@ -24,6 +24,16 @@
 // them. A crash therefore costs at most a second of finished work, which
 // runs again on the partition's next owner: delivery is at least once.
 //
+// In consumer.AtMostOnce mode a record's offset is committed, synchronously,
+// before its handler runs: Settle returns only once the coordinator has the
+// commit, and a record whose commit failed does not run. That costs a
+// commit round trip to the group coordinator per settle batch (several
+// records acked at once share one commit), on the handler's path: at most
+// once on Kafka is slower than at least once, which commits on a timer. A
+// record commits only once every earlier record of its partition was
+// acked, so under OrderByKey or Unordered a record that starts ahead of an
+// earlier, not yet started one is committed with it, not before its run.
+//
 // A failed record is retried in place after its delay: a log cannot skip a
 // record without losing its order, so its partition (or, under OrderByKey,
 // its key) waits for it. Use consumer.DeadLetter (part of consumer.Standard)
@@ -46,11 +56,16 @@
 //     next commit). There is no Return: the loop retries in place
 //     (driver.Capabilities.Redelivers is false); at shutdown a Return leaves
 //     the record uncommitted, to be read again by the partition's next owner.
-//   - Backpressure: a partition whose records wait (half a fetch batch of
-//     the loop or more, none finished for half a second: a retry in place, a hold,
-//     a slow key) is paused (PauseFetchPartitions) until half of them are
-//     done, so that it does not take the loop's room from the others;
-//     WithPartitionBuffer makes it a hard cap instead. When the loop is full
+//   - Backpressure: one partition holds at most half of the loop's fetch
+//     batch (itself at most the loop's in-flight bound) of fetched,
+//     unfinished records; what a poll brings beyond that waits in the
+//     driver, in order, until the partition's records finish, so that a
+//     partition whose oldest record does not progress (a retry in place, a
+//     hold, a slow key) never takes the whole loop's room and the other
+//     partitions keep flowing. A partition with that many waiting in the
+//     driver, or as many unfinished with none finished for half a second,
+//     is paused (PauseFetchPartitions) until half of them are done;
+//     WithPartitionBuffer sets the share and pauses at it at once. When the loop is full
 //     or a breaker holds, it stops polling, and franz-go keeps at most one
 //     buffered fetch: lag grows, memory does not. Pauses are lifted when a
 //     partition is revoked or assigned, since franz-go keeps them across
@@ -70,7 +85,14 @@
 // Broker is a consumer.Publisher: acks from all in-sync replicas with the
 // idempotent producer, so Publish returns nil only once every record is
 // durable, retries never duplicate or reorder a partition, and records of one
-// key keep their order within and across calls. The key picks the partition
+// key keep their order within and across calls: every record of a call is
+// checked (its size counted as franz-go counts it) before any is sent, and
+// the records of one key in a call are sent one after another, each once
+// the cluster has the one before, so that when a record of a key fails,
+// here or in the cluster, the key's later records in the call fail too,
+// unsent, and a caller retrying what failed keeps the key's order. Records
+// of different keys, and records without a key, go out together; a call
+// with n records of one key takes n round trips. The key picks the partition
 // with murmur2, as the Java client does, so Ferry and Java producers of a
 // topic agree. Records the cluster refused come back in a
 // *consumer.PublishError by index.

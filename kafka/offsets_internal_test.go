@@ -1,6 +1,7 @@
 package kafka
 
 import (
+	"log/slog"
 	"testing"
 
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -96,5 +97,52 @@ func TestCommitPointOverManyRecords(t *testing.T) {
 		if p.next != o+1 {
 			t.Fatalf("commit point %d, want %d", p.next, o+1)
 		}
+	}
+}
+
+// TestRecordSizeCountsAsFranzGo: a record is counted as franz-go counts a
+// batch holding it alone (61-byte batch header, varint-framed record), so
+// that one franz-go would refuse is refused before anything is sent. The
+// review's case: a 999,990-byte value under the default 1,000,012-byte
+// batch limit, which the old estimate (key+value+21) let through.
+func TestRecordSizeCountsAsFranzGo(t *testing.T) {
+	r := &kgo.Record{Key: []byte("k"), Value: make([]byte, 999_990)}
+	// attributes, ts delta, offset delta: 3; key: 1+1; value: 3+999,990;
+	// headers count: 1 -> 999,999, framed with a 3-byte varint, +61.
+	if got, min := recordSize(r), 61+3+999_999; got < min {
+		t.Errorf("recordSize = %d, want at least %d (franz-go's count)", got, min)
+	}
+	if recordSize(r) <= 1_000_012 {
+		t.Errorf("recordSize = %d: passes the default batch limit franz-go refuses it for", recordSize(r))
+	}
+}
+
+// TestStashKeepsAPartitionToItsShare: records polled beyond a partition's
+// limit wait, in order, and go out only as its records finish.
+func TestStashKeepsAPartitionToItsShare(t *testing.T) {
+	b := &Broker{log: slog.New(slog.DiscardHandler)}
+	d := &kafkaDriver{b: b, topic: "t", log: b.log, parts: map[int32]*partition{0: newPartition(0)}}
+	p := d.parts[0]
+	fetched(p, 0, 1)
+	for o := int64(2); o < 6; o++ {
+		p.stash = append(p.stash, &kgo.Record{Topic: "t", Offset: o})
+	}
+	if got := d.drainStashes(nil, 10, 2); len(got) != 0 {
+		t.Fatalf("drained %d records of a partition at its limit", len(got))
+	}
+	p.ack(0)
+	got := d.drainStashes(nil, 10, 2)
+	if len(got) != 1 || got[0].Offset != 2 {
+		t.Fatalf("after one finished: drained %v, want offset 2 only", got)
+	}
+	d.adjustPauses(nil, 2, false)
+	if !p.paused {
+		t.Error("a partition with a full stash is not paused")
+	}
+	p.ack(1)
+	p.ack(2)
+	got = d.drainStashes(nil, 10, 2)
+	if len(got) != 2 || got[0].Offset != 3 || got[1].Offset != 4 {
+		t.Fatalf("drained %v, want offsets 3 and 4", got)
 	}
 }
