@@ -18,82 +18,17 @@
 // (Fetch from one, Settle from another, Extend from a third), but none of
 // Fetch, Settle and Extend is ever called concurrently with itself.
 //
-// # How the three brokers map onto it
+// # How the brokers map onto it
 //
-// Kafka, over franz-go (github.com/twmb/franz-go/pkg/kgo), consumer group with
-// BlockRebalanceOnPoll off and autocommit off:
-//
-//   - Fetch: client.PollRecords(ctx, max); each *kgo.Record becomes a Message
-//     with Lane = the partition number, Offset = record.Offset, Key =
-//     record.Key, Headers from record.Headers. Handle is the *kgo.Record.
-//   - Deliveries: Kafka keeps no delivery count, so the driver reports 1 and the
-//     loop counts retries in process. Capabilities.Redelivers is false: a log
-//     cannot skip a record, so the loop runs a failed record again in place
-//     after its delay and holds the partition meanwhile (order per partition
-//     survives; a record is never retried behind a later one).
-//   - Settle Ack: mark the record done; commit, per partition, the highest
-//     offset below which every record is done (client.CommitOffsetsSync with
-//     that offset+1), so records finished out of order (per-key ordering inside
-//     a partition) never commit past a gap. Settle Return cannot happen
-//     (Redelivers is false) except at shutdown, where it is a no-op: the
-//     uncommitted record is read again by whoever owns the partition next.
-//   - Extend: not needed; processing runs off the poll path, and franz-go
-//     heartbeats in the background, so a slow handler keeps group membership.
-//     Lease() is 0.
-//   - Revoked: kgo.OnPartitionsRevoked and OnPartitionsLost send the
-//     partitions' lanes; the callback waits for the loop to cancel their
-//     handlers, then commits what finished, before the rebalance proceeds.
-//   - Lag: kadm.Client.Lag for the group: the high watermark minus the committed
-//     offset, per partition.
-//
-// SQS, over aws-sdk-go-v2 (github.com/aws/aws-sdk-go-v2/service/sqs):
-//
-//   - Fetch: ReceiveMessage with MaxNumberOfMessages up to 10,
-//     WaitTimeSeconds 20 (long polling), MessageSystemAttributeNames
-//     ApproximateReceiveCount, SentTimestamp and MessageGroupId, and all
-//     message attributes. Handle is the receipt handle.
-//   - Deliveries: ApproximateReceiveCount.
-//   - Standard queue: Lane "". FIFO queue: Lane = MessageGroupId; SQS itself
-//     keeps one batch per group in flight, and the loop keeps the order inside
-//     it.
-//   - Settle Ack: DeleteMessageBatch. Settle Return: ChangeMessageVisibilityBatch
-//     with VisibilityTimeout = the delay in seconds (0 to redeliver now; at most
-//     12 hours). Capabilities.Redelivers is true.
-//   - Extend: ChangeMessageVisibilityBatch with the queue's visibility timeout,
-//     called by the loop before a running handler's lease runs out.
-//     Lease() is the queue's VisibilityTimeout.
-//   - Revoked: never (a receipt handle is not taken away before it expires,
-//     and the loop extends it).
-//   - Lag: GetQueueAttributes ApproximateNumberOfMessages(+NotVisible,
-//     +Delayed); the age of the oldest message from CloudWatch's
-//     ApproximateAgeOfOldestMessage, or, without CloudWatch, from the
-//     SentTimestamp of the messages received.
-//
-// RabbitMQ, over amqp091-go (github.com/rabbitmq/amqp091-go), a quorum queue:
-//
-//   - Fetch: deliveries read from Channel.Consume with Qos prefetch equal to
-//     the loop's maximum in flight; Handle is the delivery tag (with the
-//     channel generation, so a tag from a lost channel is never acked on a new
-//     one). Lane "" (a queue with competing consumers keeps no useful order),
-//     or the routing key's hash bucket when the queue is one of a consistent
-//     hash exchange's.
-//   - Deliveries: the x-delivery-count header of quorum queues plus one (it is
-//     absent on the first delivery); classic queues have none, so the driver
-//     counts redeliveries in process by message id.
-//   - Settle Ack: Channel.Ack (with multiple=false). Return with no delay:
-//     Channel.Reject with requeue. Return with a delay: publish a copy to a
-//     delay queue whose per-message TTL is the delay and whose dead-letter
-//     exchange routes back to the source queue, wait for the publisher
-//     confirm, then Ack the original (x-delivery-count survives in a header).
-//     Capabilities.Redelivers is true.
-//   - Extend: not needed; a delivery stays with its channel until it is
-//     settled or the channel closes. Lease() is 0 (consumer_timeout, 30
-//     minutes by default, bounds the work).
-//   - Revoked: a closed channel or connection (NotifyClose) revokes lane ""
-//     for every delivery taken on it: the broker requeues them, so the loop
-//     must not settle them on the next channel.
-//   - Lag: QueueDeclarePassive's message count; the age of the oldest message
-//     from the management API where it is enabled.
+// Each adapter's package documentation says how its broker maps onto these
+// interfaces: [github.com/ferrymq/ferry/kafka] (a partition is a lane, acks
+// become commits of the offset below which every record is done, a
+// rebalance revokes lanes), [github.com/ferrymq/ferry/sqs] (a FIFO message
+// group is a lane, the lease is the visibility timeout, acks and returns
+// are batch calls), [github.com/ferrymq/ferry/rabbit] (deliveries of a
+// channel are revoked when it dies, a delayed return goes through a delay
+// queue). [github.com/ferrymq/ferry/memory] is the reference: the smallest
+// complete driver, with leases, redelivery and FIFO lanes.
 //
 // # Errors
 //
