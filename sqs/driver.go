@@ -167,6 +167,7 @@ func (d *sqsDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([
 	if max <= 0 {
 		max = 1
 	}
+	waited := false
 	for {
 		if d.closed() || d.b.isClosed() {
 			return dst, driver.Fatal(fmt.Errorf("sqs: fetch from %q: %w", d.q.name, ErrClosed))
@@ -189,11 +190,18 @@ func (d *sqsDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([
 			d.mu.Unlock()
 			return dst, err
 		}
+		if waited {
+			// A receive came back empty: return, so that the loop can
+			// pause fetching (an open breaker) before the next receive.
+			d.mu.Unlock()
+			return dst, nil
+		}
 		d.fill(max)
 		wake := d.notify
 		d.mu.Unlock()
 		select {
 		case <-wake:
+			waited = true
 		case <-ctx.Done():
 		case <-d.done:
 		}
