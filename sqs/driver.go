@@ -24,7 +24,7 @@ import (
 type receipt struct {
 	handle     string
 	msg        types.Message // as ReceiveMessage returned it, for As
-	receivedAt time.Time     // when the receive that got it was sent
+	receivedAt time.Time     // when the receive that got it answered
 	leaseStart time.Time     // when its visibility last started (while buffered)
 	dead       atomic.Bool   // SQS refused its extension: the handle is no longer good
 	capped     atomic.Bool   // reached MaxVisibility
@@ -272,6 +272,9 @@ func (d *sqsDriver) receive(n int32, attempt string) {
 		out, err = d.b.client.ReceiveMessage(ctx, in)
 	}
 	cancel()
+	// SQS starts the visibility when it hands the messages out, at the end
+	// of a long poll; the answer's arrival is close after.
+	at := time.Now()
 
 	var got []pending
 	var bad int
@@ -279,7 +282,7 @@ func (d *sqsDriver) receive(n int32, attempt string) {
 		got = make([]pending, 0, len(out.Messages))
 		for i := range out.Messages {
 			m := &out.Messages[i]
-			r := &receipt{handle: aws.ToString(m.ReceiptHandle), msg: *m, receivedAt: sent, leaseStart: sent}
+			r := &receipt{handle: aws.ToString(m.ReceiptHandle), msg: *m, receivedAt: at, leaseStart: at}
 			p := pending{r: r, m: driver.Message{Handle: r}}
 			if derr := decode(d.q, m, &p.m); derr != nil {
 				bad++
