@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"maps"
+	"net/http"
 	"strconv"
 	"sync"
 	"testing"
@@ -12,6 +13,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/aws"
 	awsmiddleware "github.com/aws/aws-sdk-go-v2/aws/middleware"
 	"github.com/aws/aws-sdk-go-v2/credentials"
+	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
 	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 	"github.com/aws/smithy-go/middleware"
@@ -79,6 +81,14 @@ func newClient(t testing.TB, cs *calls, opts ...func(*awssqs.Options)) *awssqs.C
 	if cs != nil {
 		o.APIOptions = append(o.APIOptions, cs.add)
 	}
+	// Enough idle connections for a consumer's receives and batch calls:
+	// with the SDK's default of 10 per host, connections are closed and
+	// opened all the time, and a receive whose answer is cut on a closing
+	// connection leaves its messages invisible until their visibility
+	// timeout (aws-sdk-go-v2 issue 2737).
+	o.HTTPClient = awshttp.NewBuildableClient().WithTransportOptions(func(tr *http.Transport) {
+		tr.MaxIdleConnsPerHost = 100
+	})
 	return awssqs.New(o, opts...)
 }
 
