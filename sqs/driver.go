@@ -568,10 +568,6 @@ func runAll(fns []func()) {
 	wg.Wait()
 }
 
-// batchResult is what one batch call answered: the ids of the failed
-// entries with their errors.
-type batchResult map[string]*EntryError
-
 func (d *sqsDriver) deleteChunk(ctx context.Context, batch []driver.Settlement, idx []int, fail func([]int, error)) {
 	const op = "DeleteMessageBatch"
 	todo := idx
