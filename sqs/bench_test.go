@@ -17,16 +17,26 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 
 	"github.com/ferrymq/ferry/consumer"
+	ferrysqs "github.com/ferrymq/ferry/sqs"
 )
 
-// benchParallel is the parallelism of the raw loops: as many goroutines as
-// the Ferry consumer keeps receives open (its MaxInFlight over ten), and as
-// many as the Ferry publisher sends batches at once.
+// benchParallel is the parallelism of both sides: the raw loops'
+// goroutines, the receives the Ferry consumer keeps open at most
+// (WithMaxReceivers), and the batches the Ferry publisher sends at once.
+// The Ferry consumer's bound in flight leaves room for its receives and
+// for as many messages again waiting for their DeleteMessageBatch (the raw
+// loop's messages leave its count when their delete is made too).
 const (
 	benchParallel    = 8
 	benchConcurrency = 16
-	benchMaxInFlight = benchParallel * 10
+	benchMaxInFlight = 2 * benchParallel * 10
 )
+
+// benchVisibility is the queues' visibility timeout. Short, so that a
+// receive whose answer is lost (here the SDK retries a receive whose
+// connection was closed under it, on either side, now and then) delays its
+// ten messages by seconds, not a minute, and the rates measure the loops.
+const benchVisibility = 5 * time.Second
 
 var benchBody = []byte(`{"order":"o-123456","customer":"c-98765","amount":4200,"currency":"EUR","lines":3}`)
 
@@ -101,7 +111,7 @@ func BenchmarkConsume(b *testing.B) {
 	b.Run("raw", func(b *testing.B) {
 		var cs calls
 		c := newClient(b, &cs)
-		_, url := createQueue(b, c, "bench-raw", queueConfig{visibility: 60 * time.Second})
+		_, url := createQueue(b, c, "bench-raw", queueConfig{visibility: benchVisibility})
 		benchPublish(b, newClient(b, nil), url, b.N)
 		before := cs.snapshot()
 		b.ResetTimer()
@@ -147,8 +157,8 @@ func BenchmarkConsume(b *testing.B) {
 		b.Run(kind, func(b *testing.B) {
 			var cs calls
 			c := newClient(b, &cs)
-			br := newBroker(b, c)
-			name, url := createQueue(b, c, "bench-"+kind, queueConfig{visibility: 60 * time.Second})
+			br := newBroker(b, c, ferrysqs.WithMaxReceivers(benchParallel))
+			name, url := createQueue(b, c, "bench-"+kind, queueConfig{visibility: benchVisibility})
 			dlq, _ := createQueue(b, c, "bench-dlq", queueConfig{})
 			benchPublish(b, newClient(b, nil), url, b.N)
 			l, err := br.NewConsumer(context.Background(), name, consumer.WithConcurrency(benchConcurrency),

@@ -265,3 +265,39 @@ func TestExtensionStopsAtTheVisibilityLimit(t *testing.T) {
 }
 
 var _ = types.Message{}
+
+// TestZeroDelayReturnIsNotAHotLoop: a handler that fails asking to be run
+// again at once (RetryAfter with no delay) gets its message back after a
+// second, SQS's least visibility change, not in a tight loop of receives.
+func TestZeroDelayReturnIsNotAHotLoop(t *testing.T) {
+	c := newClient(t, nil)
+	b := newBroker(t, c)
+	name, _ := createQueue(t, c, "hot", queueConfig{visibility: 30 * time.Second})
+	l, err := b.NewConsumer(context.Background(), name, consumer.WithRedeliveryBackoff(0, 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var at []time.Time
+	start(t, l, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		mu.Lock()
+		at = append(at, time.Now())
+		mu.Unlock()
+		return consumer.RetryAfter(errDown, 0)
+	}))
+	if err := b.Publish(context.Background(), name, consumer.Message{Body: []byte("again")}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 30*time.Second, "three runs", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(at) >= 3
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	for i := 1; i < len(at); i++ {
+		if gap := at[i].Sub(at[i-1]); gap < 900*time.Millisecond {
+			t.Errorf("run %d came %s after the one before; a failed run comes back after at least a second", i+1, gap)
+		}
+	}
+}
