@@ -29,15 +29,19 @@
 // Ferry's delivery loop (package consumer) does everything that is the same
 // on every broker; the driver here only moves messages:
 //
-//   - Fetch: ReceiveMessage with up to ten messages and long polling
+//   - Fetch: ReceiveMessage with up to ten messages. While receives come
+//     back full (a backlog), the driver opens as many at once as fill the
+//     loop's room for messages in flight (consumer.WithMaxInFlight), ten
+//     messages each and no more (WithMaxReceivers bounds them), each waiting
+//     at most a second; with room for less than ten it waits a few
+//     milliseconds for acks to make more, so receives stay full. Once a
+//     receive comes back short, it keeps a single long poll open
 //     (WaitTimeSeconds 20, WithWaitTime; the call's deadline is above it,
 //     and a client whose HTTP timeout is shorter gets a longer one for
-//     receives). The driver keeps as many receives open as it takes to fill
-//     the loop's room for messages in flight (consumer.WithMaxInFlight), ten
-//     messages each, and no more; receives start only while the loop
-//     fetches, so an open breaker or a full consumer stops them. Messages a
-//     receive brings while the loop is not fetching wait in the driver with
-//     their visibility kept.
+//     receives), which answers as soon as a message arrives. Receives run
+//     only inside a Fetch and end with it, so an open breaker or a full
+//     consumer stops them, and a consumer that stops leaves no received
+//     message behind to cost a delivery.
 //   - Message: ID is the MessageId; Deliveries is ApproximateReceiveCount
 //     (so Message.Attempt counts receives by other processes too);
 //     PublishedAt is SentTimestamp; Headers are the message attributes;

@@ -57,20 +57,24 @@ const (
 	// attemptIDTTL is how long a FIFO ReceiveRequestAttemptId is reused
 	// (SQS keeps one for five minutes).
 	attemptIDTTL = 4 * time.Minute
+	// roomWait is how long a Fetch with room for less than a full receive
+	// waits, with a backlog, for the acks in flight to make more, and
+	// roomWaits how many times in a row before it receives what fits.
+	roomWait  = 5 * time.Millisecond
+	roomWaits = 4
 	// batchCalls bounds the batch calls one Settle or Extend makes at once.
 	batchCalls = 16
 )
 
 // sqsDriver is the driver.Driver over one queue.
 //
-// Fetch keeps enough ReceiveMessage calls open to fill the room the loop
-// gives it (max), ten messages each, and no more: what is buffered plus
-// what the open receives asked for never exceeds the room, so the loop's
-// bound on messages in flight holds for messages the driver holds too.
-// Receives start only inside Fetch: while the loop does not fetch (full, or
-// paused by an open breaker), no receive starts. Receives may outlive the
-// Fetch that started them; what they bring waits in buf for the next Fetch,
-// its visibility kept by the keeper goroutine.
+// Fetch opens enough ReceiveMessage calls to fill the room the loop gives
+// it (max), ten messages each, and no more, so the loop's bound on messages
+// in flight holds for the messages the driver holds too. Receives run only
+// inside Fetch: while the loop does not fetch (full, or paused by an open
+// breaker), no receive runs, and none is left behind when the loop stops.
+// What the first receives bring waits in buf until the last one answered;
+// the keeper goroutine extends it should that take a third of the lease.
 type sqsDriver struct {
 	b        *Broker
 	q        *queueInfo
@@ -95,6 +99,9 @@ type sqsDriver struct {
 	cut         bool // and handed over what it had: give back what comes later
 	attemptIDs  []attemptID
 	oldestSent  time.Time // of the messages of the latest receive that got any
+	backlog     bool      // the latest receive came back full
+	maxSeen     int       // the most room a Fetch was given
+	roomWaits   int       // Fetches in a row that waited for room
 	notify      chan struct{}
 
 	recvCtx    context.Context
@@ -159,9 +166,14 @@ func (d *sqsDriver) signal() {
 	d.notify = make(chan struct{})
 }
 
-// Fetch hands over up to max received messages, opening receives to fill
-// the room it was given, and waits until at least one message is there,
-// ctx ends, a receive fails, or the driver closes.
+// Fetch hands over up to max received messages. It opens receives for the
+// room it was given and returns once all of them have answered (so no
+// receive outlives the Fetch that opened it, and a consumer that stops
+// between two fetches leaves nothing received behind), ctx ends, or the
+// driver closes. While receives come back full the queue has a backlog:
+// Fetch opens as many as fill the room, each waiting at most a second. Once
+// one comes back short, it opens a single long poll (WithWaitTime), which
+// answers as soon as a message arrives.
 func (d *sqsDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([]driver.Message, error) {
 	max = min(max, d.capacity)
 	if max <= 0 {
@@ -176,27 +188,42 @@ func (d *sqsDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([
 			return d.stop(dst, max, err)
 		}
 		d.mu.Lock()
-		if len(d.buf) > 0 {
-			d.mu.Unlock()
-			before := len(dst)
-			dst = d.handOver(dst, max)
-			d.mu.Lock()
-			d.fill(max - (len(dst) - before))
-			d.mu.Unlock()
-			return dst, nil
+		if d.receiving == 0 {
+			if len(d.buf) > 0 {
+				d.mu.Unlock()
+				return d.handOver(dst, max), nil
+			}
+			if err := d.recvErr; err != nil {
+				d.recvErr = nil
+				d.mu.Unlock()
+				return dst, err
+			}
+			if waited {
+				// The receives came back empty: return, so that the loop
+				// can pause fetching (an open breaker) before the next.
+				d.mu.Unlock()
+				return dst, nil
+			}
+			if max > d.maxSeen {
+				d.maxSeen = max
+			}
+			if d.backlog && max < MaxBatch && d.maxSeen >= MaxBatch && d.roomWaits < roomWaits {
+				// A backlog, and room for less than a full receive: let the
+				// acks in flight make room first, a few milliseconds.
+				d.roomWaits++
+				d.mu.Unlock()
+				t := time.NewTimer(roomWait)
+				select {
+				case <-t.C:
+				case <-ctx.Done():
+				case <-d.done:
+				}
+				t.Stop()
+				return dst, nil
+			}
+			d.roomWaits = 0
+			d.fill(max)
 		}
-		if err := d.recvErr; err != nil {
-			d.recvErr = nil
-			d.mu.Unlock()
-			return dst, err
-		}
-		if waited {
-			// A receive came back empty: return, so that the loop can
-			// pause fetching (an open breaker) before the next receive.
-			d.mu.Unlock()
-			return dst, nil
-		}
-		d.fill(max)
 		wake := d.notify
 		d.mu.Unlock()
 		select {
@@ -208,25 +235,32 @@ func (d *sqsDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([
 	}
 }
 
-// fill opens receives for the room left: ten messages each while ten fit,
-// and one smaller receive when nothing else is open or waiting. Called with
-// d.mu held; room counts what the caller is about to hand over as gone.
+// fill opens receives for room messages: with a backlog, ten messages each
+// while ten fit (one smaller receive only when ten do not); without, one.
+// Called with d.mu held and no receive open.
 func (d *sqsDriver) fill(room int) {
-	free := room - len(d.buf) - d.outstanding
-	for free > 0 && d.receiving < d.b.cfg.receivers && !d.stopped {
-		n := min(free, MaxBatch)
-		if n < MaxBatch && (d.receiving > 0 || len(d.buf) > 0) {
-			return // a partial receive only when nothing else will bring messages
+	backlog := d.backlog
+	for room > 0 && d.receiving < d.b.cfg.receivers && !d.stopped {
+		n := min(room, MaxBatch)
+		if n < MaxBatch && d.receiving > 0 {
+			return
 		}
 		d.outstanding += n
 		d.receiving++
-		free -= n
+		room -= n
 		id := ""
 		if d.q.fifo {
 			id = d.takeAttemptID()
 		}
+		wait := d.wait
+		if backlog {
+			wait = 1
+		}
 		d.wg.Add(1)
-		go d.receive(int32(n), id)
+		go d.receive(int32(n), wait, id)
+		if !backlog {
+			return
+		}
 	}
 }
 
@@ -250,19 +284,19 @@ var allMessageAttributes = []string{"All"}
 
 // receive makes one ReceiveMessage call for n messages and buffers what it
 // brings.
-func (d *sqsDriver) receive(n int32, attempt string) {
+func (d *sqsDriver) receive(n, wait int32, attempt string) {
 	defer d.wg.Done()
 	in := &awssqs.ReceiveMessageInput{
 		QueueUrl:                    aws.String(d.q.url),
 		MaxNumberOfMessages:         n,
-		WaitTimeSeconds:             d.wait,
+		WaitTimeSeconds:             wait,
 		MessageSystemAttributeNames: receiveAttributes,
 		MessageAttributeNames:       allMessageAttributes,
 	}
 	if attempt != "" {
 		in.ReceiveRequestAttemptId = aws.String(attempt)
 	}
-	ctx, cancel := context.WithTimeout(d.recvCtx, time.Duration(d.wait)*time.Second+httpSlack)
+	ctx, cancel := context.WithTimeout(d.recvCtx, time.Duration(wait)*time.Second+httpSlack)
 	sent := time.Now()
 	var out *awssqs.ReceiveMessageOutput
 	var err error
@@ -311,6 +345,7 @@ func (d *sqsDriver) receive(n int32, attempt string) {
 		}
 	case release:
 	default:
+		d.backlog = len(got) == int(n)
 		if len(got) > 0 {
 			oldest := got[0].m.PublishedAt
 			for _, p := range got[1:] {
