@@ -27,8 +27,9 @@ import (
 // deduplicates by content). Headers, the key and bodies that are not SQS
 // text travel as the package documentation describes.
 //
-// Messages of one key go in the order given: batches that share a key are
-// sent one after another. When a message fails, the later messages of its
+// Messages of one key go in the order given, never two of them in one
+// SendMessageBatch: a key's later message is sent only once its earlier
+// one was taken, in a later batch shared with other keys. When a message fails, the later messages of its
 // key in the call are not sent and fail with ErrNotSent. Failures are
 // reported in a *consumer.PublishError, by index in msgs, each an
 // *EntryError for an entry SQS refused, or the call's error; errors.As
@@ -99,29 +100,43 @@ type batch struct {
 }
 
 // plan packs messages, in order, into batches of at most MaxBatch entries
-// and MaxBatchSize bytes, and links each batch to the last earlier one of
-// each key it carries.
+// and MaxBatchSize bytes, never two messages of one key in one batch: a
+// key's later message goes in a later batch than its earlier one, which
+// send sends only after the earlier one's batch answered (and sendBatch
+// holds it back when that one failed). Messages of different keys share
+// batches, so batches stay full. Each batch is linked to the last earlier
+// one of each key it carries.
 func plan(outs []outgoing) []*batch {
 	var bs []*batch
-	last := make(map[string]int)
-	var cur *batch
+	last := make(map[string]int) // key -> batch of its latest message
+	open := 0                    // batches before this one are full by count
 	for _, o := range outs {
-		if cur == nil || len(cur.outs) == MaxBatch || cur.size+o.size > MaxBatchSize {
-			cur = &batch{done: make(chan struct{})}
-			bs = append(bs, cur)
-		}
-		cur.outs = append(cur.outs, o)
-		cur.size += o.size
-	}
-	for i, b := range bs {
-		for _, o := range b.outs {
-			if o.key == "" {
-				continue
+		from := open
+		if o.key != "" {
+			if j, ok := last[o.key]; ok && j+1 > from {
+				from = j + 1
 			}
-			if j, ok := last[o.key]; ok && j != i && !slices.Contains(b.deps, j) {
+		}
+		i := from
+		for ; i < len(bs); i++ {
+			if len(bs[i].outs) < MaxBatch && bs[i].size+o.size <= MaxBatchSize {
+				break
+			}
+		}
+		if i == len(bs) {
+			bs = append(bs, &batch{done: make(chan struct{})})
+		}
+		b := bs[i]
+		if o.key != "" {
+			if j, ok := last[o.key]; ok && !slices.Contains(b.deps, j) {
 				b.deps = append(b.deps, j)
 			}
 			last[o.key] = i
+		}
+		b.outs = append(b.outs, o)
+		b.size += o.size
+		for open < len(bs) && len(bs[open].outs) == MaxBatch {
+			open++
 		}
 	}
 	return bs

@@ -253,3 +253,54 @@ func TestPublishReportsExactlyTheFailedEntries(t *testing.T) {
 		}
 	}
 }
+
+// TestPublishLaterMessageOfFailedKeyInSameBatchIsNotSent: when SQS refuses
+// one entry of a SendMessageBatch, a later message of the same key in the
+// same Publish call is not sent (ErrNotSent) and does not reach the queue,
+// so it cannot overtake the failed one (found by review).
+func TestPublishLaterMessageOfFailedKeyInSameBatchIsNotSent(t *testing.T) {
+	var cs calls
+	c := newClient(t, &cs)
+	b := newBroker(t, c)
+	name, url := createQueue(t, c, "rv-samebatch", queueConfig{fifo: true, visibility: 30 * time.Second})
+	// Spoil one entry on its way out, as a message SQS refuses would be.
+	cs.setHook(func(op string, in any) {
+		if op != "SendMessageBatch" {
+			return
+		}
+		for i, e := range in.(*awssqs.SendMessageBatchInput).Entries {
+			if aws.ToString(e.MessageBody) == "g-1" {
+				in.(*awssqs.SendMessageBatchInput).Entries[i].MessageBody = aws.String("g-1\x01")
+			}
+		}
+	})
+	msgs := []consumer.Message{
+		{Key: "g", Body: []byte("g-1")},
+		{Key: "g", Body: []byte("g-2")},
+	}
+	err := b.Publish(context.Background(), name, msgs...)
+	cs.setHook(nil)
+	var pe *consumer.PublishError
+	if !errors.As(err, &pe) {
+		t.Fatalf("Publish = %v, want a *consumer.PublishError", err)
+	}
+	failed := map[int]error{}
+	for _, f := range pe.Failed {
+		failed[f.Index] = f.Err
+	}
+	if _, ok := failed[0]; !ok {
+		t.Fatalf("failed = %+v, want message 0 (refused by SQS) among them", pe.Failed)
+	}
+	if e, ok := failed[1]; !ok || !errors.Is(e, ferrysqs.ErrNotSent) {
+		t.Errorf("message 1 (g-2, a later message of the failed key g) reported as %v (present %v), want ErrNotSent", e, ok)
+	}
+	out, rerr := c.ReceiveMessage(context.Background(), &awssqs.ReceiveMessageInput{
+		QueueUrl: aws.String(url), MaxNumberOfMessages: 10, WaitTimeSeconds: 1,
+	})
+	if rerr != nil {
+		t.Fatal(rerr)
+	}
+	for _, m := range out.Messages {
+		t.Errorf("the queue holds %q: a later message of key g overtook the failed g-1", aws.ToString(m.Body))
+	}
+}
