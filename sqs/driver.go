@@ -290,6 +290,7 @@ func (d *sqsDriver) receive(n, wait int32, attempt string) {
 		QueueUrl:                    aws.String(d.q.url),
 		MaxNumberOfMessages:         n,
 		WaitTimeSeconds:             wait,
+		VisibilityTimeout:           int32(d.lease / time.Second),
 		MessageSystemAttributeNames: receiveAttributes,
 		MessageAttributeNames:       allMessageAttributes,
 	}

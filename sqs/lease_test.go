@@ -301,3 +301,62 @@ func TestZeroDelayReturnIsNotAHotLoop(t *testing.T) {
 		}
 	}
 }
+
+// TestLeaseHoldsAfterQueueVisibilityLowered: the Broker knows a queue's
+// visibility from when it looked the queue up; after the queue's
+// visibility is lowered, receives still ask for the lease the driver
+// assumes, so a handler running longer than the new visibility keeps its
+// message (found by review).
+func TestLeaseHoldsAfterQueueVisibilityLowered(t *testing.T) {
+	c := newClient(t, nil)
+	b := newBroker(t, c)
+	name, url := createQueue(t, c, "rv-stalevis", queueConfig{visibility: 30 * time.Second})
+	ctx := context.Background()
+	// The broker looks the queue up (visibility 30 s) ...
+	if err := b.Publish(ctx, name, consumer.Message{Body: []byte("slow")}); err != nil {
+		t.Fatal(err)
+	}
+	// ... and then the queue's visibility is lowered to 2 s.
+	if _, err := c.SetQueueAttributes(ctx, &awssqs.SetQueueAttributesInput{
+		QueueUrl:   aws.String(url),
+		Attributes: map[string]string{string(types.QueueAttributeNameVisibilityTimeout): "2"},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	l, err := b.NewConsumer(ctx, name, consumer.WithConcurrency(1), consumer.WithMaxInFlight(1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var runs atomic.Int32
+	started := make(chan struct{}, 4)
+	r := start(t, l, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		runs.Add(1)
+		started <- struct{}{}
+		time.Sleep(7 * time.Second) // 3.5 times the queue's visibility now
+		return nil
+	}))
+	select {
+	case <-started:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the handler never started")
+	}
+	// Another receiver polls the queue while the handler runs.
+	var stolen []string
+	deadline := time.Now().Add(6 * time.Second)
+	for time.Now().Before(deadline) {
+		out, err := c.ReceiveMessage(ctx, &awssqs.ReceiveMessageInput{
+			QueueUrl: aws.String(url), MaxNumberOfMessages: 1, WaitTimeSeconds: 1, VisibilityTimeout: 60,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range out.Messages {
+			stolen = append(stolen, aws.ToString(m.Body))
+		}
+	}
+	r.stop(t)
+	if len(stolen) > 0 {
+		t.Errorf("another receiver got %q while the handler was still running (runs %d): the consumer kept a lease of 30 s the queue no longer gives (visibility now 2 s)",
+			stolen, runs.Load())
+	}
+}
