@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"net/http"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -143,12 +144,24 @@ func newDriver(b *Broker, q *queueInfo) *sqsDriver {
 // whose timeout outlasts the long poll, when the client's own is shorter;
 // nil when it needs none.
 func longPollHTTP(c *awssqs.Client, need time.Duration) func(*awssqs.Options) {
-	bc, ok := c.Options().HTTPClient.(*awshttp.BuildableClient)
-	if !ok || bc.GetTimeout() == 0 || bc.GetTimeout() >= need {
-		return nil
+	switch hc := c.Options().HTTPClient.(type) {
+	case *awshttp.BuildableClient:
+		if hc.GetTimeout() == 0 || hc.GetTimeout() >= need {
+			return nil
+		}
+		longer := hc.WithTimeout(need)
+		return func(o *awssqs.Options) { o.HTTPClient = longer }
+	case *http.Client:
+		if hc.Timeout == 0 || hc.Timeout >= need {
+			return nil
+		}
+		// The same client (transport, redirects, cookies) with a timeout
+		// that outlives the poll.
+		longer := *hc
+		longer.Timeout = need
+		return func(o *awssqs.Options) { o.HTTPClient = &longer }
 	}
-	longer := bc.WithTimeout(need)
-	return func(o *awssqs.Options) { o.HTTPClient = longer }
+	return nil
 }
 
 func (d *sqsDriver) closed() bool {
