@@ -205,7 +205,10 @@ func (b *Broker) Client() *awssqs.Client { return b.client }
 // Close closes the broker: later calls fail with ErrClosed, and every
 // consumer built by it ends its Run with a fatal error wrapping ErrClosed
 // (messages it held and did not settle come back after their visibility
-// timeout). The client stays usable. Close is safe to call more than once.
+// timeout). It waits for their open long polls to end by themselves (at
+// most the wait time and a few seconds; see Stopping in the package
+// documentation) and gives back what they bring. The client stays usable.
+// Close is safe to call more than once.
 func (b *Broker) Close() error {
 	b.once.Do(func() { close(b.closed) })
 	b.mu.Lock()

@@ -20,9 +20,25 @@
 // it is left, so nobody else gets the message; SQS keeps a message
 // invisible at most 12 hours after one receive, and a handler that outlives
 // that loses its message to the next receive. A consumer stopped gracefully
-// runs what it received and deletes it: nothing is handed back, and nothing
-// is left invisible. A consumer that crashes leaves its messages to come
-// back after their visibility timeout.
+// runs what it received and deletes it, and leaves nothing invisible. A
+// consumer that crashes leaves its messages to come back after their
+// visibility timeout.
+//
+// # Stopping
+//
+// Cancelling a ReceiveMessage closes only the client's side of it: SQS
+// (and ElasticMQ) keeps the long poll open until its wait time ends and
+// hands it the next messages that arrive, which then stay invisible for the
+// visibility timeout. So a consumer never cuts its own receives. When Run's
+// context ends, the driver opens no more receives, gives the ones open half
+// a second to answer and hands over what they brought; receives still open
+// (an idle consumer's long poll) are left to end by themselves, and the
+// driver's Close, at the end of Run, waits for them, at most the wait time
+// (WithWaitTime, 20 s by default) and a few seconds: Run can return up to
+// that much after its context ended, while the loop drains in parallel.
+// Whatever such a receive brings is made visible again at once (visibility
+// 0; it counts a receive) and counted in Broker.Stats.Released. A shorter
+// WithWaitTime makes stops quicker for more empty receives.
 //
 // # How SQS maps onto the delivery loop
 //
@@ -36,12 +52,19 @@
 //     at most a second; with room for less than ten it waits a few
 //     milliseconds for acks to make more, so receives stay full. Once a
 //     receive comes back short, it keeps a single long poll open
-//     (WaitTimeSeconds 20, WithWaitTime; the call's deadline is above it,
-//     and a client whose HTTP timeout is shorter gets a longer one for
-//     receives), which answers as soon as a message arrives. Receives run
-//     only inside a Fetch and end with it, so an open breaker or a full
-//     consumer stops them, and a consumer that stops leaves no received
-//     message behind to cost a delivery.
+//     (WaitTimeSeconds 20, WithWaitTime), which answers as soon as a
+//     message arrives. Every receive asks for the visibility the driver
+//     counts with (VisibilityTimeout, the queue's visibility timeout when
+//     the Broker first looked the queue up, and its Lease), so a later
+//     change of the queue's attribute does not shorten a lease the
+//     consumer relies on. The call's deadline is above the wait, and a
+//     client whose HTTP timeout is shorter, whether the SDK's
+//     BuildableClient or a plain *http.Client with a Timeout, is not
+//     refused: receives get a copy of it whose timeout outlives the poll
+//     (wait time plus ten seconds), other calls keep the client's own. (A
+//     poll the HTTP timeout cut would stay open in SQS and take the next
+//     messages.) Receives run only inside a Fetch, so an open breaker or a
+//     full consumer stops them.
 //   - Message: ID is the MessageId; Deliveries is ApproximateReceiveCount
 //     (so Message.Attempt counts receives by other processes too);
 //     PublishedAt is SentTimestamp; Headers are the message attributes;
@@ -68,7 +91,10 @@
 //     receipt handle SQS no longer takes (ReceiptHandleIsInvalid,
 //     InvalidParameterValue: its visibility ran out before the extension)
 //     ends that message's extension quietly; Broker.Stats counts it in
-//     LeasesLost.
+//     LeasesLost, and a buffered message whose extension came back so is
+//     not handed to the loop. An extension SQS refuses for going past the
+//     12 hours (InvalidParameterValue for parameter VisibilityTimeout) is
+//     counted in VisibilityCapped.
 //   - Revoke: never; SQS does not take a receipt handle back before its
 //     visibility runs out.
 //   - Lag: GetQueueAttributes ApproximateNumberOfMessages and

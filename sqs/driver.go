@@ -253,7 +253,7 @@ func (d *sqsDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([
 // Called with d.mu held and no receive open.
 func (d *sqsDriver) fill(room int) {
 	backlog := d.backlog
-	for room > 0 && d.receiving < d.b.cfg.receivers && !d.stopped {
+	for room > 0 && d.receiving < d.b.cfg.receivers && !d.stopped && !d.closed() && !d.b.isClosed() {
 		n := min(room, MaxBatch)
 		if n < MaxBatch && d.receiving > 0 {
 			return
@@ -435,7 +435,6 @@ func (d *sqsDriver) stop(dst []driver.Message, max int, err error) ([]driver.Mes
 	timer.Stop()
 	d.cut = true
 	d.mu.Unlock()
-	d.recvCancel()
 	return d.handOver(dst, max), err
 }
 
@@ -789,6 +788,14 @@ func (d *sqsDriver) extend(ctx context.Context, rs []*receipt, dur time.Duration
 				}
 				failed[j] = true
 				e := entryError(op, d.q.name, f)
+				if e.visibilityLimit() {
+					if chunk[j].r.capped.CompareAndSwap(false, true) {
+						d.b.stats.visibilityCapped.Add(1)
+						d.log.Warn("ferry/sqs: a message reached SQS's 12-hour visibility limit; it will be delivered again while its handler runs",
+							"message_id", aws.ToString(chunk[j].r.msg.MessageId))
+					}
+					continue
+				}
 				if e.expiredHandle() {
 					if chunk[j].r.dead.CompareAndSwap(false, true) {
 						d.b.stats.leasesLost.Add(1)
@@ -848,15 +855,29 @@ func (d *sqsDriver) Lag(ctx context.Context) (driver.Lag, error) {
 	return l, nil
 }
 
-// Close ends the driver: open receives are cut, messages received and not
-// handed over are made visible again at once, and later calls fail with
-// ErrClosed. Messages the loop holds and did not settle come back after
-// their visibility timeout.
+// Close ends the driver: no receive is opened any more, open receives are
+// left to end by themselves (a long poll within its wait time; one cut
+// would stay open in SQS and take the next messages), messages received
+// and not handed over are made visible again at once, and later calls fail
+// with ErrClosed. Messages the loop holds and did not settle come back
+// after their visibility timeout.
 func (d *sqsDriver) Close() error {
 	d.closeOnce.Do(func() {
-		close(d.done)
+		d.mu.Lock()
+		d.stopped = true
+		close(d.done) // under d.mu: fill opens no receive after this
+		d.mu.Unlock()
+		ended := make(chan struct{})
+		go func() { d.wg.Wait(); close(ended) }()
+		t := time.NewTimer(d.b.cfg.waitTime + closeSlack)
+		select {
+		case <-ended:
+		case <-t.C:
+			d.recvCancel()
+			<-ended
+		}
+		t.Stop()
 		d.recvCancel()
-		d.wg.Wait()
 		d.mu.Lock()
 		left := d.buf
 		d.buf = nil
