@@ -52,6 +52,9 @@ const (
 	// stopWait is how long Fetch, when its context ends, waits for the
 	// receives it has open to answer before it cuts them.
 	stopWait = 500 * time.Millisecond
+	// closeSlack is how much longer than the long-poll wait Close waits
+	// for open receives to end by themselves before it cuts them.
+	closeSlack = 3 * time.Second
 	// releaseTimeout bounds the call that gives back, at Close, messages
 	// received and never handed over.
 	releaseTimeout = 5 * time.Second
@@ -410,24 +413,35 @@ func (d *sqsDriver) handOver(dst []driver.Message, max int) []driver.Message {
 		cancel()
 	}
 	for _, p := range taken {
+		if p.r.dead.Load() {
+			// Its visibility ran out in the buffer (another receive may
+			// hold it now): not handed over, counted in LeasesLost.
+			continue
+		}
 		dst = append(dst, p.m)
 	}
 	return dst
 }
 
-// stop ends fetching: the receives still open get a moment to answer and
-// are then cut; what was received is handed over with err.
+// stop ends fetching: no receive is opened any more, the receives still
+// open get a moment to answer, and what was received is handed over with
+// err. Receives still open after that are not cut (SQS would keep a cut
+// poll open and hand it the next messages, left invisible for the
+// visibility timeout): they end by themselves, and what they bring is
+// given back at once; Close waits for them.
 func (d *sqsDriver) stop(dst []driver.Message, max int, err error) ([]driver.Message, error) {
 	d.mu.Lock()
 	d.stopped = true
 	timer := time.NewTimer(stopWait)
+wait:
 	for d.receiving > 0 {
 		wake := d.notify
 		d.mu.Unlock()
 		select {
 		case <-wake:
 		case <-timer.C:
-			d.recvCancel()
+			d.mu.Lock()
+			break wait
 		case <-d.done:
 		}
 		d.mu.Lock()

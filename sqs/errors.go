@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 	"github.com/aws/smithy-go"
@@ -62,6 +63,17 @@ func entryError(op, queue string, f types.BatchResultErrorEntry) *EntryError {
 		e.Message = *f.Message
 	}
 	return e
+}
+
+// visibilityLimit reports whether a ChangeMessageVisibility entry failed
+// because it would keep the message invisible past SQS's 12 hours after its
+// receive: InvalidParameterValue, "Value 43201 for parameter
+// VisibilityTimeout is invalid. Reason: Total VisibilityTimeout for the
+// message is beyond the limit [43200 seconds]." (An expired handle is
+// InvalidParameterValue too, for parameter ReceiptHandle.)
+func (e *EntryError) visibilityLimit() bool {
+	return e.Code == "InvalidParameterValue" &&
+		(strings.Contains(e.Message, "parameter VisibilityTimeout") || strings.Contains(e.Message, "beyond the limit"))
 }
 
 // expiredHandle reports whether a batch entry failed because its receipt

@@ -360,3 +360,47 @@ func TestLeaseHoldsAfterQueueVisibilityLowered(t *testing.T) {
 			stolen, runs.Load())
 	}
 }
+
+// TestHandOverDropsMessagesWhoseExtensionExpired: a message that waited in
+// the driver's buffer long enough to be extended before its hand-over, and
+// whose extension SQS refused because its handle is no longer good, is not
+// handed to the loop (another receive may hold it); it counts in
+// LeasesLost. The good message next to it is handed over.
+func TestHandOverDropsMessagesWhoseExtensionExpired(t *testing.T) {
+	c := newClient(t, nil)
+	b := newBroker(t, c)
+	name, url := createQueue(t, c, "handover-expired", queueConfig{visibility: 30 * time.Second})
+	ctx := context.Background()
+	if _, err := c.SendMessage(ctx, &awssqs.SendMessageInput{QueueUrl: aws.String(url), MessageBody: aws.String("good")}); err != nil {
+		t.Fatal(err)
+	}
+	out, err := c.ReceiveMessage(ctx, &awssqs.ReceiveMessageInput{QueueUrl: aws.String(url), WaitTimeSeconds: 1, MaxNumberOfMessages: 1})
+	if err != nil || len(out.Messages) != 1 {
+		t.Fatalf("receive: %v, %d messages", err, len(out.Messages))
+	}
+	stale := out.Messages[0]
+	stale.MessageId = aws.String("stale")
+	stale.Body = aws.String("stale")
+	stale.ReceiptHandle = aws.String("stale#handle")
+	d, err := b.Driver(ctx, name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	// Both waited in the buffer for half the lease.
+	ferrysqs.Buffer(d, []types.Message{out.Messages[0], stale}, 15*time.Second)
+	got, err := d.Fetch(ctx, nil, 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var bodies []string
+	for _, m := range got {
+		bodies = append(bodies, string(m.Body))
+	}
+	if !slices.Equal(bodies, []string{"good"}) {
+		t.Errorf("handed over %q, want only the good message", bodies)
+	}
+	if n := b.Stats().LeasesLost; n != 1 {
+		t.Errorf("LeasesLost = %d, want 1", n)
+	}
+}
