@@ -205,9 +205,9 @@ func (b *Broker) Client() *awssqs.Client { return b.client }
 // Close closes the broker: later calls fail with ErrClosed, and every
 // consumer built by it ends its Run with a fatal error wrapping ErrClosed
 // (messages it held and did not settle come back after their visibility
-// timeout). It waits for their open long polls to end by themselves (at
-// most the wait time and a few seconds; see Stopping in the package
-// documentation) and gives back what they bring. The client stays usable.
+// timeout). It waits up to two seconds for their short receives to end by
+// themselves and gives back what they bring (see Stopping in the package
+// documentation). The client stays usable.
 // Close is safe to call more than once.
 func (b *Broker) Close() error {
 	b.once.Do(func() { close(b.closed) })
@@ -217,9 +217,12 @@ func (b *Broker) Close() error {
 		ds = append(ds, d)
 	}
 	b.mu.Unlock()
+	var wg sync.WaitGroup
 	for _, d := range ds {
-		_ = d.Close()
+		wg.Add(1)
+		go func() { defer wg.Done(); _ = d.Close() }()
 	}
+	wg.Wait()
 	return nil
 }
 

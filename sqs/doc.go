@@ -29,16 +29,22 @@
 // Cancelling a ReceiveMessage closes only the client's side of it: SQS
 // (and ElasticMQ) keeps the long poll open until its wait time ends and
 // hands it the next messages that arrive, which then stay invisible for the
-// visibility timeout. So a consumer never cuts its own receives. When Run's
-// context ends, the driver opens no more receives, gives the ones open half
-// a second to answer and hands over what they brought; receives still open
-// (an idle consumer's long poll) are left to end by themselves, and the
-// driver's Close, at the end of Run, waits for them, at most the wait time
-// (WithWaitTime, 20 s by default) and a few seconds: Run can return up to
-// that much after its context ended, while the loop drains in parallel.
-// Whatever such a receive brings is made visible again at once (visibility
-// 0; it counts a receive) and counted in Broker.Stats.Released. A shorter
-// WithWaitTime makes stops quicker for more empty receives.
+// visibility timeout the receive asked for. Waiting for a 20-second poll to
+// end would break Run's promise to return within its shutdown grace, so
+// the driver makes a cut poll cheap instead: a long poll asks for a
+// visibility of 3 seconds only, and the driver extends what it brings to
+// the queue's visibility timeout as soon as it answers (one
+// ChangeMessageVisibilityBatch per long poll that brings messages; while
+// there is a backlog, receives wait a second and ask for the whole
+// visibility at once). When Run's context ends, the driver opens no more
+// receives, gives the open ones half a second to answer and hands over
+// what they brought; its Close, at the end of Run, gives short receives up
+// to two seconds to end by themselves, makes what they bring visible at
+// once (counted in Broker.Stats.Released), and cuts a long poll. A message
+// that a cut poll takes afterwards, or one whose extension failed, is
+// received again by another consumer after 3 seconds, with one more
+// receive counted. A process that dies mid-poll strands messages for
+// those 3 seconds too, not for a visibility timeout.
 //
 // # How SQS maps onto the delivery loop
 //
@@ -54,10 +60,11 @@
 //     receive comes back short, it keeps a single long poll open
 //     (WaitTimeSeconds 20, WithWaitTime), which answers as soon as a
 //     message arrives. Every receive asks for the visibility the driver
-//     counts with (VisibilityTimeout, the queue's visibility timeout when
-//     the Broker first looked the queue up, and its Lease), so a later
-//     change of the queue's attribute does not shorten a lease the
-//     consumer relies on. The call's deadline is above the wait, and a
+//     counts with (VisibilityTimeout: the queue's visibility timeout when
+//     the Broker first looked the queue up, which is the driver's Lease;
+//     a long poll asks for 3 seconds and is extended to the Lease when it
+//     answers, see Stopping), so a later change of the queue's attribute
+//     does not shorten a lease the consumer relies on. The call's deadline is above the wait, and a
 //     client whose HTTP timeout is shorter, whether the SDK's
 //     BuildableClient or a plain *http.Client with a Timeout, is not
 //     refused: receives get a copy of it whose timeout outlives the poll

@@ -52,9 +52,16 @@ const (
 	// stopWait is how long Fetch, when its context ends, waits for the
 	// receives it has open to answer before it cuts them.
 	stopWait = 500 * time.Millisecond
-	// closeSlack is how much longer than the long-poll wait Close waits
-	// for open receives to end by themselves before it cuts them.
-	closeSlack = 3 * time.Second
+	// closeWait is how long Close waits for open short receives (a
+	// backlog's, waiting a second) to end by themselves before it cuts
+	// them. Long polls are cut at once: they ask for pollVisibility only.
+	closeWait = 2 * time.Second
+	// pollVisibility is the VisibilityTimeout a long poll (a wait above a
+	// second) asks for; what it brings is extended to the Lease as soon as
+	// it answers. A poll cut by Close, a timeout or the process ending
+	// stays open in SQS until its wait time ends and takes the next
+	// messages: they then stay invisible this long, not a whole lease.
+	pollVisibility = 3 * time.Second
 	// releaseTimeout bounds the call that gives back, at Close, messages
 	// received and never handed over.
 	releaseTimeout = 5 * time.Second
@@ -108,8 +115,10 @@ type sqsDriver struct {
 	roomWaits   int       // Fetches in a row that waited for room
 	notify      chan struct{}
 
-	recvCtx    context.Context
+	recvCtx    context.Context // of short receives
 	recvCancel context.CancelFunc
+	pollCtx    context.Context // of long polls
+	pollCancel context.CancelFunc
 	wg         sync.WaitGroup
 	done       chan struct{}
 	closeOnce  sync.Once
@@ -137,6 +146,7 @@ func newDriver(b *Broker, q *queueInfo) *sqsDriver {
 		done:     make(chan struct{}),
 	}
 	d.recvCtx, d.recvCancel = context.WithCancel(context.Background())
+	d.pollCtx, d.pollCancel = context.WithCancel(context.Background())
 	d.httpOpt = longPollHTTP(b.client, b.cfg.waitTime+httpSlack)
 	d.wg.Add(1)
 	go d.keeper()
@@ -302,18 +312,26 @@ var allMessageAttributes = []string{"All"}
 // brings.
 func (d *sqsDriver) receive(n, wait int32, attempt string) {
 	defer d.wg.Done()
+	// Every receive asks for the visibility it relies on (not the queue's
+	// attribute, which may have changed since it was read): the Lease, or
+	// for a long poll pollVisibility, extended to the Lease on its answer.
+	vis, parent := d.lease, d.recvCtx
+	if wait > 1 {
+		parent = d.pollCtx
+		vis = min(d.lease, pollVisibility)
+	}
 	in := &awssqs.ReceiveMessageInput{
 		QueueUrl:                    aws.String(d.q.url),
 		MaxNumberOfMessages:         n,
 		WaitTimeSeconds:             wait,
-		VisibilityTimeout:           int32(d.lease / time.Second),
+		VisibilityTimeout:           int32(vis / time.Second),
 		MessageSystemAttributeNames: receiveAttributes,
 		MessageAttributeNames:       allMessageAttributes,
 	}
 	if attempt != "" {
 		in.ReceiveRequestAttemptId = aws.String(attempt)
 	}
-	ctx, cancel := context.WithTimeout(d.recvCtx, time.Duration(wait)*time.Second+httpSlack)
+	ctx, cancel := context.WithTimeout(parent, time.Duration(wait)*time.Second+httpSlack)
 	sent := time.Now()
 	var out *awssqs.ReceiveMessageOutput
 	var err error
@@ -344,6 +362,14 @@ func (d *sqsDriver) receive(n, wait int32, attempt string) {
 	if bad > 0 {
 		d.log.Warn("ferry/sqs: received messages whose "+MetaAttribute+" attribute is malformed; delivering their body and attributes as SQS gave them", "count", bad)
 	}
+	if len(got) > 0 && vis < d.lease {
+		d.mu.Lock()
+		keep := !d.cut && !d.closed()
+		d.mu.Unlock()
+		if keep {
+			got = d.takeLease(got, at)
+		}
+	}
 
 	d.mu.Lock()
 	d.outstanding -= int(n)
@@ -351,13 +377,13 @@ func (d *sqsDriver) receive(n, wait int32, attempt string) {
 	release := d.cut || d.closed()
 	switch {
 	case err != nil:
-		if attempt != "" && d.recvCtx.Err() == nil {
+		if attempt != "" && !d.closed() {
 			// A receive that may have been taken by SQS: retry with the
 			// same id, so a FIFO queue hands the same messages back
 			// instead of holding their groups until the visibility ends.
 			d.attemptIDs = append(d.attemptIDs, attemptID{attempt, sent})
 		}
-		if d.recvCtx.Err() == nil {
+		if !d.closed() {
 			d.recvErr = queueErr("ReceiveMessage", d.q.name, err)
 		}
 	case release:
@@ -379,6 +405,31 @@ func (d *sqsDriver) receive(n, wait int32, attempt string) {
 	if release && len(got) > 0 {
 		d.release(got)
 	}
+}
+
+// takeLease extends what a long poll brought, received at at with
+// pollVisibility, to the Lease, and returns the messages it extended.
+// Those it could not extend are left to come back after pollVisibility
+// rather than handed to the loop, which would count a whole lease.
+func (d *sqsDriver) takeLease(got []pending, at time.Time) []pending {
+	rs := make([]*receipt, len(got))
+	for i, p := range got {
+		rs[i] = p.r
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), pollVisibility)
+	err := d.extend(ctx, rs, d.lease)
+	cancel()
+	kept := got[:0]
+	for _, p := range got {
+		if !p.r.leaseStart.Equal(at) && !p.r.dead.Load() {
+			kept = append(kept, p)
+		}
+	}
+	if n := len(got) - len(kept); n > 0 {
+		d.log.Warn("ferry/sqs: extending messages a long poll brought failed; they come back after a few seconds", "err", err, "count", n)
+	}
+	clear(got[len(kept):])
+	return kept
 }
 
 // handOver moves up to max buffered messages to dst. Messages that waited
@@ -881,9 +932,13 @@ func (d *sqsDriver) Close() error {
 		d.stopped = true
 		close(d.done) // under d.mu: fill opens no receive after this
 		d.mu.Unlock()
+		// A long poll is cut: Run must return within its grace, and a
+		// cut poll strands messages for pollVisibility only. Short
+		// receives get closeWait to end by themselves.
+		d.pollCancel()
 		ended := make(chan struct{})
 		go func() { d.wg.Wait(); close(ended) }()
-		t := time.NewTimer(d.b.cfg.waitTime + closeSlack)
+		t := time.NewTimer(closeWait)
 		select {
 		case <-ended:
 		case <-t.C:
