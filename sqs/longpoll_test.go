@@ -57,7 +57,7 @@ func TestStopStrandsNoMessageInOpenLongPolls(t *testing.T) {
 // ordinary *http.Client whose Timeout (5 s) is shorter than the long poll
 // (20 s) does not cut the poll: receives get a per-request client whose
 // timeout outlives it, and a message sent to an idle consumer is handled at
-// once (found by review).
+// once, on its first receive (found by review).
 func TestLongPollOutlivesPlainHTTPClientTimeout(t *testing.T) {
 	c := newClient(t, nil, func(o *awssqs.Options) {
 		o.HTTPClient = &http.Client{Timeout: 5 * time.Second}
@@ -68,10 +68,14 @@ func TestLongPollOutlivesPlainHTTPClientTimeout(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	got := make(chan time.Time, 1)
+	type handled struct {
+		at      time.Time
+		attempt int
+	}
+	got := make(chan handled, 1)
 	r := start(t, l, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 		select {
-		case got <- time.Now():
+		case got <- handled{time.Now(), m.Attempt}:
 		default:
 		}
 		return nil
@@ -82,8 +86,13 @@ func TestLongPollOutlivesPlainHTTPClientTimeout(t *testing.T) {
 		t.Fatal(err)
 	}
 	select {
-	case at := <-got:
-		t.Logf("handled %s after it was sent", at.Sub(sent))
+	case h := <-got:
+		t.Logf("handled %s after it was sent, attempt %d", h.at.Sub(sent), h.attempt)
+		// A poll cut by the HTTP timeout would have taken it first:
+		// handled only after pollVisibility, on a later receive.
+		if d := h.at.Sub(sent); d > 2*time.Second || h.attempt != 1 {
+			t.Errorf("handled %s after it was sent on attempt %d, want at once on attempt 1: a long poll cut by the 5 s HTTP timeout took it first", d, h.attempt)
+		}
 	case <-time.After(8 * time.Second):
 		visible, inflight, _ := depth(t, c, url)
 		t.Errorf("a message sent to an idle consumer was not handled within 8 s (queue: %d visible, %d in flight): a long poll cut by the 5 s HTTP timeout took it", visible, inflight)
