@@ -1,0 +1,278 @@
+package sqs_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
+	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
+
+	"github.com/ferrymq/ferry/consumer"
+	ferrysqs "github.com/ferrymq/ferry/sqs"
+)
+
+// benchParallel is the parallelism of both sides: the raw loops'
+// goroutines, the receives the Ferry consumer keeps open at most
+// (WithMaxReceivers), and the batches the Ferry publisher sends at once.
+// The Ferry consumer's bound in flight leaves room for its receives and
+// for as many messages again waiting for their DeleteMessageBatch (the raw
+// loop's messages leave its count when their delete is made too).
+const (
+	benchParallel    = 8
+	benchConcurrency = 16
+	benchMaxInFlight = 2 * benchParallel * 10
+)
+
+// benchVisibility is the queues' visibility timeout. Short, so that a
+// receive whose answer is lost (here the SDK retries a receive whose
+// connection was closed under it, on either side, now and then) delays its
+// ten messages by seconds, not a minute, and the rates measure the loops.
+const benchVisibility = 5 * time.Second
+
+var benchBody = []byte(`{"order":"o-123456","customer":"c-98765","amount":4200,"currency":"EUR","lines":3}`)
+
+// rawRates holds the raw loops' rates of this run, for the ratios the Ferry
+// benchmarks report (run them in one go test -bench invocation).
+var rawRates sync.Map
+
+func reportRate(b *testing.B, kind string, n int, elapsed time.Duration, calls int) {
+	rate := float64(n) / elapsed.Seconds()
+	b.ReportMetric(rate, "msgs/s")
+	b.ReportMetric(float64(calls)/float64(n), "calls/msg")
+	b.ReportMetric(0, "ns/op")
+	if strings.Contains(b.Name(), "/raw") {
+		rawRates.Store(kind, rate)
+		return
+	}
+	if raw, ok := rawRates.Load(kind); ok {
+		b.ReportMetric(rate/raw.(float64), "x-raw")
+	}
+}
+
+// benchPublish fills a queue with n messages through the raw client, ten a
+// call, benchParallel calls at once.
+func benchPublish(b *testing.B, c *awssqs.Client, url string, n int) {
+	b.Helper()
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	errs := make(chan error, benchParallel)
+	for range benchParallel {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			entries := make([]types.SendMessageBatchRequestEntry, 0, 10)
+			for {
+				first := int(next.Add(10)) - 10
+				if first >= n {
+					return
+				}
+				entries = entries[:0]
+				for i := first; i < min(first+10, n); i++ {
+					entries = append(entries, types.SendMessageBatchRequestEntry{
+						Id: aws.String(strconv.Itoa(i - first)), MessageBody: aws.String(string(benchBody)),
+						MessageAttributes: map[string]types.MessageAttributeValue{"seq": {DataType: aws.String("String"), StringValue: aws.String(strconv.Itoa(i))}},
+					})
+				}
+				out, err := c.SendMessageBatch(context.Background(), &awssqs.SendMessageBatchInput{QueueUrl: aws.String(url), Entries: entries})
+				if err == nil && len(out.Failed) > 0 {
+					err = fmt.Errorf("%d entries failed", len(out.Failed))
+				}
+				if err != nil {
+					errs <- err
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		b.Fatal(err)
+	}
+}
+
+// BenchmarkConsume consumes b.N messages (run it with -benchtime=100000x
+// for the issue's 100k) from a queue filled beforehand: a raw loop of
+// ReceiveMessage (ten, long polling) and DeleteMessageBatch in
+// benchParallel goroutines, then a Ferry consumer with a handler that does
+// nothing, then one with the Standard stack around it. Each reports
+// msgs/s, API calls per message and, for Ferry, x-raw: its rate over the
+// raw loop's in the same run.
+func BenchmarkConsume(b *testing.B) {
+	b.Run("raw", func(b *testing.B) {
+		var cs calls
+		c := newClient(b, &cs)
+		_, url := createQueue(b, c, "bench-raw", queueConfig{visibility: benchVisibility})
+		benchPublish(b, newClient(b, nil), url, b.N)
+		before := cs.snapshot()
+		b.ResetTimer()
+		start := time.Now()
+		var done atomic.Int64
+		var wg sync.WaitGroup
+		for range benchParallel {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				entries := make([]types.DeleteMessageBatchRequestEntry, 0, 10)
+				for done.Load() < int64(b.N) {
+					out, err := c.ReceiveMessage(context.Background(), &awssqs.ReceiveMessageInput{
+						QueueUrl: aws.String(url), MaxNumberOfMessages: 10, WaitTimeSeconds: 1,
+						MessageSystemAttributeNames: []types.MessageSystemAttributeName{types.MessageSystemAttributeNameAll},
+						MessageAttributeNames:       []string{"All"},
+					})
+					if err != nil {
+						b.Error(err)
+						return
+					}
+					if len(out.Messages) == 0 {
+						continue
+					}
+					entries = entries[:0]
+					for i, m := range out.Messages {
+						entries = append(entries, types.DeleteMessageBatchRequestEntry{Id: aws.String(strconv.Itoa(i)), ReceiptHandle: m.ReceiptHandle})
+					}
+					if _, err := c.DeleteMessageBatch(context.Background(), &awssqs.DeleteMessageBatchInput{QueueUrl: aws.String(url), Entries: entries}); err != nil {
+						b.Error(err)
+						return
+					}
+					done.Add(int64(len(out.Messages)))
+				}
+			}()
+		}
+		wg.Wait()
+		elapsed := time.Since(start)
+		b.StopTimer()
+		reportRate(b, "consume", b.N, elapsed, totalCalls(cs.snapshot(), before))
+	})
+	for _, kind := range []string{"noop", "standard"} {
+		b.Run(kind, func(b *testing.B) {
+			var cs calls
+			c := newClient(b, &cs)
+			br := newBroker(b, c, ferrysqs.WithMaxReceivers(benchParallel))
+			name, url := createQueue(b, c, "bench-"+kind, queueConfig{visibility: benchVisibility})
+			dlq, _ := createQueue(b, c, "bench-dlq", queueConfig{})
+			benchPublish(b, newClient(b, nil), url, b.N)
+			l, err := br.NewConsumer(context.Background(), name, consumer.WithConcurrency(benchConcurrency),
+				consumer.WithMaxInFlight(benchMaxInFlight), consumer.WithLogger(slog.New(slog.NewTextHandler(io.Discard, nil))))
+			if err != nil {
+				b.Fatal(err)
+			}
+			var h consumer.Handler = consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })
+			if kind == "standard" {
+				stack, err := consumer.Standard(br, dlq)
+				if err != nil {
+					b.Fatal(err)
+				}
+				h = stack.Wrap(h)
+			}
+			before := cs.snapshot()
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			b.ResetTimer()
+			start := time.Now()
+			done := make(chan error, 1)
+			go func() { done <- l.Run(ctx, h) }()
+			for l.Stats().Acked < int64(b.N) {
+				time.Sleep(time.Millisecond)
+			}
+			elapsed := time.Since(start)
+			b.StopTimer()
+			calls := totalCalls(cs.snapshot(), before)
+			cancel()
+			if err := <-done; err != nil {
+				b.Fatal(err)
+			}
+			if s := l.Stats(); s.Failed != 0 || s.Returned != 0 {
+				b.Fatalf("stats %+v", s)
+			}
+			reportRate(b, "consume", b.N, elapsed, calls)
+		})
+	}
+}
+
+// BenchmarkPublish publishes b.N messages (-benchtime=100000x for 100k):
+// raw SendMessageBatch calls of ten in benchParallel goroutines, then
+// Broker.Publish of ten messages in as many goroutines, then Publish calls
+// of a thousand messages, each sending benchParallel batches at once.
+func BenchmarkPublish(b *testing.B) {
+	msg := func(i int) consumer.Message {
+		return consumer.Message{Body: benchBody, Headers: map[string]string{"seq": strconv.Itoa(i)}}
+	}
+	b.Run("raw", func(b *testing.B) {
+		var cs calls
+		c := newClient(b, &cs)
+		_, url := createQueue(b, c, "bench-pub-raw", queueConfig{})
+		before := cs.snapshot()
+		b.ResetTimer()
+		start := time.Now()
+		benchPublish(b, c, url, b.N)
+		elapsed := time.Since(start)
+		b.StopTimer()
+		reportRate(b, "publish", b.N, elapsed, totalCalls(cs.snapshot(), before))
+	})
+	for _, per := range []int{10, 1000} {
+		b.Run(fmt.Sprint("ferry-", per), func(b *testing.B) {
+			var cs calls
+			c := newClient(b, &cs)
+			br := newBroker(b, c)
+			name, _ := createQueue(b, c, "bench-pub", queueConfig{})
+			if err := br.Publish(context.Background(), name, msg(-1)); err != nil { // looks the queue up
+				b.Fatal(err)
+			}
+			parallel := benchParallel
+			if per > 10 {
+				parallel = 1 // Publish itself sends benchParallel batches at once
+			}
+			before := cs.snapshot()
+			b.ResetTimer()
+			start := time.Now()
+			var next atomic.Int64
+			var wg sync.WaitGroup
+			for range parallel {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					msgs := make([]consumer.Message, 0, per)
+					for {
+						first := int(next.Add(int64(per))) - per
+						if first >= b.N {
+							return
+						}
+						msgs = msgs[:0]
+						for i := first; i < min(first+per, b.N); i++ {
+							msgs = append(msgs, msg(i))
+						}
+						if err := br.Publish(context.Background(), name, msgs...); err != nil {
+							b.Error(err)
+							return
+						}
+					}
+				}()
+			}
+			wg.Wait()
+			elapsed := time.Since(start)
+			b.StopTimer()
+			reportRate(b, "publish", b.N, elapsed, totalCalls(cs.snapshot(), before))
+		})
+	}
+}
+
+func totalCalls(after, before map[string]int) int {
+	n := 0
+	for op, k := range after {
+		switch op {
+		case "ReceiveMessage", "DeleteMessageBatch", "ChangeMessageVisibilityBatch", "SendMessageBatch":
+			n += k - before[op]
+		}
+	}
+	return n
+}

@@ -1,0 +1,374 @@
+package sqs
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net/url"
+	"path"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
+	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/driver"
+)
+
+// Limits of Amazon SQS that Ferry works within.
+const (
+	// MaxBatch is the most entries one batch call takes.
+	MaxBatch = 10
+	// MaxAttributes is the most message attributes one message carries.
+	MaxAttributes = 10
+	// DefaultMaxMessageSize is the message size limit assumed for a queue
+	// that does not report its MaximumMessageSize (1 MiB, SQS's ceiling
+	// since 2025).
+	DefaultMaxMessageSize = 1 << 20
+	// MaxBatchSize is the most bytes one SendMessageBatch carries, summed
+	// over its messages.
+	MaxBatchSize = 1 << 20
+	// MaxVisibility is the longest a message can stay invisible after one
+	// receive, extensions included.
+	MaxVisibility = 12 * time.Hour
+)
+
+// Broker is Ferry over Amazon SQS through one *sqs.Client of
+// aws-sdk-go-v2. It is a consumer.Publisher, and it builds consumers of
+// its queues with NewConsumer. It is safe for concurrent use.
+type Broker struct {
+	client *awssqs.Client
+	cfg    config
+
+	mu      sync.Mutex
+	queues  map[string]*queueInfo // by the name or URL a caller gave
+	drivers map[*sqsDriver]struct{}
+	closed  chan struct{}
+	once    sync.Once
+
+	stats brokerStats
+}
+
+type brokerStats struct {
+	leasesLost, visibilityCapped, released atomic.Int64
+}
+
+// Stats is a snapshot of a Broker's counters, summed over its consumers.
+type Stats struct {
+	// LeasesLost counts deliveries whose extension SQS refused because the
+	// receipt handle was no longer good (its visibility had run out, and
+	// another receive may hold the message). Their extension ends quietly;
+	// each is counted once. A growing count says that handlers outlive the
+	// visibility timeout by more than the extensions can cover.
+	LeasesLost int64
+	// VisibilityCapped counts deliveries that reached SQS's 12-hour limit
+	// of visibility after one receive: they are not extended further and
+	// are delivered again when the limit passes.
+	VisibilityCapped int64
+	// Released counts messages received from SQS but never handed to a
+	// handler, because their consumer stopped first; they were made
+	// visible again at once.
+	Released int64
+}
+
+// Stats returns a snapshot of the broker's counters.
+func (b *Broker) Stats() Stats {
+	return Stats{
+		LeasesLost:       b.stats.leasesLost.Load(),
+		VisibilityCapped: b.stats.visibilityCapped.Load(),
+		Released:         b.stats.released.Load(),
+	}
+}
+
+type config struct {
+	logger          *slog.Logger
+	waitTime        time.Duration
+	settleWindow    time.Duration
+	publishParallel int
+	receivers       int
+}
+
+// Option configures New. An option given a bad value makes New fail with a
+// *consumer.ConfigError naming the field.
+type Option func(*config) error
+
+func configErr(field, format string, args ...any) error {
+	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
+}
+
+// WithLogger sets where the broker and its drivers log. Default
+// slog.Default().
+func WithLogger(l *slog.Logger) Option {
+	return func(c *config) error {
+		if l == nil {
+			return configErr("sqs.Logger", "must not be nil")
+		}
+		c.logger = l
+		return nil
+	}
+}
+
+// WithWaitTime sets how long one ReceiveMessage waits for messages to
+// arrive (long polling, WaitTimeSeconds), in whole seconds from 1 to 20.
+// Default 20s, the most SQS allows: the fewest empty receives.
+func WithWaitTime(d time.Duration) Option {
+	return func(c *config) error {
+		if d < time.Second || d > 20*time.Second || d%time.Second != 0 {
+			return configErr("sqs.WaitTime", "must be whole seconds from 1s to 20s, got %s", d)
+		}
+		c.waitTime = d
+		return nil
+	}
+}
+
+// WithSettleWindow sets how long a consumer lets acknowledgements gather
+// before it sends a DeleteMessageBatch that is not full, when the previous
+// one went out less than that long ago. Under load, deletes then go out ten
+// at a time; when messages are few, each ack goes out at once. Default 10ms;
+// 0 sends every batch at once.
+func WithSettleWindow(d time.Duration) Option {
+	return func(c *config) error {
+		if d < 0 || d > time.Second {
+			return configErr("sqs.SettleWindow", "must be from 0 to 1s, got %s", d)
+		}
+		c.settleWindow = d
+		return nil
+	}
+}
+
+// WithPublishConcurrency sets how many SendMessageBatch calls one Publish
+// makes at once. Batches that share a key wait for each other, so the
+// messages of one key still go in order. Default 8.
+func WithPublishConcurrency(n int) Option {
+	return func(c *config) error {
+		if n < 1 {
+			return configErr("sqs.PublishConcurrency", "must be >= 1, got %d", n)
+		}
+		c.publishParallel = n
+		return nil
+	}
+}
+
+// WithMaxReceivers bounds how many ReceiveMessage calls one consumer has
+// open at once. A consumer opens as many as it takes to fill its bound on
+// messages in flight (consumer.WithMaxInFlight), ten messages each, and no
+// more. Default 32.
+func WithMaxReceivers(n int) Option {
+	return func(c *config) error {
+		if n < 1 {
+			return configErr("sqs.MaxReceivers", "must be >= 1, got %d", n)
+		}
+		c.receivers = n
+		return nil
+	}
+}
+
+// New returns a Broker over client, which the caller configured with
+// whatever region, credentials, endpoint, retryer and HTTP client the
+// deployment needs (config.LoadDefaultConfig and sqs.NewFromConfig, the
+// default credential chain, or sqs.New with explicit options). The Broker
+// does not change the client and makes no call until it is used. It fails
+// with a *consumer.ConfigError when client is nil or an option is invalid.
+func New(client *awssqs.Client, opts ...Option) (*Broker, error) {
+	if client == nil {
+		return nil, configErr("sqs.Client", "must not be nil")
+	}
+	c := config{waitTime: 20 * time.Second, settleWindow: 10 * time.Millisecond, publishParallel: 8, receivers: 32}
+	for _, o := range opts {
+		if o == nil {
+			continue
+		}
+		if err := o(&c); err != nil {
+			return nil, err
+		}
+	}
+	if c.logger == nil {
+		c.logger = slog.Default()
+	}
+	return &Broker{
+		client:  client,
+		cfg:     c,
+		queues:  make(map[string]*queueInfo),
+		drivers: make(map[*sqsDriver]struct{}),
+		closed:  make(chan struct{}),
+	}, nil
+}
+
+// Client returns the client the broker was built over.
+func (b *Broker) Client() *awssqs.Client { return b.client }
+
+// Close closes the broker: later calls fail with ErrClosed, and every
+// consumer built by it ends its Run with a fatal error wrapping ErrClosed
+// (messages it held and did not settle come back after their visibility
+// timeout). It waits up to two seconds for their short receives to end by
+// themselves and gives back what they bring (see Stopping in the package
+// documentation). The client stays usable.
+// Close is safe to call more than once.
+func (b *Broker) Close() error {
+	b.once.Do(func() { close(b.closed) })
+	b.mu.Lock()
+	ds := make([]*sqsDriver, 0, len(b.drivers))
+	for d := range b.drivers {
+		ds = append(ds, d)
+	}
+	b.mu.Unlock()
+	var wg sync.WaitGroup
+	for _, d := range ds {
+		wg.Add(1)
+		go func() { defer wg.Done(); _ = d.Close() }()
+	}
+	wg.Wait()
+	return nil
+}
+
+func (b *Broker) isClosed() bool {
+	select {
+	case <-b.closed:
+		return true
+	default:
+		return false
+	}
+}
+
+// queueInfo is what the broker knows of one queue.
+type queueInfo struct {
+	url, name    string
+	fifo         bool
+	contentDedup bool
+	maxSize      int
+	visibility   time.Duration
+}
+
+// queueAttributes are the attributes the broker reads once per queue.
+var queueAttributes = []types.QueueAttributeName{
+	types.QueueAttributeNameVisibilityTimeout,
+	types.QueueAttributeNameFifoQueue,
+	types.QueueAttributeNameMaximumMessageSize,
+	types.QueueAttributeNameContentBasedDeduplication,
+}
+
+// resolve returns the queue named by queue, a name or a URL, from the
+// cache or from SQS (GetQueueUrl for a name, then GetQueueAttributes).
+func (b *Broker) resolve(ctx context.Context, queue string) (*queueInfo, error) {
+	if queue == "" {
+		return nil, configErr("sqs.Queue", "must not be empty")
+	}
+	b.mu.Lock()
+	q := b.queues[queue]
+	b.mu.Unlock()
+	if q != nil {
+		return q, nil
+	}
+	q = &queueInfo{}
+	if strings.HasPrefix(queue, "https://") || strings.HasPrefix(queue, "http://") {
+		u, err := url.Parse(queue)
+		if err != nil || path.Base(u.Path) == "" || path.Base(u.Path) == "/" {
+			return nil, configErr("sqs.Queue", "%q is not a queue URL", queue)
+		}
+		q.url, q.name = queue, path.Base(u.Path)
+	} else {
+		out, err := b.client.GetQueueUrl(ctx, &awssqs.GetQueueUrlInput{QueueName: aws.String(queue)})
+		if err != nil {
+			return nil, queueErr("GetQueueUrl", queue, err)
+		}
+		q.url, q.name = aws.ToString(out.QueueUrl), queue
+	}
+	out, err := b.client.GetQueueAttributes(ctx, &awssqs.GetQueueAttributesInput{
+		QueueUrl: aws.String(q.url), AttributeNames: queueAttributes,
+	})
+	if err != nil {
+		return nil, queueErr("GetQueueAttributes", q.name, err)
+	}
+	a := out.Attributes
+	q.fifo = a[string(types.QueueAttributeNameFifoQueue)] == "true" || strings.HasSuffix(q.name, ".fifo")
+	q.contentDedup = a[string(types.QueueAttributeNameContentBasedDeduplication)] == "true"
+	q.maxSize = DefaultMaxMessageSize
+	if v, err := strconv.Atoi(a[string(types.QueueAttributeNameMaximumMessageSize)]); err == nil && v > 0 {
+		q.maxSize = v
+	}
+	if v, err := strconv.Atoi(a[string(types.QueueAttributeNameVisibilityTimeout)]); err == nil && v >= 0 {
+		q.visibility = time.Duration(v) * time.Second
+	}
+	b.mu.Lock()
+	b.queues[queue] = q
+	b.mu.Unlock()
+	return q, nil
+}
+
+// forget drops a queue from the cache (it was deleted, or its attributes
+// may have changed).
+func (b *Broker) forget(queue string) {
+	b.mu.Lock()
+	delete(b.queues, queue)
+	b.mu.Unlock()
+}
+
+// queueErr wraps err from op on queue, marked driver.Fatal when consuming
+// cannot go on by itself (no such queue, bad credentials, access denied).
+func queueErr(op, queue string, err error) error {
+	err = fmt.Errorf("sqs: %s %q: %w", op, queue, err)
+	if isFatal(err) {
+		return driver.Fatal(err)
+	}
+	return err
+}
+
+// NewConsumer returns a delivery loop over the queue named by queue (a name
+// or a queue URL): consumer.New over Driver(ctx, queue) with opts. ctx
+// bounds the calls that look the queue up (GetQueueUrl,
+// GetQueueAttributes); a queue that does not exist, bad credentials or a
+// denied action fail here already, with an error matched by
+// driver.IsFatal. It fails with a *consumer.ConfigError when an option is
+// invalid or the queue's visibility timeout is below driver.MinLease.
+func (b *Broker) NewConsumer(ctx context.Context, queue string, opts ...consumer.Option) (*consumer.Loop, error) {
+	d, err := b.Driver(ctx, queue)
+	if err != nil {
+		return nil, err
+	}
+	l, err := consumer.New(d, opts...)
+	if err != nil {
+		_ = d.Close()
+		return nil, err
+	}
+	return l, nil
+}
+
+// Driver returns the raw driver over a queue, for consumer.New or a loop
+// of one's own. It implements driver.Extender (the lease is the queue's
+// visibility timeout), driver.LagReporter and driver.Aser (a
+// *types.Message target gets the message as ReceiveMessage returned it).
+// Each consumer needs its own; several drivers of one queue share its
+// messages as SQS shares them between receivers.
+func (b *Broker) Driver(ctx context.Context, queue string) (driver.Driver, error) {
+	if b.isClosed() {
+		return nil, fmt.Errorf("sqs: driver for %q: %w", queue, ErrClosed)
+	}
+	q, err := b.resolve(ctx, queue)
+	if err != nil {
+		return nil, err
+	}
+	if q.visibility < driver.MinLease {
+		return nil, configErr("sqs.VisibilityTimeout", "of queue %q is %s; a consumer needs at least %s to keep its messages", q.name, q.visibility, driver.MinLease)
+	}
+	d := newDriver(b, q)
+	b.mu.Lock()
+	if b.isClosed() {
+		b.mu.Unlock()
+		_ = d.Close()
+		return nil, fmt.Errorf("sqs: driver for %q: %w", queue, ErrClosed)
+	}
+	b.drivers[d] = struct{}{}
+	b.mu.Unlock()
+	return d, nil
+}
+
+func (b *Broker) dropDriver(d *sqsDriver) {
+	b.mu.Lock()
+	delete(b.drivers, d)
+	b.mu.Unlock()
+}

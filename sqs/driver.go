@@ -1,0 +1,960 @@
+package sqs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"net/http"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
+	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
+	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
+
+	"github.com/ferrymq/ferry/consumer/driver"
+)
+
+// receipt is the driver's handle of one delivery: what Settle, Extend and
+// As are given back.
+type receipt struct {
+	handle     string
+	msg        types.Message // as ReceiveMessage returned it, for As
+	receivedAt time.Time     // when the receive that got it answered
+	leaseStart time.Time     // when its visibility last started (while buffered)
+	dead       atomic.Bool   // SQS refused its extension: the handle is no longer good
+	capped     atomic.Bool   // reached MaxVisibility
+}
+
+// pending is a received message not yet handed to the loop.
+type pending struct {
+	r *receipt
+	m driver.Message
+}
+
+// attemptID is a FIFO ReceiveRequestAttemptId of a receive that failed,
+// to be reused by the next receive within SQS's five minutes.
+type attemptID struct {
+	id   string
+	used time.Time
+}
+
+// Times the driver keeps to.
+const (
+	// httpSlack is how much longer than the long-poll wait a receive may
+	// take before it is given up.
+	httpSlack = 10 * time.Second
+	// stopWait is how long Fetch, when its context ends, waits for the
+	// receives it has open to answer before it cuts them.
+	stopWait = 500 * time.Millisecond
+	// closeWait is how long Close waits for open short receives (a
+	// backlog's, waiting a second) to end by themselves before it cuts
+	// them. Long polls are cut at once: they ask for pollVisibility only.
+	closeWait = 2 * time.Second
+	// pollVisibility is the VisibilityTimeout a long poll (a wait above a
+	// second) asks for; what it brings is extended to the Lease as soon as
+	// it answers. A poll cut by Close, a timeout or the process ending
+	// stays open in SQS until its wait time ends and takes the next
+	// messages: they then stay invisible this long, not a whole lease.
+	pollVisibility = 3 * time.Second
+	// releaseTimeout bounds the call that gives back, at Close, messages
+	// received and never handed over.
+	releaseTimeout = 5 * time.Second
+	// attemptIDTTL is how long a FIFO ReceiveRequestAttemptId is reused
+	// (SQS keeps one for five minutes).
+	attemptIDTTL = 4 * time.Minute
+	// roomWait is how long a Fetch with room for less than a full receive
+	// waits, with a backlog, for the acks in flight to make more, and
+	// roomWaits how many times in a row before it receives what fits.
+	roomWait  = 5 * time.Millisecond
+	roomWaits = 4
+	// batchCalls bounds the batch calls one Settle or Extend makes at once.
+	batchCalls = 16
+)
+
+// sqsDriver is the driver.Driver over one queue.
+//
+// Fetch opens enough ReceiveMessage calls to fill the room the loop gives
+// it (max), ten messages each, and no more, so the loop's bound on messages
+// in flight holds for the messages the driver holds too. Receives run only
+// inside Fetch: while the loop does not fetch (full, or paused by an open
+// breaker), no receive runs, and none is left behind when the loop stops.
+// What the first receives bring waits in buf until the last one answered;
+// the keeper goroutine extends it should that take a third of the lease.
+type sqsDriver struct {
+	b        *Broker
+	q        *queueInfo
+	lease    time.Duration
+	maxVis   time.Duration
+	wait     int32
+	httpOpt  func(*awssqs.Options)
+	log      *slog.Logger
+	capacity int
+
+	// keepMu is held by whoever extends buffered messages (the keeper, or
+	// Fetch before it hands them over), so that a message is never
+	// extended after it was handed to the loop.
+	keepMu sync.Mutex
+
+	mu          sync.Mutex
+	buf         []pending
+	outstanding int // messages the open receives asked for
+	receiving   int // open receives
+	recvErr     error
+	stopped     bool // Fetch saw its context end: open no more receives
+	cut         bool // and handed over what it had: give back what comes later
+	attemptIDs  []attemptID
+	oldestSent  time.Time // of the messages of the latest receive that got any
+	backlog     bool      // the latest receive came back full
+	maxSeen     int       // the most room a Fetch was given
+	roomWaits   int       // Fetches in a row that waited for room
+	notify      chan struct{}
+
+	recvCtx    context.Context // of short receives
+	recvCancel context.CancelFunc
+	pollCtx    context.Context // of long polls
+	pollCancel context.CancelFunc
+	wg         sync.WaitGroup
+	done       chan struct{}
+	closeOnce  sync.Once
+
+	lastSettle time.Time // used by Settle only
+}
+
+var (
+	_ driver.Driver      = (*sqsDriver)(nil)
+	_ driver.Extender    = (*sqsDriver)(nil)
+	_ driver.LagReporter = (*sqsDriver)(nil)
+	_ driver.Aser        = (*sqsDriver)(nil)
+)
+
+func newDriver(b *Broker, q *queueInfo) *sqsDriver {
+	d := &sqsDriver{
+		b:        b,
+		q:        q,
+		lease:    q.visibility,
+		maxVis:   MaxVisibility,
+		wait:     int32(b.cfg.waitTime / time.Second),
+		log:      b.cfg.logger.With("queue", q.name),
+		capacity: b.cfg.receivers * MaxBatch,
+		notify:   make(chan struct{}),
+		done:     make(chan struct{}),
+	}
+	d.recvCtx, d.recvCancel = context.WithCancel(context.Background())
+	d.pollCtx, d.pollCancel = context.WithCancel(context.Background())
+	d.httpOpt = longPollHTTP(b.client, b.cfg.waitTime+httpSlack)
+	d.wg.Add(1)
+	go d.keeper()
+	return d
+}
+
+// longPollHTTP returns an option that gives ReceiveMessage an HTTP client
+// whose timeout outlasts the long poll, when the client's own is shorter;
+// nil when it needs none.
+func longPollHTTP(c *awssqs.Client, need time.Duration) func(*awssqs.Options) {
+	switch hc := c.Options().HTTPClient.(type) {
+	case *awshttp.BuildableClient:
+		if hc.GetTimeout() == 0 || hc.GetTimeout() >= need {
+			return nil
+		}
+		longer := hc.WithTimeout(need)
+		return func(o *awssqs.Options) { o.HTTPClient = longer }
+	case *http.Client:
+		if hc.Timeout == 0 || hc.Timeout >= need {
+			return nil
+		}
+		// The same client (transport, redirects, cookies) with a timeout
+		// that outlives the poll.
+		longer := *hc
+		longer.Timeout = need
+		return func(o *awssqs.Options) { o.HTTPClient = &longer }
+	}
+	return nil
+}
+
+func (d *sqsDriver) closed() bool {
+	select {
+	case <-d.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// signal wakes whoever waits on d.notify. Called with d.mu held.
+func (d *sqsDriver) signal() {
+	close(d.notify)
+	d.notify = make(chan struct{})
+}
+
+// Fetch hands over up to max received messages. It opens receives for the
+// room it was given and returns once all of them have answered (so no
+// receive outlives the Fetch that opened it, and a consumer that stops
+// between two fetches leaves nothing received behind), ctx ends, or the
+// driver closes. While receives come back full the queue has a backlog:
+// Fetch opens as many as fill the room, each waiting at most a second. Once
+// one comes back short, it opens a single long poll (WithWaitTime), which
+// answers as soon as a message arrives.
+func (d *sqsDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([]driver.Message, error) {
+	max = min(max, d.capacity)
+	if max <= 0 {
+		max = 1
+	}
+	waited := false
+	for {
+		if d.closed() || d.b.isClosed() {
+			return dst, driver.Fatal(fmt.Errorf("sqs: fetch from %q: %w", d.q.name, ErrClosed))
+		}
+		if err := ctx.Err(); err != nil {
+			return d.stop(dst, max, err)
+		}
+		d.mu.Lock()
+		if d.receiving == 0 {
+			if len(d.buf) > 0 {
+				d.mu.Unlock()
+				return d.handOver(dst, max), nil
+			}
+			if err := d.recvErr; err != nil {
+				d.recvErr = nil
+				d.mu.Unlock()
+				return dst, err
+			}
+			if waited {
+				// The receives came back empty: return, so that the loop
+				// can pause fetching (an open breaker) before the next.
+				d.mu.Unlock()
+				return dst, nil
+			}
+			if max > d.maxSeen {
+				d.maxSeen = max
+			}
+			if d.backlog && max < MaxBatch && d.maxSeen >= MaxBatch && d.roomWaits < roomWaits {
+				// A backlog, and room for less than a full receive: let the
+				// acks in flight make room first, a few milliseconds.
+				d.roomWaits++
+				d.mu.Unlock()
+				t := time.NewTimer(roomWait)
+				select {
+				case <-t.C:
+				case <-ctx.Done():
+				case <-d.done:
+				}
+				t.Stop()
+				return dst, nil
+			}
+			d.roomWaits = 0
+			d.fill(max)
+		}
+		wake := d.notify
+		d.mu.Unlock()
+		select {
+		case <-wake:
+			waited = true
+		case <-ctx.Done():
+		case <-d.done:
+		}
+	}
+}
+
+// fill opens receives for room messages: with a backlog, ten messages each
+// while ten fit (one smaller receive only when ten do not); without, one.
+// Called with d.mu held and no receive open.
+func (d *sqsDriver) fill(room int) {
+	backlog := d.backlog
+	for room > 0 && d.receiving < d.b.cfg.receivers && !d.stopped && !d.closed() && !d.b.isClosed() {
+		n := min(room, MaxBatch)
+		if n < MaxBatch && d.receiving > 0 {
+			return
+		}
+		d.outstanding += n
+		d.receiving++
+		room -= n
+		id := ""
+		if d.q.fifo {
+			id = d.takeAttemptID()
+		}
+		wait := d.wait
+		if backlog {
+			wait = 1
+		}
+		d.wg.Add(1)
+		go d.receive(int32(n), wait, id)
+		if !backlog {
+			return
+		}
+	}
+}
+
+// takeAttemptID returns the ReceiveRequestAttemptId of a failed receive
+// that may still be retried, or a fresh one. Called with d.mu held.
+func (d *sqsDriver) takeAttemptID() string {
+	for len(d.attemptIDs) > 0 {
+		a := d.attemptIDs[len(d.attemptIDs)-1]
+		d.attemptIDs = d.attemptIDs[:len(d.attemptIDs)-1]
+		if time.Since(a.used) < attemptIDTTL {
+			return a.id
+		}
+	}
+	return randomID()
+}
+
+// receiveAttributes are the system attributes every receive asks for.
+var receiveAttributes = []types.MessageSystemAttributeName{types.MessageSystemAttributeNameAll}
+
+var allMessageAttributes = []string{"All"}
+
+// receive makes one ReceiveMessage call for n messages and buffers what it
+// brings.
+func (d *sqsDriver) receive(n, wait int32, attempt string) {
+	defer d.wg.Done()
+	// Every receive asks for the visibility it relies on (not the queue's
+	// attribute, which may have changed since it was read): the Lease, or
+	// for a long poll pollVisibility, extended to the Lease on its answer.
+	vis, parent := d.lease, d.recvCtx
+	if wait > 1 {
+		parent = d.pollCtx
+		vis = min(d.lease, pollVisibility)
+	}
+	in := &awssqs.ReceiveMessageInput{
+		QueueUrl:                    aws.String(d.q.url),
+		MaxNumberOfMessages:         n,
+		WaitTimeSeconds:             wait,
+		VisibilityTimeout:           int32(vis / time.Second),
+		MessageSystemAttributeNames: receiveAttributes,
+		MessageAttributeNames:       allMessageAttributes,
+	}
+	if attempt != "" {
+		in.ReceiveRequestAttemptId = aws.String(attempt)
+	}
+	ctx, cancel := context.WithTimeout(parent, time.Duration(wait)*time.Second+httpSlack)
+	sent := time.Now()
+	var out *awssqs.ReceiveMessageOutput
+	var err error
+	if d.httpOpt != nil {
+		out, err = d.b.client.ReceiveMessage(ctx, in, d.httpOpt)
+	} else {
+		out, err = d.b.client.ReceiveMessage(ctx, in)
+	}
+	cancel()
+	// SQS starts the visibility when it hands the messages out, at the end
+	// of a long poll; the answer's arrival is close after.
+	at := time.Now()
+
+	var got []pending
+	var bad int
+	if err == nil {
+		got = make([]pending, 0, len(out.Messages))
+		for i := range out.Messages {
+			m := &out.Messages[i]
+			r := &receipt{handle: aws.ToString(m.ReceiptHandle), msg: *m, receivedAt: at, leaseStart: at}
+			p := pending{r: r, m: driver.Message{Handle: r}}
+			if derr := decode(d.q, m, &p.m); derr != nil {
+				bad++
+			}
+			got = append(got, p)
+		}
+	}
+	if bad > 0 {
+		d.log.Warn("ferry/sqs: received messages whose "+MetaAttribute+" attribute is malformed; delivering their body and attributes as SQS gave them", "count", bad)
+	}
+	if len(got) > 0 && vis < d.lease {
+		d.mu.Lock()
+		keep := !d.cut && !d.closed()
+		d.mu.Unlock()
+		if keep {
+			got = d.takeLease(got, at)
+		}
+	}
+
+	d.mu.Lock()
+	d.outstanding -= int(n)
+	d.receiving--
+	release := d.cut || d.closed()
+	switch {
+	case err != nil:
+		if attempt != "" && !d.closed() {
+			// A receive that may have been taken by SQS: retry with the
+			// same id, so a FIFO queue hands the same messages back
+			// instead of holding their groups until the visibility ends.
+			d.attemptIDs = append(d.attemptIDs, attemptID{attempt, sent})
+		}
+		if !d.closed() {
+			d.recvErr = queueErr("ReceiveMessage", d.q.name, err)
+		}
+	case release:
+	default:
+		d.backlog = len(got) == int(n)
+		if len(got) > 0 {
+			oldest := got[0].m.PublishedAt
+			for _, p := range got[1:] {
+				if p.m.PublishedAt.Before(oldest) {
+					oldest = p.m.PublishedAt
+				}
+			}
+			d.oldestSent = oldest
+		}
+		d.buf = append(d.buf, got...)
+	}
+	d.signal()
+	d.mu.Unlock()
+	if release && len(got) > 0 {
+		d.release(got)
+	}
+}
+
+// takeLease extends what a long poll brought, received at at with
+// pollVisibility, to the Lease, and returns the messages it extended.
+// Those it could not extend are left to come back after pollVisibility
+// rather than handed to the loop, which would count a whole lease.
+func (d *sqsDriver) takeLease(got []pending, at time.Time) []pending {
+	rs := make([]*receipt, len(got))
+	for i, p := range got {
+		rs[i] = p.r
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), pollVisibility)
+	err := d.extend(ctx, rs, d.lease)
+	cancel()
+	kept := got[:0]
+	for _, p := range got {
+		if !p.r.leaseStart.Equal(at) && !p.r.dead.Load() {
+			kept = append(kept, p)
+		}
+	}
+	if n := len(got) - len(kept); n > 0 {
+		d.log.Warn("ferry/sqs: extending messages a long poll brought failed; they come back after a few seconds", "err", err, "count", n)
+	}
+	clear(got[len(kept):])
+	return kept
+}
+
+// handOver moves up to max buffered messages to dst. Messages that waited
+// in the buffer long enough for their visibility to be partly spent are
+// extended first, so the loop, which counts a lease from the hand-over,
+// extends them in time.
+func (d *sqsDriver) handOver(dst []driver.Message, max int) []driver.Message {
+	d.keepMu.Lock()
+	defer d.keepMu.Unlock()
+	d.mu.Lock()
+	n := min(max, len(d.buf))
+	taken := make([]pending, n)
+	copy(taken, d.buf)
+	clear(d.buf[:n])
+	d.buf = d.buf[n:]
+	if len(d.buf) == 0 {
+		d.buf = nil
+	}
+	d.mu.Unlock()
+	var aged []*receipt
+	now := time.Now()
+	for _, p := range taken {
+		if now.Sub(p.r.leaseStart) > d.lease/12 {
+			aged = append(aged, p.r)
+		}
+	}
+	if len(aged) > 0 {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		if err := d.extend(ctx, aged, d.lease); err != nil {
+			d.log.Warn("ferry/sqs: extending received messages before handing them over failed", "err", err, "count", len(aged))
+		}
+		cancel()
+	}
+	for _, p := range taken {
+		if p.r.dead.Load() {
+			// Its visibility ran out in the buffer (another receive may
+			// hold it now): not handed over, counted in LeasesLost.
+			continue
+		}
+		dst = append(dst, p.m)
+	}
+	return dst
+}
+
+// stop ends fetching: no receive is opened any more, the receives still
+// open get a moment to answer, and what was received is handed over with
+// err. Receives still open after that are not cut (SQS would keep a cut
+// poll open and hand it the next messages, left invisible for the
+// visibility timeout): they end by themselves, and what they bring is
+// given back at once; Close waits for them.
+func (d *sqsDriver) stop(dst []driver.Message, max int, err error) ([]driver.Message, error) {
+	d.mu.Lock()
+	d.stopped = true
+	timer := time.NewTimer(stopWait)
+wait:
+	for d.receiving > 0 {
+		wake := d.notify
+		d.mu.Unlock()
+		select {
+		case <-wake:
+		case <-timer.C:
+			d.mu.Lock()
+			break wait
+		case <-d.done:
+		}
+		d.mu.Lock()
+	}
+	timer.Stop()
+	d.cut = true
+	d.mu.Unlock()
+	return d.handOver(dst, max), err
+}
+
+// keeper extends the visibility of messages that wait in the buffer (the
+// loop is not fetching: full, or paused by an open breaker) before a third
+// of it is left.
+func (d *sqsDriver) keeper() {
+	defer d.wg.Done()
+	t := time.NewTicker(max(d.lease/6, 50*time.Millisecond))
+	defer t.Stop()
+	for {
+		select {
+		case <-d.done:
+			return
+		case <-t.C:
+		}
+		d.keepMu.Lock()
+		d.mu.Lock()
+		var due []*receipt
+		now := time.Now()
+		for _, p := range d.buf {
+			if now.Sub(p.r.leaseStart) >= d.lease/3 && !p.r.dead.Load() {
+				due = append(due, p.r)
+			}
+		}
+		d.mu.Unlock()
+		if len(due) > 0 {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			if err := d.extend(ctx, due, d.lease); err != nil {
+				d.log.Warn("ferry/sqs: extending received messages failed", "err", err, "count", len(due))
+			}
+			cancel()
+			d.mu.Lock()
+			kept := d.buf[:0]
+			for _, p := range d.buf {
+				if !p.r.dead.Load() {
+					kept = append(kept, p)
+				}
+			}
+			clear(d.buf[len(kept):])
+			d.buf = kept
+			d.mu.Unlock()
+		}
+		d.keepMu.Unlock()
+	}
+}
+
+// release makes received messages visible again at once: their consumer
+// stopped before it could hand them over. Each still counts a receive.
+func (d *sqsDriver) release(ps []pending) {
+	ctx, cancel := context.WithTimeout(context.Background(), releaseTimeout)
+	defer cancel()
+	batch := make([]driver.Settlement, len(ps))
+	for i, p := range ps {
+		batch[i] = driver.Settlement{Handle: p.r, Action: driver.Return, NotAttempted: true}
+	}
+	if err := d.settle(ctx, batch); err != nil {
+		d.log.Warn("ferry/sqs: giving back messages received as the consumer stopped failed; they come back after their visibility timeout", "err", err, "count", len(ps))
+	}
+	d.b.stats.released.Add(int64(len(ps)))
+}
+
+// Capabilities reports that SQS redelivers returned messages.
+func (d *sqsDriver) Capabilities() driver.Capabilities {
+	return driver.Capabilities{Redelivers: true}
+}
+
+// Lease is the queue's visibility timeout.
+func (d *sqsDriver) Lease() time.Duration { return d.lease }
+
+// As serves consumer.Message.As: a *types.Message target gets the message
+// as ReceiveMessage returned it.
+func (d *sqsDriver) As(handle, target any) bool {
+	r, ok := handle.(*receipt)
+	if !ok || r == nil {
+		return false
+	}
+	switch t := target.(type) {
+	case *types.Message:
+		if t == nil {
+			return false
+		}
+		*t = r.msg
+		return true
+	}
+	return false
+}
+
+// Settle deletes acknowledged messages (DeleteMessageBatch) and changes the
+// visibility of returned ones to their delay (ChangeMessageVisibilityBatch),
+// ten entries a call, the calls made at once. A batch smaller than ten that
+// follows the previous one within the settle window waits out the window
+// first, so that under load the next batch gathers more. Entries SQS
+// refused are retried once when SQS was at fault, and the rest reported in
+// a *driver.SettleError by index.
+func (d *sqsDriver) Settle(ctx context.Context, batch []driver.Settlement) error {
+	if len(batch) == 0 {
+		return nil
+	}
+	if w := d.b.cfg.settleWindow; w > 0 && len(batch) < MaxBatch {
+		if since := time.Since(d.lastSettle); since < w {
+			t := time.NewTimer(w - since)
+			select {
+			case <-t.C:
+			case <-ctx.Done():
+			case <-d.done:
+			}
+			t.Stop()
+		}
+	}
+	d.lastSettle = time.Now()
+	return d.settle(ctx, batch)
+}
+
+// visibility is the VisibilityTimeout, in seconds, that gives r a further
+// dur from now: whole seconds rounded up, within what is left of the
+// 12-hour limit since r was received. ok is false when nothing is left.
+func (d *sqsDriver) visibility(r *receipt, dur time.Duration) (secs int32, ok bool) {
+	left := d.maxVis - time.Since(r.receivedAt) - time.Second
+	if left <= 0 {
+		return 0, false
+	}
+	dur = min(dur, left)
+	return int32(math.Ceil(dur.Seconds())), true
+}
+
+func (d *sqsDriver) settle(ctx context.Context, batch []driver.Settlement) error {
+	var acks, rets []int
+	for i := range batch {
+		if batch[i].Action == driver.Ack {
+			acks = append(acks, i)
+		} else {
+			rets = append(rets, i)
+		}
+	}
+	var (
+		mu     sync.Mutex
+		failed []int
+		errs   []error
+	)
+	fail := func(idx []int, err error) {
+		mu.Lock()
+		failed = append(failed, idx...)
+		errs = append(errs, err)
+		mu.Unlock()
+	}
+	var calls []func()
+	for start := 0; start < len(acks); start += MaxBatch {
+		chunk := acks[start:min(start+MaxBatch, len(acks))]
+		calls = append(calls, func() { d.deleteChunk(ctx, batch, chunk, fail) })
+	}
+	for start := 0; start < len(rets); start += MaxBatch {
+		chunk := rets[start:min(start+MaxBatch, len(rets))]
+		calls = append(calls, func() { d.returnChunk(ctx, batch, chunk, fail) })
+	}
+	runAll(calls)
+	if len(failed) == 0 {
+		return nil
+	}
+	return &driver.SettleError{Failed: failed, Err: errors.Join(errs...)}
+}
+
+// runAll runs fns, at most batchCalls at once, and waits for them.
+func runAll(fns []func()) {
+	if len(fns) == 1 {
+		fns[0]()
+		return
+	}
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, batchCalls)
+	for _, fn := range fns {
+		sem <- struct{}{}
+		wg.Add(1)
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			fn()
+		}()
+	}
+	wg.Wait()
+}
+
+func (d *sqsDriver) deleteChunk(ctx context.Context, batch []driver.Settlement, idx []int, fail func([]int, error)) {
+	const op = "DeleteMessageBatch"
+	todo := idx
+	for try := 0; len(todo) > 0; try++ {
+		entries := make([]types.DeleteMessageBatchRequestEntry, len(todo))
+		for j, i := range todo {
+			r, _ := batch[i].Handle.(*receipt)
+			if r == nil {
+				fail([]int{i}, fmt.Errorf("sqs: %s on %q: handle %T is not an SQS receipt", op, d.q.name, batch[i].Handle))
+				continue
+			}
+			entries[j] = types.DeleteMessageBatchRequestEntry{Id: aws.String(strconv.Itoa(i)), ReceiptHandle: aws.String(r.handle)}
+		}
+		entries = compact(entries, func(e types.DeleteMessageBatchRequestEntry) bool { return e.Id != nil })
+		if len(entries) == 0 {
+			return
+		}
+		out, err := d.b.client.DeleteMessageBatch(ctx, &awssqs.DeleteMessageBatchInput{QueueUrl: aws.String(d.q.url), Entries: entries})
+		if err != nil {
+			fail(ids(entries, func(e types.DeleteMessageBatchRequestEntry) *string { return e.Id }), queueErr(op, d.q.name, err))
+			return
+		}
+		todo = d.entryFailures(op, out.Failed, try, fail)
+	}
+}
+
+func (d *sqsDriver) returnChunk(ctx context.Context, batch []driver.Settlement, idx []int, fail func([]int, error)) {
+	const op = "ChangeMessageVisibilityBatch"
+	todo := idx
+	for try := 0; len(todo) > 0; try++ {
+		entries := make([]types.ChangeMessageVisibilityBatchRequestEntry, 0, len(todo))
+		for _, i := range todo {
+			s := &batch[i]
+			r, _ := s.Handle.(*receipt)
+			if r == nil {
+				fail([]int{i}, fmt.Errorf("sqs: %s on %q: handle %T is not an SQS receipt", op, d.q.name, s.Handle))
+				continue
+			}
+			secs, ok := d.visibility(r, s.Delay)
+			if !ok {
+				// Nothing left of the 12 hours: it comes back by itself now.
+				continue
+			}
+			if secs == 0 && !s.NotAttempted {
+				// A failed run never comes straight back: no hot loop of
+				// zero-visibility returns.
+				secs = 1
+			}
+			entries = append(entries, types.ChangeMessageVisibilityBatchRequestEntry{
+				Id: aws.String(strconv.Itoa(i)), ReceiptHandle: aws.String(r.handle), VisibilityTimeout: secs,
+			})
+		}
+		if len(entries) == 0 {
+			return
+		}
+		out, err := d.b.client.ChangeMessageVisibilityBatch(ctx, &awssqs.ChangeMessageVisibilityBatchInput{QueueUrl: aws.String(d.q.url), Entries: entries})
+		if err != nil {
+			fail(ids(entries, func(e types.ChangeMessageVisibilityBatchRequestEntry) *string { return e.Id }), queueErr(op, d.q.name, err))
+			return
+		}
+		todo = d.entryFailures(op, out.Failed, try, fail)
+	}
+}
+
+// entryFailures reports the failed entries of a batch call, by their ids
+// (the batch indices), and returns those worth one more try: SQS's own
+// fault, on the first try.
+func (d *sqsDriver) entryFailures(op string, failed []types.BatchResultErrorEntry, try int, fail func([]int, error)) []int {
+	var again []int
+	for _, f := range failed {
+		i, err := strconv.Atoi(aws.ToString(f.Id))
+		if err != nil {
+			continue
+		}
+		e := entryError(op, d.q.name, f)
+		if !e.SenderFault && try == 0 {
+			again = append(again, i)
+			continue
+		}
+		fail([]int{i}, e)
+	}
+	return again
+}
+
+func ids[E any](entries []E, id func(E) *string) []int {
+	out := make([]int, 0, len(entries))
+	for _, e := range entries {
+		if i, err := strconv.Atoi(aws.ToString(id(e))); err == nil {
+			out = append(out, i)
+		}
+	}
+	return out
+}
+
+func compact[E any](s []E, keep func(E) bool) []E {
+	out := s[:0]
+	for _, e := range s {
+		if keep(e) {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// Extend gives each delivery a fresh visibility of dur from now
+// (ChangeMessageVisibilityBatch, ten a call, the calls made at once), up to
+// SQS's 12-hour limit since it was received; a delivery at the limit is no
+// longer extended. A delivery whose receipt handle SQS no longer takes (its
+// visibility ran out) ends its extension quietly and is counted in
+// Stats.LeasesLost; other failures are returned.
+func (d *sqsDriver) Extend(ctx context.Context, handles []any, dur time.Duration) error {
+	rs := make([]*receipt, 0, len(handles))
+	for _, h := range handles {
+		if r, ok := h.(*receipt); ok && r != nil {
+			rs = append(rs, r)
+		}
+	}
+	return d.extend(ctx, rs, dur)
+}
+
+func (d *sqsDriver) extend(ctx context.Context, rs []*receipt, dur time.Duration) error {
+	const op = "ChangeMessageVisibilityBatch"
+	type entry struct {
+		r    *receipt
+		secs int32
+	}
+	var todo []entry
+	for _, r := range rs {
+		if r.dead.Load() || r.capped.Load() {
+			continue
+		}
+		secs, ok := d.visibility(r, dur)
+		if !ok {
+			if r.capped.CompareAndSwap(false, true) {
+				d.b.stats.visibilityCapped.Add(1)
+				d.log.Warn("ferry/sqs: a message reached SQS's 12-hour visibility limit; it will be delivered again while its handler runs",
+					"message_id", aws.ToString(r.msg.MessageId))
+			}
+			continue
+		}
+		todo = append(todo, entry{r, secs})
+	}
+	var (
+		mu   sync.Mutex
+		errs []error
+	)
+	now := time.Now()
+	var calls []func()
+	for start := 0; start < len(todo); start += MaxBatch {
+		chunk := todo[start:min(start+MaxBatch, len(todo))]
+		calls = append(calls, func() {
+			entries := make([]types.ChangeMessageVisibilityBatchRequestEntry, len(chunk))
+			for j, e := range chunk {
+				entries[j] = types.ChangeMessageVisibilityBatchRequestEntry{
+					Id: aws.String(strconv.Itoa(j)), ReceiptHandle: aws.String(e.r.handle), VisibilityTimeout: e.secs,
+				}
+			}
+			out, err := d.b.client.ChangeMessageVisibilityBatch(ctx, &awssqs.ChangeMessageVisibilityBatchInput{QueueUrl: aws.String(d.q.url), Entries: entries})
+			if err != nil {
+				mu.Lock()
+				errs = append(errs, queueErr(op, d.q.name, err))
+				mu.Unlock()
+				return
+			}
+			failed := make(map[int]bool, len(out.Failed))
+			for _, f := range out.Failed {
+				j, err := strconv.Atoi(aws.ToString(f.Id))
+				if err != nil || j < 0 || j >= len(chunk) {
+					continue
+				}
+				failed[j] = true
+				e := entryError(op, d.q.name, f)
+				if e.visibilityLimit() {
+					if chunk[j].r.capped.CompareAndSwap(false, true) {
+						d.b.stats.visibilityCapped.Add(1)
+						d.log.Warn("ferry/sqs: a message reached SQS's 12-hour visibility limit; it will be delivered again while its handler runs",
+							"message_id", aws.ToString(chunk[j].r.msg.MessageId))
+					}
+					continue
+				}
+				if e.expiredHandle() {
+					if chunk[j].r.dead.CompareAndSwap(false, true) {
+						d.b.stats.leasesLost.Add(1)
+						d.log.Debug("ferry/sqs: a message's visibility ran out before it could be extended; another receive may hold it",
+							"message_id", aws.ToString(chunk[j].r.msg.MessageId), "code", e.Code)
+					}
+					continue
+				}
+				mu.Lock()
+				errs = append(errs, e)
+				mu.Unlock()
+			}
+			for j, e := range chunk {
+				if !failed[j] {
+					e.r.leaseStart = now
+				}
+			}
+		})
+	}
+	runAll(calls)
+	return errors.Join(errs...)
+}
+
+// Lag reports the queue's depth from GetQueueAttributes: Messages counts
+// the visible and the delayed messages, InFlight those received and not yet
+// deleted or visible again (by every consumer of the queue). OldestAge is
+// an estimate from the messages this driver received last: how long ago
+// the oldest of them was sent, while the queue still has visible messages;
+// zero once it has none, or before anything was received.
+func (d *sqsDriver) Lag(ctx context.Context) (driver.Lag, error) {
+	out, err := d.b.client.GetQueueAttributes(ctx, &awssqs.GetQueueAttributesInput{
+		QueueUrl: aws.String(d.q.url),
+		AttributeNames: []types.QueueAttributeName{
+			types.QueueAttributeNameApproximateNumberOfMessages,
+			types.QueueAttributeNameApproximateNumberOfMessagesNotVisible,
+			types.QueueAttributeNameApproximateNumberOfMessagesDelayed,
+		},
+	})
+	if err != nil {
+		return driver.Lag{}, queueErr("GetQueueAttributes", d.q.name, err)
+	}
+	num := func(n types.QueueAttributeName) int64 {
+		v, _ := strconv.ParseInt(out.Attributes[string(n)], 10, 64)
+		return v
+	}
+	visible := num(types.QueueAttributeNameApproximateNumberOfMessages)
+	l := driver.Lag{
+		Messages: visible + num(types.QueueAttributeNameApproximateNumberOfMessagesDelayed),
+		InFlight: num(types.QueueAttributeNameApproximateNumberOfMessagesNotVisible),
+	}
+	d.mu.Lock()
+	oldest := d.oldestSent
+	d.mu.Unlock()
+	if visible > 0 && !oldest.IsZero() {
+		l.OldestAge = max(time.Since(oldest), 0)
+	}
+	return l, nil
+}
+
+// Close ends the driver: no receive is opened any more, open receives are
+// left to end by themselves (a long poll within its wait time; one cut
+// would stay open in SQS and take the next messages), messages received
+// and not handed over are made visible again at once, and later calls fail
+// with ErrClosed. Messages the loop holds and did not settle come back
+// after their visibility timeout.
+func (d *sqsDriver) Close() error {
+	d.closeOnce.Do(func() {
+		d.mu.Lock()
+		d.stopped = true
+		close(d.done) // under d.mu: fill opens no receive after this
+		d.mu.Unlock()
+		// A long poll is cut: Run must return within its grace, and a
+		// cut poll strands messages for pollVisibility only. Short
+		// receives get closeWait to end by themselves.
+		d.pollCancel()
+		ended := make(chan struct{})
+		go func() { d.wg.Wait(); close(ended) }()
+		t := time.NewTimer(closeWait)
+		select {
+		case <-ended:
+		case <-t.C:
+			d.recvCancel()
+			<-ended
+		}
+		t.Stop()
+		d.recvCancel()
+		d.mu.Lock()
+		left := d.buf
+		d.buf = nil
+		d.mu.Unlock()
+		if len(left) > 0 {
+			d.release(left)
+		}
+		d.b.dropDriver(d)
+	})
+	return nil
+}
