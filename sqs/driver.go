@@ -564,7 +564,7 @@ func (d *sqsDriver) release(ps []pending) {
 
 // Capabilities reports that SQS redelivers returned messages.
 func (d *sqsDriver) Capabilities() driver.Capabilities {
-	return driver.Capabilities{Redelivers: true}
+	return driver.Capabilities{Redelivers: true, System: "aws_sqs"}
 }
 
 // Lease is the queue's visibility timeout.
