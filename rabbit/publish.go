@@ -166,15 +166,17 @@ func (pc *pubChannel) sync() {
 	}
 }
 
-// markReturned marks the earliest unconfirmed message with the return's
-// id, exchange and routing key: the broker returns a message before it
-// confirms it, and returns messages in publish order.
+// markReturned marks the earliest message not yet returned with the
+// return's id, exchange and routing key: the broker returns messages in
+// publish order. (Two messages of one id, exchange and routing key in
+// flight at once, of which only the later is unroutable, would be told
+// apart wrongly; routing the same way, both are returned.)
 func (pc *pubChannel) markReturned(r amqp.Return) {
 	k := retKey{r.MessageId, r.Exchange, r.RoutingKey}
 	pc.mu.Lock()
 	defer pc.mu.Unlock()
 	for _, pd := range pc.index[k] {
-		if pd.returned != nil || (pd.dc != nil && isDone(pd.dc)) {
+		if pd.returned != nil {
 			continue
 		}
 		ret := r
