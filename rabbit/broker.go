@@ -346,7 +346,9 @@ func (b *Broker) Close() error {
 		b.mu.Unlock()
 		var wg sync.WaitGroup
 		for _, d := range ds {
-			wg.Go(func() { _ = d.Close() })
+			// Closing the connection closes the channels: the drivers do
+			// not wait for the broker.
+			wg.Go(func() { d.close(false) })
 		}
 		wg.Wait()
 		b.closeConns()
@@ -544,14 +546,17 @@ func (m *connMgr) blockedWait() (string, <-chan struct{}) {
 	return st.reason, m.unblockC
 }
 
-// close closes the connection, cutting it after a second when the broker
+// closeWait is how long a close waits for the broker's answer.
+const closeWait = 400 * time.Millisecond
+
+// close closes the connection, cutting it after closeWait when the broker
 // does not answer (a blocked connection), and waits for the watcher.
 func (m *connMgr) close() {
 	m.mu.Lock()
 	conn := m.conn
 	m.mu.Unlock()
 	if conn != nil && !conn.IsClosed() {
-		_ = conn.CloseDeadline(time.Now().Add(time.Second))
+		_ = conn.CloseDeadline(time.Now().Add(closeWait))
 	}
 	m.watchers.Wait()
 }

@@ -265,14 +265,15 @@ func (d *Driver) supervise() {
 	}
 }
 
-// closeChannel closes ch without waiting more than a second for the broker.
+// closeChannel closes ch without waiting more than closeWait for the
+// broker.
 func closeChannel(ch *amqp.Channel) {
 	done := make(chan struct{})
 	go func() {
 		_ = ch.Close()
 		close(done)
 	}()
-	t := time.NewTimer(time.Second)
+	t := time.NewTimer(closeWait)
 	defer t.Stop()
 	select {
 	case <-done:
@@ -1004,6 +1005,11 @@ func (b *Broker) queueDepth(ctx context.Context, queue string) (int, int, error)
 // what was delivered and not settled, and a Fetch waiting returns. Calling
 // it again does nothing.
 func (d *Driver) Close() error {
+	d.close(true)
+	return nil
+}
+
+func (d *Driver) close(closeCh bool) {
 	d.closeOnce.Do(func() {
 		close(d.stop)
 		d.wg.Wait()
@@ -1011,12 +1017,11 @@ func (d *Driver) Close() error {
 		s := d.cur
 		d.cur = nil
 		d.mu.Unlock()
-		if s != nil && !s.ch.IsClosed() {
+		if closeCh && s != nil && !s.ch.IsClosed() {
 			closeChannel(s.ch)
 		}
 		d.b.mu.Lock()
 		delete(d.b.drivers, d)
 		d.b.mu.Unlock()
 	})
-	return nil
 }
