@@ -113,7 +113,7 @@ func faultTopology(name string) rabbit.Topology {
 // is consumed, no channel is closed by an ack of a stale delivery tag, and
 // duplicates are at most what was delivered and unacked when channels were
 // lost.
-func busyThroughFault(t *testing.T, fault func()) {
+func busyThroughFault(t *testing.T, fault func(name string)) {
 	name := testenv.UniqueName(t, "")
 	deleteLater(t, []string{name}, []string{name})
 	logger, logs := capture(t)
@@ -132,22 +132,33 @@ func busyThroughFault(t *testing.T, fault func()) {
 		consumer.WithLogger(logger), consumer.WithFetchBackoff(500*time.Millisecond))
 	must(t, err)
 	stopConsumer := runLoop(t, c, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
-		if err := sleepCtx(ctx, 2*time.Millisecond); err != nil {
+		if err := sleepCtx(ctx, 10*time.Millisecond); err != nil {
 			return err
 		}
 		got.add(m.Header("id"))
 		return nil
 	}))
 
-	// Publish in batches of 10 until 600 are confirmed, through the fault.
+	// Publish batches of 10, one every 20ms, until 600 are confirmed and
+	// the fault is over.
 	var confirmed []string
 	var pubErrs int
 	pubDone := make(chan struct{})
 	faulted := make(chan struct{})
+	faultOver := make(chan struct{})
+	over := func() bool {
+		select {
+		case <-faultOver:
+			return true
+		default:
+			return false
+		}
+	}
 	go func() {
 		defer close(pubDone)
 		n := 0
-		for len(confirmed) < 600 {
+		for len(confirmed) < 600 || !over() {
+			time.Sleep(20 * time.Millisecond)
 			batch := make([]consumer.Message, 10)
 			for i := range batch {
 				batch[i] = consumer.Message{Body: []byte("x"), Headers: map[string]string{"id": strconv.Itoa(n)}}
@@ -187,7 +198,8 @@ func busyThroughFault(t *testing.T, fault func()) {
 		t.Fatal("200 messages were not published within 60s")
 	}
 	waitFor(t, 30*time.Second, "the consumer to be busy", func() bool { return got.total.Load() >= 100 })
-	fault()
+	fault(name)
+	close(faultOver)
 	select {
 	case <-pubDone:
 	case <-time.After(120 * time.Second):
@@ -240,7 +252,7 @@ func TestBrokerRestartResumesConsumersAndPublishers(t *testing.T) {
 			ctl(t, "start_app")
 		}
 	})
-	busyThroughFault(t, func() {
+	busyThroughFault(t, func(string) {
 		ctl(t, "stop_app")
 		stopped = true
 		time.Sleep(2 * time.Second)
@@ -253,23 +265,19 @@ func TestBrokerRestartResumesConsumersAndPublishers(t *testing.T) {
 // Brokers from the broker's side.
 func TestForcedConnectionCloseResumes(t *testing.T) {
 	amqpURL(t)
-	var name string
-	busyThroughFault(t, func() {
-		name = strings.Split(strings.TrimPrefix(t.Name(), "Test"), "/")[0]
+	busyThroughFault(t, func(name string) {
 		n := 0
 		for _, line := range strings.Split(ctl(t, "list_connections", "pid", "client_properties"), "\n") {
-			if !strings.Contains(line, "ferry-forcedconnectioncloseresumes") {
+			if !strings.Contains(line, name) {
 				continue
 			}
-			pid := strings.Fields(line)[0]
-			ctl(t, "close_connection", pid, "ferry test: forced close")
+			ctl(t, "close_connection", strings.Fields(line)[0], "ferry test: forced close")
 			n++
 		}
-		if n < 4 {
-			t.Fatalf("closed %d connections, want the 4 of the test's two brokers", n)
+		if n != 3 {
+			t.Fatalf("closed %d connections, want 3: the two brokers' publishing connections and the consuming one", n)
 		}
 	})
-	_ = name
 }
 
 // TestDeliveryLimitEndsInDeadLetterExchange: a poison message on a quorum
