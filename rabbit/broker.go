@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net/url"
+	"regexp"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -307,20 +308,32 @@ func Dial(rawURL string, opts ...Option) (*Broker, error) {
 	return b, nil
 }
 
-// scrub removes the URL and its password from an error's text, in case a
-// library quoted it.
+// scrub removes the URL's password from an error's text, in case a library
+// quoted it (amqp091's parse errors quote the whole URL).
 func scrub(err error, rawURL string) error {
 	if err == nil {
 		return nil
 	}
-	msg := err.Error()
+	pw := ""
 	if u, perr := url.Parse(rawURL); perr == nil && u.User != nil {
-		if pw, ok := u.User.Password(); ok && pw != "" && strings.Contains(msg, pw) {
-			return errors.New(strings.ReplaceAll(msg, pw, "xxxxx"))
-		}
+		pw, _ = u.User.Password()
+	} else if m := userinfo.FindStringSubmatch(rawURL); m != nil {
+		pw = m[1]
+	}
+	if msg := err.Error(); pw != "" && strings.Contains(msg, pw) {
+		return &scrubbed{msg: strings.ReplaceAll(msg, pw, "xxxxx")}
 	}
 	return err
 }
+
+// userinfo finds the password of a URL that does not parse.
+var userinfo = regexp.MustCompile(`^[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@]*:([^@/]*)@`)
+
+// scrubbed is an error whose text had a password taken out. It does not
+// unwrap: the original's text holds the password.
+type scrubbed struct{ msg string }
+
+func (e *scrubbed) Error() string { return e.msg }
 
 func (b *Broker) isClosed() bool {
 	select {
