@@ -86,17 +86,16 @@ var DefaultRetryDelays = []time.Duration{
 type Option func(*config) error
 
 type config struct {
-	logger        *slog.Logger
-	topology      Topology
-	window        int
-	tls           *tls.Config
-	dialTimeout   time.Duration
-	heartbeat     time.Duration
-	backoffMin    time.Duration
-	backoffMax    time.Duration
-	retryDelays   []time.Duration
-	name          string
-	notifyTimeout time.Duration
+	logger      *slog.Logger
+	topology    Topology
+	window      int
+	tls         *tls.Config
+	dialTimeout time.Duration
+	heartbeat   time.Duration
+	backoffMin  time.Duration
+	backoffMax  time.Duration
+	retryDelays []time.Duration
+	name        string
 }
 
 func fieldErr(field, format string, args ...any) error {

@@ -110,7 +110,6 @@ type handle struct {
 	tag  uint64
 	lane string
 	d    *amqp.Delivery
-	m    *driver.Message // for delayed retries: deliveries and key
 }
 
 // Driver returns a driver over queue. When queue is in the Broker's

@@ -494,7 +494,9 @@ func TestCloseReturnsWithinASecond(t *testing.T) {
 		return errors.Is(b.Publish(ctx, rabbit.ToQueue(name), consumer.Message{Body: []byte("probe")}), rabbit.ErrBlocked)
 	})
 	pubErr := make(chan error, 1)
-	go func() { pubErr <- b.Publish(context.Background(), rabbit.ToQueue(name), consumer.Message{Body: []byte("stuck")}) }()
+	go func() {
+		pubErr <- b.Publish(context.Background(), rabbit.ToQueue(name), consumer.Message{Body: []byte("stuck")})
+	}()
 	time.Sleep(200 * time.Millisecond)
 
 	start := time.Now()
