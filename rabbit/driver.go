@@ -70,6 +70,8 @@ type Driver struct {
 
 	delayMu       sync.Mutex
 	delayDeclared map[string]*amqp.Connection
+
+	ackFrames atomic.Int64 // basic.ack frames sent, for tests
 }
 
 var (
@@ -842,17 +844,22 @@ func (d *Driver) ack(s *session, acks []uint64, settled func(func(uint64) bool))
 		}
 	}
 	if below > 0 {
+		d.ackFrames.Add(1)
 		if err := s.ch.Ack(below, true); err != nil {
 			return err
 		}
 	}
 	for _, t := range rest {
+		d.ackFrames.Add(1)
 		if err := s.ch.Ack(t, false); err != nil {
 			return err
 		}
 	}
 	return nil
 }
+
+// delayedPublishTimeout bounds the publish of delayed retries' copies.
+const delayedPublishTimeout = 10 * time.Second
 
 // delayFor rounds delay up to the next configured delay queue.
 func (d *Driver) delayFor(delay time.Duration) time.Duration {
@@ -870,6 +877,11 @@ func (d *Driver) delayFor(delay time.Duration) time.Duration {
 // confirmed), dead-letter it (its deliveries passed the queue's delivery
 // limit), or requeue it now (the copy could not be published).
 func (d *Driver) retryLater(ctx context.Context, batch []driver.Settlement, idx []int) ([]ackKind, error) {
+	// A blocked publishing connection (an alarm) would hold every
+	// settlement behind this one: the copies get a bounded time, and none
+	// is tried while the broker blocks.
+	ctx, cancel := context.WithTimeout(ctx, delayedPublishTimeout)
+	defer cancel()
 	kinds := make([]ackKind, len(idx))
 	var items []pubItem
 	var which []int
@@ -939,6 +951,9 @@ func (d *Driver) retryLater(ctx context.Context, batch []driver.Settlement, idx 
 // declareDelay declares the delay queue for delay on the publishing
 // connection, once per connection.
 func (d *Driver) declareDelay(ctx context.Context, delay time.Duration) error {
+	if reason, _ := d.b.pubConn.blockedWait(); reason != "" || d.b.pubConn.blocked.Load() != nil {
+		return fmt.Errorf("rabbit: delay queue: %w (%s)", ErrBlocked, reason)
+	}
 	name := delayQueueName(d.queue, delay)
 	conn, err := d.b.pubConn.get(ctx)
 	if err != nil {

@@ -155,3 +155,16 @@ func must(t testing.TB, err error) {
 }
 
 var _ = fmt.Sprint
+
+func splitLines(s string) []string { return strings.Split(s, "\n") }
+
+func fields(s string) []string { return strings.Fields(s) }
+
+func containsAll(s string, subs ...string) bool {
+	for _, x := range subs {
+		if !strings.Contains(s, x) {
+			return false
+		}
+	}
+	return true
+}
