@@ -2,7 +2,6 @@ package rabbit
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -60,16 +59,19 @@ func newPublisher(b *Broker) *publisher {
 }
 
 // pubChannel is one confirm-mode channel and the goroutine that drains its
-// returns and its close notification.
+// returns, confirms and close notification, in the order the broker sent
+// them: a return comes before the confirm of the same message.
 type pubChannel struct {
+	p        *publisher
 	ch       *amqp.Channel
 	closed   chan struct{} // closed once closeErr is set
 	closeErr *amqp.Error
-	gone     chan struct{} // closed when the drain goroutine exits
-	barrier  chan chan struct{}
 
-	mu    sync.Mutex
-	index map[retKey][]*pending
+	send sync.Mutex // held across taking a sequence number and publishing
+
+	mu      sync.Mutex
+	byTag   map[uint64]*pending
+	byRoute map[retKey][]*pending
 }
 
 type retKey struct{ id, exchange, rk string }
@@ -77,17 +79,11 @@ type retKey struct{ id, exchange, rk string }
 // pending is one published message waiting for its confirm.
 type pending struct {
 	k        retKey
-	dc       *amqp.DeferredConfirmation
+	tag      uint64
+	done     chan struct{} // closed when resolved
+	ack      bool
 	returned *amqp.Return
-}
-
-func isDone(dc *amqp.DeferredConfirmation) bool {
-	select {
-	case <-dc.Done():
-		return true
-	default:
-		return false
-	}
+	lost     bool // the channel closed first
 }
 
 // channel returns the live publishing channel, opening one (and the
@@ -107,30 +103,31 @@ func (p *publisher) channel(ctx context.Context) (*pubChannel, error) {
 		return nil, fmt.Errorf("rabbit: open publishing channel: %w", err)
 	}
 	if err := ch.Confirm(false); err != nil {
-		_ = ch.Close()
+		closeChannel(ch)
 		return nil, fmt.Errorf("rabbit: confirm mode: %w", err)
 	}
 	pc := &pubChannel{
+		p:       p,
 		ch:      ch,
 		closed:  make(chan struct{}),
-		gone:    make(chan struct{}),
-		barrier: make(chan chan struct{}),
-		index:   make(map[retKey][]*pending),
+		byTag:   make(map[uint64]*pending),
+		byRoute: make(map[retKey][]*pending),
 	}
-	// Unbuffered: the library's reader hands a return over before it
-	// dispatches the confirm of the same message, so the drain goroutine has
-	// the return in hand before that confirm resolves; the barrier then
-	// makes sure it was recorded.
+	// Unbuffered: the library's reader hands each notification to drain
+	// before it reads the next frame, so drain sees them in the broker's
+	// order and always has the return in hand before the confirm.
 	returns := ch.NotifyReturn(make(chan amqp.Return))
+	confirms := ch.NotifyPublish(make(chan amqp.Confirmation))
 	closes := ch.NotifyClose(make(chan *amqp.Error, 1))
-	go pc.drain(returns, closes)
+	go pc.drain(returns, confirms, closes)
 	p.ch = pc
 	return pc, nil
 }
 
-func (pc *pubChannel) drain(returns chan amqp.Return, closes chan *amqp.Error) {
-	defer close(pc.gone)
-	for returns != nil || closes != nil {
+// drain resolves pending messages until the channel's notifications end.
+// It never blocks on anything but them.
+func (pc *pubChannel) drain(returns chan amqp.Return, confirms chan amqp.Confirmation, closes chan *amqp.Error) {
+	for returns != nil || confirms != nil || closes != nil {
 		select {
 		case r, ok := <-returns:
 			if !ok {
@@ -138,31 +135,35 @@ func (pc *pubChannel) drain(returns chan amqp.Return, closes chan *amqp.Error) {
 				continue
 			}
 			pc.markReturned(r)
+		case c, ok := <-confirms:
+			if !ok {
+				confirms = nil
+				continue
+			}
+			pc.resolve(c.DeliveryTag, c.Ack)
 		case e, ok := <-closes:
 			if !ok {
 				closes = nil
-				select {
-				case <-pc.closed:
-				default:
-					close(pc.closed)
-				}
 				continue
 			}
 			pc.closeErr = e
 			close(pc.closed)
-		case reply := <-pc.barrier:
-			close(reply)
 		}
 	}
-}
-
-// sync waits until every return the library handed over so far is recorded.
-func (pc *pubChannel) sync() {
-	reply := make(chan struct{})
 	select {
-	case pc.barrier <- reply:
-		<-reply
-	case <-pc.gone:
+	case <-pc.closed:
+	default:
+		close(pc.closed)
+	}
+	// Whatever is left was not confirmed before the channel closed.
+	pc.mu.Lock()
+	left := make([]*pending, 0, len(pc.byTag))
+	for _, pd := range pc.byTag {
+		left = append(left, pd)
+	}
+	pc.mu.Unlock()
+	for _, pd := range left {
+		pc.finish(pd, false, true)
 	}
 }
 
@@ -175,34 +176,33 @@ func (pc *pubChannel) markReturned(r amqp.Return) {
 	k := retKey{r.MessageId, r.Exchange, r.RoutingKey}
 	pc.mu.Lock()
 	defer pc.mu.Unlock()
-	for _, pd := range pc.index[k] {
-		if pd.returned != nil {
-			continue
+	for _, pd := range pc.byRoute[k] {
+		if pd.returned == nil {
+			ret := r
+			pd.returned = &ret
+			return
 		}
-		ret := r
-		pd.returned = &ret
-		return
 	}
 }
 
-func (pc *pubChannel) register(k retKey) *pending {
-	pd := &pending{k: k}
+func (pc *pubChannel) resolve(tag uint64, ack bool) {
 	pc.mu.Lock()
-	pc.index[k] = append(pc.index[k], pd)
+	pd := pc.byTag[tag]
 	pc.mu.Unlock()
-	return pd
+	if pd != nil {
+		pc.finish(pd, ack, false)
+	}
 }
 
-func (pc *pubChannel) setDC(pd *pending, dc *amqp.DeferredConfirmation) {
+// finish resolves pd, once, and gives its place in the window back.
+func (pc *pubChannel) finish(pd *pending, ack, lost bool) {
 	pc.mu.Lock()
-	pd.dc = dc
-	pc.mu.Unlock()
-}
-
-func (pc *pubChannel) unregister(pd *pending) {
-	pc.mu.Lock()
-	defer pc.mu.Unlock()
-	l := pc.index[pd.k]
+	if _, ok := pc.byTag[pd.tag]; !ok {
+		pc.mu.Unlock()
+		return
+	}
+	delete(pc.byTag, pd.tag)
+	l := pc.byRoute[pd.k]
 	for i, x := range l {
 		if x == pd {
 			l = append(l[:i], l[i+1:]...)
@@ -210,13 +210,47 @@ func (pc *pubChannel) unregister(pd *pending) {
 		}
 	}
 	if len(l) == 0 {
-		delete(pc.index, pd.k)
+		delete(pc.byRoute, pd.k)
 	} else {
-		pc.index[pd.k] = l
+		pc.byRoute[pd.k] = l
 	}
+	pd.ack, pd.lost = ack, lost
+	pc.mu.Unlock()
+	close(pd.done)
+	<-pc.p.window
 }
 
-// blockedErr says the broker blocks the connection, when it does.
+// publish sends one message and registers it under the sequence number the
+// channel gives it.
+func (pc *pubChannel) publish(exchange string, it *pubItem) (*pending, error) {
+	pd := &pending{k: retKey{it.pub.MessageId, exchange, it.rk}, done: make(chan struct{})}
+	pc.send.Lock()
+	defer pc.send.Unlock()
+	pd.tag = pc.ch.GetNextPublishSeqNo()
+	pc.mu.Lock()
+	pc.byTag[pd.tag] = pd
+	pc.byRoute[pd.k] = append(pc.byRoute[pd.k], pd)
+	pc.mu.Unlock()
+	if err := pc.ch.Publish(exchange, it.rk, true, false, it.pub); err != nil {
+		pc.mu.Lock()
+		delete(pc.byTag, pd.tag)
+		l := pc.byRoute[pd.k]
+		if n := len(l); n > 0 && l[n-1] == pd {
+			l = l[:n-1]
+		}
+		if len(l) == 0 {
+			delete(pc.byRoute, pd.k)
+		} else {
+			pc.byRoute[pd.k] = l
+		}
+		pc.mu.Unlock()
+		return nil, err
+	}
+	return pd, nil
+}
+
+// ctxErr is the error of a publish whose context ended: ErrBlocked too when
+// the broker blocks the connection.
 func (p *publisher) ctxErr(ctx context.Context, dest string) error {
 	if reason, _ := p.b.pubConn.blockedWait(); reason != "" || p.b.pubConn.blocked.Load() != nil {
 		return fmt.Errorf("rabbit: publish to %q: %w (%s): %w", dest, ErrBlocked, reason, ctx.Err())
@@ -264,79 +298,50 @@ func (p *publisher) publishRaw(ctx context.Context, exchange, dest string, items
 			errs[i] = err
 			continue
 		}
-		it := &items[i]
-		pd := pc.register(retKey{it.pub.MessageId, exchange, it.rk})
-		dc, err := pc.ch.PublishWithDeferredConfirm(exchange, it.rk, true, false, it.pub)
-		if err != nil || dc == nil {
-			pc.unregister(pd)
+		pd, err := pc.publish(exchange, &items[i])
+		if err != nil {
 			<-p.window
-			if err == nil {
-				err = errors.New("channel not in confirm mode")
-			}
 			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, err)
 			continue
 		}
-		pc.setDC(pd, dc)
 		pends[i], pcs[i] = pd, pc
 		sent++
 	}
 	if sent == 0 {
 		return errs
 	}
-
-	// Wait for the confirms, in order.
-	cut := len(items)
-wait:
+	var stop bool
 	for i, pd := range pends {
 		if pd == nil {
 			continue
+		}
+		if !stop {
+			select {
+			case <-pd.done:
+			case <-ctx.Done():
+				stop = true
+			case <-p.b.closed:
+				stop = true
+			}
 		}
 		select {
-		case <-pd.dc.Done():
-		case <-ctx.Done():
-			cut = i
-			break wait
-		case <-p.b.closed:
-			cut = i
-			break wait
-		}
-	}
-	synced := map[*pubChannel]bool{}
-	for i, pd := range pends {
-		if pd == nil {
-			continue
-		}
-		pc := pcs[i]
-		if i >= cut && !isDone(pd.dc) {
+		case <-pd.done:
+		default:
+			// The confirm comes later, or the channel closes: either
+			// resolves it and frees its place in the window.
 			if p.b.isClosed() {
-				errs[i] = ErrClosed
+				errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, ErrClosed)
 			} else {
 				errs[i] = p.ctxErr(ctx, dest)
 			}
-			// The confirm comes later, or the channel closes: either
-			// resolves it and frees its place in the window.
-			go func() {
-				<-pd.dc.Done()
-				pc.unregister(pd)
-				<-p.window
-			}()
 			continue
 		}
-		if !synced[pc] {
-			pc.sync()
-			synced[pc] = true
-		}
-		pc.mu.Lock()
-		ret := pd.returned
-		pc.mu.Unlock()
-		ack := pd.dc.Acked()
-		pc.unregister(pd)
-		<-p.window
+		pc := pcs[i]
 		switch {
-		case ret != nil:
-			errs[i] = fmt.Errorf("rabbit: publish to %q with routing key %q: %w: %d %s", dest, items[i].rk, ErrUnroutable, ret.ReplyCode, ret.ReplyText)
-		case ack:
-		case pc.ch.IsClosed():
+		case pd.returned != nil:
+			errs[i] = fmt.Errorf("rabbit: publish to %q with routing key %q: %w: %d %s", dest, items[i].rk, ErrUnroutable, pd.returned.ReplyCode, pd.returned.ReplyText)
+		case pd.ack:
+		case pd.lost:
 			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, ErrNotConfirmed)
 			select {
 			case <-pc.closed:

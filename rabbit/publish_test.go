@@ -122,3 +122,23 @@ func TestPublishToQueueKeepsTheKey(t *testing.T) {
 	cancel()
 	must(t, <-done)
 }
+
+// A call with more messages than the confirm window goes through: the
+// window frees as confirms arrive, not when the call ends.
+func TestPublishMoreThanTheWindowInOneCall(t *testing.T) {
+	q := testenv.UniqueName(t, "window")
+	deleteLater(t, []string{q}, nil)
+	b := dial(t, rabbit.WithConfirmWindow(8), rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: q, Classic: true}}}))
+	msgs := make([]consumer.Message, 50)
+	for i := range msgs {
+		msgs[i] = consumer.Message{Key: "same-key-every-fifth-" + string(rune('a'+i%5)), Body: []byte("x")}
+	}
+	if err := b.Publish(ctxFor(t, 20*time.Second), rabbit.ToQueue(q), msgs...); err != nil {
+		t.Fatalf("publish 50 messages through a window of 8: %v", err)
+	}
+	qi, err := rawChannel(t).QueueDeclarePassive(q, true, false, false, false, nil)
+	must(t, err)
+	if qi.Messages != 50 {
+		t.Errorf("%d messages in the queue, want 50", qi.Messages)
+	}
+}

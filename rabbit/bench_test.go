@@ -1,0 +1,245 @@
+package rabbit_test
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
+	"github.com/ferrymq/ferry/rabbit"
+)
+
+// The benchmarks compare Ferry with raw amqp091 on the same broker, in the
+// same run, on one quorum queue per run. Use -benchtime=200000x for 200k
+// messages; the ratios are reported as metrics (ferry/raw).
+
+const (
+	benchPrefetch = 256 // consume: the raw consumer's prefetch and Ferry's MaxInFlight
+	benchWindow   = 512 // publish: unconfirmed messages in flight, both
+	benchBody     = 64
+)
+
+var benchLogger = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+func benchQueue(b *testing.B) (string, *rabbit.Broker) {
+	name := testenv.UniqueName(b, "bench")
+	deleteLater(b, []string{name, name + ".dlq"}, nil)
+	br, err := rabbit.Dial(amqpURL(b), rabbit.WithLogger(benchLogger), rabbit.WithConfirmWindow(benchWindow),
+		rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{
+			{Name: name, DeadLetterExchange: ""}, {Name: name + ".dlq", DeadLetterExchange: ""}}}))
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { br.Close() })
+	return name, br
+}
+
+// rawConn is a plain amqp091 connection.
+func rawConn(b *testing.B) *amqp.Connection {
+	conn, err := amqp.DialConfig(amqpURL(b), amqp.Config{Dial: amqp.DefaultDial(5 * time.Second)})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { conn.CloseDeadline(time.Now().Add(time.Second)) })
+	return conn
+}
+
+// rawPublish publishes n messages to queue with raw amqp091: confirm mode,
+// deferred confirmations, at most window unconfirmed, persistent, mandatory,
+// with a message id, as Ferry publishes.
+func rawPublish(b *testing.B, conn *amqp.Connection, queue string, n int) {
+	ch, err := conn.Channel()
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer ch.Close()
+	if err := ch.Confirm(false); err != nil {
+		b.Fatal(err)
+	}
+	returns := ch.NotifyReturn(make(chan amqp.Return, 1))
+	go func() {
+		for range returns {
+		}
+	}()
+	body := make([]byte, benchBody)
+	ring := make([]*amqp.DeferredConfirmation, 0, benchWindow)
+	now := time.Now()
+	for i := range n {
+		if len(ring) == benchWindow {
+			if !ring[0].Wait() {
+				b.Fatal("nacked")
+			}
+			ring = ring[1:]
+		}
+		dc, err := ch.PublishWithDeferredConfirm("", queue, true, false, amqp.Publishing{
+			DeliveryMode: amqp.Persistent, MessageId: "raw-" + itoa(i), Timestamp: now, Body: body})
+		if err != nil {
+			b.Fatal(err)
+		}
+		ring = append(ring, dc)
+	}
+	for _, dc := range ring {
+		if !dc.Wait() {
+			b.Fatal("nacked")
+		}
+	}
+}
+
+func itoa(i int) string {
+	var buf [20]byte
+	p := len(buf)
+	for {
+		p--
+		buf[p] = byte('0' + i%10)
+		if i /= 10; i == 0 {
+			break
+		}
+	}
+	return string(buf[p:])
+}
+
+// ferryPublish publishes n messages through Broker.Publish, calls of 1000
+// messages from 4 goroutines sharing the Broker's window.
+func ferryPublish(b *testing.B, br *rabbit.Broker, queue string, n int) {
+	const perCall, workers = 1000, 4
+	body := make([]byte, benchBody)
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for range workers {
+		wg.Go(func() {
+			batch := make([]consumer.Message, 0, perCall)
+			for {
+				start := int(next.Add(perCall)) - perCall
+				if start >= n {
+					return
+				}
+				batch = batch[:0]
+				for i := start; i < min(start+perCall, n); i++ {
+					batch = append(batch, consumer.Message{Body: body})
+				}
+				if err := br.Publish(context.Background(), rabbit.ToQueue(queue), batch...); err != nil {
+					b.Error(err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+}
+
+// rawConsume consumes n messages with raw amqp091: prefetch benchPrefetch,
+// manual acks, one ack per message.
+func rawConsume(b *testing.B, conn *amqp.Connection, queue string, n int) {
+	ch, err := conn.Channel()
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer ch.Close()
+	if err := ch.Qos(benchPrefetch, 0, false); err != nil {
+		b.Fatal(err)
+	}
+	ds, err := ch.Consume(queue, "", false, false, false, false, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for range n {
+		d := <-ds
+		if err := d.Ack(false); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// ferryConsume consumes n messages through a consumer.Loop with
+// MaxInFlight benchPrefetch, concurrency 8, running h (wrapped in the
+// Standard stack when standard is set).
+func ferryConsume(b *testing.B, br *rabbit.Broker, queue string, n int, standard bool) {
+	c, err := br.NewConsumer(queue, consumer.WithConcurrency(8), consumer.WithMaxInFlight(benchPrefetch), consumer.WithLogger(benchLogger))
+	if err != nil {
+		b.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var handled atomic.Int64
+	var h consumer.Handler = consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
+		if handled.Add(1) == int64(n) {
+			cancel()
+		}
+		return nil
+	})
+	if standard {
+		st, err := consumer.Standard(br, rabbit.ToQueue(queue+".dlq"))
+		if err != nil {
+			b.Fatal(err)
+		}
+		h = st.Wrap(h)
+	}
+	if err := c.Run(ctx, h); err != nil {
+		b.Fatal(err)
+	}
+	if got := handled.Load(); got < int64(n) {
+		b.Fatalf("handled %d of %d", got, n)
+	}
+}
+
+// rate runs f and returns messages per second.
+func rate(n int, f func()) float64 {
+	start := time.Now()
+	f()
+	return float64(n) / time.Since(start).Seconds()
+}
+
+// BenchmarkPublishConfirmed publishes b.N messages with raw amqp091 and
+// with Ferry, on the same broker in the same run, and reports both rates
+// and their ratio.
+func BenchmarkPublishConfirmed(b *testing.B) {
+	queue, br := benchQueue(b)
+	conn := rawConn(b)
+	n := b.N
+	// Warm up both paths (connections, channels, the queue).
+	rawPublish(b, conn, queue, 1000)
+	ferryPublish(b, br, queue, 1000)
+	b.ResetTimer()
+	raw := rate(n, func() { rawPublish(b, conn, queue, n) })
+	ferry := rate(n, func() { ferryPublish(b, br, queue, n) })
+	b.StopTimer()
+	b.ReportMetric(raw, "raw-msgs/s")
+	b.ReportMetric(ferry, "ferry-msgs/s")
+	b.ReportMetric(ferry/raw, "ferry/raw")
+}
+
+// BenchmarkConsume publishes b.N messages three times and consumes them
+// with raw amqp091, with Ferry's loop and a no-op handler, and with Ferry's
+// loop and the Standard stack, on the same queue in the same run, and
+// reports the three rates and the ratios to raw.
+func BenchmarkConsume(b *testing.B) {
+	queue, br := benchQueue(b)
+	conn := rawConn(b)
+	n := b.N
+	b.ResetTimer()
+	b.StopTimer()
+	rawPublish(b, conn, queue, n)
+	b.StartTimer()
+	raw := rate(n, func() { rawConsume(b, conn, queue, n) })
+	b.StopTimer()
+	rawPublish(b, conn, queue, n)
+	b.StartTimer()
+	noop := rate(n, func() { ferryConsume(b, br, queue, n, false) })
+	b.StopTimer()
+	rawPublish(b, conn, queue, n)
+	b.StartTimer()
+	std := rate(n, func() { ferryConsume(b, br, queue, n, true) })
+	b.StopTimer()
+	b.ReportMetric(raw, "raw-msgs/s")
+	b.ReportMetric(noop, "noop-msgs/s")
+	b.ReportMetric(std, "standard-msgs/s")
+	b.ReportMetric(noop/raw, "noop/raw")
+	b.ReportMetric(std/raw, "standard/raw")
+}
