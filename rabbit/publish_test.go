@@ -131,7 +131,7 @@ func TestPublishMoreThanTheWindowInOneCall(t *testing.T) {
 	b := dial(t, rabbit.WithConfirmWindow(8), rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: q, Classic: true}}}))
 	msgs := make([]consumer.Message, 50)
 	for i := range msgs {
-		msgs[i] = consumer.Message{Key: "same-key-every-fifth-" + string(rune('a'+i%5)), Body: []byte("x")}
+		msgs[i] = consumer.Message{Body: []byte("x")}
 	}
 	if err := b.Publish(ctxFor(t, 20*time.Second), rabbit.ToQueue(q), msgs...); err != nil {
 		t.Fatalf("publish 50 messages through a window of 8: %v", err)
