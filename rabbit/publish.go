@@ -47,30 +47,76 @@ type pubItem struct {
 // pipelined: every message of a call is sent before any confirm is awaited,
 // within a window of unconfirmed messages shared by all calls.
 type publisher struct {
-	b      *Broker
-	window chan struct{}
+	b   *Broker
+	win window
 
 	mu sync.Mutex
 	ch *pubChannel
 }
 
 func newPublisher(b *Broker) *publisher {
-	return &publisher{b: b, window: make(chan struct{}, b.cfg.window)}
+	return &publisher{b: b, win: window{size: b.cfg.window}}
+}
+
+// window bounds the unconfirmed messages of all calls: like a raw client's
+// ring of deferred confirmations, a publish waits for the oldest confirm
+// when the ring is full. (Publishers racing for the last place may exceed
+// it by one message each.)
+type window struct {
+	size int
+	mu   sync.Mutex
+	ring []*amqp.DeferredConfirmation
+}
+
+// wait returns once there is room, or ctx or stop end.
+func (w *window) wait(ctx context.Context, stop <-chan struct{}) error {
+	for {
+		w.mu.Lock()
+		for len(w.ring) > 0 && isDone(w.ring[0]) {
+			w.ring[0] = nil
+			w.ring = w.ring[1:]
+		}
+		if len(w.ring) < w.size {
+			w.mu.Unlock()
+			return nil
+		}
+		oldest := w.ring[0]
+		w.mu.Unlock()
+		select {
+		case <-oldest.Done():
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-stop:
+			return ErrClosed
+		}
+	}
+}
+
+func (w *window) add(dc *amqp.DeferredConfirmation) {
+	w.mu.Lock()
+	w.ring = append(w.ring, dc)
+	w.mu.Unlock()
+}
+
+func isDone(dc *amqp.DeferredConfirmation) bool {
+	select {
+	case <-dc.Done():
+		return true
+	default:
+		return false
+	}
 }
 
 // pubChannel is one confirm-mode channel and the goroutine that drains its
-// returns, confirms and close notification, in the order the broker sent
-// them: a return comes before the confirm of the same message.
+// returns and its close notification.
 type pubChannel struct {
-	p        *publisher
 	ch       *amqp.Channel
 	closed   chan struct{} // closed once closeErr is set
 	closeErr *amqp.Error
-
-	send sync.Mutex // held across taking a sequence number and publishing
+	gone     chan struct{} // closed when drain exits
+	barrier  chan chan struct{}
 
 	mu      sync.Mutex
-	byTag   map[uint64]*pending
 	byRoute map[retKey][]*pending
 }
 
@@ -79,11 +125,8 @@ type retKey struct{ id, exchange, rk string }
 // pending is one published message waiting for its confirm.
 type pending struct {
 	k        retKey
-	tag      uint64
-	done     chan struct{} // closed when resolved
-	ack      bool
+	dc       *amqp.DeferredConfirmation
 	returned *amqp.Return
-	lost     bool // the channel closed first
 }
 
 // channel returns the live publishing channel, opening one (and the
@@ -107,27 +150,28 @@ func (p *publisher) channel(ctx context.Context) (*pubChannel, error) {
 		return nil, fmt.Errorf("rabbit: confirm mode: %w", err)
 	}
 	pc := &pubChannel{
-		p:       p,
 		ch:      ch,
 		closed:  make(chan struct{}),
-		byTag:   make(map[uint64]*pending),
+		gone:    make(chan struct{}),
+		barrier: make(chan chan struct{}),
 		byRoute: make(map[retKey][]*pending),
 	}
-	// Unbuffered: the library's reader hands each notification to drain
-	// before it reads the next frame, so drain sees them in the broker's
-	// order and always has the return in hand before the confirm.
+	// Unbuffered: the library's reader hands a return to drain before it
+	// reads the next frame, so drain holds the return before the confirm
+	// of the same message resolves; a barrier then makes sure it was
+	// recorded.
 	returns := ch.NotifyReturn(make(chan amqp.Return))
-	confirms := ch.NotifyPublish(make(chan amqp.Confirmation))
 	closes := ch.NotifyClose(make(chan *amqp.Error, 1))
-	go pc.drain(returns, confirms, closes)
+	go pc.drain(returns, closes)
 	p.ch = pc
 	return pc, nil
 }
 
-// drain resolves pending messages until the channel's notifications end.
-// It never blocks on anything but them.
-func (pc *pubChannel) drain(returns chan amqp.Return, confirms chan amqp.Confirmation, closes chan *amqp.Error) {
-	for returns != nil || confirms != nil || closes != nil {
+// drain records returns until the channel's notifications end, and answers
+// barriers. It never blocks on anything else.
+func (pc *pubChannel) drain(returns chan amqp.Return, closes chan *amqp.Error) {
+	defer close(pc.gone)
+	for returns != nil || closes != nil {
 		select {
 		case r, ok := <-returns:
 			if !ok {
@@ -135,35 +179,31 @@ func (pc *pubChannel) drain(returns chan amqp.Return, confirms chan amqp.Confirm
 				continue
 			}
 			pc.markReturned(r)
-		case c, ok := <-confirms:
-			if !ok {
-				confirms = nil
-				continue
-			}
-			pc.resolve(c.DeliveryTag, c.Ack)
 		case e, ok := <-closes:
 			if !ok {
 				closes = nil
+				select {
+				case <-pc.closed:
+				default:
+					close(pc.closed)
+				}
 				continue
 			}
 			pc.closeErr = e
 			close(pc.closed)
+		case reply := <-pc.barrier:
+			close(reply)
 		}
 	}
+}
+
+// sync waits until every return handed to drain so far is recorded.
+func (pc *pubChannel) sync() {
+	reply := make(chan struct{})
 	select {
-	case <-pc.closed:
-	default:
-		close(pc.closed)
-	}
-	// Whatever is left was not confirmed before the channel closed.
-	pc.mu.Lock()
-	left := make([]*pending, 0, len(pc.byTag))
-	for _, pd := range pc.byTag {
-		left = append(left, pd)
-	}
-	pc.mu.Unlock()
-	for _, pd := range left {
-		pc.finish(pd, false, true)
+	case pc.barrier <- reply:
+		<-reply
+	case <-pc.gone:
 	}
 }
 
@@ -185,23 +225,9 @@ func (pc *pubChannel) markReturned(r amqp.Return) {
 	}
 }
 
-func (pc *pubChannel) resolve(tag uint64, ack bool) {
+func (pc *pubChannel) forget(pd *pending) {
 	pc.mu.Lock()
-	pd := pc.byTag[tag]
-	pc.mu.Unlock()
-	if pd != nil {
-		pc.finish(pd, ack, false)
-	}
-}
-
-// finish resolves pd, once, and gives its place in the window back.
-func (pc *pubChannel) finish(pd *pending, ack, lost bool) {
-	pc.mu.Lock()
-	if _, ok := pc.byTag[pd.tag]; !ok {
-		pc.mu.Unlock()
-		return
-	}
-	delete(pc.byTag, pd.tag)
+	defer pc.mu.Unlock()
 	l := pc.byRoute[pd.k]
 	for i, x := range l {
 		if x == pd {
@@ -214,38 +240,23 @@ func (pc *pubChannel) finish(pd *pending, ack, lost bool) {
 	} else {
 		pc.byRoute[pd.k] = l
 	}
-	pd.ack, pd.lost = ack, lost
-	pc.mu.Unlock()
-	close(pd.done)
-	<-pc.p.window
 }
 
-// publish sends one message and registers it under the sequence number the
-// channel gives it.
+// publish sends one message, registered for its return before it goes.
 func (pc *pubChannel) publish(exchange string, it *pubItem) (*pending, error) {
-	pd := &pending{k: retKey{it.pub.MessageId, exchange, it.rk}, done: make(chan struct{})}
-	pc.send.Lock()
-	defer pc.send.Unlock()
-	pd.tag = pc.ch.GetNextPublishSeqNo()
+	pd := &pending{k: retKey{it.pub.MessageId, exchange, it.rk}}
 	pc.mu.Lock()
-	pc.byTag[pd.tag] = pd
 	pc.byRoute[pd.k] = append(pc.byRoute[pd.k], pd)
 	pc.mu.Unlock()
-	if err := pc.ch.Publish(exchange, it.rk, true, false, it.pub); err != nil {
-		pc.mu.Lock()
-		delete(pc.byTag, pd.tag)
-		l := pc.byRoute[pd.k]
-		if n := len(l); n > 0 && l[n-1] == pd {
-			l = l[:n-1]
-		}
-		if len(l) == 0 {
-			delete(pc.byRoute, pd.k)
-		} else {
-			pc.byRoute[pd.k] = l
-		}
-		pc.mu.Unlock()
+	dc, err := pc.ch.PublishWithDeferredConfirm(exchange, it.rk, true, false, it.pub)
+	if err == nil && dc == nil {
+		err = fmt.Errorf("channel not in confirm mode")
+	}
+	if err != nil {
+		pc.forget(pd)
 		return nil, err
 	}
+	pd.dc = dc
 	return pd, nil
 }
 
@@ -266,44 +277,36 @@ func (p *publisher) publishRaw(ctx context.Context, exchange, dest string, items
 	pcs := make([]*pubChannel, len(items))
 	sent := 0
 	for i := range items {
-		if err := p.b.closedErr(); err != nil {
-			errs[i] = err
+		if p.b.isClosed() {
+			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, ErrClosed)
 			continue
 		}
-		select {
-		case p.window <- struct{}{}:
-		case <-ctx.Done():
-			errs[i] = p.ctxErr(ctx, dest)
-			continue
-		case <-p.b.closed:
-			errs[i] = ErrClosed
+		if err := p.win.wait(ctx, p.b.closed); err != nil {
+			errs[i] = p.waitErr(ctx, dest)
 			continue
 		}
 		if _, unblocked := p.b.pubConn.blockedWait(); unblocked != nil {
 			select {
 			case <-unblocked:
 			case <-ctx.Done():
-				<-p.window
-				errs[i] = p.ctxErr(ctx, dest)
+				errs[i] = p.waitErr(ctx, dest)
 				continue
 			case <-p.b.closed:
-				<-p.window
-				errs[i] = ErrClosed
+				errs[i] = p.waitErr(ctx, dest)
 				continue
 			}
 		}
 		pc, err := p.channel(ctx)
 		if err != nil {
-			<-p.window
 			errs[i] = err
 			continue
 		}
 		pd, err := pc.publish(exchange, &items[i])
 		if err != nil {
-			<-p.window
 			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, err)
 			continue
 		}
+		p.win.add(pd.dc)
 		pends[i], pcs[i] = pd, pc
 		sent++
 	}
@@ -311,37 +314,43 @@ func (p *publisher) publishRaw(ctx context.Context, exchange, dest string, items
 		return errs
 	}
 	var stop bool
+	synced := map[*pubChannel]bool{}
 	for i, pd := range pends {
 		if pd == nil {
 			continue
 		}
+		pc := pcs[i]
 		if !stop {
 			select {
-			case <-pd.done:
+			case <-pd.dc.Done():
 			case <-ctx.Done():
 				stop = true
 			case <-p.b.closed:
 				stop = true
 			}
 		}
-		select {
-		case <-pd.done:
-		default:
-			// The confirm comes later, or the channel closes: either
-			// resolves it and frees its place in the window.
-			if p.b.isClosed() {
-				errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, ErrClosed)
-			} else {
-				errs[i] = p.ctxErr(ctx, dest)
-			}
+		if !isDone(pd.dc) {
+			errs[i] = p.waitErr(ctx, dest)
+			// Forget it once the confirm comes, or the channel closes.
+			go func() {
+				<-pd.dc.Done()
+				pc.forget(pd)
+			}()
 			continue
 		}
-		pc := pcs[i]
+		if !synced[pc] {
+			pc.sync()
+			synced[pc] = true
+		}
+		pc.mu.Lock()
+		ret := pd.returned
+		pc.mu.Unlock()
+		pc.forget(pd)
 		switch {
-		case pd.returned != nil:
-			errs[i] = fmt.Errorf("rabbit: publish to %q with routing key %q: %w: %d %s", dest, items[i].rk, ErrUnroutable, pd.returned.ReplyCode, pd.returned.ReplyText)
-		case pd.ack:
-		case pd.lost:
+		case ret != nil:
+			errs[i] = fmt.Errorf("rabbit: publish to %q with routing key %q: %w: %d %s", dest, items[i].rk, ErrUnroutable, ret.ReplyCode, ret.ReplyText)
+		case pd.dc.Acked():
+		case pc.ch.IsClosed():
 			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, ErrNotConfirmed)
 			select {
 			case <-pc.closed:
@@ -357,11 +366,12 @@ func (p *publisher) publishRaw(ctx context.Context, exchange, dest string, items
 	return errs
 }
 
-func (b *Broker) closedErr() error {
-	if b.isClosed() {
-		return ErrClosed
+// waitErr is the error of a message whose wait ended early.
+func (p *publisher) waitErr(ctx context.Context, dest string) error {
+	if p.b.isClosed() {
+		return fmt.Errorf("rabbit: publish to %q: %w", dest, ErrClosed)
 	}
-	return nil
+	return p.ctxErr(ctx, dest)
 }
 
 // Publish sends msgs to destination and returns nil once the broker has
