@@ -106,9 +106,10 @@ func itoa(i int) string {
 }
 
 // ferryPublish publishes n messages through Broker.Publish, calls of 1000
-// messages from 4 goroutines sharing the Broker's window.
+// messages from 2 goroutines sharing the Broker's window (one alone would
+// idle the window at the end of each call).
 func ferryPublish(b *testing.B, br *rabbit.Broker, queue string, n int) {
-	const perCall, workers = 1000, 4
+	const perCall, workers = 1000, 2
 	body := make([]byte, benchBody)
 	var next atomic.Int64
 	var wg sync.WaitGroup
@@ -208,7 +209,7 @@ func BenchmarkPublishConfirmed(b *testing.B) {
 	ferryPublish(b, br, queue, 1000)
 	b.ResetTimer()
 	var rawT, ferryT time.Duration
-	const rounds = 4
+	const rounds = 8
 	for r := range rounds {
 		n := b.N/rounds + b.N%rounds*btoi(r == 0)
 		start := time.Now()

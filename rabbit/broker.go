@@ -11,6 +11,7 @@ import (
 	"math/rand/v2"
 	"net/url"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -380,7 +381,9 @@ func (b *Broker) closeConns() {
 // newID returns a unique message id for a message published without one.
 func (b *Broker) newID() string {
 	n := b.idSeq.Add(1)
-	return b.idPrefix + fmt.Sprint(n)
+	buf := make([]byte, 0, len(b.idPrefix)+12)
+	buf = append(buf, b.idPrefix...)
+	return string(strconv.AppendUint(buf, n, 10))
 }
 
 // backoff returns the wait before attempt n (0-based): exponential with full

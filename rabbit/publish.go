@@ -117,7 +117,7 @@ type pubChannel struct {
 	barrier  chan chan struct{}
 
 	mu      sync.Mutex
-	byRoute map[retKey][]*pending
+	byRoute map[string][]*pending // by message id
 }
 
 type retKey struct{ id, exchange, rk string }
@@ -154,7 +154,7 @@ func (p *publisher) channel(ctx context.Context) (*pubChannel, error) {
 		closed:  make(chan struct{}),
 		gone:    make(chan struct{}),
 		barrier: make(chan chan struct{}),
-		byRoute: make(map[retKey][]*pending),
+		byRoute: make(map[string][]*pending),
 	}
 	// Unbuffered: the library's reader hands a return to drain before it
 	// reads the next frame, so drain holds the return before the confirm
@@ -216,8 +216,8 @@ func (pc *pubChannel) markReturned(r amqp.Return) {
 	k := retKey{r.MessageId, r.Exchange, r.RoutingKey}
 	pc.mu.Lock()
 	defer pc.mu.Unlock()
-	for _, pd := range pc.byRoute[k] {
-		if pd.returned == nil {
+	for _, pd := range pc.byRoute[k.id] {
+		if pd.k == k && pd.returned == nil {
 			ret := r
 			pd.returned = &ret
 			return
@@ -228,7 +228,7 @@ func (pc *pubChannel) markReturned(r amqp.Return) {
 func (pc *pubChannel) forget(pd *pending) {
 	pc.mu.Lock()
 	defer pc.mu.Unlock()
-	l := pc.byRoute[pd.k]
+	l := pc.byRoute[pd.k.id]
 	for i, x := range l {
 		if x == pd {
 			l = append(l[:i], l[i+1:]...)
@@ -236,9 +236,9 @@ func (pc *pubChannel) forget(pd *pending) {
 		}
 	}
 	if len(l) == 0 {
-		delete(pc.byRoute, pd.k)
+		delete(pc.byRoute, pd.k.id)
 	} else {
-		pc.byRoute[pd.k] = l
+		pc.byRoute[pd.k.id] = l
 	}
 }
 
@@ -246,7 +246,7 @@ func (pc *pubChannel) forget(pd *pending) {
 func (pc *pubChannel) publish(exchange string, it *pubItem) (*pending, error) {
 	pd := &pending{k: retKey{it.pub.MessageId, exchange, it.rk}}
 	pc.mu.Lock()
-	pc.byRoute[pd.k] = append(pc.byRoute[pd.k], pd)
+	pc.byRoute[pd.k.id] = append(pc.byRoute[pd.k.id], pd)
 	pc.mu.Unlock()
 	dc, err := pc.ch.PublishWithDeferredConfirm(exchange, it.rk, true, false, it.pub)
 	if err == nil && dc == nil {
