@@ -109,7 +109,10 @@
 // and the loop's count of handler runs in headers, so Message.Attempt and
 // Message.Deliveries stay exact. On a queue with a DeliveryLimit, a delayed
 // return past the limit is rejected without requeue instead: the queue
-// dead-letters it like the broker would.
+// dead-letters it like the broker would. A copy that is not confirmed
+// within 10 seconds, or that would wait on a blocked connection, is not
+// waited for: the original is requeued at once (redelivered early, never
+// lost) and Settle reports why.
 //
 // # RabbitMQ 3.10 and 4.x
 //

@@ -208,6 +208,7 @@ func (d *Driver) supervise() {
 		select {
 		case <-d.stop:
 		case <-d.b.closed:
+		case <-ctx.Done():
 		}
 		cancel()
 	}()
@@ -948,14 +949,14 @@ func (d *Driver) retryLater(ctx context.Context, batch []driver.Settlement, idx 
 	return kinds, nil
 }
 
-// declareDelay declares the delay queue for delay on the publishing
-// connection, once per connection.
+// declareDelay declares the delay queue for delay, once per connection, on
+// the consuming connection (an alarm blocks only publishing connections).
 func (d *Driver) declareDelay(ctx context.Context, delay time.Duration) error {
 	if reason, _ := d.b.pubConn.blockedWait(); reason != "" || d.b.pubConn.blocked.Load() != nil {
 		return fmt.Errorf("rabbit: delay queue: %w (%s)", ErrBlocked, reason)
 	}
 	name := delayQueueName(d.queue, delay)
-	conn, err := d.b.pubConn.get(ctx)
+	conn, err := d.b.consConn.get(ctx)
 	if err != nil {
 		return err
 	}
@@ -997,9 +998,10 @@ func (d *Driver) Lag(ctx context.Context) (driver.Lag, error) {
 	return l, nil
 }
 
-// queueDepth returns the ready messages and consumers of queue.
+// queueDepth returns the ready messages and consumers of queue, asked on
+// the consuming connection (an alarm blocks only publishing connections).
 func (b *Broker) queueDepth(ctx context.Context, queue string) (int, int, error) {
-	conn, err := b.pubConn.get(ctx)
+	conn, err := b.consConn.get(ctx)
 	if err != nil {
 		return 0, 0, err
 	}
