@@ -2,6 +2,7 @@ package rabbit_test
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"sync"
@@ -21,7 +22,7 @@ import (
 // messages; the ratios are reported as metrics (ferry/raw).
 
 const (
-	benchPrefetch = 256 // consume: the raw consumer's prefetch and Ferry's MaxInFlight
+	benchPrefetch = 256 // consume: the raw consumer's prefetch and Ferry's MaxInFlight (and 4 times it)
 	benchWindow   = 512 // publish: unconfirmed messages in flight, both
 	benchBody     = 64
 )
@@ -137,13 +138,13 @@ func ferryPublish(b *testing.B, br *rabbit.Broker, queue string, n int) {
 
 // rawConsume consumes n messages with raw amqp091: prefetch benchPrefetch,
 // manual acks, one ack per message.
-func rawConsume(b *testing.B, conn *amqp.Connection, queue string, n int) {
+func rawConsume(b *testing.B, conn *amqp.Connection, queue string, n, prefetch int) {
 	ch, err := conn.Channel()
 	if err != nil {
 		b.Fatal(err)
 	}
 	defer ch.Close()
-	if err := ch.Qos(benchPrefetch, 0, false); err != nil {
+	if err := ch.Qos(prefetch, 0, false); err != nil {
 		b.Fatal(err)
 	}
 	ds, err := ch.Consume(queue, "", false, false, false, false, nil)
@@ -161,8 +162,8 @@ func rawConsume(b *testing.B, conn *amqp.Connection, queue string, n int) {
 // ferryConsume consumes n messages through a consumer.Loop with
 // MaxInFlight benchPrefetch, concurrency 8, running h (wrapped in the
 // Standard stack when standard is set).
-func ferryConsume(b *testing.B, br *rabbit.Broker, queue string, n int, standard bool) {
-	c, err := br.NewConsumer(queue, consumer.WithConcurrency(8), consumer.WithMaxInFlight(benchPrefetch), consumer.WithLogger(benchLogger))
+func ferryConsume(b *testing.B, br *rabbit.Broker, queue string, n, prefetch int, standard bool) {
+	c, err := br.NewConsumer(queue, consumer.WithConcurrency(8), consumer.WithMaxInFlight(prefetch), consumer.WithLogger(benchLogger))
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -233,6 +234,12 @@ func btoi(v bool) int {
 // not timed), so that drift in the broker's speed hits all three alike. It
 // reports the three rates and the ratios to raw.
 func BenchmarkConsume(b *testing.B) {
+	for _, prefetch := range []int{benchPrefetch, 4 * benchPrefetch} {
+		b.Run(fmt.Sprintf("prefetch=%d", prefetch), func(b *testing.B) { benchConsume(b, prefetch) })
+	}
+}
+
+func benchConsume(b *testing.B, prefetch int) {
 	queue, br := benchQueue(b)
 	conn := rawConn(b)
 	b.ResetTimer()
@@ -247,9 +254,9 @@ func BenchmarkConsume(b *testing.B) {
 	}
 	for r := range rounds {
 		n := b.N/rounds + b.N%rounds*btoi(r == 0)
-		timed(n, &rawT, func(n int) { rawConsume(b, conn, queue, n) })
-		timed(n, &noopT, func(n int) { ferryConsume(b, br, queue, n, false) })
-		timed(n, &stdT, func(n int) { ferryConsume(b, br, queue, n, true) })
+		timed(n, &rawT, func(n int) { rawConsume(b, conn, queue, n, prefetch) })
+		timed(n, &noopT, func(n int) { ferryConsume(b, br, queue, n, prefetch, false) })
+		timed(n, &stdT, func(n int) { ferryConsume(b, br, queue, n, prefetch, true) })
 	}
 	raw, noop, std := float64(b.N)/rawT.Seconds(), float64(b.N)/noopT.Seconds(), float64(b.N)/stdT.Seconds()
 	b.ReportMetric(raw, "raw-msgs/s")

@@ -111,7 +111,7 @@ type handle struct {
 	s    *session
 	tag  uint64
 	lane string
-	d    *amqp.Delivery
+	d    amqp.Delivery
 }
 
 // Driver returns a driver over queue. When queue is in the Broker's
@@ -239,15 +239,19 @@ func (d *Driver) supervise() {
 		var reason error
 		select {
 		case e, ok := <-closes:
-			if ok && e != nil {
+			switch {
+			case !ok || e == nil:
+				// Closed by us (Fetch after a shutdown's hand-over): no
+				// error to report, only a channel to reopen.
+				d.log.Debug("rabbit: consuming channel closed by the client; reopening")
+			case e.Code == amqp.PreconditionFailed && strings.Contains(e.Reason, "acknowledgement"):
 				reason = e
-			} else {
-				reason = errors.New("channel closed")
-			}
-			if ok && e != nil && e.Code == amqp.PreconditionFailed && strings.Contains(e.Reason, "acknowledgement") {
 				d.log.Warn("rabbit: the broker closed the channel because a delivery was not acked within its consumer_timeout; its handlers are cancelled and the channel reopened (raise consumer_timeout for longer work)", "err", e)
-			} else if !d.b.isClosed() && !d.stopped() {
-				d.log.Warn("rabbit: consuming channel closed; reopening", "err", reason)
+			default:
+				reason = e
+				if !d.b.isClosed() && !d.stopped() {
+					d.log.Warn("rabbit: consuming channel closed; reopening", "err", e)
+				}
 			}
 		case tag := <-cancels:
 			reason = fmt.Errorf("rabbit: consume %q (tag %s): %w (was the queue deleted?)", d.queue, tag, ErrConsumerCancelled)
@@ -495,9 +499,12 @@ func (d *Driver) handOver(s *session, dst []driver.Message, max int) []driver.Me
 	return dst
 }
 
-// take converts one delivery and tracks its tag.
+// take converts one delivery and tracks its tag. The handle holds the
+// delivery itself (for As and delayed retries): one allocation each.
 func (d *Driver) take(s *session, dst []driver.Message, dv *amqp.Delivery) []driver.Message {
-	m := d.toMessage(dv)
+	h := &handle{s: s, tag: dv.DeliveryTag, d: *dv}
+	m := d.toMessage(&h.d)
+	h.lane = m.Lane
 	s.mu.Lock()
 	if s.base == 0 {
 		s.base = dv.DeliveryTag
@@ -511,7 +518,6 @@ func (d *Driver) take(s *session, dst []driver.Message, dv *amqp.Delivery) []dri
 		s.lanes[m.Lane]++
 	}
 	s.mu.Unlock()
-	h := &handle{s: s, tag: dv.DeliveryTag, lane: m.Lane, d: dv}
 	m.Handle = h
 	return append(dst, m)
 }
@@ -663,10 +669,10 @@ func parseHistory(s string) driver.History {
 func (d *Driver) As(h, target any) bool {
 	hd, ok := h.(*handle)
 	t, ok2 := target.(*amqp.Delivery)
-	if !ok || !ok2 || hd == nil || hd.d == nil {
+	if !ok || !ok2 || hd == nil {
 		return false
 	}
-	*t = *hd.d
+	*t = hd.d
 	return true
 }
 
@@ -889,7 +895,7 @@ func (d *Driver) retryLater(ctx context.Context, batch []driver.Settlement, idx 
 	for j, i := range idx {
 		st := &batch[i]
 		h := st.Handle.(*handle)
-		m := d.toMessage(h.d)
+		m := d.toMessage(&h.d)
 		if d.declared && d.q.DeliveryLimit > 0 && m.Deliveries > d.q.DeliveryLimit {
 			kinds[j] = kindDeadLetter
 			continue
