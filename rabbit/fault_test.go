@@ -381,11 +381,27 @@ func TestQueueDeletedUnderConsumer(t *testing.T) {
 	must(t, stop())
 }
 
-// setWatermark sets the memory high watermark; the test restores 0.4.
+// memoryAlarm raises a memory alarm (a watermark far below what the node
+// uses); clear, also run when the test ends, restores 0.4 and waits until
+// the alarm is gone.
 func memoryAlarm(t *testing.T) (clear func()) {
 	ctl(t, "status")
 	var once sync.Once
-	clear = func() { once.Do(func() { ctl(t, "set_vm_memory_high_watermark", "0.4") }) }
+	clear = func() {
+		once.Do(func() {
+			ctl(t, "set_vm_memory_high_watermark", "0.4")
+			// The node clears the alarm at its next memory check: wait for
+			// it, so that later tests start without one.
+			deadline := time.Now().Add(30 * time.Second)
+			for strings.TrimSpace(ctl(t, "eval", "rabbit_alarm:get_alarms().")) != "[]" {
+				if time.Now().After(deadline) {
+					t.Error("the memory alarm did not clear within 30s of restoring the watermark")
+					return
+				}
+				time.Sleep(200 * time.Millisecond)
+			}
+		})
+	}
 	t.Cleanup(clear)
 	ctl(t, "set_vm_memory_high_watermark", "0.0000001")
 	return clear
