@@ -579,3 +579,39 @@ func TestBreakerOpenNoPileUpBeyondPrefetch(t *testing.T) {
 	}
 	t.Logf("held %d times, loop %+v", br.Held(), st)
 }
+
+// TestAcksFlowUnderMemoryAlarm: an alarm blocks the publishing connection
+// only; the consuming connection still takes deliveries and its acks reach
+// the broker, so the queue drains while publishers wait.
+func TestAcksFlowUnderMemoryAlarm(t *testing.T) {
+	amqpURL(t)
+	name := testenv.UniqueName(t, "acks-alarm")
+	deleteLater(t, []string{name}, nil)
+	logger, _ := capture(t)
+	b := dial(t, rabbit.WithLogger(logger), rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: name, DeadLetterExchange: "x"}}}))
+	msgs := make([]consumer.Message, 20)
+	for i := range msgs {
+		msgs[i] = consumer.Message{Body: []byte(strconv.Itoa(i))}
+	}
+	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(name), msgs...))
+	memoryAlarm(t)
+	waitFor(t, 20*time.Second, "the broker to block the publishing connection", func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+		defer cancel()
+		return errors.Is(b.Publish(ctx, rabbit.ToQueue(name+"-nowhere"), consumer.Message{Body: []byte("probe")}), rabbit.ErrBlocked)
+	})
+	var got seen
+	c, err := b.NewConsumer(name, consumer.WithLogger(logger))
+	must(t, err)
+	stop := runLoop(t, c, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		got.add(string(m.Body))
+		return nil
+	}))
+	waitFor(t, 20*time.Second, "20 messages handled under the alarm", func() bool { return got.total.Load() >= 20 })
+	ch := rawChannel(t)
+	waitFor(t, 20*time.Second, "the acks to reach the broker (an empty queue, nothing unacked)", func() bool {
+		qi, err := ch.QueueDeclarePassive(name, true, false, false, false, amqp.Table{"x-queue-type": "quorum"})
+		return err == nil && qi.Messages == 0 && unacked(t, name) == 0
+	})
+	must(t, stop())
+}

@@ -63,11 +63,14 @@ type Queue struct {
 
 // Binding routes messages from an exchange to a queue.
 type Binding struct {
+	// Exchange is the exchange messages come from.
 	Exchange string
-	Queue    string
+	// Queue is the queue they go to.
+	Queue string
 	// Key is the binding key: a routing key pattern for direct and topic
 	// exchanges, the weight for a consistent-hash exchange.
-	Key  string
+	Key string
+	// Args are extra binding arguments (a headers exchange's match).
 	Args amqp.Table
 }
 
