@@ -285,3 +285,140 @@ func TestAtMostOnceRevokedBeforeItsAckIsNotAcked(t *testing.T) {
 		t.Errorf("A, whose lane was revoked before its ack was decided, was settled %v (ran %d times)", acts, ran.Load())
 	}
 }
+
+// At most once, leased broker (SQS): a message whose ack is decided but
+// queued behind a Settle still being made is not extended, because
+// extendLeases skips every delivery with d.acked set (settle.go:330), and
+// ackFirst sets acked as soon as the ack is queued. The driver contract
+// (driver.Extender) says the loop extends every message it still holds,
+// "waiting for its settlement to be sent" included, and at-least-once
+// settlements waiting in pending are extended. Here the ack waits behind a
+// slow Settle longer than the lease: the lease runs out, the broker hands
+// the message to another consumer, which runs it, and then this loop's ack
+// is made (SQS deletes with a stale receipt handle "succeed") and its
+// handler runs too: the message runs twice in the at-most-once mode.
+func TestAtMostOnceAckQueuedBehindASlowSettleKeepsItsLease(t *testing.T) {
+	drv := newLeaseLog(time.Second) // the first Settle hangs until holdOnce closes
+	drv.push(driver.Message{ID: "1", Deliveries: 1, Handle: "1"})
+	l, err := New(drv, WithConcurrency(2), WithDeliveryMode(AtMostOnce))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return nil }))
+	released := false
+	defer func() {
+		if !released {
+			close(drv.holdOnce)
+		}
+	}()
+	eventually(t, "1's ack to be with the driver", func() bool {
+		drv.mu.Lock()
+		defer drv.mu.Unlock()
+		return drv.settleNum == 1
+	})
+	drv.push(driver.Message{ID: "2", Deliveries: 1, Handle: "2"})
+	eventually(t, "2 to be fetched", func() bool { return l.Stats().Fetched == 2 })
+	// 2's worker asks for its ack at once; the ack queues behind 1's. Wait
+	// two leases: 2's lease must have been extended meanwhile.
+	time.Sleep(2 * time.Second)
+	n := drv.extensions("2")
+	close(drv.holdOnce)
+	released = true
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if n == 0 {
+		t.Fatalf("2's ack waited 2s (two 1s leases) behind a slow Settle and its lease was never extended: another consumer gets it and both run it")
+	}
+}
+
+// At most once, shutdown: withdrawAcks (settle.go:218) takes back only the
+// acks in io.pending. Since the fix, a settlement is moved to io.staged by
+// stage() at the top of the dispatcher's loop and only then offered to the
+// settle goroutine in the select; when the grace timer is ready in that
+// same select (the choice is random), endGrace runs with the ack staged:
+// it is not withdrawn, it is sent after the grace, and the handler then
+// starts on a cancelled context, which is the lost message the withdrawal
+// was added to prevent (TestAtMostOnceAckNotSentWhenTheGraceEndsIsNotMade).
+// This test replays that interleaving on the dispatcher's methods.
+func TestAtMostOnceStagedAckIsWithdrawnAtTheGrace(t *testing.T) {
+	drv := newScriptLog(true)
+	l, err := New(drv, WithDeliveryMode(AtMostOnce), WithShutdownGrace(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newRun(context.Background(), l, HandlerFunc(func(context.Context, *Message) error { return nil }), nil)
+	defer r.cancelHandler()
+	defer r.io.cancel()
+	var sd shutdown
+	defer sd.stop()
+	d := newDelivery(&driver.Message{ID: "m", Deliveries: 1, Handle: "m"}, nil)
+	r.l.inflight.Add(1)
+	r.admit(d)
+	r.ready = r.ready[1:]
+	d.state = stateRunning
+	r.running++
+	// The worker asks for the ack; the dispatcher queues it.
+	reply := make(chan error, 1)
+	r.ackFirst(ackRequest{d, reply})
+	r.beginShutdown(&sd)
+	// Top of the dispatcher's loop: the ack is staged ...
+	if !r.io.stage() {
+		t.Fatal("nothing staged")
+	}
+	// ... and the select serves the grace timer before the settle goroutine
+	// takes the job.
+	r.endGrace(&sd)
+	select {
+	case err := <-reply:
+		if err != errNotStarted {
+			t.Fatalf("the worker was told %v, want errNotStarted", err)
+		}
+	default:
+		for _, s := range r.io.settleJob().batch {
+			if s.Handle == "m" && s.Action == driver.Ack {
+				t.Fatalf("the grace ended before the ack was sent, yet the ack stays staged (to be made after the grace, its handler then starting on a cancelled context)")
+			}
+		}
+		t.Fatal("the worker waits for an ack that is neither staged nor withdrawn")
+	}
+}
+
+// settleRecorder keeps every settlement its driver was given.
+type settleRecorder struct {
+	*scriptLog
+	mu  sync.Mutex
+	got []driver.Settlement
+}
+
+func (s *settleRecorder) Settle(ctx context.Context, b []driver.Settlement) error {
+	s.mu.Lock()
+	s.got = append(s.got, b...)
+	s.mu.Unlock()
+	return s.scriptLog.Settle(ctx, b)
+}
+
+// The ack an at-most-once delivery gets before its handler runs says so
+// (BeforeRun), so that a driver that makes acks durable later (a Kafka
+// commit on a timer) makes this one durable before the handler runs; an
+// at-least-once ack does not.
+func TestAnAckBeforeTheRunSaysSo(t *testing.T) {
+	for _, mode := range []DeliveryMode{AtMostOnce, AtLeastOnce} {
+		drv := &settleRecorder{scriptLog: newScriptLog(true)}
+		drv.push(driver.Message{ID: "m", Deliveries: 1, Handle: "m"})
+		l, err := New(drv, WithDeliveryMode(mode))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ran := make(chan struct{}, 1)
+		stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { ran <- struct{}{}; return nil }))
+		<-ran
+		eventually(t, "the ack", func() bool { drv.mu.Lock(); defer drv.mu.Unlock(); return len(drv.got) == 1 })
+		if err := stop(); err != nil {
+			t.Fatal(err)
+		}
+		if got := drv.got[0]; got.Action != driver.Ack || got.BeforeRun != (mode == AtMostOnce) {
+			t.Errorf("mode %v: settlement %+v, want an ack with BeforeRun %v", mode, got, mode == AtMostOnce)
+		}
+	}
+}

@@ -66,6 +66,7 @@ func (s BreakerState) String() string {
 // One Breaker guards one dependency: share it between the consumers that
 // call it. Build one with NewBreaker; its Wrap method is a Middleware.
 type Breaker struct {
+	name     string
 	cb       *gobreaker.TwoStepCircuitBreaker[struct{}]
 	openFor  time.Duration
 	halfHold time.Duration
@@ -213,6 +214,7 @@ func NewBreaker(opts ...BreakerOption) (*Breaker, error) {
 		}
 	}
 	b := &Breaker{
+		name:     c.name,
 		openFor:  c.openFor,
 		halfHold: min(max(c.openFor/4, time.Millisecond), time.Second),
 		counts:   c.counts,
@@ -258,6 +260,9 @@ func fromGobreaker(s gobreaker.State) BreakerState {
 	}
 	return BreakerClosed
 }
+
+// Name returns the breaker's name (BreakerName).
+func (b *Breaker) Name() string { return b.name }
 
 // State returns the breaker's state now.
 func (b *Breaker) State() BreakerState { return fromGobreaker(b.cb.State()) }

@@ -34,34 +34,47 @@ type nilHandler interface {
 // returns its own handler.
 const maxChainDepth = 1000
 
+// chainParts is what the loop found in a handler chain: the middleware
+// whose state it reports in Health, and the breakers it asks before an
+// at-most-once ack.
+type chainParts struct {
+	breakers    []*Breaker
+	retries     []*Retry
+	deadLetters []*DeadLetter
+}
+
+// retrier and deadLetterer are the handlers of Retry and DeadLetter.
+type retrier interface{ retrier() *Retry }
+type deadLetterer interface{ deadLetterer() *DeadLetter }
+
 // inspectChain walks h down its Unwrap methods, refusing a nil layer, and
-// returns the breakers in it, outermost first, each once.
-func inspectChain(h Handler) ([]*Breaker, error) {
-	var breakers []*Breaker
+// returns the breakers, retries and dead-letter middleware in it, outermost
+// first, each once.
+func inspectChain(h Handler) (chainParts, error) {
+	var p chainParts
 	for depth := 0; depth < maxChainDepth; depth++ {
 		switch f := h.(type) {
 		case nil:
 			if depth == 0 {
-				return nil, configErr("Handler", "must not be nil")
+				return p, configErr("Handler", "must not be nil")
 			}
-			return nil, configErr("Handler", "middleware at depth %d wraps a nil Handler", depth)
+			return p, configErr("Handler", "middleware at depth %d wraps a nil Handler", depth)
 		case HandlerFunc:
 			if f == nil {
-				return nil, configErr("Handler", "is a nil HandlerFunc (at depth %d)", depth)
+				return p, configErr("Handler", "is a nil HandlerFunc (at depth %d)", depth)
 			}
 		}
 		if n, ok := h.(nilHandler); ok && n.isNil() {
-			return nil, configErr("Handler", "calls a nil function (at depth %d)", depth)
+			return p, configErr("Handler", "calls a nil function (at depth %d)", depth)
 		}
 		if g, ok := h.(gate); ok {
-			b := g.breaker()
-			seen := false
-			for _, x := range breakers {
-				seen = seen || x == b
-			}
-			if !seen {
-				breakers = append(breakers, b)
-			}
+			p.breakers = appendOnce(p.breakers, g.breaker())
+		}
+		if r, ok := h.(retrier); ok {
+			p.retries = appendOnce(p.retries, r.retrier())
+		}
+		if d, ok := h.(deadLetterer); ok {
+			p.deadLetters = appendOnce(p.deadLetters, d.deadLetterer())
 		}
 		u, ok := h.(unwrapper)
 		if !ok {
@@ -69,7 +82,16 @@ func inspectChain(h Handler) ([]*Breaker, error) {
 		}
 		h = u.Unwrap()
 	}
-	return breakers, nil
+	return p, nil
+}
+
+func appendOnce[T comparable](s []T, v T) []T {
+	for _, x := range s {
+		if x == v {
+			return s
+		}
+	}
+	return append(s, v)
 }
 
 // errGateUnused is what an at-most-once reservation that no breaker took

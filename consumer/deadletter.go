@@ -12,6 +12,10 @@ import (
 	"sync/atomic"
 	"time"
 	"unicode/utf8"
+
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Headers that DeadLetter adds to a dead-lettered message. The body, the key
@@ -227,6 +231,8 @@ func (h *deadLetterHandler) Handle(ctx context.Context, m *Message) error {
 // Unwrap returns the handler whose failures DeadLetter judges.
 func (h *deadLetterHandler) Unwrap() Handler { return h.next }
 
+func (h *deadLetterHandler) deadLetterer() *DeadLetter { return h.d }
+
 // DeadLetterError says a message should have been dead-lettered but the
 // publish to the dead-letter destination failed; the message was not
 // acknowledged and comes back later. It unwraps to the publish error only:
@@ -328,6 +334,10 @@ func (d *DeadLetter) deadLetter(ctx context.Context, m *Message, rec *record, re
 		pubCtx, cancel = context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 		defer cancel()
 	}
+	if trace.SpanContextFromContext(ctx).IsValid() {
+		// The dead letter continues the trace of the run that gave up.
+		traceContext.Inject(ctx, propagation.MapCarrier(h))
+	}
 	msg := Message{ID: m.ID, Key: m.Key, Body: m.Body, Headers: h, Offset: -1}
 	if perr := d.pub.Publish(pubCtx, d.dest, msg); perr != nil {
 		d.failures.Add(1)
@@ -338,6 +348,7 @@ func (d *DeadLetter) deadLetter(ctx context.Context, m *Message, rec *record, re
 	}
 	d.count.Add(1)
 	rec.deadLettered = true
+	addRunEvent(ctx, EventDeadLetter, func() []attribute.KeyValue { return deadLetterEventAttrs(d.dest, reason, attempts, cause) })
 	d.logger.LogAttrs(ctx, slog.LevelWarn, "ferry: message dead-lettered",
 		slog.String("destination", d.dest), slog.String("source", m.Source), slog.String("id", m.ID),
 		slog.Int("attempts", attempts), slog.String("reason", reason), slog.Any("error", cause))

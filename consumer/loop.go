@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer/driver"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // ErrAlreadyRun is returned by a second call to Loop.Run: a Loop runs once
@@ -28,6 +29,8 @@ type Loop struct {
 	caps     driver.Capabilities
 	extender driver.Extender // nil when the broker keeps no lease
 	revoker  driver.Revoker  // nil when the broker never revokes
+	tracer   trace.Tracer    // nil without WithTracerProvider
+	health   healthWindow
 
 	ran         atomic.Bool
 	inflight    atomic.Int64 // deliveries taken and not yet settled or dropped
@@ -44,8 +47,8 @@ type Loop struct {
 // Stats is a snapshot of a Loop's counters.
 type Stats struct {
 	Fetched      int64 // deliveries taken from the broker
-	Acked        int64 // deliveries acknowledged
-	Returned     int64 // deliveries returned to the broker for redelivery
+	Acked        int64 // acks made (a failed ack is not counted)
+	Returned     int64 // returns to the broker for redelivery, made
 	Failed       int64 // handler runs that returned an error (panics included)
 	Panics       int64 // handler runs that panicked
 	Held         int64 // handler runs held by a circuit breaker (not attempts)
@@ -79,6 +82,10 @@ func New(drv driver.Driver, opts ...Option) (*Loop, error) {
 	if r, ok := drv.(driver.Revoker); ok {
 		l.revoker = r
 	}
+	if cfg.tracerProvider != nil {
+		l.tracer = cfg.tracerProvider.Tracer(tracerName)
+	}
+	l.health.size, l.health.interval = cfg.healthSamples, cfg.healthInterval
 	return l, nil
 }
 
@@ -150,13 +157,17 @@ func Name(ctx context.Context) string {
 // when the driver reports a fatal one. A Loop runs once: a second call
 // returns ErrAlreadyRun.
 func (l *Loop) Run(ctx context.Context, h Handler) error {
-	breakers, err := inspectChain(h)
+	parts, err := inspectChain(h)
 	if err != nil {
 		return err
 	}
 	if !l.ran.CompareAndSwap(false, true) {
 		return ErrAlreadyRun
 	}
+	breakers := parts.breakers
+	l.health.mu.Lock()
+	l.health.parts = parts
+	l.health.mu.Unlock()
 	defer l.drv.Close()
 	if reg, err := l.registerMetrics(); err != nil {
 		l.cfg.logger.Warn("ferry: metrics unavailable", "consumer", l.cfg.name, "err", err)
@@ -168,6 +179,11 @@ func (l *Loop) Run(ctx context.Context, h Handler) error {
 	}
 	r := newRun(ctx, l, h, breakers)
 	defer r.cancelHandler()
+
+	sampleCtx, stopSampling := context.WithCancel(context.WithoutCancel(ctx))
+	sampled := make(chan struct{})
+	go func() { defer close(sampled); l.sampleHealth(sampleCtx) }()
+	defer func() { stopSampling(); <-sampled }()
 
 	fetchCtx, stopFetch := context.WithCancel(ctx)
 	defer stopFetch()

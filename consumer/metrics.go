@@ -24,7 +24,23 @@ const (
 	MetricRunning   = "ferry.consumer.running"             // gauge: handlers running
 	MetricLag       = "ferry.consumer.lag"                 // gauge: messages waiting at the broker
 	MetricOldestAge = "ferry.consumer.oldest_age"          // gauge, seconds: age of the oldest waiting message
+	MetricHealth    = "ferry.consumer.health"              // gauge: the Health state, 0 steady, 1 downstream slow, 2 retry storm, 3 backlog past retention, 4 protected
 )
+
+// healthLevel is the value of MetricHealth for a state.
+func healthLevel(s HealthState) int64 {
+	switch s {
+	case HealthDownstreamSlow:
+		return 1
+	case HealthRetryStorm:
+		return 2
+	case HealthBacklogPastRetention:
+		return 3
+	case HealthProtected:
+		return 4
+	}
+	return 0
+}
 
 // WithMeterProvider sets where the loop reports its metrics. Default the
 // global provider (otel.GetMeterProvider), a no-op until one is installed.
@@ -67,6 +83,7 @@ func (l *Loop) registerMetrics() (metric.Registration, error) {
 	lag := gauge(MetricLag, "Messages waiting at the broker that no consumer has taken.", "{message}")
 	oldest, err := m.Float64ObservableGauge(MetricOldestAge, metric.WithDescription("Age of the oldest waiting message."), metric.WithUnit("s"))
 	errs = append(errs, err)
+	health := gauge(MetricHealth, "The consumer's health state: 0 steady, 1 downstream slow, 2 retry storm, 3 backlog past retention, 4 protected.", "{state}")
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}
@@ -80,6 +97,7 @@ func (l *Loop) registerMetrics() (metric.Registration, error) {
 		o.ObserveInt64(held, s.Held, attrs)
 		o.ObserveInt64(inFlight, s.InFlight, attrs)
 		o.ObserveInt64(running, s.Running, attrs)
+		o.ObserveInt64(health, healthLevel(l.Health().State), attrs)
 		lctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()
 		if lg, err := l.Lag(lctx); err == nil {
@@ -87,5 +105,5 @@ func (l *Loop) registerMetrics() (metric.Registration, error) {
 			o.ObserveFloat64(oldest, lg.OldestAge.Seconds(), attrs)
 		}
 		return nil
-	}, consumed, acked, returned, failed, held, inFlight, running, lag, oldest)
+	}, consumed, acked, returned, failed, held, inFlight, running, lag, oldest, health)
 }

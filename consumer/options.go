@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // DeliveryMode chooses when a message is acknowledged.
@@ -86,20 +87,26 @@ func configErr(field, format string, args ...any) error {
 type Option func(*config) error
 
 type config struct {
-	name          string
-	concurrency   int
-	maxInFlight   int
-	fetchBatch    int
-	ordering      Ordering
-	mode          DeliveryMode
-	grace         time.Duration
-	logger        *slog.Logger
-	backoffMin    time.Duration
-	backoffMax    time.Duration
-	fetchBackoff  time.Duration
-	maxInFlightOK bool // set explicitly
-	fetchBatchOK  bool
-	meterProvider metric.MeterProvider
+	name           string
+	concurrency    int
+	maxInFlight    int
+	fetchBatch     int
+	ordering       Ordering
+	mode           DeliveryMode
+	grace          time.Duration
+	logger         *slog.Logger
+	backoffMin     time.Duration
+	backoffMax     time.Duration
+	fetchBackoff   time.Duration
+	maxInFlightOK  bool // set explicitly
+	fetchBatchOK   bool
+	meterProvider  metric.MeterProvider
+	tracerProvider trace.TracerProvider
+
+	healthInterval    time.Duration
+	healthSamples     int
+	retention         time.Duration
+	retentionFraction float64
 }
 
 func defaultConfig() config {
@@ -112,6 +119,9 @@ func defaultConfig() config {
 		backoffMin:   100 * time.Millisecond,
 		backoffMax:   10 * time.Second,
 		fetchBackoff: 5 * time.Second,
+
+		healthInterval: 5 * time.Second,
+		healthSamples:  12,
 	}
 }
 

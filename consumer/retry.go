@@ -5,6 +5,8 @@ import (
 	"errors"
 	"sync/atomic"
 	"time"
+
+	"go.opentelemetry.io/otel/attribute"
 )
 
 // Retry runs a failing handler again within one delivery, with exponential
@@ -183,6 +185,8 @@ func (h *retryHandler) Handle(ctx context.Context, m *Message) error {
 // Unwrap returns the handler Retry runs.
 func (h *retryHandler) Unwrap() Handler { return h.next }
 
+func (h *retryHandler) retrier() *Retry { return h.r }
+
 func (r *Retry) handle(ctx context.Context, m *Message, next Handler) error {
 	ctx, rec := withRecord(ctx)
 	if m.Attempt < 1 {
@@ -205,6 +209,7 @@ func (r *Retry) handle(ctx context.Context, m *Message, next Handler) error {
 		if time.Since(start)+d > r.maxElapsed {
 			return r.giveBack(m, err)
 		}
+		addRunEvent(ctx, EventRetry, func() []attribute.KeyValue { return retryEventAttrs(m.Attempt+1, d, err) })
 		if serr := r.sleep(ctx, d); serr != nil {
 			return err
 		}

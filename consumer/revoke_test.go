@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -80,11 +81,13 @@ func TestRevocationDoneWaitsForDecidedAcks(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error { return nil }))
-	eventually(t, "X acked (settle in progress)", func() bool { return l.Stats().Acked == 1 })
-	time.Sleep(20 * time.Millisecond) // the settler is now stuck in the first Settle
+	var handled atomic.Int32
+	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error { handled.Add(1); return nil }))
+	eventually(t, "X handled", func() bool { return handled.Load() == 1 })
+	time.Sleep(20 * time.Millisecond) // X's ack is decided; the settler is now stuck in the first Settle
 	drv.push(driver.Message{ID: "A", Lane: "0", Deliveries: 1, Handle: "A"})
-	eventually(t, "A's handler succeeded", func() bool { return l.Stats().Acked == 2 })
+	eventually(t, "A's handler succeeded", func() bool { return handled.Load() == 2 })
+	time.Sleep(20 * time.Millisecond) // A's ack is decided, queued behind the slow Settle
 	done := make(chan struct{})
 	drv.mu.Lock()
 	drv.revDone = done

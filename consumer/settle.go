@@ -175,10 +175,7 @@ func (q *ioQueue) extendLoop(abandon <-chan struct{}) {
 // lets the next of its key run.
 func (r *run) settle(d *delivery, a driver.Action, delay time.Duration) {
 	s := driver.Settlement{Handle: d.msg.handle, Action: a, Delay: delay, NotAttempted: d.runs == d.prior}
-	if a == driver.Ack {
-		r.l.stats.acked.Add(1)
-	} else {
-		r.l.stats.returned.Add(1)
+	if a != driver.Ack {
 		s.History = d.history()
 		if r.ledger != nil {
 			r.ledger.put(ledgerKey{d.msg.Source, d.msg.ID}, s.History)
@@ -209,31 +206,38 @@ func (r *run) ackFirst(req ackRequest) {
 	}
 	d.acked = true
 	d.ackWait = req.reply
-	r.io.add(d, driver.Settlement{Handle: d.msg.handle, Action: driver.Ack})
+	r.io.add(d, driver.Settlement{Handle: d.msg.handle, Action: driver.Ack, BeforeRun: true})
 }
 
 // withdrawAcks takes back the at-most-once acks that are decided and not yet
-// staged, when the grace ends: their handlers would start on a cancelled
-// context, so the messages go back not attempted instead.
+// sent (pending or staged), when the grace ends: their handlers would start
+// on a cancelled context, so the messages go back not attempted instead.
 func (r *run) withdrawAcks() {
 	q := &r.io
+	q.pending = r.withdrawFrom(q.pending)
+	q.staged = r.withdrawFrom(q.staged)
+}
+
+func (r *run) withdrawFrom(job settleJob) settleJob {
 	kept := 0
-	for i, d := range q.pending.ds {
+	for i, d := range job.ds {
 		if d.ackWait == nil {
-			q.pending.ds[kept], q.pending.batch[kept] = d, q.pending.batch[i]
+			job.ds[kept], job.batch[kept] = d, job.batch[i]
 			kept++
 			continue
 		}
 		if d.extending {
-			q.blocked--
+			r.io.blocked--
 		}
+		d.settleSent = false
 		d.acked = false
 		d.ackWait <- errNotStarted
 		d.ackWait = nil
 	}
-	clear(q.pending.ds[kept:])
-	clear(q.pending.batch[kept:])
-	q.pending.ds, q.pending.batch = q.pending.ds[:kept], q.pending.batch[:kept]
+	clear(job.ds[kept:])
+	clear(job.batch[kept:])
+	job.ds, job.batch = job.ds[:kept], job.batch[:kept]
+	return job
 }
 
 // settled takes back a settle job the driver is done with.
@@ -249,13 +253,22 @@ func (r *run) settled(job settleJob) {
 	}
 	for i, d := range job.ds {
 		d.settleSent = false
+		ok := !failed.has(i)
+		if ok {
+			// Counted once made: a broker refusing every ack must not look
+			// healthy in the counters.
+			if job.batch[i].Action == driver.Ack {
+				r.l.stats.acked.Add(1)
+			} else {
+				r.l.stats.returned.Add(1)
+			}
+		}
 		if d.ackWait != nil {
 			// At most once: acked before it runs; tell its worker.
-			if failed.has(i) {
-				d.ackWait <- errAckFailed
-			} else {
-				r.l.stats.acked.Add(1)
+			if ok {
 				d.ackWait <- nil
+			} else {
+				d.ackWait <- errAckFailed
 			}
 			d.ackWait = nil
 			continue
@@ -327,14 +340,16 @@ func (r *run) extendLeases() {
 	now := time.Now()
 	renewBefore := now.Add(lease * 2 / 3)
 	for d := r.head.next; d != &r.head; d = d.next {
-		if d.acked || d.settleSent || d.leaseAt.After(renewBefore) {
+		// An at-most-once ack that is queued and not yet made keeps its
+		// lease, like any settlement waiting to be sent.
+		if d.settleSent || (d.acked && d.ackWait == nil) || d.leaseAt.After(renewBefore) {
 			continue
 		}
 		q.ext.handles = append(q.ext.handles, d.msg.handle)
 		q.ext.ds = append(q.ext.ds, d)
 		d.extending = true
 		d.leaseAt = now.Add(lease)
-		if d.state == stateSettling {
+		if d.state == stateSettling || d.ackWait != nil {
 			q.blocked++ // its settlement waits for the extension
 		}
 	}

@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -249,15 +250,17 @@ func TestAHungExtendDoesNotHoldBackOtherAcks(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	var handled atomic.Int32
 	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
 		if m.ID == "A" {
 			<-drv.began // runs until its extension is under way
 		}
+		handled.Add(1)
 		return nil
 	}))
-	eventually(t, "A acked (decided)", func() bool { return l.Stats().Acked == 1 })
+	eventually(t, "A handled", func() bool { return handled.Load() == 1 })
 	drv.push(driver.Message{ID: "B", Deliveries: 1, Handle: "B"})
-	eventually(t, "B acked (decided)", func() bool { return l.Stats().Acked == 2 })
+	eventually(t, "B handled", func() bool { return handled.Load() == 2 })
 	time.Sleep(time.Second)
 	out := drv.outcomes()
 	close(drv.release)
@@ -266,5 +269,40 @@ func TestAHungExtendDoesNotHoldBackOtherAcks(t *testing.T) {
 	}
 	if len(out["B"]) == 0 {
 		t.Fatalf("B's ack was not sent within 1s while an Extend of A hung (settled so far: %v)", out)
+	}
+}
+
+// failingSettleLog fails every Settle.
+type failingSettleLog struct{ *scriptLog }
+
+func (f *failingSettleLog) Settle(context.Context, []driver.Settlement) error {
+	return errors.New("broker unreachable")
+}
+
+// Stats.Acked (and the ferry.consumer.acked metric, "Messages acknowledged
+// after their handler succeeded") is counted when an at-least-once ack is
+// decided (settle.go:178-179, run.settle), not when it is made. The fix
+// for at-most-once moved the count to settled(), where the ack is known to
+// be made ("Acked counts acks made"), but left the at-least-once path as it
+// was: with a broker that refuses every ack, Acked grows as if all were
+// well while every message is redelivered (a silent failure; only
+// SettleErrors says otherwise). Returned is counted the same way.
+func TestFailedAtLeastOnceAckIsNotCountedAcked(t *testing.T) {
+	drv := &failingSettleLog{scriptLog: newScriptLog(true)}
+	drv.push(driver.Message{ID: "1", Deliveries: 1, Handle: "1"})
+	l, err := New(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return nil }))
+	eventually(t, "the failed ack to be back", func() bool {
+		s := l.Stats()
+		return s.Fetched == 1 && s.InFlight == 0 && s.SettleErrors >= 1
+	})
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if s := l.Stats(); s.Acked != 0 {
+		t.Fatalf("Stats.Acked = %d after the only ack failed (SettleErrors %d): it counts acks decided, not made", s.Acked, s.SettleErrors)
 	}
 }

@@ -84,6 +84,11 @@ func (r *run) endGrace(s *shutdown) {
 		select {
 		case d := <-r.work:
 			r.running--
+			if d.revoked {
+				// Its lane was taken away: nothing of it is settled.
+				r.drop(d)
+				continue
+			}
 			r.settle(d, driver.Return, 0)
 		default:
 			reclaimed = false

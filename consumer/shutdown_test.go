@@ -321,3 +321,44 @@ func TestHandlerThatFinishedBeforeTheGraceIsAcked(t *testing.T) {
 		t.Fatalf("a handler that returned nil before the grace ended was settled %+v, want an ack", r.io.pending.batch)
 	}
 }
+
+// Revocation then shutdown: endGrace reclaims what sits in the work queue
+// (a worker stuck in a handler that ignores its context never takes it)
+// and settles each with a Return (shutdown.go:363-371) without looking at
+// d.revoked. A delivery handed to the work queue before its lane was
+// revoked is stateRunning, so revoke only marks it revoked and waits for
+// it; the reclaim then settles it, breaking "the loop settles nothing for
+// [revoked lanes]" (driver.Revoker), and Done closes only after that
+// settlement. finish drops a revoked delivery; the reclaim should too.
+func TestRevokedDeliveryInTheWorkQueueIsNotSettledAtTheGrace(t *testing.T) {
+	drv := newScriptLog(true)
+	drv.push(
+		driver.Message{ID: "A", Lane: "0", Deliveries: 1, Handle: "A"},
+		driver.Message{ID: "B", Lane: "1", Deliveries: 1, Handle: "B"},
+	)
+	l, err := New(drv, WithConcurrency(1), WithShutdownGrace(50*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := make(chan string, 2)
+	release := make(chan struct{})
+	defer close(release)
+	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
+		started <- m.ID
+		<-release // ignores its context
+		return nil
+	}))
+	if id := <-started; id != "A" {
+		t.Fatalf("%s ran first, want A", id)
+	}
+	eventually(t, "B to be fetched", func() bool { return l.Stats().Fetched == 2 })
+	time.Sleep(50 * time.Millisecond) // B goes into the work queue (room for one), behind the stuck worker
+	done := make(chan struct{})
+	drv.revCh <- driver.Revocation{Lanes: []string{"1"}, Done: done}
+	if err := stop(); err != nil { // the grace ends, A is abandoned
+		t.Fatal(err)
+	}
+	if acts := drv.outcomes()["B"]; len(acts) > 0 {
+		t.Fatalf("B, whose lane was revoked, was settled %v at the end of the grace", acts)
+	}
+}

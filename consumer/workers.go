@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer/driver"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // This file holds the goroutines around the dispatcher: the fetcher and the
@@ -69,6 +70,11 @@ func (r *run) runAtMostOnce(d *delivery, ack chan error) error {
 }
 
 func (r *run) call(d *delivery) (err error) {
+	var span trace.Span
+	if r.l.tracer != nil {
+		// Deferred first, so it runs last: after a panic became err.
+		defer func() { endRun(span, err) }()
+	}
 	s := &r.l.stats
 	s.running.Add(1)
 	defer func() {
@@ -85,6 +91,11 @@ func (r *run) call(d *delivery) (err error) {
 		// ended did its work on a live context.
 		d.late = r.graceOver.Load()
 	}()
+	if r.l.tracer != nil {
+		var ctx context.Context
+		ctx, span = r.startRun(&d.ctx, &d.msg)
+		return r.h.Handle(ctx, &d.msg)
+	}
 	return r.h.Handle(&d.ctx, &d.msg)
 }
 

@@ -252,9 +252,10 @@ func handleErr(op, queue string, n, stale, invalid int) error {
 	return errors.Join(errs...)
 }
 
-// Capabilities reports that the queue redelivers returned messages.
+// Capabilities reports that the queue redelivers returned messages, and
+// names the system in traces "ferry_memory".
 func (d *memDriver) Capabilities() driver.Capabilities {
-	return driver.Capabilities{Redelivers: true}
+	return driver.Capabilities{Redelivers: true, System: "ferry_memory"}
 }
 
 // As serves consumer.Message.As: a *Delivery target gets the delivery as

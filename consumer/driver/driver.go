@@ -185,6 +185,13 @@ type Settlement struct {
 	// as Message.Known on the next delivery, so that Message.Attempt stays
 	// exact across redeliveries. Drivers that cannot carry it ignore it.
 	History History
+
+	// BeforeRun is true for the ack of an at-most-once delivery, which the
+	// loop makes before the handler runs and only then runs it: the ack
+	// must be durable when Settle returns. A driver that makes acks durable
+	// later (a Kafka commit on a timer) makes this one durable before
+	// Settle returns, or fails it.
+	BeforeRun bool
 }
 
 // Capabilities says what a broker can do, so that the loop can do the rest.
@@ -193,6 +200,11 @@ type Capabilities struct {
 	// it again later (SQS, RabbitMQ, memory). When false (a Kafka log) the
 	// loop retries a failed message in place, holding its lane.
 	Redelivers bool
+
+	// System names the broker in traces: OpenTelemetry's messaging.system
+	// ("kafka", "aws_sqs", "rabbitmq"; the memory broker says
+	// "ferry_memory"). Empty leaves the attribute out.
+	System string
 }
 
 // Driver is what every broker implements.
@@ -280,6 +292,10 @@ type Lag struct {
 	// Lanes holds the lag per lane where the broker reports it (Kafka: per
 	// partition); nil otherwise.
 	Lanes map[string]int64
+	// Positions holds each lane's committed position where the broker has
+	// one (Kafka: the group's committed offset per partition); nil
+	// otherwise. The loop's lag verdicts watch it move.
+	Positions map[string]int64
 }
 
 // LagReporter is implemented by drivers that can say how far behind the

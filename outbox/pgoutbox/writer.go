@@ -85,7 +85,7 @@ func (w *Writer) add(ctx context.Context, exec execer, events []outbox.Event) er
 	if len(events) == 0 {
 		return nil
 	}
-	rows, err := prepare(w.cfg, events)
+	rows, err := prepare(ctx, w.cfg, events)
 	if err != nil {
 		return err
 	}
@@ -103,12 +103,12 @@ func (w *Writer) add(ctx context.Context, exec execer, events []outbox.Event) er
 	return nil
 }
 
-func prepare(cfg row.Config, events []outbox.Event) ([]row.Row, error) {
+func prepare(ctx context.Context, cfg row.Config, events []outbox.Event) ([]row.Row, error) {
 	in := make([]row.Event, len(events))
 	for i, e := range events {
 		in[i] = row.Event(e)
 	}
-	return row.Prepare(cfg, in, func(i int, id, field, reason string) error {
+	return row.Prepare(ctx, cfg, in, func(i int, id, field, reason string) error {
 		return &outbox.EventError{Index: i, ID: id, Field: field, Reason: reason}
 	})
 }

@@ -131,7 +131,7 @@ func (w *Writer) Add(ctx context.Context, tx *sql.Tx, events ...outbox.Event) er
 	for i, e := range events {
 		in[i] = row.Event(e)
 	}
-	rows, err := row.Prepare(w.cfg, in, func(i int, id, field, reason string) error {
+	rows, err := row.Prepare(ctx, w.cfg, in, func(i int, id, field, reason string) error {
 		return &outbox.EventError{Index: i, ID: id, Field: field, Reason: reason}
 	})
 	if err != nil {

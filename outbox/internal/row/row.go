@@ -11,9 +11,13 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"maps"
 	"slices"
 	"sort"
 	"time"
+
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Lanes is the number of lanes events are spread over (see outbox.Lanes).
@@ -108,11 +112,22 @@ type Invalid func(index int, id, field, reason string) error
 const EventIDHeader = "ferry-event-id"
 
 // Prepare checks and encodes events. It never changes the caller's events;
-// ids are generated for events without one.
-func Prepare(cfg Config, events []Event, invalid Invalid) ([]Row, error) {
+// ids are generated for events without one. When ctx carries a span, an
+// event without a trace context of its own gets that span's (W3C
+// traceparent and tracestate headers), so that the relay's publish continues
+// the trace of the transaction that wrote the event.
+func Prepare(ctx context.Context, cfg Config, events []Event, invalid Invalid) ([]Row, error) {
 	rows := make([]Row, len(events))
+	tc := traceHeaders(ctx)
 	for i := range events {
 		e := &events[i]
+		if tc != nil && e.Headers[traceparent] == "" {
+			withTrace := *e
+			withTrace.Headers = make(map[string]string, len(e.Headers)+len(tc))
+			maps.Copy(withTrace.Headers, e.Headers)
+			maps.Copy(withTrace.Headers, tc)
+			e = &withTrace
+		}
 		id := e.ID
 		if id == "" {
 			id = NewID()
@@ -141,6 +156,20 @@ func Prepare(cfg Config, events []Event, invalid Invalid) ([]Row, error) {
 		}
 	}
 	return rows, nil
+}
+
+// traceparent is the W3C trace context header.
+const traceparent = "traceparent"
+
+// traceHeaders returns the trace context headers of ctx's span, or nil when
+// ctx carries none.
+func traceHeaders(ctx context.Context) map[string]string {
+	if !trace.SpanContextFromContext(ctx).IsValid() {
+		return nil
+	}
+	h := map[string]string{}
+	propagation.TraceContext{}.Inject(ctx, propagation.MapCarrier(h))
+	return h
 }
 
 // Chunks splits rows into runs of at most maxRows rows and, unless a run

@@ -165,6 +165,8 @@ func (r *run) loopOptions(name string, grace time.Duration) []consumer.Option {
 		consumer.WithMaxInFlight(12),
 		consumer.WithShutdownGrace(grace),
 		consumer.WithLogger(r.log),
+		// A health window of a few seconds, to follow the phases.
+		consumer.WithHealthWindow(500*time.Millisecond, 6),
 	}
 }
 
@@ -415,6 +417,7 @@ func (r *run) snapshot(ctx context.Context) snapshot {
 		breaker:    r.billing.stack.Breaker.State().String(),
 		dead:       r.billing.stack.DeadLetter.Count(),
 		suppressed: r.billing.suppressed(),
+		health:     string(r.loop1.Health().State),
 	}
 	if lag, err := r.loop1.Lag(ctx); err == nil {
 		s.lag = lag.Messages + max(lag.InFlight, 0)

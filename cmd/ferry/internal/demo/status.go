@@ -19,22 +19,23 @@ type snapshot struct {
 	breaker    string
 	dead       int64
 	suppressed int64
+	health     string // the surviving consumer's health state (consumer.Loop.Health)
 }
 
 func (s snapshot) String() string {
-	return fmt.Sprintf("%5.1fs %-9s  published %3d  paid %3d  lag %3d  oldest %4s  retries %2d  breaker %-9s  DLQ %d  dups %d",
-		s.elapsed.Seconds(), s.phase, s.published, s.paid, s.lag, roundAge(s.oldest), s.retries, s.breaker, s.dead, s.suppressed)
+	return fmt.Sprintf("%5.1fs %-9s  published %3d  paid %3d  lag %3d  oldest %4s  retries %2d  breaker %-9s  DLQ %d  dups %d  health %s",
+		s.elapsed.Seconds(), s.phase, s.published, s.paid, s.lag, roundAge(s.oldest), s.retries, s.breaker, s.dead, s.suppressed, s.health)
 }
 
 // compact is the status for a narrow terminal (80 columns).
 func (s snapshot) compact() string {
-	return fmt.Sprintf("%3.0fs %s pub %d paid %d lag %d/%s retry %d breaker %s dlq %d dup %d",
-		s.elapsed.Seconds(), s.phase, s.published, s.paid, s.lag, roundAge(s.oldest), s.retries, s.breaker, s.dead, s.suppressed)
+	return fmt.Sprintf("%3.0fs %s pub %d paid %d lag %d/%s retry %d breaker %s dlq %d dup %d %s",
+		s.elapsed.Seconds(), s.phase, s.published, s.paid, s.lag, roundAge(s.oldest), s.retries, s.breaker, s.dead, s.suppressed, s.health)
 }
 
 // Legend explains the columns of the status line.
 const legend = "status: time, phase, events published, payments made, messages waiting or in flight (lag) and the age of the oldest,\n" +
-	"        handler retries, breaker state, messages dead-lettered, duplicates suppressed"
+	"        handler retries, breaker state, messages dead-lettered, duplicates suppressed, and the consumer's health"
 
 func roundAge(d time.Duration) string {
 	switch {

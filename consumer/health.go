@@ -1,0 +1,463 @@
+package consumer
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/ferrymq/ferry/consumer/driver"
+)
+
+// This file is the loop's view of its own health: while Run runs, a sampler
+// records the lag and the counters of the loop and of the middleware in its
+// chain at a fixed interval, and Health judges the last window of samples:
+// a verdict on each lane's lag in Burrow's terms, and one of the states
+// that the failures of messaging fall into.
+
+// Verdict is the evaluation of one lane's lag over the health window, in
+// the terms of LinkedIn's Burrow.
+type Verdict string
+
+// Lag verdicts.
+const (
+	// VerdictOK: the lane keeps up (its lag reached zero in the window, or
+	// shrinks).
+	VerdictOK Verdict = "OK"
+	// VerdictWarn: the lane progresses, but its lag grows.
+	VerdictWarn Verdict = "WARN"
+	// VerdictStall: the lane does not progress while its lag grows.
+	VerdictStall Verdict = "STALL"
+	// VerdictStop: the lane neither progresses nor changes its lag, with
+	// messages waiting: nobody consumes it.
+	VerdictStop Verdict = "STOP"
+	// VerdictRewind: the lane's position went backwards (a reset offset, a
+	// redrive): its messages are read again.
+	VerdictRewind Verdict = "REWIND"
+)
+
+// HealthState is what a consumer's figures over the health window say about
+// it: the silent failures of messaging, named.
+type HealthState string
+
+// Health states, from the least to the most urgent.
+const (
+	// HealthSteady: nothing below.
+	HealthSteady HealthState = "steady"
+	// HealthDownstreamSlow: lag and the backlog's age climb and handlers do
+	// not fail: what they call is slow.
+	HealthDownstreamSlow HealthState = "downstream slow"
+	// HealthRetryStorm: failed runs and retries outnumber the messages
+	// done: the load is retries, not work.
+	HealthRetryStorm HealthState = "retry storm"
+	// HealthBacklogPastRetention: the oldest waiting message is older than
+	// the configured fraction of the source's retention (WithRetention):
+	// the broker will delete messages before they are handled.
+	HealthBacklogPastRetention HealthState = "backlog past retention"
+	// HealthProtected: a circuit breaker of the chain is open or held
+	// messages in the window: the consumer protects its downstream and
+	// waits.
+	HealthProtected HealthState = "protected"
+)
+
+// Unhealthy reports whether the state calls for someone to act: retry
+// storm, backlog past retention, protected. HealthHandler answers 503 for
+// them.
+func (s HealthState) Unhealthy() bool {
+	switch s {
+	case HealthRetryStorm, HealthBacklogPastRetention, HealthProtected:
+		return true
+	}
+	return false
+}
+
+// LaneHealth is one lane's lag and its verdict.
+type LaneHealth struct {
+	Lane     string  `json:"lane"`
+	Lag      int64   `json:"lag"`
+	Position int64   `json:"position"` // committed offset (Kafka), or messages acked where the broker has no position
+	Verdict  Verdict `json:"verdict"`
+}
+
+// BreakerHealth is one circuit breaker of the chain.
+type BreakerHealth struct {
+	Name  string `json:"name"`
+	State string `json:"state"`
+}
+
+// Health is a consumer's state and the figures behind it, over the window
+// of samples ending at At.
+type Health struct {
+	Consumer string      `json:"consumer"`
+	State    HealthState `json:"state"`
+	Reason   string      `json:"reason"` // one sentence naming the figures that decided the state
+	At       time.Time   `json:"at"`
+	Window   string      `json:"window"` // the time the samples span
+	Samples  int         `json:"samples"`
+
+	Lag       int64   `json:"lag"`        // messages not yet done now, waiting or in flight (-1 where the broker does not say)
+	LagGrowth int64   `json:"lag_growth"` // lag now minus lag at the window's start
+	OldestAge float64 `json:"oldest_age_seconds"`
+
+	// Counted over the window.
+	Acked        int64 `json:"acked"`
+	Failed       int64 `json:"failed"`
+	Retries      int64 `json:"retries"`
+	Held         int64 `json:"held"`
+	DeadLettered int64 `json:"dead_lettered"`
+
+	Breakers []BreakerHealth `json:"breakers,omitempty"`
+	Lanes    []LaneHealth    `json:"lanes,omitempty"`
+}
+
+// healthSample is what the sampler records at one tick.
+type healthSample struct {
+	at           time.Time
+	lagKnown     bool
+	lag          int64
+	oldest       time.Duration
+	lanes        map[string]int64
+	positions    map[string]int64
+	acked        int64
+	failed       int64
+	retries      int64
+	held         int64
+	deadLettered int64
+}
+
+// healthWindow keeps the last samples, oldest first.
+type healthWindow struct {
+	mu       sync.Mutex
+	samples  []healthSample
+	size     int
+	parts    chainParts
+	interval time.Duration
+}
+
+func (w *healthWindow) add(s healthSample) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if len(w.samples) == w.size {
+		copy(w.samples, w.samples[1:])
+		w.samples = w.samples[:w.size-1]
+	}
+	w.samples = append(w.samples, s)
+}
+
+// WithHealthWindow sets how the loop samples its health: every interval,
+// keeping the last samples (at least 3). Default every 5 s, 12 samples: a
+// minute.
+func WithHealthWindow(interval time.Duration, samples int) Option {
+	return func(c *config) error {
+		if interval <= 0 {
+			return configErr("HealthWindow", "interval must be > 0, got %s", interval)
+		}
+		if samples < 3 {
+			return configErr("HealthWindow", "needs at least 3 samples, got %d", samples)
+		}
+		c.healthInterval, c.healthSamples = interval, samples
+		return nil
+	}
+}
+
+// WithRetention tells the loop how long its source keeps a message (a Kafka
+// topic's retention.ms, an SQS queue's MessageRetentionPeriod) and at what
+// fraction of it the backlog's age is an alarm: past it, Health says
+// HealthBacklogPastRetention. Off by default.
+func WithRetention(retention time.Duration, fraction float64) Option {
+	return func(c *config) error {
+		if retention <= 0 {
+			return configErr("Retention", "must be > 0, got %s", retention)
+		}
+		if fraction <= 0 || fraction > 1 {
+			return configErr("Retention", "fraction must be in (0, 1], got %v", fraction)
+		}
+		c.retention, c.retentionFraction = retention, fraction
+		return nil
+	}
+}
+
+// sampleHealth records samples every interval until ctx ends.
+func (l *Loop) sampleHealth(ctx context.Context) {
+	t := time.NewTicker(l.health.interval)
+	defer t.Stop()
+	for {
+		l.health.add(l.takeSample(ctx))
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			return
+		}
+	}
+}
+
+func (l *Loop) takeSample(ctx context.Context) healthSample {
+	s := healthSample{
+		at:     time.Now(),
+		acked:  l.stats.acked.Load(),
+		failed: l.stats.failed.Load(),
+		held:   l.stats.held.Load(),
+	}
+	p := l.health.parts
+	for _, r := range p.retries {
+		s.retries += r.Retries()
+	}
+	for _, d := range p.deadLetters {
+		s.deadLettered += d.Count()
+	}
+	for _, b := range p.breakers {
+		s.held += b.Held()
+	}
+	if _, ok := l.drv.(driver.LagReporter); ok {
+		lctx, cancel := context.WithTimeout(ctx, max(l.health.interval, time.Second))
+		lag, err := l.Lag(lctx)
+		cancel()
+		if err == nil {
+			// Messages not yet done: waiting, and taken but not settled
+			// where the broker counts those apart (a queue); a log's lag
+			// already counts them.
+			s.lagKnown, s.lag, s.oldest, s.lanes, s.positions = true, lag.Messages+max(lag.InFlight, 0), lag.OldestAge, lag.Lanes, lag.Positions
+		}
+	}
+	return s
+}
+
+// Health returns the consumer's state and the figures behind it, judged
+// over the samples of the health window (WithHealthWindow). Before Run has
+// taken two samples the figures are partial and the state is judged on
+// what is known (a breaker open, the backlog's age).
+func (l *Loop) Health() Health {
+	l.health.mu.Lock()
+	samples := slices.Clone(l.health.samples)
+	parts := l.health.parts
+	l.health.mu.Unlock()
+	return judge(l.cfg, samples, parts)
+}
+
+// judge decides the health from a window of samples.
+func judge(cfg config, samples []healthSample, parts chainParts) Health {
+	h := Health{Consumer: cfg.name, State: HealthSteady, Samples: len(samples), Lag: -1}
+	for _, b := range parts.breakers {
+		h.Breakers = append(h.Breakers, BreakerHealth{Name: b.Name(), State: b.State().String()})
+	}
+	if len(samples) == 0 {
+		h.At = time.Now()
+		h.Reason = "no samples yet"
+		return h
+	}
+	first, last := samples[0], samples[len(samples)-1]
+	h.At = last.at
+	h.Window = last.at.Sub(first.at).Round(time.Millisecond).String()
+	h.Acked = last.acked - first.acked
+	h.Failed = last.failed - first.failed
+	h.Retries = last.retries - first.retries
+	h.Held = last.held - first.held
+	h.DeadLettered = last.deadLettered - first.deadLettered
+	if last.lagKnown {
+		h.Lag = last.lag
+		h.OldestAge = last.oldest.Seconds()
+		if first.lagKnown {
+			h.LagGrowth = last.lag - first.lag
+		}
+	}
+	h.Lanes = laneVerdicts(samples)
+
+	open := ""
+	for _, b := range parts.breakers {
+		if b.State() != BreakerClosed {
+			open = b.Name()
+			break
+		}
+	}
+	retryLoad := h.Failed + h.Retries
+	switch {
+	case open != "" || h.Held > 0:
+		h.State = HealthProtected
+		if open != "" {
+			h.Reason = fmt.Sprintf("breaker %q is %s", open, breakerStateOf(parts.breakers, open))
+		} else {
+			h.Reason = fmt.Sprintf("%d runs held by a breaker in %s", h.Held, h.Window)
+		}
+	case cfg.retention > 0 && last.oldest > time.Duration(float64(cfg.retention)*cfg.retentionFraction):
+		h.State = HealthBacklogPastRetention
+		h.Reason = fmt.Sprintf("the oldest waiting message is %s old, past %.0f%% of the %s retention",
+			last.oldest.Round(time.Second), 100*cfg.retentionFraction, cfg.retention)
+	case len(samples) >= 2 && retryLoad >= minStorm && retryLoad > h.Acked:
+		h.State = HealthRetryStorm
+		h.Reason = fmt.Sprintf("%d failed runs and %d retries against %d messages done in %s", h.Failed, h.Retries, h.Acked, h.Window)
+	case len(samples) >= 3 && h.Failed == 0 && climbing(samples):
+		h.State = HealthDownstreamSlow
+		h.Reason = fmt.Sprintf("lag grew by %d to %d in %s (oldest %s) with no failed run", h.LagGrowth, h.Lag, h.Window,
+			last.oldest.Round(time.Millisecond))
+	default:
+		h.Reason = fmt.Sprintf("%d messages done in %s; lag %d", h.Acked, h.Window, h.Lag)
+	}
+	return h
+}
+
+// minStorm is the fewest failed runs and retries in a window that make a
+// retry storm: a handful of failures among few messages is not one.
+const minStorm = 10
+
+func breakerStateOf(bs []*Breaker, name string) string {
+	for _, b := range bs {
+		if b.Name() == name {
+			return b.State().String()
+		}
+	}
+	return ""
+}
+
+// climbing reports whether the lag grew over the window without reaching
+// zero (the consumer never caught up), shrinking at no more than a quarter
+// of the steps (lag sampled under load jitters), and the backlog's age grew
+// too where the broker reports it.
+func climbing(samples []healthSample) bool {
+	first, last := samples[0], samples[len(samples)-1]
+	if !first.lagKnown || !last.lagKnown || last.lag <= first.lag {
+		return false
+	}
+	down := 0
+	for i := range samples {
+		if !samples[i].lagKnown || samples[i].lag == 0 {
+			return false
+		}
+		if i > 0 && samples[i].lag < samples[i-1].lag {
+			down++
+		}
+	}
+	if 4*down > len(samples)-1 {
+		return false
+	}
+	if last.oldest > 0 || first.oldest > 0 {
+		return last.oldest > first.oldest
+	}
+	return true
+}
+
+// laneVerdicts evaluates each lane of the last sample over the window. A
+// lane's position is its committed position where the broker reports one,
+// else (a queue, lane "") the messages acked by this consumer.
+func laneVerdicts(samples []healthSample) []LaneHealth {
+	last := samples[len(samples)-1]
+	if !last.lagKnown {
+		return nil
+	}
+	lanes := last.lanes
+	if len(lanes) == 0 {
+		lanes = map[string]int64{"": last.lag}
+	}
+	out := make([]LaneHealth, 0, len(lanes))
+	for lane := range lanes {
+		var lags, positions []int64
+		for _, s := range samples {
+			if !s.lagKnown {
+				continue
+			}
+			lag, pos, ok := laneAt(s, lane)
+			if !ok {
+				continue
+			}
+			lags = append(lags, lag)
+			positions = append(positions, pos)
+		}
+		out = append(out, LaneHealth{Lane: lane, Lag: lags[len(lags)-1], Position: positions[len(positions)-1],
+			Verdict: Evaluate(lags, positions)})
+	}
+	slices.SortFunc(out, func(a, b LaneHealth) int {
+		if a.Lane < b.Lane {
+			return -1
+		}
+		if a.Lane > b.Lane {
+			return 1
+		}
+		return 0
+	})
+	return out
+}
+
+func laneAt(s healthSample, lane string) (lag, pos int64, ok bool) {
+	if len(s.lanes) == 0 {
+		if lane != "" {
+			return 0, 0, false
+		}
+		return s.lag, s.acked, true
+	}
+	lag, ok = s.lanes[lane]
+	if !ok {
+		return 0, 0, false
+	}
+	if p, has := s.positions[lane]; has {
+		return lag, p, true
+	}
+	return lag, s.acked, true
+}
+
+// Evaluate gives the verdict on one lane from its lag and its position at
+// each sample of a window, oldest first, by Burrow's rules: a lag of zero
+// anywhere in the window is OK; a position that went down is REWIND; a
+// position that never moved with messages waiting is STOP when the lag did
+// not change either, and STALL when it grew; a position that moved while
+// the lag grew and never shrank is WARN; anything else is OK. Fewer than
+// two samples are OK.
+func Evaluate(lags, positions []int64) Verdict {
+	n := min(len(lags), len(positions))
+	if n < 2 {
+		return VerdictOK
+	}
+	for i := 0; i < n; i++ {
+		if lags[i] == 0 {
+			return VerdictOK
+		}
+	}
+	for i := 1; i < n; i++ {
+		if positions[i] < positions[i-1] {
+			return VerdictRewind
+		}
+	}
+	first, last := 0, n-1
+	if positions[last] == positions[first] {
+		if lags[last] == lags[first] {
+			return VerdictStop
+		}
+		if lags[last] > lags[first] {
+			return VerdictStall
+		}
+		return VerdictOK
+	}
+	if lags[last] > lags[first] {
+		for i := 1; i < n; i++ {
+			if lags[i] < lags[i-1] {
+				return VerdictOK
+			}
+		}
+		return VerdictWarn
+	}
+	return VerdictOK
+}
+
+// HealthHandler serves the Health of each loop as JSON ({"consumers":
+// [...]}), with status 200 when every state is steady or downstream slow
+// and 503 when any calls for someone to act (HealthState.Unhealthy): a
+// /healthz for a consumer process.
+func HealthHandler(loops ...*Loop) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		out := struct {
+			Consumers []Health `json:"consumers"`
+		}{Consumers: make([]Health, 0, len(loops))}
+		status := http.StatusOK
+		for _, l := range loops {
+			h := l.Health()
+			if h.State.Unhealthy() {
+				status = http.StatusServiceUnavailable
+			}
+			out.Consumers = append(out.Consumers, h)
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(status)
+		_ = json.NewEncoder(w).Encode(out)
+	})
+}
