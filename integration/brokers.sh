@@ -48,7 +48,7 @@ port_of() { # the client port of a service
 
 ports_of() { # every port a service listens on
 	case $1 in
-	rabbitmq) echo 5672 5671 25672 ;; kafka) echo 9092 9093 ;; *) port_of "$1" ;;
+	rabbitmq) echo 5672 5671 25672 ;; kafka) echo 9092 9093 9094 ;; *) port_of "$1" ;;
 	esac
 }
 
