@@ -282,7 +282,13 @@ func Dial(rawURL string, opts ...Option) (*Broker, error) {
 	redacted := Redact(rawURL)
 	uri, err := amqp.ParseURI(rawURL)
 	if err != nil {
-		// amqp091's parse errors quote no password, but say nothing of ours.
+		// url.Parse's errors quote the URL or a part of it (the text
+		// after the first ":" of a password holding a "/" reads as a
+		// port): none of their text is kept.
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = errors.New("it does not parse as a URL (reserved characters such as / @ : in the user or password must be percent-escaped)")
+		}
 		return nil, fieldErr("URL", "%s is not an AMQP URL: %v", redacted, scrub(err, rawURL))
 	}
 	var p [4]byte
@@ -326,8 +332,10 @@ func scrub(err error, rawURL string) error {
 	return err
 }
 
-// userinfo finds the password of a URL that does not parse.
-var userinfo = regexp.MustCompile(`^[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@]*:([^@/]*)@`)
+// userinfo finds the password of a URL that does not parse: everything
+// from the user's ":" to the last "@" (a password may hold any character,
+// "/" and "@" included, when it was not escaped).
+var userinfo = regexp.MustCompile(`^[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@]*:(.*)@`)
 
 // scrubbed is an error whose text had a password taken out. It does not
 // unwrap: the original's text holds the password.
