@@ -313,23 +313,44 @@ func (p *publisher) publishRaw(ctx context.Context, exchange, dest string, items
 	if sent == 0 {
 		return errs
 	}
+	// First every confirm (or the end of the wait), then one barrier per
+	// channel: the library hands a message's basic.return to drain before
+	// it resolves the message's confirm, so a barrier passed after the last
+	// confirm resolved covers the returns of every message confirmed
+	// before it. (One barrier after the first confirm did not: the returns
+	// of later messages could still be on their way to markReturned.)
 	var stop bool
+	for _, pd := range pends {
+		if pd == nil || stop {
+			continue
+		}
+		select {
+		case <-pd.dc.Done():
+		case <-ctx.Done():
+			stop = true
+		case <-p.b.closed:
+			stop = true
+		}
+	}
+	// Which confirms are in is fixed before the barriers: a confirm that
+	// resolves after its channel's barrier is treated as not in.
+	done := make([]bool, len(pends))
+	for i, pd := range pends {
+		done[i] = pd != nil && isDone(pd.dc)
+	}
 	synced := map[*pubChannel]bool{}
+	for i := range pends {
+		if done[i] && !synced[pcs[i]] {
+			pcs[i].sync()
+			synced[pcs[i]] = true
+		}
+	}
 	for i, pd := range pends {
 		if pd == nil {
 			continue
 		}
 		pc := pcs[i]
-		if !stop {
-			select {
-			case <-pd.dc.Done():
-			case <-ctx.Done():
-				stop = true
-			case <-p.b.closed:
-				stop = true
-			}
-		}
-		if !isDone(pd.dc) {
+		if !done[i] {
 			errs[i] = p.waitErr(ctx, dest)
 			// Forget it once the confirm comes, or the channel closes.
 			go func() {
@@ -337,10 +358,6 @@ func (p *publisher) publishRaw(ctx context.Context, exchange, dest string, items
 				pc.forget(pd)
 			}()
 			continue
-		}
-		if !synced[pc] {
-			pc.sync()
-			synced[pc] = true
 		}
 		pc.mu.Lock()
 		ret := pd.returned
