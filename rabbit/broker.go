@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"net"
 	"net/url"
 	"regexp"
 	"strconv"
@@ -240,6 +241,8 @@ type Broker struct {
 
 	closeOnce sync.Once
 	closed    chan struct{}
+	life      context.Context // cancelled by Close: bounds every dial
+	endLife   context.CancelFunc
 }
 
 var _ consumer.Publisher = (*Broker)(nil)
@@ -302,12 +305,14 @@ func Dial(rawURL string, opts ...Option) (*Broker, error) {
 		drivers:  make(map[*Driver]struct{}),
 		closed:   make(chan struct{}),
 	}
+	b.life, b.endLife = context.WithCancel(context.Background())
 	b.pubConn = newConnMgr(b, "publish")
 	b.consConn = newConnMgr(b, "consume")
 	b.pub = newPublisher(b)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*c.dialTimeout)
 	defer cancel()
 	if _, err := b.pubConn.get(ctx); err != nil {
+		b.endLife()
 		b.closeConns()
 		return nil, err
 	}
@@ -359,6 +364,7 @@ func (b *Broker) isClosed() bool {
 func (b *Broker) Close() error {
 	b.closeOnce.Do(func() {
 		close(b.closed)
+		b.endLife() // a dial under way ends now
 		b.mu.Lock()
 		ds := make([]*Driver, 0, len(b.drivers))
 		for d := range b.drivers {
@@ -433,6 +439,19 @@ type connMgr struct {
 	blocked  atomic.Pointer[blockState]
 	unblockC chan struct{} // closed when the connection is unblocked; replaced on block
 	watchers sync.WaitGroup
+
+	dialing  *dialCall // the dial under way, nil when none
+	failures int       // dials failed in a row
+	lastErr  error     // of the last failed dial
+	nextDial time.Time // no dial before this after a failure (backoff)
+}
+
+// dialCall is one dial, which every caller needing the connection waits
+// for with its own context.
+type dialCall struct {
+	done chan struct{}
+	conn *amqp.Connection
+	err  error
 }
 
 type blockState struct{ reason string }
@@ -442,24 +461,132 @@ func newConnMgr(b *Broker, role string) *connMgr {
 }
 
 // get returns the live connection, dialing (and declaring the topology) when
-// there is none. It does not back off: its callers do.
+// there is none. The dial runs on its own goroutine, bounded by the dial
+// timeout and by Close, and no lock is held meanwhile: every caller waits
+// for it (one dial for all) only as long as its own ctx allows. After a
+// failed dial the next one waits a backoff shared by all callers.
 func (m *connMgr) get(ctx context.Context) (*amqp.Connection, error) {
 	m.mu.Lock()
-	defer m.mu.Unlock()
 	if m.b.isClosed() {
+		m.mu.Unlock()
 		return nil, ErrClosed
 	}
 	if m.conn != nil && !m.conn.IsClosed() {
-		return m.conn, nil
+		conn := m.conn
+		m.mu.Unlock()
+		return conn, nil
 	}
 	if err := ctx.Err(); err != nil {
+		m.mu.Unlock()
 		return nil, err
 	}
+	dc := m.dialing
+	if dc == nil {
+		dc = &dialCall{done: make(chan struct{})}
+		m.dialing = dc
+		wait := time.Until(m.nextDial)
+		m.watchers.Go(func() { m.dial(dc, wait) })
+	}
+	m.mu.Unlock()
+	select {
+	case <-dc.done:
+		return dc.conn, dc.err
+	case <-ctx.Done():
+		m.mu.Lock()
+		last := m.lastErr
+		m.mu.Unlock()
+		if last != nil {
+			return nil, fmt.Errorf("rabbit: connect to %s: %w (the last attempt: %w)", m.b.redacted, ctx.Err(), last)
+		}
+		return nil, fmt.Errorf("rabbit: connect to %s: %w", m.b.redacted, ctx.Err())
+	case <-m.b.closed:
+		return nil, ErrClosed
+	}
+}
+
+// dial waits out the backoff, dials and records the outcome in dc.
+func (m *connMgr) dial(dc *dialCall, wait time.Duration) {
+	var conn *amqp.Connection
+	err := ErrClosed
+	if wait <= 0 || m.b.sleep(m.b.life, wait, nil) {
+		conn, err = m.connect()
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.dialing = nil
+	if err != nil {
+		m.failures++
+		m.lastErr = err
+		m.nextDial = time.Now().Add(m.b.backoff(m.failures - 1))
+		dc.err = err
+		close(dc.done)
+		return
+	}
+	if m.b.isClosed() {
+		_ = conn.CloseDeadline(time.Now().Add(closeWait))
+		dc.err = ErrClosed
+		close(dc.done)
+		return
+	}
+	m.failures, m.lastErr, m.nextDial = 0, nil, time.Time{}
+	m.gen++
+	m.conn = conn
+	m.dead = make(chan struct{})
+	m.unblockC = make(chan struct{})
+	m.blocked.Store(nil)
+	closes := conn.NotifyClose(make(chan *amqp.Error, 1))
+	blocks := conn.NotifyBlocked(make(chan amqp.Blocking, 4))
+	dead := m.dead
+	gen := m.gen
+	m.watchers.Go(func() { m.watch(conn, gen, dead, closes, blocks) })
+	if gen > 1 {
+		m.b.log.Info("rabbit: reconnected", "connection", m.role, "generation", gen)
+	}
+	dc.conn = conn
+	close(dc.done)
+}
+
+// connect opens a connection and declares the topology on it, within the
+// dial timeout and until Close: the TCP connect with the context, the TLS
+// and AMQP handshakes and the declarations under a deadline that Close
+// brings forward.
+func (m *connMgr) connect() (*amqp.Connection, error) {
+	ctx, cancel := context.WithTimeout(m.b.life, m.b.cfg.dialTimeout)
+	defer cancel()
+	var mu sync.Mutex
+	var netConn net.Conn
+	stop := context.AfterFunc(ctx, func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if netConn != nil {
+			_ = netConn.SetDeadline(time.Now()) // ends the handshake or a declaration
+		}
+	})
 	cfg := amqp.Config{
 		Heartbeat:  m.b.cfg.heartbeat,
 		Locale:     "en_US",
-		Dial:       amqp.DefaultDial(m.b.cfg.dialTimeout),
 		Properties: amqp.Table{"connection_name": m.b.cfg.name + " " + m.role},
+		Dial: func(network, addr string) (net.Conn, error) {
+			var d net.Dialer
+			c, err := d.DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			// amqp091 clears the deadline once the AMQP handshake is done.
+			deadline, _ := ctx.Deadline()
+			if err := c.SetDeadline(deadline); err != nil {
+				c.Close()
+				return nil, err
+			}
+			mu.Lock()
+			netConn = c
+			mu.Unlock()
+			if ctx.Err() != nil {
+				c.Close()
+				return nil, ctx.Err()
+			}
+			return c, nil
+		},
 	}
 	if m.b.uri.Scheme == "amqps" {
 		t := m.b.cfg.tls
@@ -474,24 +601,22 @@ func (m *connMgr) get(ctx context.Context) (*amqp.Connection, error) {
 	}
 	conn, err := amqp.DialConfig(m.b.uri.String(), cfg)
 	if err != nil {
+		if ctx.Err() != nil && m.b.isClosed() {
+			return nil, ErrClosed
+		}
 		return nil, fmt.Errorf("rabbit: connect to %s: %w", m.b.redacted, scrub(err, m.b.uri.String()))
 	}
-	if err := m.b.cfg.topology.declare(conn, m.b.log); err != nil {
-		_ = conn.CloseDeadline(time.Now().Add(time.Second))
-		return nil, fmt.Errorf("rabbit: declare topology on %s: %w", m.b.redacted, err)
+	err = m.b.cfg.topology.declare(conn, m.b.log)
+	if !stop() {
+		// The deadline was brought forward: the connection is unusable.
+		err = errors.Join(err, ctx.Err())
 	}
-	m.gen++
-	m.conn = conn
-	m.dead = make(chan struct{})
-	m.unblockC = make(chan struct{})
-	m.blocked.Store(nil)
-	closes := conn.NotifyClose(make(chan *amqp.Error, 1))
-	blocks := conn.NotifyBlocked(make(chan amqp.Blocking, 4))
-	dead := m.dead
-	gen := m.gen
-	m.watchers.Go(func() { m.watch(conn, gen, dead, closes, blocks) })
-	if gen > 1 {
-		m.b.log.Info("rabbit: reconnected", "connection", m.role, "generation", gen)
+	if err != nil {
+		_ = conn.CloseDeadline(time.Now().Add(closeWait))
+		if m.b.isClosed() {
+			return nil, ErrClosed
+		}
+		return nil, fmt.Errorf("rabbit: declare topology on %s: %w", m.b.redacted, err)
 	}
 	return conn, nil
 }

@@ -133,13 +133,20 @@ type pending struct {
 // connection, when it is lost) when there is none.
 func (p *publisher) channel(ctx context.Context) (*pubChannel, error) {
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	if pc := p.ch; pc != nil && !pc.ch.IsClosed() {
+		p.mu.Unlock()
 		return pc, nil
 	}
+	p.mu.Unlock()
+	// Not under p.mu: a dial is waited for with each caller's own context.
 	conn, err := p.b.pubConn.get(ctx)
 	if err != nil {
 		return nil, err
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if pc := p.ch; pc != nil && !pc.ch.IsClosed() {
+		return pc, nil
 	}
 	ch, err := conn.Channel()
 	if err != nil {
@@ -298,8 +305,12 @@ func (p *publisher) publishRaw(ctx context.Context, exchange, dest string, items
 		}
 		pc, err := p.channel(ctx)
 		if err != nil {
-			errs[i] = err
-			continue
+			// One dial per call: the messages left fail with its error
+			// (the next call dials again, after the shared backoff).
+			for j := i; j < len(items); j++ {
+				errs[j] = err
+			}
+			break
 		}
 		pd, err := pc.publish(exchange, &items[i])
 		if err != nil {
