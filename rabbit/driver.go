@@ -901,7 +901,7 @@ func (d *Driver) retryLater(ctx context.Context, batch []driver.Settlement, idx 
 			continue
 		}
 		delay := d.delayFor(st.Delay)
-		if err := d.declareDelay(ctx, delay); err != nil {
+		if err := d.declareDelay(ctx, delay, false); err != nil {
 			for k := range kinds {
 				if kinds[k] != kindDeadLetter {
 					kinds[k] = kindReject
@@ -943,7 +943,30 @@ func (d *Driver) retryLater(ctx context.Context, batch []driver.Settlement, idx 
 		return kinds, nil
 	}
 	var errs []error
-	for k, err := range d.b.pub.publishRaw(ctx, "", "delay queues of "+d.queue, items) {
+	pubErrs := d.b.pub.publishRaw(ctx, "", "delay queues of "+d.queue, items)
+	// A copy returned unroutable means its delay queue is gone (deleted
+	// under the declare cache): declare it again and publish the copy once
+	// more before requeueing the original at once.
+	var again []pubItem
+	var againAt []int
+	for k, err := range pubErrs {
+		if !errors.Is(err, ErrUnroutable) {
+			continue
+		}
+		delay := d.delayFor(batch[idx[which[k]]].Delay)
+		if derr := d.declareDelay(ctx, delay, true); derr != nil {
+			pubErrs[k] = errors.Join(err, derr)
+			continue
+		}
+		again = append(again, items[k])
+		againAt = append(againAt, k)
+	}
+	if len(again) > 0 {
+		for n, err := range d.b.pub.publishRaw(ctx, "", "delay queues of "+d.queue, again) {
+			pubErrs[againAt[n]] = err
+		}
+	}
+	for k, err := range pubErrs {
 		if err != nil {
 			kinds[which[k]] = kindReject
 			errs = append(errs, err)
@@ -955,9 +978,10 @@ func (d *Driver) retryLater(ctx context.Context, batch []driver.Settlement, idx 
 	return kinds, nil
 }
 
-// declareDelay declares the delay queue for delay, once per connection, on
-// the consuming connection (an alarm blocks only publishing connections).
-func (d *Driver) declareDelay(ctx context.Context, delay time.Duration) error {
+// declareDelay declares the delay queue for delay, once per connection
+// unless force (the queue was found gone), on the consuming connection (an
+// alarm blocks only publishing connections).
+func (d *Driver) declareDelay(ctx context.Context, delay time.Duration, force bool) error {
 	if reason, _ := d.b.pubConn.blockedWait(); reason != "" || d.b.pubConn.blocked.Load() != nil {
 		return fmt.Errorf("rabbit: delay queue: %w (%s)", ErrBlocked, reason)
 	}
@@ -968,9 +992,10 @@ func (d *Driver) declareDelay(ctx context.Context, delay time.Duration) error {
 	}
 	d.delayMu.Lock()
 	defer d.delayMu.Unlock()
-	if d.delayDeclared[name] == conn {
+	if d.delayDeclared[name] == conn && !force {
 		return nil
 	}
+	delete(d.delayDeclared, name)
 	ch, err := conn.Channel()
 	if err != nil {
 		return err
