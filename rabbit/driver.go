@@ -166,9 +166,10 @@ func (b *Broker) NewConsumer(queue string, opts ...consumer.Option) (*consumer.L
 	return l, nil
 }
 
-// Capabilities reports that the queue redelivers returned messages.
+// Capabilities reports that the queue redelivers returned messages, and
+// names the system "rabbitmq" for traces.
 func (d *Driver) Capabilities() driver.Capabilities {
-	return driver.Capabilities{Redelivers: true}
+	return driver.Capabilities{Redelivers: true, System: "rabbitmq"}
 }
 
 // Revoked delivers a revocation whenever the channel closes: the broker
@@ -782,8 +783,18 @@ func (d *Driver) Settle(ctx context.Context, batch []driver.Settlement) error {
 				}
 			})
 		}
+		var syncErr error
+		if chErr == nil && len(acks) > 0 && beforeRun(batch) {
+			syncErr = d.ackSync(ctx, cur)
+		}
 		for _, o := range ops {
 			d.forget(o.h)
+		}
+		if syncErr != nil {
+			for _, o := range ops {
+				failed = append(failed, o.i)
+			}
+			failErr = errors.Join(failErr, fmt.Errorf("rabbit: settle on %q: %w", d.queue, syncErr))
 		}
 		if chErr != nil {
 			for _, o := range ops {
@@ -805,6 +816,38 @@ func (d *Driver) Settle(ctx context.Context, batch []driver.Settlement) error {
 		return &driver.SettleError{Failed: all, Err: failErr}
 	}
 	return nil
+}
+
+// beforeRun reports whether batch holds an at-most-once ack.
+func beforeRun(batch []driver.Settlement) bool {
+	for i := range batch {
+		if batch[i].BeforeRun && batch[i].Action == driver.Ack {
+			return true
+		}
+	}
+	return false
+}
+
+// ackSync returns once the broker has processed the acks sent on s's
+// channel before it. AMQP does not confirm a basic.ack; a synchronous
+// method on the same channel (basic.qos, with the prefetch unchanged) is
+// answered only after the broker's channel handled every frame before it.
+// It fails when ctx ends or the channel closes first: the loop then does
+// not run the message.
+func (d *Driver) ackSync(ctx context.Context, s *session) error {
+	done := make(chan error, 1)
+	go func() { done <- s.ch.Qos(d.prefetch, 0, false) }()
+	select {
+	case err := <-done:
+		if err != nil {
+			return fmt.Errorf("at-most-once ack not confirmed: %w", err)
+		}
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("at-most-once ack not confirmed: %w", ctx.Err())
+	case <-s.dead:
+		return errors.New("at-most-once ack not confirmed: the channel closed")
+	}
 }
 
 // forget drops a settled delivery from its lane count.
