@@ -504,6 +504,13 @@ func (m *connMgr) get(ctx context.Context) (*amqp.Connection, error) {
 	}
 }
 
+// connectedBefore reports whether a connection was ever opened.
+func (m *connMgr) connectedBefore() bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.gen > 0
+}
+
 // dial waits out the backoff, dials and records the outcome in dc.
 func (m *connMgr) dial(dc *dialCall, wait time.Duration) {
 	var conn *amqp.Connection

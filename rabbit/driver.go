@@ -222,7 +222,7 @@ func (d *Driver) supervise() {
 			if ctx.Err() != nil {
 				return
 			}
-			fatal := isFatal(err)
+			fatal := isFatal(err, d.b.consConn.connectedBefore())
 			d.setState(nil, err, fatal)
 			if fatal {
 				d.log.Error("rabbit: cannot consume", "err", err)
@@ -319,15 +319,23 @@ func (d *Driver) revoke(ctx context.Context, s *session) {
 	}
 }
 
-func isFatal(err error) bool {
+func isFatal(err error, connectedBefore bool) bool {
+	// A vhost refused (530 NOT_ALLOWED, which amqp091 reports as ErrVhost)
+	// is fatal at the first connect: a wrong URL. On a reconnect it is
+	// what a restarting node answers before its vhosts are up: retried.
+	if errors.Is(err, amqp.ErrVhost) {
+		return !connectedBefore
+	}
 	var ae *amqp.Error
 	if errors.As(err, &ae) {
 		switch ae.Code {
-		case amqp.AccessRefused, amqp.NotAllowed:
+		case amqp.AccessRefused:
 			return true
+		case amqp.NotAllowed:
+			return !connectedBefore
 		}
 	}
-	return errors.Is(err, amqp.ErrCredentials) || errors.Is(err, amqp.ErrVhost) || errors.Is(err, ErrClosed)
+	return errors.Is(err, amqp.ErrCredentials) || errors.Is(err, ErrClosed)
 }
 
 // open opens a consuming channel: the queue (and its exchanges and
@@ -507,6 +515,13 @@ func (d *Driver) take(s *session, dst []driver.Message, dv *amqp.Delivery) []dri
 	m := d.toMessage(&h.d)
 	h.lane = m.Lane
 	s.mu.Lock()
+	if s.isDead() {
+		// Buffered when the channel died: the broker requeued it, and the
+		// revocation (counted under s.mu after dead closed) did not
+		// include it. Handing it over would run it after its revocation.
+		s.mu.Unlock()
+		return dst
+	}
 	if s.base == 0 {
 		s.base = dv.DeliveryTag
 	}

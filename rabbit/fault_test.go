@@ -17,6 +17,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/driver"
 	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/rabbit"
 )
@@ -614,4 +615,87 @@ func TestAcksFlowUnderMemoryAlarm(t *testing.T) {
 		return err == nil && qi.Messages == 0 && unacked(t, name) == 0
 	})
 	must(t, stop())
+}
+
+// TestVhostRefusedOnReconnectIsRetried: a vhost refused on a reconnect (530
+// NOT_ALLOWED, what a restarting node answers before its vhosts are up; here
+// the vhost is deleted and made again) is retried, not fatal: the consumer
+// resumes once the vhost is back. Before, the driver gave up for good.
+func TestVhostRefusedOnReconnectIsRetried(t *testing.T) {
+	vhost := testenv.UniqueName(t, "vh")
+	name := vhost + "-q"
+	makeVhost := func() {
+		ctl(t, "add_vhost", vhost)
+		ctl(t, "set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+	}
+	makeVhost()
+	t.Cleanup(func() { ctl(t, "delete_vhost", vhost) })
+	u := strings.TrimSuffix(amqpURL(t), "/")
+	if i := strings.LastIndex(u, "/"); i > len("amqp://") {
+		u = u[:i]
+	}
+	b, err := rabbit.Dial(u+"/"+vhost, rabbit.WithLogger(testLogger(t)),
+		rabbit.WithReconnectBackoff(50*time.Millisecond, 300*time.Millisecond),
+		rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: name, Classic: true}}}))
+	must(t, err)
+	t.Cleanup(func() { b.Close() })
+	d, err := b.Driver(name)
+	must(t, err)
+	t.Cleanup(func() { d.Close() })
+	got := make(chan error, 100)
+	go func() {
+		for {
+			ms, err := d.Fetch(context.Background(), nil, 1)
+			if len(ms) > 0 {
+				got <- nil
+				return
+			}
+			if err != nil {
+				select {
+				case got <- err:
+				default:
+				}
+				if driver.IsFatal(err) {
+					return
+				}
+			}
+		}
+	}()
+	waitFor(t, 10*time.Second, "a consumer on the queue", func() bool {
+		for _, line := range strings.Split(ctl(t, "list_queues", "-p", vhost, "name", "consumers"), "\n") {
+			if f := strings.Fields(line); len(f) == 2 && f[0] == name && f[1] == "1" {
+				return true
+			}
+		}
+		return false
+	})
+	ctl(t, "delete_vhost", vhost)
+	time.Sleep(1500 * time.Millisecond) // the driver redials into the missing vhost
+	makeVhost()
+	deadline := time.After(20 * time.Second)
+	for {
+		err := b.Publish(ctxFor(t, 2*time.Second), rabbit.ToQueue(name), consumer.Message{Body: []byte("back")})
+		if err == nil {
+			break
+		}
+		select {
+		case <-deadline:
+			t.Fatalf("Publish after the vhost came back: %v", err)
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+	for {
+		select {
+		case err := <-got:
+			if err == nil {
+				return
+			}
+			t.Logf("Fetch: %v", err)
+			if driver.IsFatal(err) {
+				t.Fatalf("a vhost refused on a reconnect was fatal: %v", err)
+			}
+		case <-deadline:
+			t.Fatal("no delivery after the vhost came back")
+		}
+	}
 }
