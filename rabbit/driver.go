@@ -1054,17 +1054,38 @@ func (d *Driver) declareDelay(ctx context.Context, delay time.Duration, force bo
 		return nil
 	}
 	delete(d.delayDeclared, name)
-	ch, err := conn.Channel()
+	// The channel's methods take no context: bounded by ctx here, the
+	// declaration finishing (and its channel closing) on its own.
+	err = withContext(ctx, func() error {
+		ch, err := conn.Channel()
+		if err != nil {
+			return err
+		}
+		defer closeChannel(ch)
+		return declareQueue(ch, delayQueue(d.queue, delay), d.log)
+	})
 	if err != nil {
-		return err
-	}
-	defer closeChannel(ch)
-	if err := declareQueue(ch, delayQueue(d.queue, delay), d.log); err != nil {
 		return fmt.Errorf("rabbit: declare delay %w", err)
 	}
 	d.delayDeclared[name] = conn
 	return nil
 }
+
+// withContext runs f, returning early with ctx's error when ctx ends first
+// (f goes on in the background and its result is dropped).
+func withContext(ctx context.Context, f func() error) error {
+	done := make(chan error, 1)
+	go func() { done <- f() }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// lagTimeout bounds Lag when its context has no deadline.
+const lagTimeout = 10 * time.Second
 
 // Lag reports the queue's ready messages (Messages, from a passive declare)
 // and this driver's deliveries not yet settled (InFlight). The broker's AMQP
@@ -1089,17 +1110,28 @@ func (d *Driver) Lag(ctx context.Context) (driver.Lag, error) {
 
 // queueDepth returns the ready messages and consumers of queue, asked on
 // the consuming connection (an alarm blocks only publishing connections).
+// Bounded by ctx (or lagTimeout when ctx has no deadline): the channel's
+// methods take no context.
 func (b *Broker) queueDepth(ctx context.Context, queue string) (int, int, error) {
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, lagTimeout)
+		defer cancel()
+	}
 	conn, err := b.consConn.get(ctx)
 	if err != nil {
 		return 0, 0, err
 	}
-	ch, err := conn.Channel()
-	if err != nil {
-		return 0, 0, err
-	}
-	defer closeChannel(ch)
-	q, err := ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+	var q amqp.Queue
+	err = withContext(ctx, func() error {
+		ch, err := conn.Channel()
+		if err != nil {
+			return err
+		}
+		defer closeChannel(ch)
+		q, err = ch.QueueDeclarePassive(queue, true, false, false, false, nil)
+		return err
+	})
 	if err != nil {
 		return 0, 0, fmt.Errorf("rabbit: depth of %q: %w", queue, err)
 	}

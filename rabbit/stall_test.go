@@ -141,3 +141,34 @@ func TestAtMostOnceAckConfirmedBeforeSettleReturns(t *testing.T) {
 func proxiedFreezerURL(t *testing.T, p *freezer) string {
 	return strings.Replace(amqpURL(t), "@"+brokerAddr(t), "@"+p.ln.Addr().String(), 1)
 }
+
+// TestLagReturnsWithinItsContextWhenTheBrokerStalls: Lag's passive declare
+// is bounded by its context. The channel's methods take none: before, Lag
+// waited on a stalled connection until the heartbeat timeout killed it.
+func TestLagReturnsWithinItsContextWhenTheBrokerStalls(t *testing.T) {
+	name := testenv.UniqueName(t, "lag-stall")
+	deleteLater(t, []string{name}, nil)
+	p := newFreezer(t, brokerAddr(t))
+	b, err := rabbit.Dial(proxiedFreezerURL(t, p), rabbit.WithLogger(testLogger(t)),
+		rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: name, Classic: true}}}))
+	must(t, err)
+	t.Cleanup(func() { b.Close() })
+	d, err := b.Driver(name)
+	must(t, err)
+	t.Cleanup(func() { d.Close() })
+	_, err = d.Lag(ctxFor(t, 5*time.Second)) // opens the consuming connection
+	must(t, err)
+
+	p.freeze(true)
+	defer p.freeze(false)
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err = d.Lag(ctx)
+	if took := time.Since(start); took > 1500*time.Millisecond {
+		t.Errorf("Lag with a 500ms context returned after %s", took.Round(10*time.Millisecond))
+	}
+	if err == nil {
+		t.Error("Lag on a stalled connection succeeded")
+	}
+}
