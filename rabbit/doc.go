@@ -37,7 +37,20 @@
 //     basic.reject with requeue, or basic.nack with requeue when the
 //     handler never ran (a breaker held it, or the loop stopped first).
 //     Return with a delay: see Retries below. Capabilities.Redelivers is
-//     true.
+//     true; Capabilities.System is "rabbitmq".
+//   - At most once: AMQP confirms no basic.ack, so an ack the loop makes
+//     before running the handler (Settlement.BeforeRun) is followed by a
+//     basic.qos round trip on the same channel, and Settle returns nil only
+//     once the broker has answered it, that is, once the broker's channel
+//     has processed the ack: the message is no longer the consumer's and
+//     will not be redelivered by a lost channel or connection. When ctx
+//     ends or the channel closes first, Settle fails and the loop does not
+//     run the message (the broker may still have taken the ack: at most
+//     once, it is then run zero times). On a quorum queue the settlement is
+//     then applied through the queue's log: a broker crash in that instant
+//     can still redeliver it, so "at most once" on RabbitMQ is "acked on
+//     the broker's channel before the handler runs", not "durably
+//     removed".
 //   - Extend: none. A delivery stays with its channel until it is settled
 //     or the channel closes; the broker's consumer_timeout (30 minutes by
 //     default) bounds the work. A channel closed for an ack timeout (406
@@ -60,13 +73,24 @@
 // when the first consumer starts; one blocked by a memory or disk alarm
 // (publishers only) never holds back the other's acks. A lost connection or
 // channel is reopened with exponential backoff and full jitter
-// (WithReconnectBackoff); each new connection declares the Topology again,
+// (WithReconnectBackoff). A dial runs on a goroutine of its own, bounded by
+// the dial timeout (TCP connect, TLS and AMQP handshakes and the topology's
+// declarations) and ended by Close; every caller needing the connection
+// waits for that one dial only as long as its own context allows, and
+// failed dials are spaced by a backoff shared by the publishers and the
+// consumers of the connection. A Publish call dials at most once: when it
+// fails, the call's messages not yet sent fail with its error. Each new
+// connection declares the Topology again,
 // and each consuming channel declares its own queue again, with its
 // exchanges and bindings, so a queue deleted under a consumer comes back.
 // A server-side basic.cancel (the queue was deleted) is reported through
 // Fetch as ErrConsumerCancelled and consuming resumes once the queue exists.
-// Access refused (403) and a refused vhost (530) are fatal: the loop's Run
-// returns them. Every notification channel the package registers is drained
+// Access refused (403) is fatal: the loop's Run returns it. A refused
+// vhost (530 NOT_ALLOWED) is fatal at the consuming connection's first
+// connect (a wrong URL); on a reconnect it is what a restarting node
+// answers before its vhosts are up, and it is retried. Lag, and the delay
+// queues' declarations, are bounded by their context (Lag by 10 seconds
+// when it has no deadline). Every notification channel the package registers is drained
 // by a goroutine of its own, so the library's reader never waits on it, and
 // Close cuts a connection the broker no longer answers (a blocked one)
 // after 400 ms.
@@ -88,7 +112,10 @@
 // Publishing is pipelined: a call sends its messages on a confirm-mode
 // channel without waiting, within a window of unconfirmed messages shared by
 // every call (WithConfirmWindow), then waits for the confirms. A message
-// returned unroutable fails with ErrUnroutable, one nacked with ErrNacked,
+// returned unroutable fails with ErrUnroutable (a message's basic.return
+// comes before its confirm on the channel, and the returns are all recorded
+// before any confirmed message of the call is reported published), one
+// nacked with ErrNacked,
 // both in a *consumer.PublishError that names them while the rest
 // succeeds. A message waits for the confirm of the message of the same Key
 // before it in the call, and is never sent when that one failed
@@ -112,7 +139,10 @@
 // dead-letters it like the broker would. A copy that is not confirmed
 // within 10 seconds, or that would wait on a blocked connection, is not
 // waited for: the original is requeued at once (redelivered early, never
-// lost) and Settle reports why.
+// lost) and Settle reports why. A copy returned unroutable (its delay queue
+// was deleted) declares the delay queue again and is published once more
+// before that; the original is never acked unless its copy was confirmed
+// and not returned.
 //
 // # RabbitMQ 3.10 and 4.x
 //
