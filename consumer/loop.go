@@ -100,6 +100,11 @@ func (l *Loop) signalSpace() {
 // Name is the consumer's name, as set by WithName.
 func (l *Loop) Name() string { return l.cfg.name }
 
+// MaxInFlight is the most messages the loop holds unsettled at once, as set
+// by WithMaxInFlight (default four times the concurrency). A driver whose
+// broker pushes deliveries (an AMQP prefetch) is sized from it before Run.
+func (l *Loop) MaxInFlight() int { return l.cfg.maxInFlight }
+
 // Stats returns a snapshot of the loop's counters. It is safe to call at any
 // time from any goroutine.
 func (l *Loop) Stats() Stats {

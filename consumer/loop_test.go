@@ -487,3 +487,23 @@ func (d *redeliveringLog) Settle(ctx context.Context, b []driver.Settlement) err
 	}
 	return d.scriptLog.Settle(ctx, b)
 }
+
+// A driver whose broker pushes deliveries sizes its prefetch from the loop:
+// MaxInFlight says the bound the loop keeps, set or defaulted.
+func TestMaxInFlightReportsTheBound(t *testing.T) {
+	for _, tc := range []struct {
+		opts []Option
+		want int
+	}{
+		{[]Option{WithConcurrency(3)}, 12},
+		{[]Option{WithConcurrency(2), WithMaxInFlight(7)}, 7},
+	} {
+		l, err := New(newScriptLog(true), tc.opts...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := l.MaxInFlight(); got != tc.want {
+			t.Errorf("MaxInFlight = %d, want %d", got, tc.want)
+		}
+	}
+}

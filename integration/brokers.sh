@@ -55,7 +55,7 @@ port_of() { # the client port of a service
 
 ports_of() { # every port a service listens on
 	case $1 in
-	rabbitmq) echo 5672 25672 ;; kafka) echo 9092 9093 9094 ;; *) port_of "$1" ;;
+	rabbitmq) echo 5672 5671 25672 ;; kafka) echo 9092 9093 9094 ;; *) port_of "$1" ;;
 	esac
 }
 
@@ -287,10 +287,74 @@ rabbit_env() {
 	export ERL_EPMD_ADDRESS=127.0.0.1
 }
 
+# The amqps listener's certificate: self-signed for 127.0.0.1 and localhost,
+# made once, readable by the rabbitmq user. Clients trust tls/cert.pem.
+rabbit_tls() {
+	local d=$STATE/rabbitmq/tls
+	[[ -s $d/cert.pem && -s $d/key.pem ]] && return 0
+	command -v openssl >/dev/null || die "openssl is needed for the amqps listener's certificate"
+	mkdir -p "$d"
+	openssl req -x509 -newkey rsa:2048 -nodes -days 3650 -subj /CN=127.0.0.1 \
+		-addext subjectAltName=IP:127.0.0.1,DNS:localhost \
+		-keyout "$d/key.pem" -out "$d/cert.pem" >"$d/openssl.log" 2>&1 || {
+		cat "$d/openssl.log" >&2
+		die "could not make the amqps certificate"
+	}
+	chmod 644 "$d/cert.pem"
+	chmod 640 "$d/key.pem"
+	own rabbitmq "$d"
+}
+
+# rabbit_conf writes the node's rabbitmq.conf from integration/config.
+rabbit_conf() {
+	sed "s|@STATE@|$STATE|g" "$CONF/rabbitmq.conf" >"$1"
+}
+
+rabbitmqctl_() { # rabbitmqctl against our node, as its user
+	(
+		rabbit_env
+		as_user rabbitmq /usr/lib/rabbitmq/bin/rabbitmqctl -n "$RABBITMQ_NODENAME" -q "$@"
+	)
+}
+
+# A vhost of its own and a user who may use only it, for the tests that show
+# a restricted user is refused elsewhere: ferry-tenant / ferry-tenant-secret
+# on vhost ferry-tenant. Idempotent: run after every up.
+RABBIT_TENANT=ferry-tenant
+RABBIT_TENANT_PASSWORD=ferry-tenant-secret
+rabbit_tenant() {
+	rabbitmqctl_ list_vhosts name | grep -qx "$RABBIT_TENANT" || rabbitmqctl_ add_vhost "$RABBIT_TENANT" >/dev/null
+	if ! rabbitmqctl_ list_users | awk '{print $1}' | grep -qx "$RABBIT_TENANT"; then
+		rabbitmqctl_ add_user "$RABBIT_TENANT" "$RABBIT_TENANT_PASSWORD" >/dev/null
+	fi
+	rabbitmqctl_ set_permissions -p "$RABBIT_TENANT" "$RABBIT_TENANT" '.*' '.*' '.*' >/dev/null
+}
+
+# rabbit_extras brings a running node up to date: a node started before the
+# amqps listener existed (its rabbitmq.conf differs) is restarted with it,
+# and the restricted user is made.
+rabbit_extras() {
+	local d=$STATE/rabbitmq want
+	rabbit_tls
+	want=$(mktemp)
+	rabbit_conf "$want"
+	if ! cmp -s "$want" "$d/rabbitmq.conf"; then
+		log "rabbitmq: restarting it with the new configuration (amqps on 5671)"
+		stop_service rabbitmq >/dev/null
+		start_rabbitmq
+		"$CHECKER" -wait "${UP_TIMEOUT}s" -pid="rabbitmq=$(cat "$d/launcher.pid")" rabbitmq >/dev/null ||
+			{ rm -f "$want"; tail_logs rabbitmq 30; die "rabbitmq did not come back after the restart"; }
+	fi
+	rm -f "$want"
+	rabbit_tenant
+	port_open 5671 || die "rabbitmq: the amqps listener on 127.0.0.1:5671 is not open (logs: integration/brokers.sh logs rabbitmq)"
+}
+
 start_rabbitmq() {
 	local d=$STATE/rabbitmq
 	mkdir -p "$d/mnesia" "$d/log"
-	cp "$CONF/rabbitmq.conf" "$d/rabbitmq.conf"
+	rabbit_tls
+	rabbit_conf "$d/rabbitmq.conf"
 	cp "$CONF/rabbitmq-enabled-plugins" "$d/enabled_plugins"
 	rm -f "$d/rabbitmq.pid"
 	own rabbitmq "$d"
@@ -495,6 +559,7 @@ cmd_up() {
 		fi
 	done
 	((rc == 0)) || die "not every broker is ready (logs: integration/brokers.sh logs)"
+	rabbit_extras
 }
 
 cmd_down() {

@@ -1,0 +1,717 @@
+package rabbit
+
+import (
+	"context"
+	crand "crypto/rand"
+	"crypto/tls"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"net/url"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/ferrymq/ferry/consumer"
+)
+
+// Errors of the package. Match them with errors.Is; an error the broker sent
+// (a channel or connection closed by it) is also an *amqp091.Error, reached
+// with errors.As.
+var (
+	// ErrClosed is returned by every call on a closed Broker or Driver. A
+	// Fetch wraps it with driver.Fatal, so a consumer.Loop's Run ends.
+	ErrClosed = errors.New("rabbit: broker closed")
+
+	// ErrUnroutable is the reason for a message the broker returned because
+	// no queue was bound to take it (published mandatory).
+	ErrUnroutable = errors.New("rabbit: message unroutable")
+
+	// ErrNacked is the reason for a message the broker refused (a negative
+	// publisher confirm).
+	ErrNacked = errors.New("rabbit: message nacked by the broker")
+
+	// ErrBlocked is returned, with the context's error, by a Publish whose
+	// context ended while the broker blocked the connection (a memory or
+	// disk alarm).
+	ErrBlocked = errors.New("rabbit: broker blocked the connection")
+
+	// ErrNotConfirmed is the reason for a message whose channel closed before
+	// the broker confirmed it: it may or may not have been taken.
+	ErrNotConfirmed = errors.New("rabbit: channel closed before the publish was confirmed")
+
+	// ErrEarlierFailed is the reason for a message not published because an
+	// earlier message of the same key in the same call failed.
+	ErrEarlierFailed = errors.New("rabbit: not published: an earlier message of the same key failed")
+
+	// ErrStaleDelivery is returned by Settle for a delivery of a channel that
+	// closed: the broker requeued it, and it is not acked on another channel.
+	ErrStaleDelivery = errors.New("rabbit: delivery of a closed channel")
+
+	// ErrInvalidHandle is returned by Settle for a handle that did not come
+	// from this driver.
+	ErrInvalidHandle = errors.New("rabbit: invalid delivery handle")
+
+	// ErrConsumerCancelled is reported by Fetch when the broker cancelled the
+	// consumer (the queue was deleted); consuming resumes once the queue is
+	// declared again.
+	ErrConsumerCancelled = errors.New("rabbit: consumer cancelled by the broker")
+)
+
+// Defaults of the options.
+const (
+	DefaultConfirmWindow = 512
+	DefaultDialTimeout   = 10 * time.Second
+	DefaultHeartbeat     = 10 * time.Second
+	DefaultReconnectMin  = 100 * time.Millisecond
+	DefaultReconnectMax  = 10 * time.Second
+)
+
+// DefaultRetryDelays are the delay queues a Return with a delay goes through
+// unless WithRetryDelays says otherwise: a delay is rounded up to the next of
+// these, and delays above the last go through the last.
+var DefaultRetryDelays = []time.Duration{
+	time.Second, 2 * time.Second, 5 * time.Second, 10 * time.Second, 30 * time.Second,
+	time.Minute, 2 * time.Minute, 5 * time.Minute, 10 * time.Minute, 30 * time.Minute, time.Hour,
+}
+
+// Option configures a Broker. Dial applies the options in order and fails
+// with a *consumer.ConfigError on the first that is invalid.
+type Option func(*config) error
+
+type config struct {
+	logger      *slog.Logger
+	topology    Topology
+	window      int
+	tls         *tls.Config
+	dialTimeout time.Duration
+	heartbeat   time.Duration
+	backoffMin  time.Duration
+	backoffMax  time.Duration
+	retryDelays []time.Duration
+	name        string
+}
+
+func fieldErr(field, format string, args ...any) error {
+	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
+}
+
+// WithLogger sets the logger for reconnects, alarms and warnings. Default
+// slog.Default().
+func WithLogger(l *slog.Logger) Option {
+	return func(c *config) error {
+		if l == nil {
+			return fieldErr("Logger", "must not be nil")
+		}
+		c.logger = l
+		return nil
+	}
+}
+
+// WithTopology declares t when the Broker connects and again after every
+// reconnect (see Topology). Default: nothing is declared.
+func WithTopology(t Topology) Option {
+	return func(c *config) error {
+		if err := t.validate(); err != nil {
+			return err
+		}
+		c.topology = t
+		return nil
+	}
+}
+
+// WithConfirmWindow sets how many published messages may wait for their
+// publisher confirm at once, over all Publish calls of the Broker. Default
+// 512 (DefaultConfirmWindow). A Publish beyond it waits for room.
+func WithConfirmWindow(n int) Option {
+	return func(c *config) error {
+		if n < 1 {
+			return fieldErr("ConfirmWindow", "must be >= 1, got %d", n)
+		}
+		c.window = n
+		return nil
+	}
+}
+
+// WithTLS sets the TLS configuration for an amqps:// URL (its ServerName is
+// the URL's host when empty). Default: the system roots.
+func WithTLS(cfg *tls.Config) Option {
+	return func(c *config) error {
+		if cfg == nil {
+			return fieldErr("TLS", "must not be nil")
+		}
+		c.tls = cfg
+		return nil
+	}
+}
+
+// WithDialTimeout bounds each connection attempt (TCP, TLS and the AMQP
+// handshake). Default 10s.
+func WithDialTimeout(d time.Duration) Option {
+	return func(c *config) error {
+		if d <= 0 {
+			return fieldErr("DialTimeout", "must be > 0, got %v", d)
+		}
+		c.dialTimeout = d
+		return nil
+	}
+}
+
+// WithHeartbeat sets the AMQP heartbeat interval, which is how soon a dead
+// peer is noticed. Default 10s.
+func WithHeartbeat(d time.Duration) Option {
+	return func(c *config) error {
+		if d < time.Second {
+			return fieldErr("Heartbeat", "must be >= 1s, got %v", d)
+		}
+		c.heartbeat = d
+		return nil
+	}
+}
+
+// WithReconnectBackoff sets the backoff between attempts to reopen a lost
+// connection or channel: exponential from min to max, with full jitter.
+// Default 100ms to 10s.
+func WithReconnectBackoff(min, max time.Duration) Option {
+	return func(c *config) error {
+		if min <= 0 || max < min {
+			return fieldErr("ReconnectBackoff", "needs 0 < min <= max, got %v and %v", min, max)
+		}
+		c.backoffMin, c.backoffMax = min, max
+		return nil
+	}
+}
+
+// WithRetryDelays sets the delay queues for a Return with a delay (see the
+// package documentation): ascending, each at least a millisecond. Default
+// DefaultRetryDelays.
+func WithRetryDelays(delays ...time.Duration) Option {
+	return func(c *config) error {
+		if len(delays) == 0 {
+			return fieldErr("RetryDelays", "must not be empty")
+		}
+		for i, d := range delays {
+			if d < time.Millisecond || (i > 0 && d <= delays[i-1]) {
+				return fieldErr("RetryDelays", "must be ascending and each >= 1ms, got %v", delays)
+			}
+		}
+		c.retryDelays = append([]time.Duration(nil), delays...)
+		return nil
+	}
+}
+
+// WithConnectionName names the Broker's connections in the management UI
+// and in rabbitmqctl list_connections (suffixed "publish" and "consume").
+// Default "ferry".
+func WithConnectionName(name string) Option {
+	return func(c *config) error {
+		c.name = name
+		return nil
+	}
+}
+
+// Broker is a connection to RabbitMQ: a consumer.Publisher, and the source
+// of Drivers and Consumers over its queues. It owns two connections, one for
+// publishing and one for consuming, so that a broker blocking publishers
+// (an alarm) never holds back acks, and reopens either when it is lost. It
+// is safe for concurrent use.
+type Broker struct {
+	cfg      config
+	uri      amqp.URI
+	redacted string
+	log      *slog.Logger
+
+	pubConn  *connMgr
+	consConn *connMgr
+	pub      *publisher
+
+	idPrefix string
+	idSeq    atomic.Uint64
+
+	mu      sync.Mutex
+	drivers map[*Driver]struct{}
+
+	closeOnce sync.Once
+	closed    chan struct{}
+	life      context.Context // cancelled by Close: bounds every dial
+	endLife   context.CancelFunc
+}
+
+var _ consumer.Publisher = (*Broker)(nil)
+
+// Redact returns rawURL with its password replaced by "xxxxx", for logs and
+// errors. A URL that does not parse is replaced by a placeholder whole.
+func Redact(rawURL string) string {
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		return "<unparsable AMQP URL>"
+	}
+	return u.Redacted()
+}
+
+// Dial connects to the RabbitMQ at url (amqp:// or amqps://, with the vhost
+// as its path) and declares the topology of WithTopology. An invalid URL or
+// option fails with a *consumer.ConfigError; a broker that cannot be reached
+// or refuses the credentials, the vhost or the topology fails with an error
+// wrapping the cause (an *amqp091.Error where the broker said why). Neither
+// error holds the password.
+func Dial(rawURL string, opts ...Option) (*Broker, error) {
+	c := config{
+		logger:      slog.Default(),
+		window:      DefaultConfirmWindow,
+		dialTimeout: DefaultDialTimeout,
+		heartbeat:   DefaultHeartbeat,
+		backoffMin:  DefaultReconnectMin,
+		backoffMax:  DefaultReconnectMax,
+		retryDelays: DefaultRetryDelays,
+		name:        "ferry",
+	}
+	for _, o := range opts {
+		if o == nil {
+			continue
+		}
+		if err := o(&c); err != nil {
+			return nil, err
+		}
+	}
+	redacted := Redact(rawURL)
+	uri, err := amqp.ParseURI(rawURL)
+	if err != nil {
+		// url.Parse's errors quote the URL or a part of it (the text
+		// after the first ":" of a password holding a "/" reads as a
+		// port): none of their text is kept.
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = errors.New("it does not parse as a URL (reserved characters such as / @ : in the user or password must be percent-escaped)")
+		}
+		return nil, fieldErr("URL", "%s is not an AMQP URL: %v", redacted, scrub(err, rawURL))
+	}
+	var p [4]byte
+	_, _ = crand.Read(p[:])
+	b := &Broker{
+		cfg:      c,
+		uri:      uri,
+		redacted: redacted,
+		log:      c.logger.With("broker", redacted),
+		idPrefix: hex.EncodeToString(p[:]) + "-",
+		drivers:  make(map[*Driver]struct{}),
+		closed:   make(chan struct{}),
+	}
+	b.life, b.endLife = context.WithCancel(context.Background())
+	b.pubConn = newConnMgr(b, "publish")
+	b.consConn = newConnMgr(b, "consume")
+	b.pub = newPublisher(b)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*c.dialTimeout)
+	defer cancel()
+	if _, err := b.pubConn.get(ctx); err != nil {
+		b.endLife()
+		b.closeConns()
+		return nil, err
+	}
+	return b, nil
+}
+
+// scrub removes the URL's password from an error's text, in case a library
+// quoted it (amqp091's parse errors quote the whole URL).
+func scrub(err error, rawURL string) error {
+	if err == nil {
+		return nil
+	}
+	pw := ""
+	if u, perr := url.Parse(rawURL); perr == nil && u.User != nil {
+		pw, _ = u.User.Password()
+	} else if m := userinfo.FindStringSubmatch(rawURL); m != nil {
+		pw = m[1]
+	}
+	if msg := err.Error(); pw != "" && strings.Contains(msg, pw) {
+		return &scrubbed{msg: strings.ReplaceAll(msg, pw, "xxxxx")}
+	}
+	return err
+}
+
+// userinfo finds the password of a URL that does not parse: everything
+// from the user's ":" to the last "@" (a password may hold any character,
+// "/" and "@" included, when it was not escaped).
+var userinfo = regexp.MustCompile(`^[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@]*:(.*)@`)
+
+// scrubbed is an error whose text had a password taken out. It does not
+// unwrap: the original's text holds the password.
+type scrubbed struct{ msg string }
+
+func (e *scrubbed) Error() string { return e.msg }
+
+func (b *Broker) isClosed() bool {
+	select {
+	case <-b.closed:
+		return true
+	default:
+		return false
+	}
+}
+
+// Close stops every Driver of the Broker (their unsettled deliveries go back
+// to the queue), fails Publish calls waiting for confirms with ErrClosed, and
+// closes both connections. It returns within about a second whatever the
+// broker does (a blocked connection is cut). Calling it again does nothing.
+func (b *Broker) Close() error {
+	b.closeOnce.Do(func() {
+		close(b.closed)
+		b.endLife() // a dial under way ends now
+		b.mu.Lock()
+		ds := make([]*Driver, 0, len(b.drivers))
+		for d := range b.drivers {
+			ds = append(ds, d)
+		}
+		b.mu.Unlock()
+		var wg sync.WaitGroup
+		for _, d := range ds {
+			// Closing the connection closes the channels: the drivers do
+			// not wait for the broker.
+			wg.Go(func() { d.close(false) })
+		}
+		wg.Wait()
+		b.closeConns()
+	})
+	return nil
+}
+
+func (b *Broker) closeConns() {
+	var wg sync.WaitGroup
+	wg.Go(b.pubConn.close)
+	if b.consConn != nil {
+		wg.Go(b.consConn.close)
+	}
+	wg.Wait()
+}
+
+// newID returns a unique message id for a message published without one.
+func (b *Broker) newID() string {
+	n := b.idSeq.Add(1)
+	buf := make([]byte, 0, len(b.idPrefix)+12)
+	buf = append(buf, b.idPrefix...)
+	return string(strconv.AppendUint(buf, n, 10))
+}
+
+// backoff returns the wait before attempt n (0-based): exponential with full
+// jitter between the configured bounds.
+func (b *Broker) backoff(n int) time.Duration {
+	d := b.cfg.backoffMin
+	for i := 0; i < n && d < b.cfg.backoffMax; i++ {
+		d *= 2
+	}
+	d = min(d, b.cfg.backoffMax)
+	return b.cfg.backoffMin/2 + rand.N(d)
+}
+
+// sleep waits d, or until ctx ends or the broker closes; it reports whether
+// the wait ran its course.
+func (b *Broker) sleep(ctx context.Context, d time.Duration, stop <-chan struct{}) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+	case <-b.closed:
+	case <-stop:
+	}
+	return false
+}
+
+// connMgr owns one connection of the Broker and opens a new one when it is
+// lost, declaring the topology on it.
+type connMgr struct {
+	b    *Broker
+	role string
+
+	mu       sync.Mutex
+	conn     *amqp.Connection
+	gen      uint64
+	dead     chan struct{} // closed when conn is lost
+	blocked  atomic.Pointer[blockState]
+	unblockC chan struct{} // closed when the connection is unblocked; replaced on block
+	watchers sync.WaitGroup
+
+	dialing  *dialCall // the dial under way, nil when none
+	failures int       // dials failed in a row
+	lastErr  error     // of the last failed dial
+	nextDial time.Time // no dial before this after a failure (backoff)
+}
+
+// dialCall is one dial, which every caller needing the connection waits
+// for with its own context.
+type dialCall struct {
+	done chan struct{}
+	conn *amqp.Connection
+	err  error
+}
+
+type blockState struct{ reason string }
+
+func newConnMgr(b *Broker, role string) *connMgr {
+	return &connMgr{b: b, role: role}
+}
+
+// get returns the live connection, dialing (and declaring the topology) when
+// there is none. The dial runs on its own goroutine, bounded by the dial
+// timeout and by Close, and no lock is held meanwhile: every caller waits
+// for it (one dial for all) only as long as its own ctx allows. After a
+// failed dial the next one waits a backoff shared by all callers.
+func (m *connMgr) get(ctx context.Context) (*amqp.Connection, error) {
+	m.mu.Lock()
+	if m.b.isClosed() {
+		m.mu.Unlock()
+		return nil, ErrClosed
+	}
+	if m.conn != nil && !m.conn.IsClosed() {
+		conn := m.conn
+		m.mu.Unlock()
+		return conn, nil
+	}
+	if err := ctx.Err(); err != nil {
+		m.mu.Unlock()
+		return nil, err
+	}
+	dc := m.dialing
+	if dc == nil {
+		dc = &dialCall{done: make(chan struct{})}
+		m.dialing = dc
+		wait := time.Until(m.nextDial)
+		m.watchers.Go(func() { m.dial(dc, wait) })
+	}
+	m.mu.Unlock()
+	select {
+	case <-dc.done:
+		return dc.conn, dc.err
+	case <-ctx.Done():
+		m.mu.Lock()
+		last := m.lastErr
+		m.mu.Unlock()
+		if last != nil {
+			return nil, fmt.Errorf("rabbit: connect to %s: %w (the last attempt: %w)", m.b.redacted, ctx.Err(), last)
+		}
+		return nil, fmt.Errorf("rabbit: connect to %s: %w", m.b.redacted, ctx.Err())
+	case <-m.b.closed:
+		return nil, ErrClosed
+	}
+}
+
+// connectedBefore reports whether a connection was ever opened.
+func (m *connMgr) connectedBefore() bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.gen > 0
+}
+
+// dial waits out the backoff, dials and records the outcome in dc.
+func (m *connMgr) dial(dc *dialCall, wait time.Duration) {
+	var conn *amqp.Connection
+	err := ErrClosed
+	if wait <= 0 || m.b.sleep(m.b.life, wait, nil) {
+		conn, err = m.connect()
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.dialing = nil
+	if err != nil {
+		m.failures++
+		m.lastErr = err
+		m.nextDial = time.Now().Add(m.b.backoff(m.failures - 1))
+		dc.err = err
+		close(dc.done)
+		return
+	}
+	if m.b.isClosed() {
+		_ = conn.CloseDeadline(time.Now().Add(closeWait))
+		dc.err = ErrClosed
+		close(dc.done)
+		return
+	}
+	m.failures, m.lastErr, m.nextDial = 0, nil, time.Time{}
+	m.gen++
+	m.conn = conn
+	m.dead = make(chan struct{})
+	m.unblockC = make(chan struct{})
+	m.blocked.Store(nil)
+	closes := conn.NotifyClose(make(chan *amqp.Error, 1))
+	blocks := conn.NotifyBlocked(make(chan amqp.Blocking, 4))
+	dead := m.dead
+	gen := m.gen
+	m.watchers.Go(func() { m.watch(conn, gen, dead, closes, blocks) })
+	if gen > 1 {
+		m.b.log.Info("rabbit: reconnected", "connection", m.role, "generation", gen)
+	}
+	dc.conn = conn
+	close(dc.done)
+}
+
+// connect opens a connection and declares the topology on it, within the
+// dial timeout and until Close: the TCP connect with the context, the TLS
+// and AMQP handshakes and the declarations under a deadline that Close
+// brings forward.
+func (m *connMgr) connect() (*amqp.Connection, error) {
+	ctx, cancel := context.WithTimeout(m.b.life, m.b.cfg.dialTimeout)
+	defer cancel()
+	var mu sync.Mutex
+	var netConn net.Conn
+	stop := context.AfterFunc(ctx, func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if netConn != nil {
+			_ = netConn.SetDeadline(time.Now()) // ends the handshake or a declaration
+		}
+	})
+	cfg := amqp.Config{
+		Heartbeat:  m.b.cfg.heartbeat,
+		Locale:     "en_US",
+		Properties: amqp.Table{"connection_name": m.b.cfg.name + " " + m.role},
+		Dial: func(network, addr string) (net.Conn, error) {
+			var d net.Dialer
+			c, err := d.DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			// amqp091 clears the deadline once the AMQP handshake is done.
+			deadline, _ := ctx.Deadline()
+			if err := c.SetDeadline(deadline); err != nil {
+				c.Close()
+				return nil, err
+			}
+			mu.Lock()
+			netConn = c
+			mu.Unlock()
+			if ctx.Err() != nil {
+				c.Close()
+				return nil, ctx.Err()
+			}
+			return c, nil
+		},
+	}
+	if m.b.uri.Scheme == "amqps" {
+		t := m.b.cfg.tls
+		if t == nil {
+			t = &tls.Config{}
+		}
+		t = t.Clone()
+		if t.ServerName == "" {
+			t.ServerName = m.b.uri.Host
+		}
+		cfg.TLSClientConfig = t
+	}
+	conn, err := amqp.DialConfig(m.b.uri.String(), cfg)
+	if err != nil {
+		if ctx.Err() != nil && m.b.isClosed() {
+			return nil, ErrClosed
+		}
+		return nil, fmt.Errorf("rabbit: connect to %s: %w", m.b.redacted, scrub(err, m.b.uri.String()))
+	}
+	err = m.b.cfg.topology.declare(conn, m.b.log)
+	if !stop() {
+		// The deadline was brought forward: the connection is unusable.
+		err = errors.Join(err, ctx.Err())
+	}
+	if err != nil {
+		_ = conn.CloseDeadline(time.Now().Add(closeWait))
+		if m.b.isClosed() {
+			return nil, ErrClosed
+		}
+		return nil, fmt.Errorf("rabbit: declare topology on %s: %w", m.b.redacted, err)
+	}
+	return conn, nil
+}
+
+// watch drains the connection's notifications until both channels close,
+// so the library's reader never waits on us.
+func (m *connMgr) watch(conn *amqp.Connection, gen uint64, dead chan struct{}, closes chan *amqp.Error, blocks chan amqp.Blocking) {
+	for closes != nil || blocks != nil {
+		select {
+		case e, ok := <-closes:
+			if !ok {
+				closes = nil
+				m.markDead(dead)
+				continue
+			}
+			if e != nil && !m.b.isClosed() {
+				m.b.log.Warn("rabbit: connection lost", "connection", m.role, "generation", gen, "err", e)
+			}
+		case bl, ok := <-blocks:
+			if !ok {
+				blocks = nil
+				continue
+			}
+			m.setBlocked(bl)
+		}
+	}
+}
+
+func (m *connMgr) markDead(dead chan struct{}) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	select {
+	case <-dead:
+	default:
+		close(dead)
+	}
+	if m.blocked.Load() != nil {
+		m.blocked.Store(nil)
+		close(m.unblockC)
+		m.unblockC = make(chan struct{})
+	}
+}
+
+func (m *connMgr) setBlocked(bl amqp.Blocking) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if bl.Active {
+		if m.blocked.Load() == nil {
+			m.b.log.Warn("rabbit: broker blocked the connection", "connection", m.role, "reason", bl.Reason)
+		}
+		m.blocked.Store(&blockState{reason: bl.Reason})
+		return
+	}
+	if m.blocked.Load() != nil {
+		m.b.log.Info("rabbit: broker unblocked the connection", "connection", m.role)
+		m.blocked.Store(nil)
+		close(m.unblockC)
+		m.unblockC = make(chan struct{})
+	}
+}
+
+// blockedWait returns the reason the connection is blocked and a channel
+// closed when it is unblocked, or "" and nil when it is not blocked.
+func (m *connMgr) blockedWait() (string, <-chan struct{}) {
+	st := m.blocked.Load()
+	if st == nil {
+		return "", nil
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	st = m.blocked.Load()
+	if st == nil {
+		return "", nil
+	}
+	return st.reason, m.unblockC
+}
+
+// closeWait is how long a close waits for the broker's answer.
+const closeWait = 400 * time.Millisecond
+
+// close closes the connection, cutting it after closeWait when the broker
+// does not answer (a blocked connection), and waits for the watcher.
+func (m *connMgr) close() {
+	m.mu.Lock()
+	conn := m.conn
+	m.mu.Unlock()
+	if conn != nil && !conn.IsClosed() {
+		_ = conn.CloseDeadline(time.Now().Add(closeWait))
+	}
+	m.watchers.Wait()
+}

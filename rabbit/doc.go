@@ -1,0 +1,166 @@
+// Package rabbit runs Ferry's delivery loop over RabbitMQ (AMQP 0-9-1,
+// through github.com/rabbitmq/amqp091-go) and publishes to it with
+// publisher confirms.
+//
+// # What it guarantees
+//
+// A message is acked only after its handler returned nil (manual acks, never
+// auto-ack). Until then the broker holds it as unacked on the consumer's
+// channel; when that channel or its connection is lost, by a crash, a
+// network failure or a broker restart, the broker requeues it and delivers
+// it again. A Publish returns nil only once the broker confirmed every
+// message (on a quorum queue: a majority of its replicas wrote it), and
+// every message is published mandatory, so one that no queue takes is an
+// error, never a silent drop.
+//
+// # How RabbitMQ maps onto the loop
+//
+//   - Fetch: deliveries of basic.consume on a channel of the Broker's
+//     consuming connection, with basic.qos prefetch equal to the loop's
+//     MaxInFlight, so the broker never pushes more than the loop may hold.
+//     Message.ID is the AMQP message-id (a hash of exchange, routing key
+//     and body when the publisher set none), Key the routing key (or the
+//     HeaderKey header), Headers the string, number and boolean header
+//     values (tables such as x-death stay in the *amqp091.Delivery that
+//     Message.As gives), Offset -1, PublishedAt the timestamp property.
+//   - Lane: "" (competing consumers keep no useful order), except on a
+//     queue declared with Queue.SingleActiveConsumer, where one consumer at
+//     a time receives in queue order and Lane is the message's Key: the
+//     loop then keeps each key's order while running keys in parallel.
+//     Partitioned spreads keys over several such queues through the
+//     consistent-hash exchange.
+//   - Deliveries: the x-delivery-count header of quorum queues plus one
+//     (absent on the first delivery), plus the deliveries a delayed retry
+//     carried over; classic queues count nothing but the redelivered flag.
+//   - Settle Ack: basic.ack; acks of the lowest unsettled delivery tags go
+//     out as one basic.ack with multiple set. Return with no delay:
+//     basic.reject with requeue, or basic.nack with requeue when the
+//     handler never ran (a breaker held it, or the loop stopped first).
+//     Return with a delay: see Retries below. Capabilities.Redelivers is
+//     true; Capabilities.System is "rabbitmq".
+//   - At most once: AMQP confirms no basic.ack, so an ack the loop makes
+//     before running the handler (Settlement.BeforeRun) is followed by a
+//     basic.qos round trip on the same channel, and Settle returns nil only
+//     once the broker has answered it, that is, once the broker's channel
+//     has processed the ack: the message is no longer the consumer's and
+//     will not be redelivered by a lost channel or connection. When ctx
+//     ends or the channel closes first, Settle fails and the loop does not
+//     run the message (the broker may still have taken the ack: at most
+//     once, it is then run zero times). On a quorum queue the settlement is
+//     then applied through the queue's log: a broker crash in that instant
+//     can still redeliver it, so "at most once" on RabbitMQ is "acked on
+//     the broker's channel before the handler runs", not "durably
+//     removed".
+//   - Extend: none. A delivery stays with its channel until it is settled
+//     or the channel closes; the broker's consumer_timeout (30 minutes by
+//     default) bounds the work. A channel closed for an ack timeout (406
+//     PRECONDITION_FAILED) is logged with that advice and reopened like any
+//     lost channel.
+//   - Revoked: when the channel closes, every unsettled delivery of it is
+//     gone (the broker requeued them). The driver sends a driver.Revocation
+//     (lane "", or the keys in flight on a single-active-consumer queue),
+//     waits until the loop cancelled their handlers, and only then opens a
+//     new channel. A delivery tag carries its channel: one of a closed
+//     channel is never acked on a new one (where it would name another
+//     delivery, or close the channel with 406), and Settle reports it with
+//     ErrStaleDelivery.
+//   - Lag: the queue's ready messages (a passive queue.declare) and this
+//     consumer's unsettled deliveries.
+//
+// # Connections, reconnects and the topology
+//
+// Dial opens a publishing connection at once and a consuming connection
+// when the first consumer starts; one blocked by a memory or disk alarm
+// (publishers only) never holds back the other's acks. A lost connection or
+// channel is reopened with exponential backoff and full jitter
+// (WithReconnectBackoff). A dial runs on a goroutine of its own, bounded by
+// the dial timeout (TCP connect, TLS and AMQP handshakes and the topology's
+// declarations) and ended by Close; every caller needing the connection
+// waits for that one dial only as long as its own context allows, and
+// failed dials are spaced by a backoff shared by the publishers and the
+// consumers of the connection. A Publish call dials at most once: when it
+// fails, the call's messages not yet sent fail with its error. Each new
+// connection declares the Topology again,
+// and each consuming channel declares its own queue again, with its
+// exchanges and bindings, so a queue deleted under a consumer comes back.
+// A server-side basic.cancel (the queue was deleted) is reported through
+// Fetch as ErrConsumerCancelled and consuming resumes once the queue exists.
+// Access refused (403) is fatal: the loop's Run returns it. A refused
+// vhost (530 NOT_ALLOWED) is fatal at the consuming connection's first
+// connect (a wrong URL); on a reconnect it is what a restarting node
+// answers before its vhosts are up, and it is retried. Lag, and the delay
+// queues' declarations, are bounded by their context (Lag by 10 seconds
+// when it has no deadline). Every notification channel the package registers is drained
+// by a goroutine of its own, so the library's reader never waits on it, and
+// Close cuts a connection the broker no longer answers (a blocked one)
+// after 400 ms.
+//
+// The Topology is data: exchanges, queues (quorum by default; classic on
+// request) and bindings, with dead-letter exchanges, delivery limits and
+// single active consumer as fields. A quorum queue declared without a
+// dead-letter exchange is logged as a warning: what passes its delivery
+// limit is dropped.
+//
+// # Publishing
+//
+// A destination is an exchange, and Message.Key is the routing key. To
+// publish straight to a queue, use ToQueue(queue): the message goes through
+// the default exchange with the queue's name as routing key, and its Key
+// travels in the HeaderKey header, from which consumers read it. Messages
+// are persistent and carry the ID as message-id.
+//
+// Publishing is pipelined: a call sends its messages on a confirm-mode
+// channel without waiting, within a window of unconfirmed messages shared by
+// every call (WithConfirmWindow), then waits for the confirms. A message
+// returned unroutable fails with ErrUnroutable (a message's basic.return
+// comes before its confirm on the channel, and the returns are all recorded
+// before any confirmed message of the call is reported published), one
+// nacked with ErrNacked,
+// both in a *consumer.PublishError that names them while the rest
+// succeeds. A message waits for the confirm of the message of the same Key
+// before it in the call, and is never sent when that one failed
+// (ErrEarlierFailed), so a key's messages never overtake each other. While
+// the broker blocks the connection (connection.blocked, a memory or disk
+// alarm), Publish waits; when its context ends first, the error matches
+// both ErrBlocked and the context's error.
+//
+// # Retries after a delay
+//
+// No plugin is needed. A Return with a delay publishes a copy of the
+// message, confirmed, to a classic delay queue named
+// "<queue>.ferry-delay.<ms>ms" whose x-message-ttl is the delay and whose
+// dead-letter exchange routes it back to the source queue, then acks the
+// original. Delays are rounded up to the next of WithRetryDelays (default
+// DefaultRetryDelays, 1s to 1h), so there is one delay queue per step, and
+// a message never comes back early. The copy carries the deliveries it had
+// and the loop's count of handler runs in headers, so Message.Attempt and
+// Message.Deliveries stay exact. On a queue with a DeliveryLimit, a delayed
+// return past the limit is rejected without requeue instead: the queue
+// dead-letters it like the broker would. A copy that is not confirmed
+// within 10 seconds, or that would wait on a blocked connection, is not
+// waited for: the original is requeued at once (redelivered early, never
+// lost) and Settle reports why. A copy returned unroutable (its delay queue
+// was deleted) declares the delay queue again and is published once more
+// before that; the original is never acked unless its copy was confirmed
+// and not returned.
+//
+// # RabbitMQ 3.10 and 4.x
+//
+// The tests run on RabbitMQ 3.10, the version Debian bookworm ships. On
+// 4.x:
+//
+//   - Quorum queues have a delivery limit of 20 by default. A queue declared
+//     with DeliveryLimit 0 then dead-letters (or, without a dead-letter
+//     exchange, drops) a message on its 21st delivery; on 3.10 it has no
+//     limit. Declare a DeadLetterExchange on every quorum queue.
+//   - From 4.3 only basic.reject raises x-delivery-count; basic.nack does
+//     not. The driver rejects what a handler failed and nacks what no
+//     handler ran (held by a breaker, or handed back at shutdown), so on
+//     4.3 a breaker holding messages burns none of their delivery limit; on
+//     3.10 both count.
+//   - Newer brokers add x-last-death-* headers to dead-lettered messages;
+//     3.10 sets only x-first-death-* and the x-death table, whose first
+//     entry is the newest death.
+//   - Classic queue mirroring is gone in 4.0; quorum queues (the default
+//     here) are unaffected.
+package rabbit

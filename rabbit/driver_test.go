@@ -1,0 +1,161 @@
+package rabbit_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/testenv"
+	"github.com/ferrymq/ferry/rabbit"
+)
+
+func fetchN(t *testing.T, d *rabbit.Driver, n int) []driver.Message {
+	t.Helper()
+	var msgs []driver.Message
+	ctx := ctxFor(t, 20*time.Second)
+	for len(msgs) < n {
+		var err error
+		msgs, err = d.Fetch(ctx, msgs, n-len(msgs))
+		if err != nil && (driver.IsFatal(err) || ctx.Err() != nil) {
+			t.Fatal(err)
+		}
+		if err != nil {
+			t.Logf("Fetch reported: %v", err)
+		}
+	}
+	return msgs
+}
+
+func queueCounts(t *testing.T, q string) (ready, unackedN int) {
+	t.Helper()
+	qi, err := rawChannel(t).QueueDeclarePassive(q, true, false, false, false, amqp.Table{"x-queue-type": "quorum"})
+	must(t, err)
+	return qi.Messages, unacked(t, q)
+}
+
+// Acks settled out of order are safe, and contiguous ones go out as one
+// basic.ack with multiple: acking the upper half first sends one frame per
+// delivery (the lower half is unsettled), then the lower half goes out as
+// a single frame; a reject in the middle comes back once; the queue ends
+// empty and the channel is never closed by a wrong tag.
+func TestAcksBatchedWithMultipleAndSafeOutOfOrder(t *testing.T) {
+	q := testenv.UniqueName(t, "acks")
+	deleteLater(t, []string{q}, nil)
+	b := dial(t, rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: q, DeadLetterExchange: "x"}}}))
+	msgs := make([]consumer.Message, 10)
+	for i := range msgs {
+		msgs[i] = consumer.Message{Body: []byte{byte('0' + i)}}
+	}
+	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(q), msgs...))
+	d, err := b.Driver(q, rabbit.Prefetch(10))
+	must(t, err)
+	t.Cleanup(func() { d.Close() })
+	got := fetchN(t, d, 10)
+	ack := func(ms ...driver.Message) {
+		t.Helper()
+		var batch []driver.Settlement
+		for _, m := range ms {
+			batch = append(batch, driver.Settlement{Handle: m.Handle, Action: driver.Ack})
+		}
+		must(t, d.Settle(ctxFor(t, 10*time.Second), batch))
+	}
+	ack(got[6:]...)
+	if n := rabbit.AckFrames(d); n != 4 {
+		t.Fatalf("acking 4 deliveries above an unsettled one sent %d frames, want 4 single acks", n)
+	}
+	must(t, d.Settle(ctxFor(t, 10*time.Second), []driver.Settlement{{Handle: got[5].Handle, Action: driver.Return}}))
+	ack(got[:5]...)
+	if n := rabbit.AckFrames(d); n != 5 {
+		t.Fatalf("acking the 5 lowest deliveries sent %d frames, want 1 (multiple)", n-4)
+	}
+	again := fetchN(t, d, 1)
+	if string(again[0].Body) != "5" || again[0].Deliveries != 2 {
+		t.Fatalf("redelivered %q on delivery %d, want the rejected 5 on its 2nd", again[0].Body, again[0].Deliveries)
+	}
+	ack(again...)
+	waitFor(t, 10*time.Second, "an empty queue with nothing unacked", func() bool {
+		r, u := queueCounts(t, q)
+		return r == 0 && u == 0
+	})
+}
+
+// A delivery of a channel that closed is never acked on the next channel:
+// Settle reports it stale, and the message comes back.
+func TestStaleDeliveryIsNotAckedOnTheNewChannel(t *testing.T) {
+	q := testenv.UniqueName(t, "stale")
+	deleteLater(t, []string{q}, nil)
+	logger, logs := capture(t)
+	b := dial(t, rabbit.WithLogger(logger), rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: q, DeadLetterExchange: "x"}}}))
+	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(q), consumer.Message{ID: "one", Body: []byte("1")}, consumer.Message{ID: "two", Body: []byte("2")}))
+	d, err := b.Driver(q, rabbit.Prefetch(1))
+	must(t, err)
+	t.Cleanup(func() { d.Close() })
+	first := fetchN(t, d, 1)
+
+	// Close the consuming connection from the broker's side.
+	for _, line := range splitLines(ctl(t, "list_connections", "pid", "client_properties")) {
+		if containsAll(line, "ferry consume") {
+			ctl(t, "close_connection", fields(line)[0], "ferry test: stale tag")
+		}
+	}
+	var rev driver.Revocation
+	select {
+	case rev = <-d.Revoked():
+	case <-time.After(20 * time.Second):
+		t.Fatal("no revocation after the channel closed")
+	}
+	if len(rev.Lanes) != 1 || rev.Lanes[0] != "" {
+		t.Errorf("revoked lanes %q, want [\"\"]", rev.Lanes)
+	}
+	close(rev.Done)
+	// The new channel delivers again: tag 1 there is another delivery.
+	second := fetchN(t, d, 1)
+	err = d.Settle(ctxFor(t, 10*time.Second), []driver.Settlement{{Handle: first[0].Handle, Action: driver.Ack}})
+	var se *driver.SettleError
+	if !errors.As(err, &se) || !errors.Is(err, rabbit.ErrStaleDelivery) || len(se.Failed) != 1 {
+		t.Fatalf("Settle of a closed channel's delivery = %v, want a SettleError with ErrStaleDelivery", err)
+	}
+	must(t, d.Settle(ctxFor(t, 10*time.Second), []driver.Settlement{{Handle: second[0].Handle, Action: driver.Ack}}))
+	third := fetchN(t, d, 1)
+	must(t, d.Settle(ctxFor(t, 10*time.Second), []driver.Settlement{{Handle: third[0].Handle, Action: driver.Ack}}))
+	ids := map[string]bool{second[0].ID: true, third[0].ID: true}
+	if !ids["one"] || !ids["two"] {
+		t.Errorf("after the reconnect got %v, want both messages", ids)
+	}
+	if containsAll(logs.String(), "unknown delivery tag") {
+		t.Error("a stale tag closed the new channel")
+	}
+}
+
+// Lag reports the queue's ready messages and the consumer's unsettled
+// deliveries.
+func TestLagReportsReadyAndUnacked(t *testing.T) {
+	q := testenv.UniqueName(t, "lag")
+	deleteLater(t, []string{q}, nil)
+	b := dial(t, rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: q, DeadLetterExchange: "x"}}}))
+	msgs := make([]consumer.Message, 30)
+	for i := range msgs {
+		msgs[i] = consumer.Message{Body: []byte("x")}
+	}
+	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(q), msgs...))
+	d, err := b.Driver(q, rabbit.Prefetch(5))
+	must(t, err)
+	t.Cleanup(func() { d.Close() })
+	got := fetchN(t, d, 5)
+	waitFor(t, 10*time.Second, "25 ready", func() bool {
+		l, err := d.Lag(context.Background())
+		must(t, err)
+		return l.Messages == 25 && l.InFlight == 5
+	})
+	must(t, d.Settle(ctxFor(t, 10*time.Second), []driver.Settlement{{Handle: got[0].Handle, Action: driver.Ack}}))
+	l, err := d.Lag(context.Background())
+	must(t, err)
+	if l.InFlight != 4 {
+		t.Errorf("InFlight = %d after one ack, want 4", l.InFlight)
+	}
+}

@@ -1,0 +1,170 @@
+package rabbit_test
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/ferrymq/ferry/internal/testenv"
+	"github.com/ferrymq/ferry/rabbit"
+)
+
+// amqpURL returns the broker's URL, skipping (or failing, under
+// FERRY_REQUIRE_BROKERS=1) when RabbitMQ does not answer.
+func amqpURL(t testing.TB) string {
+	t.Helper()
+	return testenv.RequireRabbitMQ(t)
+}
+
+// testLogger logs to the test's output.
+func testLogger(t testing.TB) *slog.Logger {
+	return slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+// dial dials a Broker closed when t ends.
+func dial(t testing.TB, opts ...rabbit.Option) *rabbit.Broker {
+	t.Helper()
+	opts = append([]rabbit.Option{rabbit.WithLogger(testLogger(t)), rabbit.WithReconnectBackoff(50*time.Millisecond, time.Second)}, opts...)
+	b, err := rabbit.Dial(amqpURL(t), opts...)
+	if err != nil {
+		t.Fatalf("dial: %v", err)
+	}
+	t.Cleanup(func() { b.Close() })
+	return b
+}
+
+// rawChannel is a plain amqp091 channel for looking at the broker from
+// outside the package under test.
+func rawChannel(t testing.TB) *amqp.Channel {
+	t.Helper()
+	conn, err := amqp.DialConfig(amqpURL(t), amqp.Config{Dial: amqp.DefaultDial(5 * time.Second)})
+	if err != nil {
+		t.Fatalf("dial: %v", err)
+	}
+	t.Cleanup(func() { conn.CloseDeadline(time.Now().Add(time.Second)) })
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ch
+}
+
+// deleteQueues deletes queues (and their delay queues) and exchanges when t
+// ends, each on a channel of its own (a failure closes a channel).
+func deleteLater(t testing.TB, queues, exchanges []string) {
+	t.Helper()
+	url := amqpURL(t)
+	t.Cleanup(func() {
+		conn, err := amqp.DialConfig(url, amqp.Config{Dial: amqp.DefaultDial(5 * time.Second)})
+		if err != nil {
+			return
+		}
+		defer conn.CloseDeadline(time.Now().Add(time.Second))
+		do := func(f func(ch *amqp.Channel)) {
+			ch, err := conn.Channel()
+			if err != nil {
+				return
+			}
+			f(ch)
+			ch.Close()
+		}
+		for _, q := range queues {
+			do(func(ch *amqp.Channel) { ch.QueueDelete(q, false, false, false) })
+			for _, d := range rabbit.DefaultRetryDelays {
+				do(func(ch *amqp.Channel) {
+					ch.QueueDelete(q+".ferry-delay."+strconv.FormatInt(d.Milliseconds(), 10)+"ms", false, false, false)
+				})
+			}
+		}
+		for _, e := range exchanges {
+			do(func(ch *amqp.Channel) { ch.ExchangeDelete(e, false, false) })
+		}
+	})
+}
+
+// ctlMu serialises rabbitmqctl calls: the node's CLI is slow, and the fault
+// tests must not overlap.
+var ctlMu sync.Mutex
+
+// ctl runs rabbitmqctl against the local node and returns its output.
+func ctl(t testing.TB, args ...string) string {
+	t.Helper()
+	path, err := exec.LookPath("rabbitmqctl")
+	if err != nil {
+		if testenv.RequireBrokers() {
+			t.Fatalf("rabbitmqctl not found: the fault tests need it (integration/brokers.sh up installs it)")
+		}
+		t.Skip("rabbitmqctl not found; the fault tests need it")
+	}
+	ctlMu.Lock()
+	defer ctlMu.Unlock()
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, path, append([]string{"-n", "rabbit@localhost", "-q"}, args...)...).CombinedOutput()
+	if err != nil {
+		t.Fatalf("rabbitmqctl %s: %v\n%s", strings.Join(args, " "), err, out)
+	}
+	return string(out)
+}
+
+// unacked asks the broker how many of queue's messages are delivered and
+// not acked.
+func unacked(t testing.TB, queue string) int {
+	t.Helper()
+	for _, line := range strings.Split(ctl(t, "list_queues", "name", "messages_unacknowledged"), "\n") {
+		f := strings.Fields(line)
+		if len(f) == 2 && f[0] == queue {
+			n, _ := strconv.Atoi(f[1])
+			return n
+		}
+	}
+	return 0
+}
+
+// waitFor polls cond until it holds, failing t after d.
+func waitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s", d, what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func ctxFor(t testing.TB, d time.Duration) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func must(t testing.TB, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+var _ = fmt.Sprint
+
+func splitLines(s string) []string { return strings.Split(s, "\n") }
+
+func fields(s string) []string { return strings.Fields(s) }
+
+func containsAll(s string, subs ...string) bool {
+	for _, x := range subs {
+		if !strings.Contains(s, x) {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,539 @@
+package rabbit
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/ferrymq/ferry/consumer"
+)
+
+// QueuePrefix starts a destination that names a queue instead of an
+// exchange: Publish(ctx, QueuePrefix+"orders", …) publishes through the
+// default exchange straight to the queue orders. No exchange can be named
+// so (names starting "amq." belong to the broker). See ToQueue.
+const QueuePrefix = "amq.default/"
+
+// ToQueue returns the destination that publishes straight to queue.
+func ToQueue(queue string) string { return QueuePrefix + queue }
+
+// HeaderKey carries Message.Key where the routing key cannot: on messages
+// published straight to a queue (whose routing key is the queue's name) and
+// on retries that went through a delay queue. Consumers read Key from it
+// when present and from the routing key otherwise; it is not among the
+// Headers they see.
+const HeaderKey = "ferry-key"
+
+// Headers the driver keeps to itself on delayed retries: the deliveries the
+// message had before it was republished, and the handler runs the loop
+// counted (driver.History).
+const (
+	headerDeliveries = "ferry-deliveries"
+	headerHistory    = "ferry-history"
+)
+
+// pubItem is one message on its way to the broker.
+type pubItem struct {
+	rk  string // routing key
+	key string // Message.Key, for per-key order
+	pub amqp.Publishing
+}
+
+// publisher publishes in confirm mode over the Broker's publish connection,
+// pipelined: every message of a call is sent before any confirm is awaited,
+// within a window of unconfirmed messages shared by all calls.
+type publisher struct {
+	b   *Broker
+	win window
+
+	mu sync.Mutex
+	ch *pubChannel
+}
+
+func newPublisher(b *Broker) *publisher {
+	return &publisher{b: b, win: window{size: b.cfg.window}}
+}
+
+// window bounds the unconfirmed messages of all calls: like a raw client's
+// ring of deferred confirmations, a publish waits for the oldest confirm
+// when the ring is full. (Publishers racing for the last place may exceed
+// it by one message each.)
+type window struct {
+	size int
+	mu   sync.Mutex
+	ring []*amqp.DeferredConfirmation
+}
+
+// wait returns once there is room, or ctx or stop end.
+func (w *window) wait(ctx context.Context, stop <-chan struct{}) error {
+	for {
+		w.mu.Lock()
+		for len(w.ring) > 0 && isDone(w.ring[0]) {
+			w.ring[0] = nil
+			w.ring = w.ring[1:]
+		}
+		if len(w.ring) < w.size {
+			w.mu.Unlock()
+			return nil
+		}
+		oldest := w.ring[0]
+		w.mu.Unlock()
+		select {
+		case <-oldest.Done():
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-stop:
+			return ErrClosed
+		}
+	}
+}
+
+func (w *window) add(dc *amqp.DeferredConfirmation) {
+	w.mu.Lock()
+	w.ring = append(w.ring, dc)
+	w.mu.Unlock()
+}
+
+func isDone(dc *amqp.DeferredConfirmation) bool {
+	select {
+	case <-dc.Done():
+		return true
+	default:
+		return false
+	}
+}
+
+// pubChannel is one confirm-mode channel and the goroutine that drains its
+// returns and its close notification.
+type pubChannel struct {
+	ch       *amqp.Channel
+	closed   chan struct{} // closed once closeErr is set
+	closeErr *amqp.Error
+	gone     chan struct{} // closed when drain exits
+	barrier  chan chan struct{}
+
+	mu      sync.Mutex
+	byRoute map[string][]*pending // by message id
+}
+
+type retKey struct{ id, exchange, rk string }
+
+// pending is one published message waiting for its confirm.
+type pending struct {
+	k        retKey
+	dc       *amqp.DeferredConfirmation
+	returned *amqp.Return
+}
+
+// channel returns the live publishing channel, opening one (and the
+// connection, when it is lost) when there is none.
+func (p *publisher) channel(ctx context.Context) (*pubChannel, error) {
+	p.mu.Lock()
+	if pc := p.ch; pc != nil && !pc.ch.IsClosed() {
+		p.mu.Unlock()
+		return pc, nil
+	}
+	p.mu.Unlock()
+	// Not under p.mu: a dial is waited for with each caller's own context.
+	conn, err := p.b.pubConn.get(ctx)
+	if err != nil {
+		return nil, err
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if pc := p.ch; pc != nil && !pc.ch.IsClosed() {
+		return pc, nil
+	}
+	ch, err := conn.Channel()
+	if err != nil {
+		return nil, fmt.Errorf("rabbit: open publishing channel: %w", err)
+	}
+	if err := ch.Confirm(false); err != nil {
+		closeChannel(ch)
+		return nil, fmt.Errorf("rabbit: confirm mode: %w", err)
+	}
+	pc := &pubChannel{
+		ch:      ch,
+		closed:  make(chan struct{}),
+		gone:    make(chan struct{}),
+		barrier: make(chan chan struct{}),
+		byRoute: make(map[string][]*pending),
+	}
+	// Unbuffered: the library's reader hands a return to drain before it
+	// reads the next frame, so drain holds the return before the confirm
+	// of the same message resolves; a barrier then makes sure it was
+	// recorded.
+	returns := ch.NotifyReturn(make(chan amqp.Return))
+	closes := ch.NotifyClose(make(chan *amqp.Error, 1))
+	go pc.drain(returns, closes)
+	p.ch = pc
+	return pc, nil
+}
+
+// drain records returns until the channel's notifications end, and answers
+// barriers. It never blocks on anything else.
+func (pc *pubChannel) drain(returns chan amqp.Return, closes chan *amqp.Error) {
+	defer close(pc.gone)
+	for returns != nil || closes != nil {
+		select {
+		case r, ok := <-returns:
+			if !ok {
+				returns = nil
+				continue
+			}
+			pc.markReturned(r)
+		case e, ok := <-closes:
+			if !ok {
+				closes = nil
+				select {
+				case <-pc.closed:
+				default:
+					close(pc.closed)
+				}
+				continue
+			}
+			pc.closeErr = e
+			close(pc.closed)
+		case reply := <-pc.barrier:
+			close(reply)
+		}
+	}
+}
+
+// sync waits until every return handed to drain so far is recorded.
+func (pc *pubChannel) sync() {
+	reply := make(chan struct{})
+	select {
+	case pc.barrier <- reply:
+		<-reply
+	case <-pc.gone:
+	}
+}
+
+// markReturned marks the earliest message not yet returned with the
+// return's id, exchange and routing key: the broker returns messages in
+// publish order. (Two messages of one id, exchange and routing key in
+// flight at once, of which only the later is unroutable, would be told
+// apart wrongly; routing the same way, both are returned.)
+func (pc *pubChannel) markReturned(r amqp.Return) {
+	k := retKey{r.MessageId, r.Exchange, r.RoutingKey}
+	pc.mu.Lock()
+	defer pc.mu.Unlock()
+	for _, pd := range pc.byRoute[k.id] {
+		if pd.k == k && pd.returned == nil {
+			ret := r
+			pd.returned = &ret
+			return
+		}
+	}
+}
+
+func (pc *pubChannel) forget(pd *pending) {
+	pc.mu.Lock()
+	defer pc.mu.Unlock()
+	l := pc.byRoute[pd.k.id]
+	for i, x := range l {
+		if x == pd {
+			l = append(l[:i], l[i+1:]...)
+			break
+		}
+	}
+	if len(l) == 0 {
+		delete(pc.byRoute, pd.k.id)
+	} else {
+		pc.byRoute[pd.k.id] = l
+	}
+}
+
+// publish sends one message, registered for its return before it goes.
+func (pc *pubChannel) publish(exchange string, it *pubItem) (*pending, error) {
+	pd := &pending{k: retKey{it.pub.MessageId, exchange, it.rk}}
+	pc.mu.Lock()
+	pc.byRoute[pd.k.id] = append(pc.byRoute[pd.k.id], pd)
+	pc.mu.Unlock()
+	dc, err := pc.ch.PublishWithDeferredConfirm(exchange, it.rk, true, false, it.pub)
+	if err == nil && dc == nil {
+		err = fmt.Errorf("channel not in confirm mode")
+	}
+	if err != nil {
+		pc.forget(pd)
+		return nil, err
+	}
+	pd.dc = dc
+	return pd, nil
+}
+
+// ctxErr is the error of a publish whose context ended: ErrBlocked too when
+// the broker blocks the connection.
+func (p *publisher) ctxErr(ctx context.Context, dest string) error {
+	if reason, _ := p.b.pubConn.blockedWait(); reason != "" || p.b.pubConn.blocked.Load() != nil {
+		return fmt.Errorf("rabbit: publish to %q: %w (%s): %w", dest, ErrBlocked, reason, ctx.Err())
+	}
+	return fmt.Errorf("rabbit: publish to %q: %w", dest, ctx.Err())
+}
+
+// publishRaw publishes items to exchange, pipelined, and returns each
+// item's error (nil once the broker confirmed it and did not return it).
+func (p *publisher) publishRaw(ctx context.Context, exchange, dest string, items []pubItem) []error {
+	errs := make([]error, len(items))
+	pends := make([]*pending, len(items))
+	pcs := make([]*pubChannel, len(items))
+	sent := 0
+	for i := range items {
+		if p.b.isClosed() {
+			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, ErrClosed)
+			continue
+		}
+		if err := p.win.wait(ctx, p.b.closed); err != nil {
+			errs[i] = p.waitErr(ctx, dest)
+			continue
+		}
+		if _, unblocked := p.b.pubConn.blockedWait(); unblocked != nil {
+			select {
+			case <-unblocked:
+			case <-ctx.Done():
+				errs[i] = p.waitErr(ctx, dest)
+				continue
+			case <-p.b.closed:
+				errs[i] = p.waitErr(ctx, dest)
+				continue
+			}
+		}
+		pc, err := p.channel(ctx)
+		if err != nil {
+			// One dial per call: the messages left fail with its error
+			// (the next call dials again, after the shared backoff).
+			for j := i; j < len(items); j++ {
+				errs[j] = err
+			}
+			break
+		}
+		pd, err := pc.publish(exchange, &items[i])
+		if err != nil {
+			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, err)
+			continue
+		}
+		p.win.add(pd.dc)
+		pends[i], pcs[i] = pd, pc
+		sent++
+	}
+	if sent == 0 {
+		return errs
+	}
+	// First every confirm (or the end of the wait), then one barrier per
+	// channel: the library hands a message's basic.return to drain before
+	// it resolves the message's confirm, so a barrier passed after the last
+	// confirm resolved covers the returns of every message confirmed
+	// before it. (One barrier after the first confirm did not: the returns
+	// of later messages could still be on their way to markReturned.)
+	var stop bool
+	for _, pd := range pends {
+		if pd == nil || stop {
+			continue
+		}
+		select {
+		case <-pd.dc.Done():
+		case <-ctx.Done():
+			stop = true
+		case <-p.b.closed:
+			stop = true
+		}
+	}
+	// Which confirms are in is fixed before the barriers: a confirm that
+	// resolves after its channel's barrier is treated as not in.
+	done := make([]bool, len(pends))
+	for i, pd := range pends {
+		done[i] = pd != nil && isDone(pd.dc)
+	}
+	synced := map[*pubChannel]bool{}
+	for i := range pends {
+		if done[i] && !synced[pcs[i]] {
+			pcs[i].sync()
+			synced[pcs[i]] = true
+		}
+	}
+	for i, pd := range pends {
+		if pd == nil {
+			continue
+		}
+		pc := pcs[i]
+		if !done[i] {
+			errs[i] = p.waitErr(ctx, dest)
+			// Forget it once the confirm comes, or the channel closes.
+			go func() {
+				<-pd.dc.Done()
+				pc.forget(pd)
+			}()
+			continue
+		}
+		pc.mu.Lock()
+		ret := pd.returned
+		pc.mu.Unlock()
+		pc.forget(pd)
+		switch {
+		case ret != nil:
+			errs[i] = fmt.Errorf("rabbit: publish to %q with routing key %q: %w: %d %s", dest, items[i].rk, ErrUnroutable, ret.ReplyCode, ret.ReplyText)
+		case pd.dc.Acked():
+		case pc.ch.IsClosed():
+			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, ErrNotConfirmed)
+			select {
+			case <-pc.closed:
+				if pc.closeErr != nil {
+					errs[i] = fmt.Errorf("rabbit: publish to %q: %w: %w", dest, ErrNotConfirmed, pc.closeErr)
+				}
+			case <-time.After(100 * time.Millisecond):
+			}
+		default:
+			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, ErrNacked)
+		}
+	}
+	return errs
+}
+
+// waitErr is the error of a message whose wait ended early.
+func (p *publisher) waitErr(ctx context.Context, dest string) error {
+	if p.b.isClosed() {
+		return fmt.Errorf("rabbit: publish to %q: %w", dest, ErrClosed)
+	}
+	return p.ctxErr(ctx, dest)
+}
+
+// Publish sends msgs to destination and returns nil once the broker has
+// confirmed every one of them (publisher confirms; on a quorum queue, once
+// a majority wrote it). destination is an exchange, and each message's Key
+// is its routing key; a destination made by ToQueue publishes straight to a
+// queue, with the Key in the HeaderKey header. Messages are published
+// persistent and mandatory: one that no queue takes (unroutable) fails with
+// ErrUnroutable, one the broker refuses with ErrNacked, each in a
+// *consumer.PublishError naming it, while the others are published.
+//
+// The messages of a call go out pipelined, within the Broker's confirm
+// window, except that a message waits for the confirm of the message of the
+// same Key before it in the call: when that one fails, it fails too with
+// ErrEarlierFailed and is never sent, so a key's messages never overtake
+// one another. Messages without a Key are not ordered.
+//
+// The message's ID travels as the AMQP message-id (a unique one is made when
+// it is empty) and its Headers as string header values. While the broker
+// blocks the connection (a memory or disk alarm), Publish waits; when ctx
+// ends first, the messages not confirmed fail with an error matching both
+// ErrBlocked and ctx's error.
+func (b *Broker) Publish(ctx context.Context, destination string, msgs ...consumer.Message) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if b.isClosed() {
+		return fmt.Errorf("rabbit: publish to %q: %w", destination, ErrClosed)
+	}
+	if len(msgs) == 0 {
+		return nil
+	}
+	exchange, toQueue := destination, ""
+	if q, ok := strings.CutPrefix(destination, QueuePrefix); ok {
+		exchange, toQueue = "", q
+	}
+	now := time.Now()
+	items := make([]pubItem, len(msgs))
+	wave := make([]int, len(msgs))
+	seen := map[string]int{}
+	waves := 1
+	for i := range msgs {
+		m := &msgs[i]
+		it := &items[i]
+		it.key = m.Key
+		it.rk = m.Key
+		var h amqp.Table
+		if len(m.Headers) > 0 || (toQueue != "" && m.Key != "") {
+			h = make(amqp.Table, len(m.Headers)+1)
+			for k, v := range m.Headers {
+				h[k] = v
+			}
+		}
+		if toQueue != "" {
+			it.rk = toQueue
+			if m.Key != "" {
+				h[HeaderKey] = m.Key
+			}
+		}
+		id := m.ID
+		if id == "" {
+			id = b.newID()
+		}
+		it.pub = amqp.Publishing{
+			Headers:      h,
+			DeliveryMode: amqp.Persistent,
+			MessageId:    id,
+			Timestamp:    now,
+			Body:         m.Body,
+		}
+		if m.Key != "" {
+			wave[i] = seen[m.Key]
+			seen[m.Key]++
+			waves = max(waves, wave[i]+1)
+		}
+	}
+
+	var perr *consumer.PublishError
+	fail := func(i int, err error) {
+		if perr == nil {
+			perr = &consumer.PublishError{}
+		}
+		perr.Failed = append(perr.Failed, consumer.FailedMessage{Index: i, Err: err})
+	}
+	if waves == 1 {
+		for i, err := range b.pub.publishRaw(ctx, exchange, destination, items) {
+			if err != nil {
+				fail(i, err)
+			}
+		}
+		return publishResult(perr)
+	}
+	failedKeys := map[string]bool{}
+	for w := range waves {
+		var idx []int
+		var batch []pubItem
+		for i := range items {
+			if wave[i] != w {
+				continue
+			}
+			if failedKeys[items[i].key] {
+				fail(i, fmt.Errorf("rabbit: publish to %q: %w", destination, ErrEarlierFailed))
+				continue
+			}
+			idx = append(idx, i)
+			batch = append(batch, items[i])
+		}
+		for j, err := range b.pub.publishRaw(ctx, exchange, destination, batch) {
+			if err != nil {
+				fail(idx[j], err)
+				if k := batch[j].key; k != "" {
+					failedKeys[k] = true
+				}
+			}
+		}
+	}
+	if perr != nil {
+		sortFailed(perr)
+	}
+	return publishResult(perr)
+}
+
+func publishResult(perr *consumer.PublishError) error {
+	if perr == nil {
+		return nil
+	}
+	return perr
+}
+
+func sortFailed(perr *consumer.PublishError) {
+	f := perr.Failed
+	for i := 1; i < len(f); i++ {
+		for j := i; j > 0 && f[j].Index < f[j-1].Index; j-- {
+			f[j], f[j-1] = f[j-1], f[j]
+		}
+	}
+}
