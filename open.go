@@ -117,7 +117,9 @@ func Open(ctx context.Context, rawURL string) (Broker, error) {
 	}
 	u, err := url.Parse(rawURL)
 	if err != nil {
-		return nil, &URLError{URL: shown, Part: "URL", Reason: "does not parse", Err: errors.New(Redact(err.Error()))}
+		// Not url.Parse's message: it may quote any part of the URL,
+		// the password included (an unescaped '/' in it ends the host).
+		return nil, &URLError{URL: shown, Part: "URL", Reason: "does not parse as a URL (escape special characters in the user and password)"}
 	}
 	scheme := strings.ToLower(u.Scheme)
 	if scheme == "https" || scheme == "http" {
