@@ -62,8 +62,8 @@
 //     driver, in order, until the partition's records finish, so that a
 //     partition whose oldest record does not progress (a retry in place, a
 //     hold, a slow key) never takes the whole loop's room and the other
-//     partitions keep flowing. A partition with that many waiting in the
-//     driver, or as many unfinished with none finished for half a second,
+//     partitions keep flowing. A partition with two fetch batches waiting
+//     in the driver, or its share unfinished with none finished for half a second,
 //     is paused (PauseFetchPartitions) until half of them are done;
 //     WithPartitionBuffer sets the share and pauses at it at once. When the loop is full
 //     or a breaker holds, it stops polling, and franz-go keeps at most one

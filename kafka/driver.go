@@ -301,19 +301,23 @@ func (d *kafkaDriver) drainStashes(dst []driver.Message, max, limit int) []drive
 	return dst
 }
 
-// adjustPauses pauses fetching a partition whose records wait (a full
-// stash; or as many unfinished as its limit, with no progress for
+// adjustPauses pauses fetching a partition whose records wait (two fetch
+// batches waiting here; or as many unfinished as its limit, with no progress for
 // StuckAfter, or at once under WithPartitionBuffer) and resumes one that
 // is down to half its limit. franz-go is called under d.mu, so that the
 // pauses and resumes Fetch and Settle decide reach it in the order they
 // were decided. d.mu is held.
 func (d *kafkaDriver) adjustPauses(cl *kgo.Client, limit int, fixed bool) {
 	stuck := time.Now().UnixNano() - int64(StuckAfter)
+	// What may wait here per partition: two fetch batches of the loop, so
+	// that a partition that makes progress is seldom paused (a resume may
+	// wait for a fetch in flight), and memory stays bounded meanwhile.
+	stashCap := max(2*d.maxAsked, limit)
 	var pause, resume []int32
 	for _, p := range d.parts {
 		held := p.outstanding + len(p.stash)
 		switch {
-		case !p.paused && (len(p.stash) >= limit || held >= limit && (fixed || p.progress < stuck)):
+		case !p.paused && (len(p.stash) >= stashCap || held >= limit && (fixed || p.progress < stuck)):
 			p.paused = true
 			pause = append(pause, p.id)
 		case p.paused && held <= limit/2:

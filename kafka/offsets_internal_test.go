@@ -135,6 +135,7 @@ func TestStashKeepsAPartitionToItsShare(t *testing.T) {
 	if len(got) != 1 || got[0].Offset != 2 {
 		t.Fatalf("after one finished: drained %v, want offset 2 only", got)
 	}
+	d.maxAsked = 1 // a fetch batch of 1: two wait here, the stash is full
 	d.adjustPauses(nil, 2, false)
 	if !p.paused {
 		t.Error("a partition with a full stash is not paused")
