@@ -362,3 +362,46 @@ func TestRevokedDeliveryInTheWorkQueueIsNotSettledAtTheGrace(t *testing.T) {
 		t.Fatalf("B, whose lane was revoked, was settled %v at the end of the grace", acts)
 	}
 }
+
+// pushingLog is a log whose broker pushed one more delivery ahead of Fetch,
+// which only Drain hands over.
+type pushingLog struct {
+	*scriptLog
+	drained atomic.Int32
+}
+
+func (p *pushingLog) Drain(_ context.Context, dst []driver.Message) ([]driver.Message, error) {
+	if p.drained.Add(1) > 1 {
+		return dst, nil
+	}
+	return append(dst, driver.Message{ID: "pushed", Deliveries: 1, Handle: "pushed"}), nil
+}
+
+// When Run stops, what the broker pushed ahead of Fetch (Drain) runs within
+// the grace and is acked, instead of going back to the broker.
+func TestStoppingRunsWhatTheBrokerPushedAhead(t *testing.T) {
+	drv := &pushingLog{scriptLog: newScriptLog(true)}
+	drv.push(driver.Message{ID: "fetched", Deliveries: 1, Handle: "fetched"})
+	l, err := New(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	ran := map[string]bool{}
+	stop := runLoop(t, l, HandlerFunc(func(_ context.Context, m *Message) error {
+		mu.Lock()
+		ran[m.ID] = true
+		mu.Unlock()
+		return nil
+	}))
+	eventually(t, "the fetched message to run", func() bool { mu.Lock(); defer mu.Unlock(); return ran["fetched"] })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if drv.drained.Load() != 1 {
+		t.Fatalf("Drain called %d times, want once", drv.drained.Load())
+	}
+	if acts := drv.outcomes()["pushed"]; !ran["pushed"] || len(acts) != 1 || acts[0] != driver.Ack {
+		t.Fatalf("the pushed delivery ran %v and was settled %v, want run and acked", ran["pushed"], acts)
+	}
+}

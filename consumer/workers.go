@@ -111,6 +111,37 @@ func (r *run) fetchLoop(ctx context.Context) {
 		batch    = make([]*delivery, 0, l.cfg.fetchBatch)
 		failures int
 	)
+	defer func() {
+		// Stopped (not abandoned): what the broker pushed ahead of Fetch
+		// runs in the drain rather than going back to it.
+		if ctx.Err() == nil {
+			return
+		}
+		dr, ok := l.drv.(driver.Drainer)
+		if !ok {
+			return
+		}
+		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		buf, err := dr.Drain(dctx, buf[:0])
+		if err != nil {
+			r.log.Warn("ferry: draining what the broker pushed ahead failed; it goes back to the broker", "err", err)
+		}
+		if len(buf) == 0 {
+			return
+		}
+		l.inflight.Add(int64(len(buf)))
+		l.stats.fetched.Add(int64(len(buf)))
+		batch = batch[:0]
+		for i := range buf {
+			batch = append(batch, newDelivery(&buf[i], aser))
+		}
+		select {
+		case r.fetched <- batch:
+			<-r.back
+		case <-r.abandon:
+		}
+	}()
 	for ctx.Err() == nil {
 		if p := l.paused.Load(); p > 0 {
 			if wait := time.Until(time.Unix(0, p)); wait > 0 {

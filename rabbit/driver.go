@@ -475,6 +475,21 @@ func (d *Driver) Fetch(ctx context.Context, dst []driver.Message, max int) ([]dr
 	}
 }
 
+// Drain implements driver.Drainer: when the loop stops fetching between two
+// Fetch calls, the deliveries the broker pushed since the last one are
+// handed over as handOver does (the consumer is cancelled first), so that
+// the loop runs them instead of their going back with a delivery counted.
+func (d *Driver) Drain(_ context.Context, dst []driver.Message) ([]driver.Message, error) {
+	d.mu.Lock()
+	s := d.cur
+	d.mu.Unlock()
+	if s == nil {
+		return dst, nil
+	}
+	// The prefetch bounds what the broker pushed: all of it fits the loop.
+	return d.handOver(s, dst, int(^uint(0)>>1)), nil
+}
+
 // handOver is Fetch's answer to a loop that stops fetching (its shutdown):
 // the broker has pushed deliveries the loop has not taken yet, and handing
 // them back would count a delivery against each. So the consumer is

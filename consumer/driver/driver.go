@@ -233,6 +233,19 @@ type Lag struct {
 	Positions map[string]int64
 }
 
+// Drainer is implemented by drivers whose broker pushes deliveries ahead of
+// Fetch (an AMQP prefetch): when the loop stops fetching, deliveries the
+// broker already sent would otherwise go back to it, each counting a
+// delivery. Drain stops the broker from sending more and appends to dst
+// those already received and not yet fetched, without waiting for new
+// ones. The loop calls it once, after its last Fetch returned, when its
+// context ends, and runs what it returns within its shutdown grace like
+// any fetched delivery. Everything it returns fits the in-flight bound, as
+// a prefetch sized from it does.
+type Drainer interface {
+	Drain(ctx context.Context, dst []Message) ([]Message, error)
+}
+
 // LagReporter is implemented by drivers that can say how far behind the
 // consumer is.
 type LagReporter interface {
