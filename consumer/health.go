@@ -117,7 +117,8 @@ type Health struct {
 type healthSample struct {
 	at           time.Time
 	lagKnown     bool
-	lag          int64
+	lag          int64 // waiting plus taken and unsettled: not yet done
+	waiting      int64 // Lag.Messages: waiting at the broker
 	oldest       time.Duration
 	lanes        map[string]int64
 	positions    map[string]int64
@@ -220,9 +221,27 @@ func (l *Loop) takeSample(ctx context.Context) healthSample {
 			// where the broker counts those apart (a queue); a log's lag
 			// already counts them.
 			s.lagKnown, s.lag, s.oldest, s.lanes, s.positions = true, lag.Messages+max(lag.InFlight, 0), lag.OldestAge, lag.Lanes, lag.Positions
+			s.waiting = lag.Messages
 		}
 	}
 	return s
+}
+
+// lastLag returns the lag of the newest health sample, when Run took one
+// within the last two sampling intervals: readers of the lag between
+// samples (the metrics) need not ask the broker again.
+func (l *Loop) lastLag() (waiting int64, oldest time.Duration, ok bool) {
+	l.health.mu.Lock()
+	defer l.health.mu.Unlock()
+	n := len(l.health.samples)
+	if n == 0 {
+		return 0, 0, false
+	}
+	s := l.health.samples[n-1]
+	if !s.lagKnown || time.Since(s.at) > 2*l.health.interval {
+		return 0, 0, false
+	}
+	return s.waiting, s.oldest, true
 }
 
 // Health returns the consumer's state and the figures behind it, judged

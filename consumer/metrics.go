@@ -98,6 +98,14 @@ func (l *Loop) registerMetrics() (metric.Registration, error) {
 		o.ObserveInt64(inFlight, s.InFlight, attrs)
 		o.ObserveInt64(running, s.Running, attrs)
 		o.ObserveInt64(health, healthLevel(l.Health().State), attrs)
+		// The health sampler asks the broker for the lag every interval
+		// while Run runs; a collection between samples reuses the last
+		// one rather than asking again.
+		if waiting, age, ok := l.lastLag(); ok {
+			o.ObserveInt64(lag, waiting, attrs)
+			o.ObserveFloat64(oldest, age.Seconds(), attrs)
+			return nil
+		}
 		lctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()
 		if lg, err := l.Lag(lctx); err == nil {

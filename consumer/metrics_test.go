@@ -2,8 +2,11 @@ package consumer
 
 import (
 	"context"
+	"sync/atomic"
 	"testing"
+	"time"
 
+	"github.com/ferrymq/ferry/consumer/driver"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 )
@@ -44,5 +47,56 @@ func TestMetricsReportTheLoopsCounters(t *testing.T) {
 	}
 	if err := stop(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// lagCounter is a driver that reports a fixed lag and counts the asks.
+type lagCounter struct {
+	*scriptLog
+	asks atomic.Int64
+}
+
+func (d *lagCounter) Lag(context.Context) (driver.Lag, error) {
+	d.asks.Add(1)
+	return driver.Lag{Messages: 42, OldestAge: 3 * time.Second}, nil
+}
+
+// A collection of the metrics between two health samples reports the last
+// sample's lag and does not ask the broker again: each ask is a round trip
+// (Kafka's takes three).
+func TestMetricsReuseTheHealthSamplersLag(t *testing.T) {
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer mp.Shutdown(context.Background())
+
+	drv := &lagCounter{scriptLog: newScriptLog(true)}
+	l, err := New(drv, WithName("orders"), WithMeterProvider(mp), WithHealthWindow(time.Hour, 3))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return nil }))
+	defer stop()
+	eventually(t, "the first health sample", func() bool { return l.Health().Samples == 1 })
+	asked := drv.asks.Load()
+
+	for range 5 {
+		var rm metricdata.ResourceMetrics
+		if err := reader.Collect(context.Background(), &rm); err != nil {
+			t.Fatal(err)
+		}
+		var lag int64 = -1
+		for _, sm := range rm.ScopeMetrics {
+			for _, m := range sm.Metrics {
+				if g, ok := m.Data.(metricdata.Gauge[int64]); ok && m.Name == MetricLag {
+					lag = g.DataPoints[0].Value
+				}
+			}
+		}
+		if lag != 42 {
+			t.Fatalf("%s = %d, want the driver's 42", MetricLag, lag)
+		}
+	}
+	if n := drv.asks.Load() - asked; n != 0 {
+		t.Errorf("5 collections asked the driver for the lag %d more times, want 0", n)
 	}
 }
