@@ -468,59 +468,45 @@ func (d *Driver) Fetch(ctx context.Context, dst []driver.Message, max int) ([]dr
 			return dst, nil
 		case <-changed:
 		case <-ctx.Done():
-			return d.handOver(s, dst, max), ctx.Err()
+			return dst, ctx.Err() // what was pushed meanwhile is the loop's Drain's
 		case <-d.stop:
 		case <-d.b.closed:
 		}
 	}
 }
 
-// Drain implements driver.Drainer: when the loop stops fetching between two
-// Fetch calls, the deliveries the broker pushed since the last one are
-// handed over as handOver does (the consumer is cancelled first), so that
-// the loop runs them instead of their going back with a delivery counted.
+// Drain implements driver.Drainer: when the loop stops fetching (its
+// shutdown), the broker has pushed deliveries the loop has not taken yet,
+// and handing them back would count a delivery against each. So the
+// consumer is cancelled (nothing more comes after basic.cancel-ok) and
+// what was pushed is returned, for the loop to run in its drain. The
+// prefetch bounds what was pushed, so all of it fits the loop. A later
+// Fetch opens a new channel.
 func (d *Driver) Drain(_ context.Context, dst []driver.Message) ([]driver.Message, error) {
 	d.mu.Lock()
 	s := d.cur
 	d.mu.Unlock()
-	if s == nil {
+	if s == nil || s.isDead() || !s.stopped.CompareAndSwap(false, true) {
 		return dst, nil
 	}
-	// The prefetch bounds what the broker pushed: all of it fits the loop.
-	return d.handOver(s, dst, int(^uint(0)>>1)), nil
-}
-
-// handOver is Fetch's answer to a loop that stops fetching (its shutdown):
-// the broker has pushed deliveries the loop has not taken yet, and handing
-// them back would count a delivery against each. So the consumer is
-// cancelled (nothing more comes after basic.cancel-ok) and what was pushed
-// is returned with the context's error, for the loop to run in its drain.
-// A later Fetch opens a new channel.
-func (d *Driver) handOver(s *session, dst []driver.Message, max int) []driver.Message {
-	if s.isDead() || !s.stopped.CompareAndSwap(false, true) {
-		return dst
-	}
-	done := make(chan struct{})
-	go func() {
-		_ = s.ch.Cancel(s.tag, false)
-		close(done)
-	}()
+	// amqp091-go closes the deliveries channel on basic.cancel-ok; the
+	// timer bounds the wait for a broker that does not answer.
+	go func() { _ = s.ch.Cancel(s.tag, false) }()
 	t := time.NewTimer(2 * time.Second)
 	defer t.Stop()
-	for len(dst) < max {
+	for {
 		select {
 		case dv, ok := <-s.deliveries:
 			if !ok {
-				return dst
+				return dst, nil
 			}
 			dst = d.take(s, dst, &dv)
 		case <-s.dead:
-			return dst
+			return dst, nil
 		case <-t.C:
-			return dst
+			return dst, nil
 		}
 	}
-	return dst
 }
 
 // take converts one delivery and tracks its tag. The handle holds the
