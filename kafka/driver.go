@@ -39,6 +39,13 @@ type kafkaDriver struct {
 	wakePoll context.CancelFunc   // ends Fetch's poll, for records waiting here
 	parts    map[int32]*partition // owned now; a new assignment gets a new *partition
 	member   string
+	// losses counts the times franz-go reported partitions lost. A commit
+	// is issued only if none was lost since it read what to commit; see
+	// commit.
+	losses uint64
+	// afterCommitRead, when set (by tests), runs in commit between
+	// reading the offsets and committing them.
+	afterCommitRead func()
 
 	// commitMu serialises commits: the periodic one, the one on revoke and
 	// the last one on Close. cancelCommit cancels a periodic commit in
@@ -50,6 +57,10 @@ type kafkaDriver struct {
 	closeOnce sync.Once
 	wg        sync.WaitGroup
 }
+
+// errPartitionsLost is why a commit was not issued: partitions were lost
+// after it read its offsets.
+var errPartitionsLost = errors.New("partitions were lost since the offsets were read; not committing them")
 
 var (
 	_ driver.Driver      = (*kafkaDriver)(nil)
@@ -509,6 +520,9 @@ func (d *kafkaDriver) onLost(_ context.Context, cl *kgo.Client, lost map[string]
 	if len(ps) == 0 {
 		return
 	}
+	d.mu.Lock()
+	d.losses++ // a commit that read these partitions before now is not issued
+	d.mu.Unlock()
 	d.forgetPartitions(cl, ps) // before the loop hears: nothing of them is settled or committed from now on
 	d.handOver(ps)
 	d.log.Warn("ferry/kafka: partitions lost (the group went on without this member); their unfinished records go to their next owner", "partitions", ps)
@@ -575,7 +589,7 @@ func (d *kafkaDriver) commitLoop() {
 		d.mu.Lock()
 		d.cancelCommit = cancel
 		d.mu.Unlock()
-		if err := d.commit(ctx, nil, false); err != nil && ctx.Err() == nil {
+		if err := d.commit(ctx, nil, false); err != nil && ctx.Err() == nil && !errors.Is(err, errPartitionsLost) {
 			d.log.Warn("ferry/kafka: commit failed; retrying at the next interval", "err", err)
 		}
 		d.mu.Lock()
@@ -593,6 +607,7 @@ func (d *kafkaDriver) commit(ctx context.Context, only []int32, rebalance bool) 
 	defer d.commitMu.Unlock()
 	d.mu.Lock()
 	cl := d.cl
+	losses := d.losses
 	offs := make(map[int32]kgo.EpochOffset)
 	at := make(map[int32]*partition)
 	for id, p := range d.parts {
@@ -608,10 +623,30 @@ func (d *kafkaDriver) commit(ctx context.Context, only []int32, rebalance bool) 
 	if len(offs) == 0 || cl == nil {
 		return nil
 	}
+	if d.afterCommitRead != nil {
+		d.afterCommitRead()
+	}
 	var (
 		cerr error
 		ok   = make(map[int32]int64, len(offs))
 	)
+	// franz-go waits for a join in progress and then commits under the
+	// membership it has when it sends, which after partitions were lost
+	// and the member rejoined is a new and valid one: the broker would
+	// accept offsets read under the old membership for partitions another
+	// member owns now, and move that member's committed offset back. So
+	// just before the request goes out, it is dropped if partitions were
+	// lost since the offsets were read. (A loss after this check is
+	// harmless: franz-go reports a loss before it rejoins, so the request
+	// carries the old membership, and the broker refuses it.)
+	ctx = kgo.PreCommitFnContext(ctx, func(*kmsg.OffsetCommitRequest) error {
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		if d.losses != losses {
+			return errPartitionsLost
+		}
+		return nil
+	})
 	cl.CommitOffsetsSync(ctx, map[string]map[int32]kgo.EpochOffset{d.topic: offs},
 		func(_ *kgo.Client, _ *kmsg.OffsetCommitRequest, resp *kmsg.OffsetCommitResponse, err error) {
 			if err != nil {

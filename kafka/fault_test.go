@@ -832,8 +832,10 @@ func TestLostPartitionsCommitNothing(t *testing.T) {
 	})
 	time.Sleep(2 * time.Second) // the woken member's commit interval, twice
 	// After waking, the member rejoins and may be given partitions again:
-	// a commit for a partition is legitimate only after it was assigned
-	// anew.
+	// once it reported the loss, a commit for a partition is legitimate
+	// only after it was assigned anew. (A commit accepted between the
+	// freeze and the report was sent before the freeze, while the member
+	// still owned the partition, and answered after it woke up.)
 	reassigned := map[string]bool{}
 	lost := 0
 	for _, l := range ch.lines()[frozenAt:] {
@@ -843,7 +845,7 @@ func TestLostPartitionsCommitNothing(t *testing.T) {
 			reassigned[f[1]] = true
 		case len(f) == 2 && f[0] == "L":
 			lost++
-		case len(f) == 3 && f[0] == "C" && !reassigned[f[1]]:
+		case len(f) == 3 && f[0] == "C" && lost > 0 && !reassigned[f[1]]:
 			t.Errorf("the member committed partition %s at %s after losing it, before it was assigned again", f[1], f[2])
 		}
 	}
@@ -851,10 +853,24 @@ func TestLostPartitionsCommitNothing(t *testing.T) {
 		t.Error("the frozen member never reported its partitions lost")
 	}
 	a.check(t)
-	got := committed(t, b.Admin(), group, topic)
-	for p, end := range ends {
-		if got[p] > end {
-			t.Errorf("partition %d committed at %d, past its end %d", p, got[p], end)
+	// The harm a late commit does is to move the group back: once every
+	// record is handled and the owners committed, each partition's
+	// committed offset is its end.
+	// (Records the woken member handled on partitions it had lost are
+	// handled again by their owner, so this may take a moment.)
+	atEnd := func(got map[int32]int64) bool {
+		for p, end := range ends {
+			if got[p] != end {
+				return false
+			}
 		}
+		return true
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for got := committed(t, b.Admin(), group, topic); !atEnd(got); got = committed(t, b.Admin(), group, topic) {
+		if time.Now().After(deadline) {
+			t.Fatalf("committed offsets %v, want the partitions' ends %v", got, ends)
+		}
+		time.Sleep(100 * time.Millisecond)
 	}
 }
