@@ -156,10 +156,12 @@ func (r *run) dispatch(ctx context.Context, stopFetch context.CancelFunc, fetche
 			r.ready = r.ready[1:]
 			next.state = stateRunning
 			r.running++
+			r.sendReady()
 
 		case d := <-r.done:
 			r.running--
 			r.finish(d)
+			r.takeDone()
 
 		case req := <-r.ackReq:
 			r.ackFirst(req)
@@ -212,6 +214,37 @@ func (r *run) dispatch(ctx context.Context, stopFetch context.CancelFunc, fetche
 			r.log.Warn("ferry: shutdown gave up waiting; leaving what is unsettled to its lease",
 				"running", r.running, "settling", r.io.outstanding())
 			return fatalErr
+		}
+	}
+}
+
+// sendReady hands workers more ready deliveries while the work queue has
+// room, and takeDone applies more outcomes while workers have returned
+// some: one wake-up of the dispatcher does what it can at once rather than
+// going round its select (the loop's main cost per message) for each.
+func (r *run) sendReady() {
+	for len(r.ready) > 0 {
+		select {
+		case r.work <- r.ready[0]:
+		default:
+			return
+		}
+		d := r.ready[0]
+		r.ready[0] = nil
+		r.ready = r.ready[1:]
+		d.state = stateRunning
+		r.running++
+	}
+}
+
+func (r *run) takeDone() {
+	for {
+		select {
+		case d := <-r.done:
+			r.running--
+			r.finish(d)
+		default:
+			return
 		}
 	}
 }
