@@ -31,8 +31,9 @@ type orderKey struct {
 }
 
 // delivery is one message while the loop holds it. The dispatcher goroutine
-// owns every field except err, which the worker running it writes before it
-// hands it back, and msg and rec, which belong to the handler while it runs.
+// owns every field except err, called, late and cut, which the worker
+// running it writes before it hands it back, and msg and rec, which belong
+// to the handler while it runs.
 type delivery struct {
 	msg Message     // msg.handle is the driver's handle
 	ctx deliveryCtx // the handler's context
@@ -45,6 +46,16 @@ type delivery struct {
 	deferred bool // waiting after Defer: counted apart from the in-flight bound
 	called   bool // the worker called the handler this time (set by the worker)
 	late     bool // the handler returned after the shutdown grace ended (set by the worker)
+
+	// A run: an ordered delivery goes to its worker with the deliveries
+	// queued behind its key (run), which the worker runs after it, in
+	// order, for as long as each succeeds; where one does not, the worker
+	// hands the rest back unrun in cut. passKey marks a delivery of a run
+	// that is not the last: its key passes on to the next one, so its ack
+	// releases nothing.
+	run     []*delivery
+	cut     []*delivery // set by the worker
+	passKey bool
 
 	known driver.History // what the broker carried of the runs before this delivery
 	prior int            // handler runs known before this delivery

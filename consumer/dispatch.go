@@ -142,6 +142,7 @@ func (r *run) dispatch(ctx context.Context, stopFetch context.CancelFunc, fetche
 		)
 		if len(r.ready) > 0 {
 			workC, next = r.work, r.ready[0]
+			r.peekRun(next)
 		}
 		if r.io.stage() {
 			settleC = r.io.settleC
@@ -154,8 +155,7 @@ func (r *run) dispatch(ctx context.Context, stopFetch context.CancelFunc, fetche
 		case workC <- next:
 			r.ready[0] = nil
 			r.ready = r.ready[1:]
-			next.state = stateRunning
-			r.running++
+			r.started(next)
 			r.sendReady()
 
 		case d := <-r.done:
@@ -224,16 +224,83 @@ func (r *run) dispatch(ctx context.Context, stopFetch context.CancelFunc, fetche
 // going round its select (the loop's main cost per message) for each.
 func (r *run) sendReady() {
 	for len(r.ready) > 0 {
+		d := r.ready[0]
+		r.peekRun(d)
 		select {
-		case r.work <- r.ready[0]:
+		case r.work <- d:
 		default:
 			return
 		}
-		d := r.ready[0]
 		r.ready[0] = nil
 		r.ready = r.ready[1:]
-		d.state = stateRunning
-		r.running++
+		r.started(d)
+	}
+}
+
+// maxRun bounds how many deliveries queued behind a key go to a worker
+// with the one ahead of them.
+const maxRun = 256
+
+// peekRun sets d.run to what waits behind d's key, up to maxRun, before d
+// is offered to the workers: a worker that takes d runs them after it
+// without a round trip through the dispatcher for each, which is what
+// bounds the rate of an ordered lane. Only the first deliveries of the key
+// queue are viewed; started takes them out of it once d was taken. At most
+// once takes no runs: each of its deliveries is acked just before it runs.
+func (r *run) peekRun(d *delivery) {
+	d.run = nil
+	if !d.ordered || r.l.cfg.mode == AtMostOnce {
+		return
+	}
+	q := r.keys[r.orderKey(d)]
+	n := min(len(q), maxRun)
+	d.run = q[:n:n]
+}
+
+// started notes that a worker took d, and with it d.run.
+func (r *run) started(d *delivery) {
+	d.state = stateRunning
+	r.running++
+	n := len(d.run)
+	d.passKey = n > 0
+	if n == 0 {
+		return
+	}
+	k := r.orderKey(d)
+	r.keys[k] = r.keys[k][n:]
+	r.queued -= n
+	r.running += n
+	for i, f := range d.run {
+		// Not f.run: the worker reads only the run of the delivery it took.
+		f.state = stateRunning
+		f.passKey = i < n-1
+	}
+}
+
+// requeueCut puts the deliveries of a run that the worker handed back
+// unrun (after d, which did not succeed) at the head of their key's queue,
+// in order, before d's outcome is applied: whatever that does with what
+// waits behind d's key (wait with it, go back with it), it does with them.
+func (r *run) requeueCut(d *delivery) {
+	cut := d.cut
+	d.cut, d.passKey = nil, false
+	r.running -= len(cut)
+	var live []*delivery // a new array: cut views the key queue's old one
+	for _, c := range cut {
+		c.passKey = false
+		if c.revoked || d.revoked {
+			// Revoked with d's lane, whose key queue is gone.
+			c.revoked = true
+			r.drop(c)
+			continue
+		}
+		c.state = stateQueued
+		live = append(live, c)
+	}
+	if len(live) > 0 {
+		k := r.orderKey(d)
+		r.keys[k] = append(live, r.keys[k]...)
+		r.queued += len(live)
 	}
 }
 
@@ -314,6 +381,9 @@ func (r *run) countPriorRuns(d *delivery) {
 // finish applies a handler's outcome.
 func (r *run) finish(d *delivery) {
 	l := r.l
+	if d.cut != nil {
+		r.requeueCut(d)
+	}
 	r.releaseReservations(d)
 	if d.revoked {
 		r.drop(d)
@@ -463,7 +533,7 @@ func (r *run) orderKey(d *delivery) orderKey {
 
 // releaseKey lets the next delivery queued behind d's key run.
 func (r *run) releaseKey(d *delivery) {
-	if !d.ordered {
+	if !d.ordered || d.passKey {
 		return
 	}
 	k := r.orderKey(d)
@@ -486,7 +556,7 @@ func (r *run) releaseKey(d *delivery) {
 // takeFollowers removes and returns what waits behind d's key, freeing the
 // key.
 func (r *run) takeFollowers(d *delivery) []*delivery {
-	if !d.ordered {
+	if !d.ordered || d.passKey {
 		return nil
 	}
 	k := r.orderKey(d)

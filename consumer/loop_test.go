@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -504,6 +505,56 @@ func TestMaxInFlightReportsTheBound(t *testing.T) {
 		}
 		if got := l.MaxInFlight(); got != tc.want {
 			t.Errorf("MaxInFlight = %d, want %d", got, tc.want)
+		}
+	}
+}
+
+// TestRunsKeepLaneOrder: a worker takes an ordered delivery with the run
+// queued behind its key; the key passes along the run, so that nothing
+// queued after the run starts before the run's last delivery finished.
+// Lanes longer than a run (maxRun) show whether an ack in the middle of a
+// run lets the next delivery of the key queue start too early.
+func TestRunsKeepLaneOrder(t *testing.T) {
+	const perLane = 3*maxRun + 17
+	drv := newScriptLog(true)
+	drv.add("a", perLane)
+	drv.add("b", perLane)
+	l, err := New(drv, WithConcurrency(8), WithMaxInFlight(4*perLane), WithFetchBatch(2*perLane))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var (
+		mu       sync.Mutex
+		seen     = map[string][]int64{}
+		running  = map[string]int{}
+		overlaps int
+	)
+	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
+		mu.Lock()
+		running[m.Lane]++
+		if running[m.Lane] > 1 {
+			overlaps++
+		}
+		seen[m.Lane] = append(seen[m.Lane], m.Offset)
+		mu.Unlock()
+		runtime.Gosched() // let another worker try to start one of the lane
+		mu.Lock()
+		running[m.Lane]--
+		mu.Unlock()
+		return nil
+	}))
+	eventually(t, "every message acked", func() bool { return l.Stats().Acked == 2*perLane })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if overlaps > 0 {
+		t.Errorf("two handlers of one lane ran at once %d times", overlaps)
+	}
+	for lane, offs := range seen {
+		for i, o := range offs {
+			if o != int64(i) {
+				t.Fatalf("lane %s ran out of order at %d: offset %d", lane, i, o)
+			}
 		}
 	}
 }

@@ -83,13 +83,16 @@ func (r *run) endGrace(s *shutdown) {
 	for reclaimed := true; reclaimed; {
 		select {
 		case d := <-r.work:
-			r.running--
-			if d.revoked {
-				// Its lane was taken away: nothing of it is settled.
-				r.drop(d)
-				continue
+			for _, d := range append([]*delivery{d}, d.run...) {
+				r.running--
+				d.passKey = false
+				if d.revoked {
+					// Its lane was taken away: nothing of it is settled.
+					r.drop(d)
+					continue
+				}
+				r.settle(d, driver.Return, 0)
 			}
-			r.settle(d, driver.Return, 0)
 		default:
 			reclaimed = false
 		}

@@ -22,26 +22,40 @@ func (r *run) worker() {
 		ack = make(chan error, 1)
 	}
 	for d := range r.work {
-		switch {
-		case r.graceOver.Load():
-			// The shutdown grace ended while it sat in the work queue.
-			d.err = errNotStarted
-		case d.ctx.Err() != nil:
-			// Its lane was revoked while it queued: do not start it.
-			d.err = errNotStarted
-		case atMostOnce:
-			d.err = r.runAtMostOnce(d, ack)
-		default:
-			d.err = r.call(d)
-		}
-		if !d.called {
-			// Calls reserved at a breaker that no run will take.
-			r.releaseReservations(d)
-		}
-		select {
-		case r.done <- d:
-		case <-r.abandon:
-			return
+		// d, then its run in order while each succeeds (see delivery.run);
+		// each goes back as it finishes, so that its ack is not held.
+		run, next := d.run, 0
+		for {
+			switch {
+			case r.graceOver.Load():
+				// The shutdown grace ended while it sat in the work queue.
+				d.err = errNotStarted
+			case d.ctx.Err() != nil:
+				// Its lane was revoked while it queued: do not start it.
+				d.err = errNotStarted
+			case atMostOnce:
+				d.err = r.runAtMostOnce(d, ack)
+			default:
+				d.err = r.call(d)
+			}
+			if !d.called {
+				// Calls reserved at a breaker that no run will take.
+				r.releaseReservations(d)
+			}
+			more := next < len(run)
+			if more && (d.err != nil || d.late) {
+				// What follows must not overtake it: hand the rest back.
+				d.cut, more = run[next:], false
+			}
+			select {
+			case r.done <- d:
+			case <-r.abandon:
+				return
+			}
+			if !more {
+				break
+			}
+			d, next = run[next], next+1
 		}
 	}
 }
