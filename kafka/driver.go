@@ -220,16 +220,38 @@ func (d *kafkaDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 	var (
 		pctx   = ctx
 		cancel context.CancelFunc
+		poll   bool
 	)
 	if len(dst) == n0 {
-		// Nothing waiting here: poll, and let Settle wake the poll when
-		// a partition's waiting records may go out.
+		// Nothing to hand out: poll, and let Settle wake the poll when a
+		// partition's waiting records may go out. Unless enough records
+		// wait here already (their partitions at their limit): then only
+		// wait for Settle. franz-go fetches again only once what it
+		// buffered was polled, so not polling holds fetching back without
+		// pausing partitions that make progress (a resume can wait for a
+		// fetch in flight, up to FetchMaxWait).
 		pctx, cancel = context.WithCancel(ctx)
 		d.wakePoll = cancel
+		poll = d.waitingUnpaused() < 2*d.maxAsked
 	}
 	d.mu.Unlock()
 	var ferr error
-	if cancel != nil {
+	if cancel != nil && !poll {
+		t := time.NewTimer(StuckAfter) // then look for stuck partitions again
+		select {
+		case <-pctx.Done():
+		case <-t.C:
+		}
+		t.Stop()
+		d.mu.Lock()
+		d.wakePoll = nil
+		d.mu.Unlock()
+		cancel()
+		if err := ctx.Err(); err != nil {
+			return dst, err
+		}
+	}
+	if cancel != nil && poll {
 		fs := cl.PollRecords(pctx, max)
 		d.mu.Lock()
 		d.wakePoll = nil
@@ -312,23 +334,33 @@ func (d *kafkaDriver) drainStashes(dst []driver.Message, max, limit int) []drive
 	return dst
 }
 
-// adjustPauses pauses fetching a partition whose records wait (two fetch
-// batches waiting here; or as many unfinished as its limit, with no progress for
-// StuckAfter, or at once under WithPartitionBuffer) and resumes one that
-// is down to half its limit. franz-go is called under d.mu, so that the
-// pauses and resumes Fetch and Settle decide reach it in the order they
-// were decided. d.mu is held.
+// waitingUnpaused counts the records polled beyond their partition's
+// limit, of partitions not paused: what the loop can take once those
+// partitions progress. d.mu is held.
+func (d *kafkaDriver) waitingUnpaused() int {
+	n := 0
+	for _, p := range d.parts {
+		if !p.paused {
+			n += len(p.stash)
+		}
+	}
+	return n
+}
+
+// adjustPauses pauses fetching a partition whose records wait (as many
+// unfinished as its limit, with no progress for StuckAfter, or at once
+// under WithPartitionBuffer) and resumes one that is down to half its
+// limit. A partition that makes progress is not paused: Fetch stops
+// polling instead while enough records wait. franz-go is called under d.mu,
+// so that the pauses and resumes Fetch and Settle decide reach it in the
+// order they were decided. d.mu is held.
 func (d *kafkaDriver) adjustPauses(cl *kgo.Client, limit int, fixed bool) {
 	stuck := time.Now().UnixNano() - int64(StuckAfter)
-	// What may wait here per partition: two fetch batches of the loop, so
-	// that a partition that makes progress is seldom paused (a resume may
-	// wait for a fetch in flight), and memory stays bounded meanwhile.
-	stashCap := max(2*d.maxAsked, limit)
 	var pause, resume []int32
 	for _, p := range d.parts {
 		held := p.outstanding + len(p.stash)
 		switch {
-		case !p.paused && (len(p.stash) >= stashCap || held >= limit && (fixed || p.progress < stuck)):
+		case !p.paused && held >= limit && (fixed || p.progress < stuck):
 			p.paused = true
 			pause = append(pause, p.id)
 		case p.paused && held <= limit/2:

@@ -3,6 +3,7 @@ package kafka
 import (
 	"log/slog"
 	"testing"
+	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
 )
@@ -135,10 +136,24 @@ func TestStashKeepsAPartitionToItsShare(t *testing.T) {
 	if len(got) != 1 || got[0].Offset != 2 {
 		t.Fatalf("after one finished: drained %v, want offset 2 only", got)
 	}
-	d.maxAsked = 1 // a fetch batch of 1: two wait here, the stash is full
+	// A fetch batch of 1: the 3 waiting are more than two batches, so
+	// Fetch stops polling; the partition progresses, so it is not paused
+	// (a resume can wait for a fetch in flight).
+	d.maxAsked = 1
+	d.adjustPauses(nil, 2, false)
+	if p.paused {
+		t.Error("a partition that makes progress was paused for its full stash")
+	}
+	if w := d.waitingUnpaused(); w < 2*d.maxAsked {
+		t.Errorf("waitingUnpaused = %d with 3 records stashed: Fetch would poll for more", w)
+	}
+	p.progress = time.Now().Add(-2 * StuckAfter).UnixNano()
 	d.adjustPauses(nil, 2, false)
 	if !p.paused {
-		t.Error("a partition with a full stash is not paused")
+		t.Error("a partition at its limit with no progress for StuckAfter is not paused")
+	}
+	if w := d.waitingUnpaused(); w != 0 {
+		t.Errorf("waitingUnpaused = %d: a paused partition's stash keeps Fetch from polling the others", w)
 	}
 	p.ack(1)
 	p.ack(2)
