@@ -331,8 +331,18 @@ func scrub(err error, rawURL string) error {
 	} else if m := userinfo.FindStringSubmatch(rawURL); m != nil {
 		pw = m[1]
 	}
-	if msg := err.Error(); pw != "" && strings.Contains(msg, pw) {
-		return &scrubbed{msg: strings.ReplaceAll(msg, pw, "xxxxx")}
+	if pw == "" {
+		return err
+	}
+	// Only where the URL holds it, between the user's ":" and the "@": a
+	// short password also occurs inside other words of the message.
+	msg := err.Error()
+	out := msg
+	for _, form := range []string{pw, url.PathEscape(pw), url.QueryEscape(pw)} {
+		out = strings.ReplaceAll(out, ":"+form+"@", ":xxxxx@")
+	}
+	if out != msg {
+		return &scrubbed{msg: out}
 	}
 	return err
 }
