@@ -80,7 +80,7 @@ const (
 
 // StartCommand is the command that starts the brokers; it is named in the
 // message of a skipped or failed test.
-const StartCommand = "make brokers (integration/brokers.sh up)"
+const StartCommand = "make brokers (integration/brokers.sh up), or with Docker: docker compose up --wait"
 
 // SQSAccessKey and SQSSecretKey are static credentials for the SQS-compatible
 // test server, which accepts any.
