@@ -378,6 +378,12 @@ func (q *Queue) Remove(ctx context.Context) error {
 // Exists asks the broker whether the topic or queue exists. On the memory
 // broker it exists until the broker is closed.
 func (q *Queue) Exists(ctx context.Context) (bool, error) {
+	q.b.mu.Lock()
+	closed := q.b.closed
+	q.b.mu.Unlock()
+	if closed && q.b.Kind == Memory {
+		return false, nil
+	}
 	ok, err := q.b.admin.exists(ctx, q.Name)
 	if err != nil {
 		return false, fmt.Errorf("ferrytest: look up %s %q: %w", q.b.Kind, q.Name, err)
@@ -397,10 +403,14 @@ func (q *Queue) Publish(ctx context.Context, msgs ...consumer.Message) error {
 // group returns a new consumer group name, removed with the queue.
 func (q *Queue) group(prefix string) string {
 	g := testenv.NewName(prefix)
+	q.addGroup(g)
+	return g
+}
+
+func (q *Queue) addGroup(g string) {
 	q.mu.Lock()
 	q.groups = append(q.groups, g)
 	q.mu.Unlock()
-	return g
 }
 
 // RunUntil runs h on a new consumer of the queue until until returns true,
@@ -410,8 +420,8 @@ func (q *Queue) group(prefix string) string {
 // atomic counter, a mutex).
 //
 // The consumer is b.NewConsumer with opts, after consumer.WithName of a name
-// of its own (a Kafka consumer group no other test shares); pass WithName to
-// choose it. When ctx ends first, or has no deadline and DefaultTimeout
+// of its own (a Kafka consumer group no other test shares, deleted with the
+// queue); pass WithName to choose it (a group of yours is left alone). When ctx ends first, or has no deadline and DefaultTimeout
 // passes, RunUntil stops the consumer and returns an error wrapping
 // context.DeadlineExceeded (or ctx's error); when the consumer stops by
 // itself, an error wrapping its own.
@@ -424,10 +434,14 @@ func (q *Queue) RunUntil(ctx context.Context, h consumer.Handler, until func() b
 		ctx, cancel = context.WithTimeout(ctx, DefaultTimeout)
 		defer cancel()
 	}
-	opts = append([]consumer.Option{consumer.WithName(q.group("run"))}, opts...)
+	name := testenv.NewName("run")
+	opts = append([]consumer.Option{consumer.WithName(name)}, opts...)
 	l, err := q.b.NewConsumer(ctx, q.Name, opts...)
 	if err != nil {
 		return fmt.Errorf("ferrytest: consumer of %q: %w", q.Name, err)
+	}
+	if l.Name() == name {
+		q.addGroup(name) // ours to delete; a name of the caller's is left alone
 	}
 	runCtx, stop := context.WithCancel(ctx)
 	defer stop()

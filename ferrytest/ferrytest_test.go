@@ -6,6 +6,7 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -101,6 +102,22 @@ func existsOutside(t *testing.T, kind ferrytest.Kind, name string) bool {
 	return false
 }
 
+// groupExists asks Kafka, through its own client, whether a consumer group
+// exists.
+func groupExists(t *testing.T, group string) bool {
+	t.Helper()
+	cl, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaBrokers()...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	gs, err := kadm.NewClient(cl).ListGroups(ctxFor(t, 20*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return slices.Contains(gs.Groups(), group)
+}
+
 // goneSoon waits until the broker says name is gone: a deleted Kafka topic
 // leaves the metadata of every broker shortly after the delete returns.
 func goneSoon(t *testing.T, kind ferrytest.Kind, name string) {
@@ -121,14 +138,26 @@ func TestQueuesAreRemovedWhenTheTestEnds(t *testing.T) {
 	eachKind(t, func(t *testing.T, kind ferrytest.Kind) {
 		var b *ferrytest.Broker
 		var q *ferrytest.Queue
+		var group atomic.Value // the consumer group RunUntil made
 		t.Run("test", func(t *testing.T) {
 			b = ferrytest.Open(t, kind)
 			q = b.Queue(t, "cleanup")
-			if err := q.Publish(ctxFor(t, 20*time.Second), consumer.Message{Key: "k", Body: []byte("x")}); err != nil {
+			ctx := ctxFor(t, 30*time.Second)
+			if err := q.Publish(ctx, consumer.Message{Key: "k", Body: []byte("x")}); err != nil {
 				t.Fatal(err)
 			}
 			if kind != ferrytest.Memory && !existsOutside(t, kind, q.Name) {
 				t.Fatalf("%s %q does not exist after Queue", kind, q.Name)
+			}
+			err := q.RunUntil(ctx, consumer.HandlerFunc(func(ctx context.Context, _ *consumer.Message) error {
+				group.Store(consumer.Name(ctx))
+				return nil
+			}), func() bool { return group.Load() != nil })
+			if err != nil {
+				t.Fatal(err)
+			}
+			if kind == ferrytest.Kafka && !groupExists(t, group.Load().(string)) {
+				t.Fatalf("the consumer group %v of RunUntil is not there while the test runs", group.Load())
 			}
 		})
 		if t.Failed() || b == nil || q == nil {
@@ -139,9 +168,15 @@ func TestQueuesAreRemovedWhenTheTestEnds(t *testing.T) {
 			if !errors.Is(err, memory.ErrClosed) {
 				t.Fatalf("publish after the test ended: %v, want memory.ErrClosed", err)
 			}
+			if ok, err := q.Exists(context.Background()); ok || err != nil {
+				t.Fatalf("Exists after the test ended: %t, %v", ok, err)
+			}
 			return
 		}
 		goneSoon(t, kind, q.Name)
+		if kind == ferrytest.Kafka && groupExists(t, group.Load().(string)) {
+			t.Errorf("the consumer group %v of RunUntil is still there after the test ended", group.Load())
+		}
 
 		// Close removes what NewQueue made.
 		ctx := ctxFor(t, 30*time.Second)
