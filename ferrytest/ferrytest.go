@@ -459,6 +459,9 @@ func (q *Queue) RunUntil(ctx context.Context, h consumer.Handler, until func() b
 		}
 		select {
 		case err := <-done:
+			if ctx.Err() != nil { // the loop saw the deadline first
+				return fmt.Errorf("ferrytest: the condition on %q did not hold in time: %w", q.Name, errors.Join(ctx.Err(), err))
+			}
 			if err == nil {
 				err = errors.New("returned nil")
 			}
