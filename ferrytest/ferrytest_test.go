@@ -441,3 +441,37 @@ func TestExampleRunsOnEveryBroker(t *testing.T) {
 		})
 	}
 }
+
+// On RabbitMQ a retry after a delay goes through a delay queue the driver
+// declares beside the queue; it is removed with the queue.
+func TestRabbitMQDelayQueuesGoWithTheirQueue(t *testing.T) {
+	var delayQueue string
+	t.Run("test", func(t *testing.T) {
+		b := ferrytest.Open(t, ferrytest.RabbitMQ)
+		q := b.Queue(t, "delayed")
+		ctx := ctxFor(t, 30*time.Second)
+		if err := q.Publish(ctx, consumer.Message{Key: "k", Body: []byte("x")}); err != nil {
+			t.Fatal(err)
+		}
+		var runs atomic.Int32
+		err := q.RunUntil(ctx, consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
+			if runs.Add(1) == 1 {
+				return errors.New("not yet") // back through the 1 s delay queue
+			}
+			return nil
+		}), func() bool { return runs.Load() == 2 })
+		if err != nil {
+			t.Fatal(err)
+		}
+		delayQueue = q.Name + ".ferry-delay.1000ms"
+		if !existsOutside(t, ferrytest.RabbitMQ, delayQueue) {
+			t.Fatalf("no delay queue %q: the retry went another way", delayQueue)
+		}
+	})
+	if delayQueue == "" {
+		t.SkipNow()
+	}
+	if existsOutside(t, ferrytest.RabbitMQ, delayQueue) {
+		t.Fatalf("the delay queue %q is still there after the test ended", delayQueue)
+	}
+}
