@@ -8,6 +8,7 @@
 //	func TestBilling(t *testing.T) {
 //		for _, kind := range ferrytest.Kinds {
 //			t.Run(string(kind), func(t *testing.T) {
+//				ctx := t.Context()
 //				b := ferrytest.Open(t, kind)     // skips when the broker is not running
 //				orders := b.Queue(t, "orders")   // removed when the test ends
 //				dlq := b.Queue(t, "orders-dlq")
@@ -263,8 +264,9 @@ func Partitions(n int) QueueOption {
 
 // Queue is a topic or queue made for a test.
 type Queue struct {
-	// Name is the topic or queue: what NewConsumer takes. It starts with
-	// "ferry-", then the prefix given, then a random suffix.
+	// Name is the topic or queue: what NewConsumer takes. It is "ferry-",
+	// the prefix given (lower case, other characters as '-', cut to fit),
+	// and a random suffix: at most 60 characters, which every broker takes.
 	Name string
 	// Destination is what Publish (and any Publisher, such as that of a
 	// DeadLetter middleware) takes to reach the queue: rabbit.ToQueue(Name)
@@ -277,8 +279,8 @@ type Queue struct {
 	removed bool
 }
 
-// NewQueue makes a topic or queue whose name starts with prefix and no
-// other test uses. Close removes it, unless Remove did first.
+// NewQueue makes a topic or queue of a name no other test uses, made of
+// prefix (see Queue.Name). Close removes it, unless Remove did first.
 func (b *Broker) NewQueue(ctx context.Context, prefix string, opts ...QueueOption) (*Queue, error) {
 	cfg := queueConfig{partitions: 1}
 	for _, o := range opts {
@@ -332,7 +334,8 @@ func (b *Broker) Queue(t testing.TB, prefix string, opts ...QueueOption) *Queue 
 }
 
 // Close removes every queue made on b and not removed yet, then closes the
-// broker. It returns the first error; calling it again does nothing.
+// broker. It returns every error on the way, joined; calling it again does
+// nothing.
 func (b *Broker) Close() error {
 	b.mu.Lock()
 	if b.closed {
