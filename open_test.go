@@ -8,12 +8,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/aws/aws-sdk-go-v2/aws"
-	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
 	"github.com/ferrymq/ferry"
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/ferrytest"
 	"github.com/ferrymq/ferry/internal/testenv"
-	"github.com/ferrymq/ferry/kafka"
 	"github.com/ferrymq/ferry/memory"
 	"github.com/ferrymq/ferry/rabbit"
 )
@@ -117,16 +115,7 @@ func TestOpenKafka(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer b.Close()
-	topic := testenv.UniqueName(t, "open")
-	admin, err := kafka.New(seeds)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer admin.Close()
-	if err := admin.CreateTopic(context.Background(), topic, kafka.TopicConfig{Partitions: 2}); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = admin.DeleteTopic(context.Background(), topic) })
+	topic := ferrytest.Open(t, ferrytest.Kafka).Queue(t, "open", ferrytest.Partitions(2)).Name
 	roundTrip(t, b, topic, topic)
 }
 
@@ -141,12 +130,7 @@ func TestOpenKafkaSASL(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer b.Close()
-	topic := testenv.UniqueName(t, "open-sasl")
-	if err := b.(interface {
-		CreateTopic(context.Context, string, kafka.TopicConfig) error
-	}).CreateTopic(ctx, topic, kafka.TopicConfig{}); err != nil {
-		t.Fatal(err)
-	}
+	topic := ferrytest.Open(t, ferrytest.Kafka).Queue(t, "open-sasl").Name
 	roundTrip(t, b, topic, topic)
 
 	bad := strings.Replace(base, url.QueryEscape(testenv.KafkaSCRAMPassword), "wrong-secret-123", 1)
@@ -178,11 +162,7 @@ func TestOpenSQS(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer b.Close()
-	queue := testenv.UniqueName(t, "open")
-	client := b.(interface{ Client() *awssqs.Client }).Client()
-	if _, err := client.CreateQueue(context.Background(), &awssqs.CreateQueueInput{QueueName: aws.String(queue)}); err != nil {
-		t.Fatal(err)
-	}
+	queue := ferrytest.Open(t, ferrytest.SQS).Queue(t, "open").Name
 	roundTrip(t, b, queue, queue)
 }
 
@@ -193,15 +173,10 @@ func TestOpenRabbitMQ(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer b.Close()
-	queue := testenv.UniqueName(t, "open")
-	// A URL carries no topology: the queue is declared as a service's own
-	// set-up would.
-	admin, err := rabbit.Dial(amqpURL, rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: queue, Classic: true}}}))
-	if err != nil {
-		t.Fatal(err)
-	}
-	admin.Close()
-	roundTrip(t, b, queue, rabbit.ToQueue(queue))
+	// A URL carries no topology: the queue is declared first, as a
+	// service's own set-up would.
+	q := ferrytest.Open(t, ferrytest.RabbitMQ).Queue(t, "open")
+	roundTrip(t, b, q.Name, rabbit.ToQueue(q.Name))
 }
 
 // A URL that is wrong gets a *URLError naming the part that is wrong, and

@@ -9,28 +9,15 @@ import (
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 
+	"github.com/ferrymq/ferry/ferrytest"
 	"github.com/ferrymq/ferry/internal/testenv"
 )
 
-func createTopic(t *testing.T, ctx context.Context, brokers []string, partitions int32) string {
+// createTopic makes a topic of its own for t with the test kit, which
+// deletes it when t ends.
+func createTopic(t *testing.T, partitions int) string {
 	t.Helper()
-	admCl, err := kgo.NewClient(kgo.SeedBrokers(brokers...))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(admCl.Close)
-	adm := kadm.NewClient(admCl)
-	topic := testenv.UniqueName(t, "")
-	resp, err := adm.CreateTopic(ctx, partitions, 1, nil, topic)
-	if err != nil || resp.Err != nil {
-		t.Fatalf("create topic %s: %v %v", topic, err, resp.Err)
-	}
-	t.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		adm.DeleteTopics(ctx, topic)
-	})
-	return topic
+	return ferrytest.Open(t, ferrytest.Kafka).Queue(t, t.Name(), ferrytest.Partitions(partitions)).Name
 }
 
 func produce(t *testing.T, ctx context.Context, brokers []string, topic string, n int) {
@@ -71,7 +58,7 @@ func TestKafkaRoundTrip(t *testing.T) {
 	t.Parallel()
 	brokers := testenv.RequireKafka(t)
 	ctx := ctxFor(t, 60*time.Second)
-	topic := createTopic(t, ctx, brokers, 1)
+	topic := createTopic(t, 1)
 	produce(t, ctx, brokers, topic, 3)
 
 	cl, err := kgo.NewClient(kgo.SeedBrokers(brokers...), kgo.ConsumeTopics(topic),
@@ -94,7 +81,7 @@ func TestKafkaGroupCommitAndReread(t *testing.T) {
 	t.Parallel()
 	brokers := testenv.RequireKafka(t)
 	ctx := ctxFor(t, 90*time.Second)
-	topic := createTopic(t, ctx, brokers, 1)
+	topic := createTopic(t, 1)
 	group := testenv.UniqueName(t, "group")
 	produce(t, ctx, brokers, topic, 10)
 

@@ -21,6 +21,10 @@ func UniqueName(t testing.TB, prefix string) string {
 	return uniqueName(prefix)
 }
 
+// NewName is UniqueName for code that has no testing.TB: prefix must not be
+// empty to say what the name is for.
+func NewName(prefix string) string { return uniqueName(prefix) }
+
 func uniqueName(prefix string) string {
 	var b strings.Builder
 	dash := false

@@ -105,7 +105,7 @@ func hasServerBinaries(dir string) bool {
 // installs PostgreSQL.
 func unavailable(t testing.TB, err error) {
 	t.Helper()
-	msg := fmt.Sprintf("cannot start a private PostgreSQL cluster: %v; install PostgreSQL with %s", err, StartCommand)
+	msg := fmt.Sprintf("cannot start a private PostgreSQL cluster: %v; install PostgreSQL with make brokers (integration/brokers.sh up)", err)
 	if RequireBrokers() {
 		t.Fatalf("%s (%s=1 makes this a failure)", msg, EnvRequireBrokers)
 		return

@@ -80,7 +80,7 @@ const (
 
 // StartCommand is the command that starts the brokers; it is named in the
 // message of a skipped or failed test.
-const StartCommand = "make brokers (integration/brokers.sh up)"
+const StartCommand = "make brokers (integration/brokers.sh up), or with Docker: docker compose up --wait"
 
 // SQSAccessKey and SQSSecretKey are static credentials for the SQS-compatible
 // test server, which accepts any.
@@ -227,17 +227,27 @@ func RequireBrokers() bool {
 // Addr returns the host:port a TCP dial to service should reach, derived from
 // that service's address variable.
 func Addr(service Service) (string, error) {
+	return addrOf(service, KafkaBrokers()[0], AMQPURL(), SQSEndpoint(), PostgresURL(), RedisAddr())
+}
+
+// DefaultAddr returns the host:port of service when no variable is set: where
+// integration/brokers.sh and docker-compose.yml publish it.
+func DefaultAddr(service Service) (string, error) {
+	return addrOf(service, DefaultKafkaBrokers, DefaultAMQPURL, DefaultSQSEndpoint, DefaultPostgresURL, DefaultRedisAddr)
+}
+
+func addrOf(service Service, kafka, amqpURL, sqsEndpoint, postgresURL, redis string) (string, error) {
 	switch service {
 	case Kafka:
-		return KafkaBrokers()[0], nil
+		return kafka, nil
 	case RabbitMQ:
-		return urlHostPort(AMQPURL(), "5672")
+		return urlHostPort(amqpURL, "5672")
 	case SQS:
-		return urlHostPort(SQSEndpoint(), "80")
+		return urlHostPort(sqsEndpoint, "80")
 	case Postgres:
-		return urlHostPort(PostgresURL(), "5432")
+		return urlHostPort(postgresURL, "5432")
 	case Redis:
-		return RedisAddr(), nil
+		return redis, nil
 	}
 	return "", fmt.Errorf("testenv: unknown service %q", service)
 }
