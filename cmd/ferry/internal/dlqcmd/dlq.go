@@ -53,8 +53,12 @@ Moves the messages of the dead-letter destination DESTINATION back to
 SOURCE, one at a time: each is published (and confirmed by the broker)
 before it is removed, so a crash halfway loses nothing and leaves at most
 one message published twice (the one in flight); run the command again to
-go on. The message keeps its body, key, headers and its original id; the
-ferry-dlq-* headers are dropped and ferry-redriven-from is added.
+go on. The message keeps its body, key and headers; the ferry-dlq-*
+headers are dropped and ferry-redriven-from is added. Its id is the
+original's followed by ~r and a hash of its last failure's time: every
+copy of one dead letter has the same (idempotent consumers drop the one a
+crash doubled), and an SQS FIFO source does not take it for a duplicate of
+the original.
 
 SOURCE is a queue (memory, SQS), a topic (Kafka), or on RabbitMQ an
 exchange (the message's key is the routing key) or amq.default/QUEUE.
@@ -191,7 +195,7 @@ func redriveFlags(w io.Writer) (*flag.FlagSet, *redriveOpts) {
 	fs.SetOutput(w)
 	fs.StringVar(&o.broker, "broker", "", "broker URL (mem://NAME, kafka://HOST:PORT, sqs://..., amqp://...); default $"+cli.EnvBroker)
 	fs.StringVar(&o.to, "to", "", "where the messages go: their source queue, topic or exchange (required)")
-	fs.StringVar(&o.rate, "rate", "50/s", "most messages moved per second (N/s or N/m; 0 for no limit)")
+	fs.StringVar(&o.rate, "rate", "50/s", "most messages read and moved per second (N/s or N/m; 0 for no limit)")
 	fs.Func("filter", "move only messages whose NAME matches PATTERN (NAME=PATTERN, repeatable)", func(s string) error {
 		if _, err := ParseFilter(s); err != nil {
 			return errors.New(strings.TrimPrefix(err.Error(), cli.ErrUsage.Error()+": "))

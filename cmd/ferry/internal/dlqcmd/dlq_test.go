@@ -10,7 +10,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/aws/aws-sdk-go-v2/aws"
+	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
+
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/memory"
 )
 
@@ -233,7 +237,7 @@ func TestRedriveInterruptedStopsCleanly(t *testing.T) {
 	if left := f.left(t); left+moved != n {
 		t.Errorf("%d moved and %d left of %d", moved, left, n)
 	}
-	code, _, errOut = ferryDLQ(t, context.Background(), "redrive", f.dlq, "--to", f.to, "--broker", f.url, "--rate", "0")
+	code, _, errOut = ferryDLQ(t, context.Background(), "redrive", f.dlq, "--to", f.to, "--broker", f.url, "--rate", "0", "--wait", "200ms")
 	if code != 0 {
 		t.Fatalf("second run: exit %d: %s", code, errOut)
 	}
@@ -249,7 +253,7 @@ func TestRedriveInterruptedStopsCleanly(t *testing.T) {
 func TestRedrivenMessageIsTheOriginal(t *testing.T) {
 	f := memoryFixture(t)
 	f.seed(t, 1)
-	if code, _, errOut := ferryDLQ(t, context.Background(), "redrive", f.dlq, "--to", f.to, "--broker", f.url); code != 0 {
+	if code, _, errOut := ferryDLQ(t, context.Background(), "redrive", f.dlq, "--to", f.to, "--broker", f.url, "--wait", "200ms"); code != 0 {
 		t.Fatalf("exit %d: %s", code, errOut)
 	}
 	mb, _ := memoryOf(f)
@@ -258,7 +262,7 @@ func TestRedrivenMessageIsTheOriginal(t *testing.T) {
 		t.Fatalf("%d messages at the source", len(ms))
 	}
 	m := ms[0]
-	if m.ID != "m-000" || m.Key != "k-m-000" || string(m.Body) != "m-000" || m.Headers["x-tenant"] != "acme" ||
+	if !strings.HasPrefix(m.ID, "m-000~r") || m.Key != "k-m-000" || string(m.Body) != "m-000" || m.Headers["x-tenant"] != "acme" ||
 		m.Headers[HeaderRedrivenFrom] != f.dlq || m.Headers["traceparent"] == "" {
 		t.Errorf("redriven message: %+v", m)
 	}
@@ -298,5 +302,43 @@ func TestBadUsageExitsTwo(t *testing.T) {
 		if code != 0 || !strings.Contains(out+errOut, "Usage: ferry dlq") {
 			t.Errorf("%v: exit %d, output %q", args, code, out+errOut)
 		}
+	}
+}
+
+// A message redriven to an SQS FIFO queue within five minutes of its
+// original publish is not dropped as a duplicate of the original: the
+// redrive's id is not the original's.
+func TestRedriveToAnSQSFIFOSourceIsNotADuplicateOfTheOriginal(t *testing.T) {
+	f := sqsFixture(t)
+	c := f.client
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	src := testenv.UniqueName(t, "src") + ".fifo"
+	out, err := c.CreateQueue(ctx, &awssqs.CreateQueueInput{QueueName: aws.String(src), Attributes: map[string]string{"FifoQueue": "true"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.DeleteQueue(context.Background(), &awssqs.DeleteQueueInput{QueueUrl: out.QueueUrl}) })
+	// The original, published and consumed.
+	if err := f.pub.Publish(ctx, src, consumer.Message{ID: "m-000", Key: "k-m-000", Body: []byte("m-000")}); err != nil {
+		t.Fatal(err)
+	}
+	r, err := c.ReceiveMessage(ctx, &awssqs.ReceiveMessageInput{QueueUrl: out.QueueUrl, WaitTimeSeconds: 2})
+	if err != nil || len(r.Messages) != 1 {
+		t.Fatalf("the original: %v, %d messages", err, len(r.Messages))
+	}
+	if _, err := c.DeleteMessage(ctx, &awssqs.DeleteMessageInput{QueueUrl: out.QueueUrl, ReceiptHandle: r.Messages[0].ReceiptHandle}); err != nil {
+		t.Fatal(err)
+	}
+	f.seed(t, 1)
+	if code, o, errOut := ferryDLQ(t, ctx, "redrive", f.dlq, "--to", src, "--broker", f.url, "--wait", "1s"); code != 0 || !strings.Contains(o, "moved 1 ") {
+		t.Fatalf("exit %d: %s%s", code, o, errOut)
+	}
+	r, err = c.ReceiveMessage(ctx, &awssqs.ReceiveMessageInput{QueueUrl: out.QueueUrl, WaitTimeSeconds: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(r.Messages) != 1 || aws.ToString(r.Messages[0].Body) != "m-000" {
+		t.Errorf("the FIFO source holds %d messages after the redrive, want the redriven one", len(r.Messages))
 	}
 }

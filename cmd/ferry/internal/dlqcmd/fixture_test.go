@@ -79,7 +79,8 @@ type fixture struct {
 	left     func(t *testing.T) int            // messages still to redrive in the DLQ
 	inDLQ    func(t *testing.T) int            // messages the DLQ holds, read without taking them
 	kafka    bool
-	settleIn time.Duration // how long a killed run's messages stay hidden
+	client   *awssqs.Client // sqs
+	settleIn time.Duration  // how long a killed run's messages stay hidden
 }
 
 // seed publishes n dead-lettered messages to the DLQ, bodies m-000...,
@@ -223,7 +224,7 @@ func sqsFixture(t *testing.T) *fixture {
 	})
 	f := &fixture{
 		url: fmt.Sprintf("sqs://%s:%s@%s?region=%s&tls=%t", testenv.SQSAccessKey, testenv.SQSSecretKey, u.Host, testenv.SQSRegion(), u.Scheme == "https"),
-		dlq: testenv.UniqueName(t, "dlq"), to: testenv.UniqueName(t, "src"), settleIn: 3 * time.Second,
+		dlq: testenv.UniqueName(t, "dlq"), to: testenv.UniqueName(t, "src"), settleIn: 3 * time.Second, client: c,
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()

@@ -2,6 +2,8 @@ package dlqcmd
 
 import (
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -113,9 +115,14 @@ func field(m driver.Message, name string) string {
 }
 
 // redriven is the message Redrive publishes for a dead-lettered one: its
-// body, key and own headers, with the original message's id, without the
-// ferry-dlq-* headers (a later dead-lettering writes fresh ones), and with
-// HeaderRedrivenFrom.
+// body, key and own headers, without the ferry-dlq-* headers (a later
+// dead-lettering writes fresh ones), with HeaderRedrivenFrom, and with the
+// original message's id followed by "~r" and a hash of the time of its
+// last failure. That id is the same for every copy redrives publish of one
+// dead letter (an idempotent consumer, or an SQS FIFO queue within its
+// deduplication window, drops the copy a crash made) and differs from the
+// original's and from that of a later dead-lettering of the same message
+// (an SQS FIFO queue does not drop the redrive as a duplicate of them).
 func redriven(m driver.Message, from string) consumer.Message {
 	h := make(map[string]string, len(m.Headers)+1)
 	for k, v := range m.Headers {
@@ -128,11 +135,12 @@ func redriven(m driver.Message, from string) consumer.Message {
 	if id == "" {
 		id = m.ID
 	}
+	sum := sha256.Sum256([]byte(m.Headers[consumer.HeaderDLQLastFailure]))
 	key := m.Key
 	if key == "" {
 		key = m.Headers[consumer.HeaderDLQKey]
 	}
-	return consumer.Message{ID: id, Key: key, Body: m.Body, Headers: h}
+	return consumer.Message{ID: id + "~r" + hex.EncodeToString(sum[:4]), Key: key, Body: m.Body, Headers: h}
 }
 
 // opTimeout bounds the publish and the removal of the message in flight,
@@ -233,7 +241,24 @@ func Redrive(ctx context.Context, b ferry.Broker, cfg RedriveConfig) (Result, er
 		return res, err
 	}
 
-	var next time.Time // when the next publish may go, by the rate
+	var next time.Time // when the next read may go, by the rate
+	// keepHeld extends the leases of the messages the filter left, where
+	// they run out (SQS, memory), before a third of them is left.
+	ext, _ := d.(driver.Extender)
+	extended := time.Now()
+	keepHeld := func() {
+		if ext == nil || len(held) == 0 || time.Since(extended) < ext.Lease()/3 {
+			return
+		}
+		hs := make([]any, 0, len(held))
+		for _, h := range held {
+			hs = append(hs, h)
+		}
+		ectx, cancel := context.WithTimeout(ctx, opTimeout)
+		_ = ext.Extend(ectx, hs, ext.Lease()) // one that ran out comes back, and is held again
+		cancel()
+		extended = time.Now()
+	}
 	lastFresh := time.Now()
 	for {
 		if ctx.Err() != nil {
@@ -243,6 +268,13 @@ func Redrive(ctx context.Context, b ferry.Broker, cfg RedriveConfig) (Result, er
 		if cfg.Limit > 0 && res.Moved >= cfg.Limit {
 			return finish(nil, nil)
 		}
+		// Paced before the read, so that no message waits out the pace
+		// with its lease running.
+		if !pace(ctx, cfg.Rate, &next) {
+			res.Interrupted = true
+			return finish(nil, nil)
+		}
+		keepHeld()
 		fctx, cancel := context.WithTimeout(ctx, cfg.Wait)
 		batch, err := d.Fetch(fctx, nil, 1)
 		cancel()
@@ -265,10 +297,6 @@ func Redrive(ctx context.Context, b ferry.Broker, cfg RedriveConfig) (Result, er
 				held[m.ID] = m.Handle
 				bar.show(res)
 				continue
-			}
-			if !pace(ctx, cfg.Rate, &next) {
-				res.Interrupted = true
-				return finish(nil, batch[i:])
 			}
 			pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), opTimeout)
 			err := b.Publish(pctx, cfg.To, redriven(m, cfg.Destination))
