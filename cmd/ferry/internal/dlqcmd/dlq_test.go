@@ -342,3 +342,65 @@ func TestRedriveToAnSQSFIFOSourceIsNotADuplicateOfTheOriginal(t *testing.T) {
 		t.Errorf("the FIFO source holds %d messages after the redrive, want the redriven one", len(r.Messages))
 	}
 }
+
+// A redrive on Kafka refuses a group that has members (another redrive
+// would commit over it, a consumer would have its offsets moved) before it
+// publishes anything.
+func TestRedriveOnKafkaRefusesAGroupInUse(t *testing.T) {
+	f := kafkaFixture(t)
+	f.seed(t, 3)
+	group := testenv.UniqueName(t, "busy")
+	l, err := f.pub.NewConsumer(context.Background(), f.dlq, consumer.WithName(group), consumer.WithShutdownGrace(100*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	running := make(chan struct{}, 1)
+	done := make(chan error, 1)
+	go func() {
+		done <- l.Run(ctx, consumer.HandlerFunc(func(ctx context.Context, _ *consumer.Message) error {
+			select {
+			case running <- struct{}{}:
+			default:
+			}
+			<-ctx.Done()
+			return ctx.Err()
+		}))
+	}()
+	select {
+	case <-running:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the consumer did not join")
+	}
+	code, out, errOut := ferryDLQ(t, context.Background(), "redrive", f.dlq, "--to", f.to, "--broker", f.url, "--group", group)
+	if code != 1 || !strings.Contains(errOut, "members") {
+		t.Errorf("exit %d, want 1 naming the members: %s%s", code, out, errOut)
+	}
+	if n := f.depth(t); n != 0 {
+		t.Errorf("%d messages published", n)
+	}
+	cancel()
+	<-done
+}
+
+// The progress bar is rewritten in place and erased at the end; without a
+// terminal nothing of it is written.
+func TestProgressBar(t *testing.T) {
+	var buf strings.Builder
+	p := newProgress(&buf, 10)
+	p.show(Result{Moved: 4, Skipped: 1})
+	if s := buf.String(); !strings.HasPrefix(s, "\r[===============               ] 5/10") || !strings.Contains(s, "moved 4 skipped 1") {
+		t.Errorf("bar: %q", s)
+	}
+	p.done()
+	if !strings.HasSuffix(buf.String(), "\r\033[K") {
+		t.Errorf("the bar is not erased: %q", buf.String())
+	}
+	f := memoryFixture(t)
+	f.seed(t, 3)
+	_, out, errOut := ferryDLQ(t, context.Background(), "redrive", f.dlq, "--to", f.to, "--broker", f.url, "--wait", "200ms")
+	if strings.Contains(out+errOut, "\r") {
+		t.Errorf("a bar was written to a buffer: %q", out+errOut)
+	}
+}

@@ -21,6 +21,9 @@ type kafkaBroker interface {
 	Admin() *kadm.Client
 }
 
+// ErrGroupInUse is returned by a redrive on Kafka whose group has members.
+var ErrGroupInUse = errors.New("the redrive's consumer group is in use")
+
 // kafkaChunk is how many records of each partition one read brings.
 const kafkaChunk = 100
 
@@ -51,6 +54,17 @@ func redriveKafka(ctx context.Context, b kafkaBroker, cfg RedriveConfig, res *Re
 			return fmt.Errorf("committing the offset of group %q past %s: %w", cfg.Group, m.ID, err)
 		}
 		return nil
+	}
+	// Refuse at once rather than after the first publish.
+	dctx, cancel := context.WithTimeout(ctx, opTimeout)
+	groups, err := adm.DescribeGroups(dctx, cfg.Group)
+	cancel()
+	if err != nil {
+		return fmt.Errorf("describing group %q: %w", cfg.Group, err)
+	}
+	if g, ok := groups[cfg.Group]; ok && len(g.Members) > 0 {
+		return fmt.Errorf("%w: group %q has %d members: another redrive, or a consumer, uses it (name another with --group)",
+			ErrGroupInUse, cfg.Group, len(g.Members))
 	}
 	var next time.Time
 	for {

@@ -29,8 +29,11 @@ type kafkaPeeker interface {
 //     receive could return the same messages again and never reach the
 //     others; hiding them for the walk and giving them back at its end
 //     reads each once. A peek that dies halfway leaves them hidden only
-//     until the queue's visibility timeout. Each receive counts in the
-//     message's ApproximateReceiveCount;
+//     until the queue's visibility timeout (a long poll cut at its end
+//     may hide one a few seconds). Each receive counts in the message's
+//     ApproximateReceiveCount. On a FIFO queue SQS hands out no message
+//     of a group while an earlier one is hidden beyond those of one
+//     receive, so a peek may show only the first messages of each group;
 //   - RabbitMQ: delivered to a consumer with a prefetch of limit, then
 //     nacked with requeue (each goes back to its place in the queue; a
 //     quorum queue counts a delivery in x-delivery-count). A peek that dies
