@@ -206,7 +206,7 @@ func redriveFlags(w io.Writer) (*flag.FlagSet, *redriveOpts) {
 	fs.IntVar(&o.limit, "limit", 0, "move at most this many messages (0: all)")
 	fs.StringVar(&o.group, "group", DefaultGroup, "kafka: the consumer group whose offsets on DESTINATION record the redrive's progress")
 	fs.DurationVar(&o.wait, "wait", 2*time.Second, "how long a receive waits before asking the broker what is left")
-	fs.DurationVar(&o.idle, "idle", 15*time.Second, "stop when no message came for this long although the broker says some are left")
+	fs.DurationVar(&o.idle, "idle", 40*time.Second, "stop when no message came for this long although the broker says some are left (on SQS, what a killed run held comes back after the visibility timeout)")
 	fs.Usage = func() {
 		fmt.Fprint(w, redriveUsage)
 		fs.PrintDefaults()
@@ -282,6 +282,10 @@ func runRedrive(ctx context.Context, args []string, stdout, stderr io.Writer) in
 		}
 		fmt.Fprintf(stdout, "moved %d messages from %s to %s in %s (%d skipped by the filter%s)\n",
 			res.Moved, pos[0], o.to, res.Elapsed.Round(time.Millisecond), res.Skipped, left)
+	}
+	if err == nil && res.GaveUpWaiting {
+		fmt.Fprintf(stderr, "ferry dlq redrive: %d messages are still in %s but none came for %s: in flight elsewhere, delayed, or beyond the filter's reach; run again later\n",
+			res.Left, pos[0], o.idle)
 	}
 	if err == nil && res.Interrupted {
 		fmt.Fprintf(stderr, "ferry dlq redrive: interrupted after moving %d messages; nothing in flight was lost: run the same command again to go on\n", res.Moved)

@@ -404,3 +404,27 @@ func TestProgressBar(t *testing.T) {
 		t.Errorf("a bar was written to a buffer: %q", out+errOut)
 	}
 }
+
+// A message another consumer holds is not waited for beyond --idle: the
+// redrive moves the rest and says what it left.
+func TestRedriveGivesUpOnWhatOthersHold(t *testing.T) {
+	f := memoryFixture(t)
+	f.seed(t, 3)
+	mb, _ := memoryOf(f)
+	other, err := mb.Driver(f.dlq)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	if got, err := other.Fetch(context.Background(), nil, 1); err != nil || len(got) != 1 {
+		t.Fatalf("the other consumer got %d: %v", len(got), err)
+	}
+	start := time.Now()
+	code, out, errOut := ferryDLQ(t, context.Background(), "redrive", f.dlq, "--to", f.to, "--broker", f.url, "--wait", "100ms", "--idle", "500ms")
+	if code != 0 || !strings.Contains(out, "moved 2 messages") || !strings.Contains(errOut, "1 messages are still in") {
+		t.Errorf("exit %d: %s%s", code, out, errOut)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("took %s", d)
+	}
+}

@@ -47,7 +47,8 @@ type RedriveConfig struct {
 	Wait time.Duration
 	// Idle ends the run when no message came for this long although the
 	// broker says some are left (held by another consumer, delayed, or
-	// out of the filter's reach); default 15s.
+	// out of the filter's reach); default 40s, longer than SQS's default
+	// visibility timeout, after which what a killed run held comes back.
 	Idle time.Duration
 	// Progress, when not nil, gets a progress bar rewritten in place (a
 	// terminal).
@@ -61,6 +62,10 @@ type Result struct {
 	Left        int64         // what the broker said was left in Destination at the end (-1: not asked)
 	Elapsed     time.Duration // how long it ran
 	Interrupted bool          // ctx ended before the destination was empty
+	// GaveUpWaiting is set when the run ended after Idle without a message
+	// although the broker said more than the filter's leftovers were left
+	// (in flight elsewhere, delayed, or beyond the filter's reach).
+	GaveUpWaiting bool
 }
 
 // Filter is a conjunction of NAME=PATTERN conditions on a dead-lettered
@@ -174,7 +179,7 @@ func Redrive(ctx context.Context, b ferry.Broker, cfg RedriveConfig) (Result, er
 		cfg.Wait = 2 * time.Second
 	}
 	if cfg.Idle <= 0 {
-		cfg.Idle = 15 * time.Second
+		cfg.Idle = 40 * time.Second
 	}
 	if kb, ok := b.(kafkaBroker); ok {
 		left, _ := kafkaLeft(ctx, kb.Admin(), cfg.Destination, cfg.Group)
@@ -325,7 +330,11 @@ func Redrive(ctx context.Context, b ferry.Broker, cfg RedriveConfig) (Result, er
 		if left <= int64(len(held)) && left >= 0 {
 			return finish(nil, nil)
 		}
-		if left < 0 || time.Since(lastFresh) >= cfg.Idle {
+		if left < 0 {
+			return finish(nil, nil)
+		}
+		if time.Since(lastFresh) >= cfg.Idle {
+			res.GaveUpWaiting = true
 			return finish(nil, nil)
 		}
 	}
