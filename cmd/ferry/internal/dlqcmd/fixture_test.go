@@ -101,6 +101,8 @@ func (f *fixture) seed(t *testing.T, n int) {
 			ID: "dl-" + id, Key: "k-" + id, Body: []byte(id),
 			Headers: map[string]string{
 				"x-tenant":                         "acme",
+				"x-delivery-count":                 "3", // as RabbitMQ sets it
+				"x-last-death-reason":              "rejected",
 				consumer.HeaderDLQSource:           "orders",
 				consumer.HeaderDLQMessageID:        id,
 				consumer.HeaderDLQKey:              "k-" + id,

@@ -121,7 +121,8 @@ func field(m driver.Message, name string) string {
 
 // redriven is the message Redrive publishes for a dead-lettered one: its
 // body, key and own headers, without the ferry-dlq-* headers (a later
-// dead-lettering writes fresh ones), with HeaderRedrivenFrom, and with the
+// dead-lettering writes fresh ones) and those RabbitMQ sets on delivery
+// (x-delivery-count, x-death, ...), with HeaderRedrivenFrom, and with the
 // original message's id followed by "~r" and a hash of the time of its
 // last failure. That id is the same for every copy redrives publish of one
 // dead letter (an idempotent consumer, or an SQS FIFO queue within its
@@ -131,7 +132,7 @@ func field(m driver.Message, name string) string {
 func redriven(m driver.Message, from string) consumer.Message {
 	h := make(map[string]string, len(m.Headers)+1)
 	for k, v := range m.Headers {
-		if !strings.HasPrefix(k, dlqPrefix) {
+		if !strings.HasPrefix(k, dlqPrefix) && !brokerHeaders[k] && !strings.HasPrefix(k, "x-first-death-") && !strings.HasPrefix(k, "x-last-death-") {
 			h[k] = v
 		}
 	}
@@ -147,6 +148,11 @@ func redriven(m driver.Message, from string) consumer.Message {
 	}
 	return consumer.Message{ID: id + "~r" + hex.EncodeToString(sum[:4]), Key: key, Body: m.Body, Headers: h}
 }
+
+// brokerHeaders are headers a broker sets on delivery (RabbitMQ's count of
+// deliveries and dead-letterings), which a redriven message must not carry
+// to its source as if they were its own.
+var brokerHeaders = map[string]bool{"x-delivery-count": true, "x-death": true}
 
 // opTimeout bounds the publish and the removal of the message in flight,
 // which go on after an interrupt.
