@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os/exec"
 	"strings"
 	"syscall"
 	"testing"
@@ -426,5 +427,50 @@ func TestRedriveGivesUpOnWhatOthersHold(t *testing.T) {
 	}
 	if d := time.Since(start); d > 5*time.Second {
 		t.Errorf("took %s", d)
+	}
+}
+
+// SIGINT stops the command cleanly: exit 130, it says how far it got, and
+// what it moved is exactly what left the destination.
+func TestRedriveStopsCleanlyOnSIGINT(t *testing.T) {
+	for _, bk := range brokers[1:] { // memory lives in one process
+		t.Run(bk.name, func(t *testing.T) {
+			f := bk.make(t)
+			const n = 20
+			f.seed(t, n)
+			cmd, out := child(t, "redrive", f.dlq, "--to", f.to, "--broker", f.url, "--rate", "10/s", "--wait", "1s")
+			waitUntil(t, 60*time.Second, "some messages at the source", func() bool { return f.depth(t) >= 3 })
+			if err := cmd.Process.Signal(syscall.SIGINT); err != nil {
+				t.Fatal(err)
+			}
+			err := cmd.Wait()
+			var ee *exec.ExitError
+			if !errors.As(err, &ee) || ee.ExitCode() != 130 {
+				t.Fatalf("exit %v, want 130\n%s", err, out)
+			}
+			moved := f.depth(t)
+			if !strings.Contains(out.String(), fmt.Sprintf("interrupted after moving %d messages", moved)) {
+				t.Errorf("the command does not say it moved %d:\n%s", moved, out)
+			}
+			if moved >= n {
+				t.Fatalf("the interrupt came too late: %d moved", moved)
+			}
+			time.Sleep(f.settleIn)
+			waitUntil(t, 10*time.Second, "the rest in the destination", func() bool { return f.left(t) == n-moved })
+			checkOnceOf(t, f.drain(t), moved)
+		})
+	}
+}
+
+// checkOnceOf checks that the source holds n distinct messages, each once.
+func checkOnceOf(t *testing.T, got map[string]int, n int) {
+	t.Helper()
+	if len(got) != n {
+		t.Errorf("the source holds %d distinct messages, want %d", len(got), n)
+	}
+	for id, c := range got {
+		if c != 1 {
+			t.Errorf("%s is at the source %d times", id, c)
+		}
 	}
 }
