@@ -149,7 +149,7 @@ func TestRedriveKilledHalfwayLosesNothing(t *testing.T) {
 			f := bk.make(t)
 			const n = 30
 			f.seed(t, n)
-			args := []string{"redrive", f.dlq, "--to", f.to, "--broker", f.url, "--rate", "25/s", "--wait", "1s", "--idle", "20s"}
+			args := []string{"redrive", f.dlq, "--to", f.to, "--broker", f.url, "--rate", "15/s", "--wait", "1s", "--idle", "20s"}
 			cmd, out := child(t, args...)
 			waitUntil(t, 60*time.Second, "a third of the messages at the source", func() bool { return f.depth(t) >= n/3 })
 			if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
