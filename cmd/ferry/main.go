@@ -8,9 +8,29 @@
 // It exits 0 when every invariant holds, 1 when one broke (the verdict names
 // it) or the demo itself failed, 2 on bad usage, and 130 when interrupted.
 //
+// The operating commands work on every broker, named by a URL as
+// ferry.Open takes it (--broker, or $FERRY_BROKER):
+//
+//	ferry lag orders --group billing --broker kafka://127.0.0.1:9092 --watch
+//	ferry dlq peek orders-dlq --broker amqp://guest:guest@127.0.0.1:5672/ --json
+//	ferry dlq redrive orders-dlq --to orders --rate 20/s --filter reason=permanent --broker sqs://...
+//
+// lag prints each lane's lag, the age of the oldest waiting message and
+// Burrow's verdict over a window of samples, without joining the group.
+// dlq peek shows the dead-lettered messages and the story their ferry-dlq-*
+// headers tell, without consuming them. dlq redrive publishes each message
+// back, confirmed, before it removes it, so a crash halfway loses nothing
+// and doubles at most the message in flight; interrupted, it finishes that
+// message and says how far it got. Each exits 0 on success, 1 on failure
+// (lag: also when a lane is STALL, STOP or REWIND), 2 on bad usage and 130
+// when interrupted; ferry help COMMAND lists its flags.
+//
 // Usage:
 //
 //	ferry demo [-orders n] [-steady d] [-slow d] [-failing d] [-protected d] [-recovered d] [-seed n] [-quiet]
+//	ferry lag SOURCE --group NAME --broker URL [--watch] [--interval d] [--samples n] [--json]
+//	ferry dlq peek DESTINATION --broker URL [--json] [--limit n] [--group NAME]
+//	ferry dlq redrive DESTINATION --to SOURCE --broker URL [--rate N/s] [--filter NAME=PATTERN]... [--limit n]
 //	ferry help [command]
 package main
 
@@ -25,6 +45,8 @@ import (
 	"strings"
 
 	"github.com/ferrymq/ferry/cmd/ferry/internal/demo"
+	"github.com/ferrymq/ferry/cmd/ferry/internal/dlqcmd"
+	"github.com/ferrymq/ferry/cmd/ferry/internal/lagcmd"
 	"github.com/ferrymq/ferry/consumer"
 )
 
@@ -46,8 +68,16 @@ func main() {
 const usage = `Usage: ferry <command> [flags]
 
 Commands:
-  demo    run the whole story on the embedded default and check its invariants
-  help    show this help, or a command's: ferry help demo
+  demo          run the whole story on the embedded default and check its invariants
+  lag           a consumer group's lag per lane, backlog age and Burrow verdict
+  dlq peek      the dead-lettered messages of a destination and their story
+  dlq redrive   move dead-lettered messages back to their source
+  help          show this help, or a command's: ferry help demo, ferry help dlq redrive
+
+lag and dlq take the broker as a URL: --broker (or $FERRY_BROKER) mem://NAME,
+kafka://HOST:PORT, sqs://KEY:SECRET@HOST:PORT?region=R&tls=false, amqp://...
+
+Exit status: 0 success, 1 failure, 2 bad usage, 130 interrupted.
 `
 
 // run runs the command line args and returns the exit code.
@@ -65,6 +95,10 @@ func runWith(ctx context.Context, args []string, stdout, stderr io.Writer, tweak
 	switch cmd, rest := args[0], args[1:]; cmd {
 	case "demo":
 		return runDemo(ctx, rest, stdout, stderr, tweak)
+	case "lag":
+		return lagcmd.Run(ctx, rest, stdout, stderr)
+	case "dlq":
+		return dlqcmd.Run(ctx, rest, stdout, stderr)
 	case "help", "-h", "-help", "--help":
 		return help(rest, stdout, stderr)
 	default:
@@ -85,6 +119,17 @@ func help(args []string, stdout, stderr io.Writer) int {
 	case len(args) == 1 && args[0] == "help":
 		fmt.Fprint(stdout, usage)
 		return exitOK
+	case len(args) == 1 && args[0] == "lag":
+		lagcmd.Help(stdout)
+		return exitOK
+	case len(args) <= 2 && args[0] == "dlq":
+		sub := ""
+		if len(args) == 2 {
+			sub = args[1]
+		}
+		if dlqcmd.Help(stdout, sub) {
+			return exitOK
+		}
 	}
 	fmt.Fprintf(stderr, "ferry help: unknown command %q\n\n%s", strings.Join(args, " "), usage)
 	return exitUsage

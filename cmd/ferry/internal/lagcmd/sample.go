@@ -1,0 +1,95 @@
+package lagcmd
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/ferrymq/ferry"
+	"github.com/ferrymq/ferry/cmd/ferry/internal/cli"
+	"github.com/ferrymq/ferry/consumer"
+)
+
+// kafkaPeeker is a Kafka broker's Peek (kafka.Broker.Peek).
+type kafkaPeeker interface {
+	Peek(ctx context.Context, topic, group string, perPartition int) ([]consumer.Message, error)
+}
+
+// sampler reads the lag of a group on a source through a Loop that never
+// runs: its driver answers Lag without fetching (a Kafka driver joins its
+// group only on its first Fetch).
+type sampler struct {
+	b        ferry.Broker
+	kind     string
+	source   string
+	group    string
+	l        *consumer.Loop
+	progress int64 // a queue's samples with messages taken by consumers
+}
+
+func newSampler(ctx context.Context, b ferry.Broker, source, group string) (*sampler, error) {
+	name := group
+	if name == "" {
+		name = "ferry-lag"
+	}
+	l, err := b.NewConsumer(ctx, source, consumer.WithName(name))
+	if err != nil {
+		return nil, fmt.Errorf("lag of %s: %w", source, err)
+	}
+	return &sampler{b: b, kind: cli.Kind(b), source: source, group: group, l: l}, nil
+}
+
+func (s *sampler) sample(ctx context.Context) (Sample, error) {
+	lag, err := s.l.Lag(ctx)
+	if err != nil {
+		return Sample{}, fmt.Errorf("lag of %s: %w", s.source, err)
+	}
+	out := Sample{At: time.Now(), InFlight: lag.InFlight, OldestAge: lag.OldestAge}
+	if len(lag.Lanes) > 0 {
+		// Kafka: lag and committed offset per partition.
+		out.Lanes, out.Positions = lag.Lanes, lag.Positions
+		if out.Positions == nil {
+			out.Positions = map[string]int64{}
+		}
+		out.InFlight = -1 // the driver's own fetched records: none, it never fetches
+		out.OldestAge, err = s.oldestKafka(ctx, lag.Lanes)
+		if err != nil {
+			return Sample{}, err
+		}
+		return out, nil
+	}
+	if s.kind == "rabbitmq" {
+		out.InFlight = -1 // the driver counts its own deliveries only
+	} else if lag.InFlight > 0 {
+		s.progress++
+	}
+	out.Lanes = map[string]int64{"": lag.Messages}
+	out.Positions = map[string]int64{"": s.progress}
+	return out, nil
+}
+
+// oldestKafka is the age of the oldest record past the group's committed
+// offsets, of the partitions that lag.
+func (s *sampler) oldestKafka(ctx context.Context, lanes map[string]int64) (time.Duration, error) {
+	p, ok := s.b.(kafkaPeeker)
+	if !ok {
+		return 0, nil
+	}
+	recs, err := p.Peek(ctx, s.source, s.group, 1)
+	if err != nil {
+		return 0, fmt.Errorf("backlog age of %s: %w", s.source, err)
+	}
+	var oldest time.Time
+	for _, r := range recs {
+		if lanes[r.Lane] == 0 || r.PublishedAt.IsZero() {
+			continue
+		}
+		if oldest.IsZero() || r.PublishedAt.Before(oldest) {
+			oldest = r.PublishedAt
+		}
+	}
+	if oldest.IsZero() {
+		return 0, nil
+	}
+	return max(time.Since(oldest), time.Nanosecond), nil
+}

@@ -1,0 +1,125 @@
+package rabbit_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
+	"github.com/ferrymq/ferry/rabbit"
+)
+
+// One trace follows a message across RabbitMQ, published through an
+// exchange and straight to a queue: the W3C trace context the producer span
+// writes into the message's headers comes back out of the AMQP headers, and
+// the consumer span of its handler run is the producer span's child, in the
+// trace of the span that published it.
+func TestATraceFollowsAMessageAcrossRabbitMQ(t *testing.T) {
+	for _, direct := range []bool{false, true} {
+		name := "exchange"
+		if direct {
+			name = "queue"
+		}
+		t.Run(name, func(t *testing.T) {
+			rec := tracetest.NewSpanRecorder()
+			tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
+			t.Cleanup(func() { _ = tp.Shutdown(context.Background()) })
+
+			q := testenv.UniqueName(t, "trace")
+			deleteLater(t, []string{q}, []string{q})
+			b := dial(t, rabbit.WithTopology(rabbit.Topology{
+				Exchanges: []rabbit.Exchange{{Name: q, Kind: "fanout"}},
+				Queues:    []rabbit.Queue{{Name: q, DeadLetterExchange: q + ".dlx"}},
+				Bindings:  []rabbit.Binding{{Exchange: q, Queue: q}},
+			}))
+			dest := q
+			if direct {
+				dest = rabbit.ToQueue(q)
+			}
+			pub, err := consumer.TracePublisher(b, tp, "rabbitmq")
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx := ctxFor(t, 60*time.Second)
+			ctx, request := tp.Tracer("test").Start(ctx, "place order")
+			if err := pub.Publish(ctx, dest, consumer.Message{Key: "o-1", Body: []byte("order 1")}); err != nil {
+				t.Fatal(err)
+			}
+			request.End()
+
+			l, err := b.NewConsumer(q, consumer.WithName("billing"), consumer.WithTracerProvider(tp))
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := make(chan trace.SpanContext, 1)
+			runCtx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() {
+				done <- l.Run(runCtx, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+					select {
+					case got <- trace.SpanContextFromContext(ctx):
+					default:
+					}
+					return nil
+				}))
+			}()
+			var inHandler trace.SpanContext
+			select {
+			case inHandler = <-got:
+			case <-ctx.Done():
+				t.Fatal("the message was not consumed")
+			}
+			cancel()
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
+			checkOneTrace(t, rec.Ended(), "send "+dest, "process "+q, request.SpanContext(), inHandler, "rabbitmq")
+		})
+	}
+}
+
+// checkOneTrace checks that the producer span is the publisher's child, the
+// consumer span the producer span's child, all in one trace, and that the
+// handler ran in the consumer span.
+func checkOneTrace(t *testing.T, spans []sdktrace.ReadOnlySpan, sendName, processName string, request, inHandler trace.SpanContext, system string) {
+	t.Helper()
+	var send, process sdktrace.ReadOnlySpan
+	for _, s := range spans {
+		switch {
+		case s.Name() == sendName && send == nil:
+			send = s
+		case s.Name() == processName && process == nil:
+			process = s
+		}
+	}
+	if send == nil || process == nil {
+		t.Fatalf("want spans %q and %q, got %d spans", sendName, processName, len(spans))
+	}
+	if send.SpanKind() != trace.SpanKindProducer || process.SpanKind() != trace.SpanKindConsumer {
+		t.Errorf("kinds: send %v, process %v", send.SpanKind(), process.SpanKind())
+	}
+	if send.Parent().SpanID() != request.SpanID() {
+		t.Errorf("the producer span's parent is %v, want the publisher's span %v", send.Parent().SpanID(), request.SpanID())
+	}
+	if process.Parent().SpanID() != send.SpanContext().SpanID() {
+		t.Errorf("the consumer span's parent is %v, want the producer span %v: the trace context did not cross the broker",
+			process.Parent().SpanID(), send.SpanContext().SpanID())
+	}
+	if process.SpanContext().TraceID() != request.TraceID() || !process.Parent().IsRemote() {
+		t.Errorf("the consumer span is in trace %v (remote parent %v), want the publisher's trace %v",
+			process.SpanContext().TraceID(), process.Parent().IsRemote(), request.TraceID())
+	}
+	if inHandler.SpanID() != process.SpanContext().SpanID() {
+		t.Errorf("the handler ran in span %v, want the consumer span", inHandler.SpanID())
+	}
+	for _, kv := range process.Attributes() {
+		if kv.Key == "messaging.system" && kv.Value.AsString() != system {
+			t.Errorf("consumer span messaging.system = %q, want %q", kv.Value.AsString(), system)
+		}
+	}
+}
