@@ -53,7 +53,7 @@ func main() {
 const usage = `Usage: ferry <command> [flags]
 
 Commands:
-  demo    run the whole story on the embedded default and check its invariants
+  demo    run the whole story on the embedded default (or --broker URL) and check its invariants
   help    show this help, or a command's: ferry help demo
 `
 

@@ -142,11 +142,10 @@ func setUp(ctx context.Context, cfg Config, dir string) (_ *run, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("demo: %s: %w", Victim, err)
 	}
-	var victimDrv = drv2
-	r.victim, victimDrv = newKillable(drv2)
+	r.victim, drv2 = newKillable(drv2)
 	// No shutdown grace: when it is killed, its running handlers are
 	// cancelled at once.
-	if r.loop2, err = consumer.New(victimDrv, r.loopOptions(Victim, 0)...); err != nil {
+	if r.loop2, err = consumer.New(drv2, r.loopOptions(Victim, 0)...); err != nil {
 		_ = drv2.Close()
 		return nil, err
 	}
