@@ -205,6 +205,9 @@ func (r *run) run(ctx context.Context) (Verdict, error) {
 	r.out.event("ferry demo: %d orders, seed %d; the order service writes to an outbox in %s, a relay publishes to %s;", cfg.Orders, cfg.Seed, r.dbs.describe(), r.site.describe())
 	r.out.event("two billing consumers (%s, %s) pay each order through the standard middleware and idempotency.", Survivor, Victim)
 	r.out.event("%s", legend)
+	if r.site.kind == onRabbitMQ {
+		r.out.event("        (RabbitMQ tells no message's age: the oldest shows as -)")
+	}
 
 	var (
 		wg      sync.WaitGroup
@@ -495,6 +498,9 @@ func (r *run) snapshot(ctx context.Context) snapshot {
 	if lag, err := r.loop1.Lag(ctx); err == nil {
 		s.lag = r.site.lagOf(lag)
 		s.oldest = lag.OldestAge
+	}
+	if r.site.kind == onRabbitMQ {
+		s.oldest = ageUnknown // AMQP does not tell it
 	}
 	return s
 }

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -12,6 +14,7 @@ import (
 	"math"
 	"net"
 	"net/url"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -232,15 +235,25 @@ func (s *site) rabbitConn(ctx context.Context, f func(conn *amqp.Connection) err
 	if err != nil {
 		return err
 	}
-	u.RawQuery = "" // ferry's own parameters (ca_file) are not amqp091's
+	cfg := amqp.Config{}
+	if file := u.Query().Get("ca_file"); file != "" {
+		// ferry.Open's own parameter, not amqp091's: the CA to trust.
+		pem, err := os.ReadFile(file)
+		if err != nil {
+			return err
+		}
+		roots := x509.NewCertPool()
+		roots.AppendCertsFromPEM(pem)
+		cfg.TLSClientConfig = &tls.Config{RootCAs: roots, ServerName: u.Hostname(), MinVersion: tls.VersionTLS12}
+	}
+	u.RawQuery = ""
 	dialCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	conn, err := amqp.DialConfig(u.String(), amqp.Config{
-		Dial: func(network, addr string) (net.Conn, error) {
-			var d net.Dialer
-			return d.DialContext(dialCtx, network, addr)
-		},
-	})
+	cfg.Dial = func(network, addr string) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(dialCtx, network, addr)
+	}
+	conn, err := amqp.DialConfig(u.String(), cfg)
 	if err != nil {
 		return errors.New(ferry.Redact(err.Error()))
 	}
