@@ -9,7 +9,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/aws/aws-sdk-go-v2/aws"
+	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
+	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 	"github.com/jackc/pgx/v5"
+	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/ferrymq/ferry"
 	"github.com/ferrymq/ferry/internal/testenv"
@@ -95,8 +99,76 @@ func TestRunOnEachRealBrokerHoldsEveryInvariant(t *testing.T) {
 			if !strings.Contains(out.String(), "all invariants hold") {
 				t.Errorf("output lacks the verdict")
 			}
+
+			// The run's queues (topics) are gone: a second run starts clean.
+			orders := ordersQueueOf(t, out.String())
+			if exists := queueExists(t, c.Broker, orders); exists {
+				t.Errorf("%s still exists after the run", orders)
+			}
 		})
 	}
+}
+
+// ordersQueueOf reads the name of the run's orders queue (or topic) from
+// its first line.
+func ordersQueueOf(t *testing.T, out string) string {
+	t.Helper()
+	first, _, _ := strings.Cut(out, "\n")
+	for _, f := range strings.Fields(first) {
+		if strings.HasPrefix(f, "ferry-demo-") && strings.HasSuffix(f, "-orders") {
+			return f
+		}
+	}
+	t.Fatalf("the first line names no orders queue: %s", first)
+	return ""
+}
+
+// queueExists asks the broker behind rawURL whether a queue (Kafka: a
+// topic) named name exists.
+func queueExists(t *testing.T, rawURL, name string) bool {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	b, err := ferry.Open(ctx, rawURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	switch k := b.(type) {
+	case kafkaBroker:
+		topics, err := k.Admin().ListTopics(ctx, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return topics.Has(name)
+	case sqsBroker:
+		_, err := k.Client().GetQueueUrl(ctx, &awssqs.GetQueueUrlInput{QueueName: aws.String(name)})
+		var missing *types.QueueDoesNotExist
+		if errors.As(err, &missing) {
+			return false
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		return true
+	}
+	s := &site{url: rawURL}
+	found := false
+	err = s.rabbitConn(ctx, func(conn *amqp.Connection) error {
+		return onChannel(conn, func(ch *amqp.Channel) error {
+			_, err := ch.QueueDeclarePassive(name, true, false, false, false, nil)
+			found = err == nil
+			var ae *amqp.Error
+			if errors.As(err, &ae) && ae.Code == amqp.NotFound {
+				return nil
+			}
+			return err
+		})
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return found
 }
 
 // A URL ferry.Open refuses fails the run with its *ferry.URLError, which
