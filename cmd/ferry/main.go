@@ -27,11 +27,17 @@
 //
 // Usage:
 //
-//	ferry demo [-orders n] [-steady d] [-slow d] [-failing d] [-protected d] [-recovered d] [-seed n] [-quiet]
+//	ferry demo [--broker URL] [--db URL] [-orders n] [-steady d] [-slow d] [-failing d] [-protected d] [-recovered d] [-seed n] [-quiet]
 //	ferry lag SOURCE --group NAME --broker URL [--watch] [--interval d] [--samples n] [--json]
 //	ferry dlq peek DESTINATION --broker URL [--json] [--limit n] [--group NAME]
 //	ferry dlq redrive DESTINATION --to SOURCE --broker URL [--rate N/s] [--filter NAME=PATTERN]... [--limit n]
 //	ferry help [command]
+//
+// With --broker the demo runs on a real broker (kafka://127.0.0.1:9092,
+// sqs://KEY:SECRET@127.0.0.1:9324?tls=false&region=us-east-1,
+// amqp://guest:guest@127.0.0.1:5672/) in queues or topics of its own, and
+// with --db (postgres://USER:PASS@HOST:PORT/DB) it keeps the outbox, the
+// payments and the idempotency keys in PostgreSQL, in a schema of its own.
 package main
 
 import (
@@ -44,6 +50,7 @@ import (
 	"os/signal"
 	"strings"
 
+	ferrymq "github.com/ferrymq/ferry"
 	"github.com/ferrymq/ferry/cmd/ferry/internal/demo"
 	"github.com/ferrymq/ferry/cmd/ferry/internal/dlqcmd"
 	"github.com/ferrymq/ferry/cmd/ferry/internal/lagcmd"
@@ -68,7 +75,7 @@ func main() {
 const usage = `Usage: ferry <command> [flags]
 
 Commands:
-  demo          run the whole story on the embedded default and check its invariants
+  demo          run the whole story on the embedded default (or --broker URL) and check its invariants
   lag           a consumer group's lag per lane, backlog age and Burrow verdict
   dlq peek      the dead-lettered messages of a destination and their story
   dlq redrive   move dead-lettered messages back to their source
@@ -140,16 +147,24 @@ const demoUsage = `Usage: ferry demo [flags]
 Runs an order service that writes orders and their events through a
 transactional outbox, a relay, and two billing consumers that pay each order
 through the standard middleware and idempotency, on the embedded memory broker
-and SQLite. The payments API they call is steady, then slow, then down
-(failing, then protected by the breaker), then recovered. Some events are
-poison, some are published twice on purpose, and one consumer is killed
-mid-handler. A status line shows the progress every second; at the end the
+and SQLite, or on the broker of --broker and the PostgreSQL of --db. The
+payments API they call is steady, then slow, then down (failing, then
+protected by the breaker), then recovered. Some events are poison, some are
+published twice on purpose, and one consumer is killed mid-handler. A status line shows the progress every second; at the end the
 verdict checks that every order was paid exactly once, every poison message is
 in the dead-letter queue with its reason, no good message is, and nothing was
 lost.
 
+On a real broker the demo makes its own queues (Kafka: topics) under fresh
+names and deletes them at the end; with --db it works in a schema of its own,
+dropped at the end. Broker URLs:
+  kafka://127.0.0.1:9092
+  sqs://KEY:SECRET@127.0.0.1:9324?tls=false&region=us-east-1
+  amqp://guest:guest@127.0.0.1:5672/
+
 Exit status: 0 if every invariant holds; 1 if one broke (the verdict names it)
-or the demo could not run; 2 for bad usage; 130 when interrupted.
+or the demo could not run; 2 for bad usage (a bad URL too); 130 when
+interrupted.
 
 Flags:
 `
@@ -160,6 +175,8 @@ func demoFlags(w io.Writer) (*flag.FlagSet, *demo.Config) {
 	cfg := demo.DefaultConfig()
 	fs := flag.NewFlagSet("ferry demo", flag.ContinueOnError)
 	fs.SetOutput(w)
+	fs.StringVar(&cfg.Broker, "broker", "mem://", "URL of the broker to run on: mem://, kafka://, sqs://, amqp://")
+	fs.StringVar(&cfg.DB, "db", "", "PostgreSQL URL for the outbox, the payments and the idempotency keys, such as\npostgres://ferry:ferry@127.0.0.1:5432/ferry (default: SQLite in a temporary folder)")
 	fs.IntVar(&cfg.Orders, "orders", cfg.Orders, fmt.Sprintf("number of orders to commit (at least %d)", demo.MinOrders))
 	fs.DurationVar(&cfg.Steady, "steady", cfg.Steady, "length of the steady phase")
 	fs.DurationVar(&cfg.Slow, "slow", cfg.Slow, "length of the slow phase (the payments API's latency climbs)")
@@ -215,8 +232,11 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer, tweak
 	case errors.Is(err, context.Canceled) && ctx.Err() != nil:
 		fmt.Fprintln(stderr, "ferry demo: interrupted")
 		return exitInterrupted
+	case errors.Is(err, ferrymq.ErrBadURL), errors.Is(err, demo.ErrBadDBURL):
+		fmt.Fprintf(stderr, "ferry demo: %v\n", err) // a *ferry.URLError shows no password
+		return exitUsage
 	case err != nil:
-		fmt.Fprintf(stderr, "ferry demo: %v\n", err)
+		fmt.Fprintf(stderr, "ferry demo: %v\n", ferrymq.Redact(err.Error()))
 		return exitFailed
 	case !v.OK():
 		fmt.Fprintf(stderr, "ferry demo: invariant broken: %s\n", strings.Join(v.Broken(), ", "))

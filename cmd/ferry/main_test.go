@@ -74,7 +74,7 @@ func TestHelpExitsZero(t *testing.T) {
 		}
 	}
 	code, stdout, _ := ferry(t, nil, "help", "demo")
-	for _, flag := range []string{"-orders", "-steady", "-slow", "-failing", "-protected", "-recovered", "-seed", "-quiet"} {
+	for _, flag := range []string{"-broker", "-db", "-orders", "-steady", "-slow", "-failing", "-protected", "-recovered", "-seed", "-quiet"} {
 		if code != exitOK || !strings.Contains(stdout, flag) {
 			t.Errorf("ferry help demo does not document %s", flag)
 		}
@@ -83,6 +83,33 @@ func TestHelpExitsZero(t *testing.T) {
 	code, _, stderr := ferry(t, nil, "demo", "-h")
 	if code != exitOK || !strings.Contains(stderr, "Usage: ferry demo") {
 		t.Errorf("demo -h: exit %d, stderr %q", code, stderr)
+	}
+}
+
+// A broker URL ferry.Open refuses, or a database URL that is not
+// PostgreSQL's, is bad usage: exit 2 with the message that names what is
+// wrong, and never the password.
+func TestDemoBadURLExitsTwoWithoutThePassword(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--broker", "kafka://"}, `broker URL "kafka://": host is empty`},
+		{[]string{"--broker", "ftp://u:s3cret@host/"}, `scheme "ftp" is not one Ferry opens`},
+		{[]string{"--broker", "kafka://u:s3cret@127.0.0.1:9092"}, `"kafka://u:xxxxx@127.0.0.1:9092": user is given without sasl`},
+		{[]string{"--broker", "sqs://k:s3cret@127.0.0.1:9324?tls=maybe"}, "query parameter tls is maybe"},
+		{[]string{"--db", "postgres://u:s3cret@127.0.0.1:5432/ferry?sslmode=sometimes"}, "not a PostgreSQL URL"},
+	} {
+		code, stdout, stderr := ferry(t, nil, append([]string{"demo", "-quiet"}, tc.args...)...)
+		if code != exitUsage {
+			t.Errorf("%v: exit %d, want %d; stderr %q", tc.args, code, exitUsage, stderr)
+		}
+		if !strings.Contains(stderr, tc.want) {
+			t.Errorf("%v: stderr lacks %q: %q", tc.args, tc.want, stderr)
+		}
+		if strings.Contains(stderr+stdout, "s3cret") {
+			t.Errorf("%v: the password shows: %q", tc.args, stderr+stdout)
+		}
 	}
 }
 

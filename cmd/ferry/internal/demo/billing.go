@@ -13,7 +13,6 @@ import (
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
 	"github.com/ferrymq/ferry/idempotency"
-	"github.com/ferrymq/ferry/idempotency/sqlitestore"
 )
 
 // billingNamespace names the billing service for idempotency: both of its
@@ -25,22 +24,14 @@ const billingNamespace = "billing"
 // keys live in sqlitestore.DefaultTable, and the two must not share one.
 const inboxTable = "billing_inbox"
 
-const paymentsSchema = `CREATE TABLE IF NOT EXISTS payments (
-    id           INTEGER PRIMARY KEY AUTOINCREMENT,
-    order_id     TEXT    NOT NULL,  -- no unique constraint: the verdict counts double payments
-    event_id     TEXT    NOT NULL,
-    amount_cents INTEGER NOT NULL,
-    consumer     TEXT    NOT NULL,
-    paid_at      INTEGER NOT NULL
-)`
-
 // billing is the billing service: the handler both of its consumers run,
 // and what it counts.
 type billing struct {
+	dbs   *databases
 	db    *sql.DB
 	api   *payments
 	stack *consumer.Stack
-	store *sqlitestore.Store // nil without idempotency
+	store idempotency.Store  // nil without idempotency
 	dedup *idempotency.Dedup // nil without idempotency
 
 	handler consumer.Handler
@@ -55,21 +46,21 @@ type billing struct {
 	watchingKills bool
 }
 
-func newBilling(ctx context.Context, path string, c Config, pub consumer.Publisher, dlq string, api *payments, log *slog.Logger) (*billing, error) {
-	db, err := sqlitestore.Open(path)
+func newBilling(ctx context.Context, dbs *databases, c Config, pub consumer.Publisher, dlq string, api *payments, log *slog.Logger) (*billing, error) {
+	db, store, err := dbs.billing(ctx, !c.DisableIdempotency)
 	if err != nil {
 		return nil, err
 	}
-	b := &billing{db: db, api: api, runs: make(map[string]int), deliveredTo: make(map[string][]string)}
+	b := &billing{dbs: dbs, db: db, store: store, api: api, runs: make(map[string]int), deliveredTo: make(map[string][]string)}
 	if err := b.setUp(ctx, c, pub, dlq, log); err != nil {
-		db.Close()
+		_ = b.close()
 		return nil, err
 	}
 	return b, nil
 }
 
 func (b *billing) setUp(ctx context.Context, c Config, pub consumer.Publisher, dlq string, log *slog.Logger) error {
-	if _, err := b.db.ExecContext(ctx, paymentsSchema); err != nil {
+	if _, err := b.db.ExecContext(ctx, b.dbs.paymentsSchema()); err != nil {
 		return fmt.Errorf("demo: billing: create payments: %w", err)
 	}
 	timeout := c.handlerTimeout()
@@ -100,17 +91,7 @@ func (b *billing) setUp(ctx context.Context, c Config, pub consumer.Publisher, d
 		b.handler = consumer.Chain(pay, mws...)
 		return nil
 	}
-	for _, table := range []string{sqlitestore.DefaultTable, inboxTable} {
-		if err := sqlitestore.Migrate(ctx, b.db, sqlitestore.WithTable(table)); err != nil {
-			return err
-		}
-	}
-	st, err := sqlitestore.NewStore(b.db)
-	if err != nil {
-		return err
-	}
-	b.store = st
-	if b.inboxH, err = sqlitestore.NewInbox(b.db, billingNamespace, inboxTx, sqlitestore.WithTable(inboxTable)); err != nil {
+	if b.inboxH, err = b.dbs.inbox(b.db, b.inboxTx); err != nil {
 		return err
 	}
 	// A duplicate that finds its key in progress is deferred: the consumer
@@ -192,12 +173,12 @@ var errNoPayment = errors.New("demo: inbox handler called without a payment")
 
 // inboxTx is the inbox's transaction: the payment row, beside the key the
 // inbox already inserted.
-func inboxTx(ctx context.Context, tx *sql.Tx, m *consumer.Message) error {
+func (b *billing) inboxTx(ctx context.Context, tx *sql.Tx, m *consumer.Message) error {
 	p, ok := ctx.Value(paymentKey{}).(*payment)
 	if !ok {
 		return errNoPayment
 	}
-	if err := insertPayment(ctx, tx, m, p); err != nil {
+	if err := b.insertPayment(ctx, tx, m, p); err != nil {
 		return err
 	}
 	p.written = true
@@ -211,7 +192,7 @@ func (b *billing) writePlain(ctx context.Context, m *consumer.Message, p *paymen
 		return fmt.Errorf("demo: pay %s: %w", p.ev.OrderID, err)
 	}
 	defer func() { _ = tx.Rollback() }()
-	if err := insertPayment(ctx, tx, m, p); err != nil {
+	if err := b.insertPayment(ctx, tx, m, p); err != nil {
 		return err
 	}
 	if err := tx.Commit(); err != nil {
@@ -221,8 +202,8 @@ func (b *billing) writePlain(ctx context.Context, m *consumer.Message, p *paymen
 	return nil
 }
 
-func insertPayment(ctx context.Context, tx *sql.Tx, m *consumer.Message, p *payment) error {
-	_, err := tx.ExecContext(ctx, `INSERT INTO payments (order_id, event_id, amount_cents, consumer, paid_at) VALUES (?, ?, ?, ?, ?)`,
+func (b *billing) insertPayment(ctx context.Context, tx *sql.Tx, m *consumer.Message, p *payment) error {
+	_, err := tx.ExecContext(ctx, b.dbs.q(`INSERT INTO payments (order_id, event_id, amount_cents, consumer, paid_at) VALUES (?, ?, ?, ?, ?)`),
 		p.ev.OrderID, m.Header(idempotency.EventIDHeader), p.ev.AmountCents, p.consumer, time.Now().UnixMilli())
 	if err != nil {
 		return fmt.Errorf("demo: pay %s: %w", p.ev.OrderID, err)
@@ -298,18 +279,24 @@ func (b *billing) paymentsPerOrder(ctx context.Context) (map[string]int, error) 
 
 func (b *billing) close() error {
 	if b.store != nil {
-		_ = b.store.Close()
+		closeStore(b.store)
 	}
-	return b.db.Close()
+	return b.dbs.closeDB(b.db)
 }
 
 // killable wraps a consumer's driver so that the consumer can be killed:
 // from the kill on, nothing it says reaches the broker (no ack, no return,
-// no lease extension), as when its process dies. The messages it held come
-// back when their visibility timeout ends.
+// no lease extension), as when its process dies. What then becomes of the
+// messages it held is the broker's doing: on the memory broker and SQS they
+// come back when their visibility timeout ends; on RabbitMQ when the dead
+// consumer's channel and connection close; on Kafka when the group gives
+// its partitions to the other member, from the last committed offset.
+//
+// The wrapper offers the loop exactly the optional interfaces of the
+// driver it wraps (a lease to extend, revocations, a drain), since the loop
+// behaves differently with each: newKillable picks the right one.
 type killable struct {
 	driver.Driver
-	ext driver.Extender
 	lag driver.LagReporter
 
 	mu       sync.Mutex
@@ -318,13 +305,78 @@ type killable struct {
 	orphaned []string       // message ids held at the kill, or fetched after it
 }
 
-func newKillable(d driver.Driver) (*killable, error) {
-	ext, ok := d.(driver.Extender)
-	if !ok {
-		return nil, errors.New("demo: the memory driver no longer implements driver.Extender")
+// newKillable wraps d, and returns the wrapper both as itself and as the
+// driver to give the loop.
+func newKillable(d driver.Driver) (*killable, driver.Driver) {
+	k := &killable{Driver: d, held: make(map[any]string)}
+	k.lag, _ = d.(driver.LagReporter)
+	if ext, ok := d.(driver.Extender); ok {
+		return k, &leasedKillable{killable: k, ext: ext}
 	}
-	lag, _ := d.(driver.LagReporter)
-	return &killable{Driver: d, ext: ext, lag: lag, held: make(map[any]string)}, nil
+	if rev, ok := d.(driver.Revoker); ok {
+		rk := &revokingKillable{killable: k, rev: rev}
+		if dr, ok := d.(driver.Drainer); ok {
+			return k, &drainingKillable{revokingKillable: rk, dr: dr}
+		}
+		return k, rk
+	}
+	return k, k
+}
+
+// leasedKillable is a killable over a driver with leases (memory, SQS).
+type leasedKillable struct {
+	*killable
+	ext driver.Extender
+}
+
+func (k *leasedKillable) Lease() time.Duration { return k.ext.Lease() }
+
+func (k *leasedKillable) Extend(ctx context.Context, handles []any, d time.Duration) error {
+	if k.isDead() {
+		return nil
+	}
+	return k.ext.Extend(ctx, handles, d)
+}
+
+// revokingKillable is a killable over a driver whose broker takes messages
+// back (Kafka, RabbitMQ).
+type revokingKillable struct {
+	*killable
+	rev driver.Revoker
+}
+
+func (k *revokingKillable) Revoked() <-chan driver.Revocation { return k.rev.Revoked() }
+
+// drainingKillable is a revokingKillable over a driver that drains what
+// its broker pushed ahead (RabbitMQ).
+type drainingKillable struct {
+	*revokingKillable
+	dr driver.Drainer
+}
+
+func (k *drainingKillable) Drain(ctx context.Context, dst []driver.Message) ([]driver.Message, error) {
+	if k.isDead() {
+		return dst, nil // a dead process runs nothing more
+	}
+	n := len(dst)
+	out, err := k.dr.Drain(ctx, dst)
+	k.record(out[n:])
+	return out, err
+}
+
+func (k *killable) isDead() bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.dead
+}
+
+// record notes messages handed to the loop.
+func (k *killable) record(ms []driver.Message) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	for _, m := range ms {
+		k.held[m.Handle] = m.ID
+	}
 }
 
 var errKilled = errors.New("demo: consumer killed")
@@ -362,18 +414,6 @@ func (k *killable) Settle(ctx context.Context, batch []driver.Settlement) error 
 	}
 	k.mu.Unlock()
 	return k.Driver.Settle(ctx, batch)
-}
-
-func (k *killable) Lease() time.Duration { return k.ext.Lease() }
-
-func (k *killable) Extend(ctx context.Context, handles []any, d time.Duration) error {
-	k.mu.Lock()
-	dead := k.dead
-	k.mu.Unlock()
-	if dead {
-		return nil
-	}
-	return k.ext.Extend(ctx, handles, d)
 }
 
 func (k *killable) Lag(ctx context.Context) (driver.Lag, error) {

@@ -17,6 +17,18 @@ const MinOrders = 20
 // Config configures a run. Start from DefaultConfig and change what you
 // need: Run rejects zero values rather than guessing what they mean.
 type Config struct {
+	// Broker is the URL of the broker to run on, as ferry.Open takes it:
+	// mem:// (the embedded memory broker), kafka://HOST:PORT, sqs://...,
+	// amqp://USER:PASS@HOST:PORT/. On a real broker the run creates its
+	// queues (or topics) under names of its own and deletes them at the
+	// end. Default "" (mem://).
+	Broker string
+
+	// DB is the URL of a PostgreSQL database for the outbox, the payments
+	// and the idempotency keys, which the run keeps in a schema of its own
+	// and drops at the end. Default "": SQLite files in a temporary folder.
+	DB string
+
 	// Orders is how many orders the order service commits, spread evenly
 	// over the steady, slow, failing and protected phases. Default 300;
 	// at least MinOrders.
@@ -57,9 +69,11 @@ type Config struct {
 	// and 2s.
 	BaseLatency, SlowLatency time.Duration
 
-	// VisibilityTimeout is the orders queue's visibility timeout: how long
-	// the messages of a killed consumer stay hidden before another takes
-	// them. Default 2s.
+	// VisibilityTimeout is the orders queue's visibility timeout on the
+	// memory broker and SQS: how long the messages of a killed consumer stay
+	// hidden before another takes them (SQS counts it in whole seconds,
+	// rounded up). RabbitMQ and Kafka have none: see the package
+	// documentation. Default 2s.
 	VisibilityTimeout time.Duration
 
 	// Logger receives the logs of the consumers, the middleware and the

@@ -7,17 +7,16 @@ import (
 	"io"
 	"log/slog"
 	"os"
-	"path/filepath"
 	"sync"
 	"time"
 
+	"github.com/ferrymq/ferry"
 	"github.com/ferrymq/ferry/consumer"
-	"github.com/ferrymq/ferry/memory"
 	"github.com/ferrymq/ferry/outbox"
-	"github.com/ferrymq/ferry/outbox/sqliteoutbox"
 )
 
-// Names of the queues and of the two billing consumers.
+// Names of the queues on the memory broker (a real broker gets names of
+// the run's own), and of the two billing consumers.
 const (
 	OrdersQueue     = "orders"
 	DeadLetterQueue = "orders.dlq"
@@ -28,11 +27,14 @@ const (
 // Run runs the demo (see the package documentation) and returns its
 // verdict. It fails with a *consumer.ConfigError when cfg is invalid, with
 // ctx's error when ctx ends first, and with an error when the machinery of
-// the demo itself fails (a temporary folder, a database); a broken
-// invariant is not an error but a Verdict whose OK is false.
+// the demo itself fails (a temporary folder, a database, a broker that does
+// not answer); a broken invariant is not an error but a Verdict whose OK is
+// false. A Config.Broker URL that ferry.Open refuses fails with its
+// *ferry.URLError (errors.Is ferry.ErrBadURL).
 //
-// Everything Run starts has stopped when it returns, and its temporary
-// folder is removed.
+// Everything Run starts has stopped when it returns, its temporary folder
+// is removed, and the queues (or topics) it made on a real broker are
+// deleted.
 func Run(ctx context.Context, cfg Config) (Verdict, error) {
 	if err := cfg.Validate(); err != nil {
 		return Verdict{}, err
@@ -64,7 +66,8 @@ type run struct {
 	log     *slog.Logger
 	out     *printer
 	plan    *plan
-	broker  *memory.Broker
+	site    *site
+	dbs     *databases
 	orders  *orderService
 	relay   *outbox.Relay
 	dup     *duplicatingPublisher
@@ -74,6 +77,8 @@ type run struct {
 	loop1   *consumer.Loop
 	loop2   *consumer.Loop
 	victim  *killable
+	victimB ferry.Broker // the victim's own connection (the site's broker on memory)
+	dlq     *dlqReader   // nil on the memory broker, whose queues can be read in place
 	clock   clock
 
 	mu          sync.Mutex
@@ -93,33 +98,17 @@ func setUp(ctx context.Context, cfg Config, dir string) (_ *run, err error) {
 		}
 	}()
 
-	r.broker, err = memory.New(memory.WithAutoCreate(false))
-	if err != nil {
+	if r.site, err = openSite(ctx, cfg); err != nil {
 		return nil, err
 	}
-	if err := r.broker.CreateQueue(DeadLetterQueue, memory.QueueConfig{}); err != nil {
+	if r.dbs, err = openDatabases(ctx, cfg, dir); err != nil {
 		return nil, err
 	}
-	// The broker's own redrive is a backstop far behind the DeadLetter
-	// middleware's six attempts: a message that reaches it lands in the
-	// dead-letter queue without a reason, which the verdict would catch.
-	if err := r.broker.CreateQueue(OrdersQueue, memory.QueueConfig{
-		VisibilityTimeout: cfg.VisibilityTimeout,
-		MaxReceiveCount:   10,
-		DeadLetterQueue:   DeadLetterQueue,
-	}); err != nil {
+	if r.orders, err = newOrderService(ctx, r.dbs, r.site.ordersDest); err != nil {
 		return nil, err
 	}
-
-	if r.orders, err = newOrderService(ctx, filepath.Join(dir, "orders.db"), OrdersQueue); err != nil {
-		return nil, err
-	}
-	store, err := sqliteoutbox.NewStore(r.orders.db)
-	if err != nil {
-		return nil, err
-	}
-	r.dup = newDuplicatingPublisher(r.broker, r.plan.duplicates())
-	if r.relay, err = outbox.NewRelay(store, r.dup,
+	r.dup = newDuplicatingPublisher(r.site.b, r.plan.duplicates())
+	if r.relay, err = outbox.NewRelay(r.orders.store, r.dup,
 		outbox.WithName("order-relay"),
 		outbox.WithPollInterval(100*time.Millisecond),
 		outbox.WithLogger(r.log)); err != nil {
@@ -132,42 +121,62 @@ func setUp(ctx context.Context, cfg Config, dir string) (_ *run, err error) {
 	// take long enough that it holds several messages.
 	r.trap = newTrap(Victim, cfg.Steady+cfg.Slow/2)
 	r.api = newPayments(r.clock, cfg, r.trap)
-	if r.billing, err = newBilling(ctx, filepath.Join(dir, "billing.db"), cfg, r.broker, DeadLetterQueue, r.api, r.log); err != nil {
+	if r.billing, err = newBilling(ctx, r.dbs, cfg, r.site.b, r.site.dlqDest, r.api, r.log); err != nil {
 		return nil, err
 	}
 
-	drv1, err := r.broker.Driver(OrdersQueue)
+	drv1, err := r.site.driver(ctx, r.site.b, false, maxInFlight)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("demo: %s: %w", Survivor, err)
 	}
 	if r.loop1, err = consumer.New(drv1, r.loopOptions(Survivor, 5*time.Second)...); err != nil {
+		_ = drv1.Close()
 		return nil, err
 	}
-	drv2, err := r.broker.Driver(OrdersQueue)
+	// The victim has a connection of its own, as another process would:
+	// killing it cuts that one only.
+	if r.victimB, err = r.site.open(ctx); err != nil {
+		return nil, fmt.Errorf("demo: %s: %w", Victim, err)
+	}
+	drv2, err := r.site.driver(ctx, r.victimB, false, maxInFlight)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("demo: %s: %w", Victim, err)
 	}
-	if r.victim, err = newKillable(drv2); err != nil {
-		return nil, err
-	}
+	r.victim, drv2 = newKillable(drv2)
 	// No shutdown grace: when it is killed, its running handlers are
 	// cancelled at once.
-	if r.loop2, err = consumer.New(r.victim, r.loopOptions(Victim, 0)...); err != nil {
+	if r.loop2, err = consumer.New(drv2, r.loopOptions(Victim, 0)...); err != nil {
+		_ = drv2.Close()
 		return nil, err
+	}
+	if r.site.kind != onMemory {
+		if r.dlq, err = newDLQReader(ctx, r.site, r.log); err != nil {
+			return nil, err
+		}
 	}
 	return r, nil
 }
 
+// maxInFlight bounds each billing consumer's unacknowledged messages.
+const maxInFlight = 12
+
 func (r *run) loopOptions(name string, grace time.Duration) []consumer.Option {
-	return []consumer.Option{
+	opts := []consumer.Option{
 		consumer.WithName(name),
 		consumer.WithConcurrency(6),
-		consumer.WithMaxInFlight(12),
+		consumer.WithMaxInFlight(maxInFlight),
 		consumer.WithShutdownGrace(grace),
 		consumer.WithLogger(r.log),
 		// A health window of a few seconds, to follow the phases.
 		consumer.WithHealthWindow(500*time.Millisecond, 6),
 	}
+	if r.site.kind == onKafka {
+		// Order per order, not per partition: each order's events keep
+		// their order while a partition's orders run side by side, and a
+		// record retried in place holds back its own key only.
+		opts = append(opts, consumer.WithOrdering(consumer.OrderByKey))
+	}
+	return opts
 }
 
 func (r *run) close() {
@@ -175,10 +184,13 @@ func (r *run) close() {
 		_ = r.billing.close()
 	}
 	if r.orders != nil {
-		_ = r.orders.db.Close()
+		_ = r.orders.close()
 	}
-	if r.broker != nil {
-		_ = r.broker.Close()
+	if r.dbs != nil {
+		r.dbs.close(context.Background())
+	}
+	if r.site != nil {
+		r.site.close(context.Background())
 	}
 }
 
@@ -190,9 +202,12 @@ func (r *run) run(ctx context.Context) (Verdict, error) {
 	start := time.Now()
 	r.clock = newClock(start, cfg)
 	r.api.clock = r.clock
-	r.out.event("ferry demo: %d orders, seed %d; the order service writes to an outbox in SQLite, a relay publishes to the memory broker,", cfg.Orders, cfg.Seed)
+	r.out.event("ferry demo: %d orders, seed %d; the order service writes to an outbox in %s, a relay publishes to %s;", cfg.Orders, cfg.Seed, r.dbs.describe(), r.site.describe())
 	r.out.event("two billing consumers (%s, %s) pay each order through the standard middleware and idempotency.", Survivor, Victim)
 	r.out.event("%s", legend)
+	if r.site.kind == onRabbitMQ {
+		r.out.event("        (RabbitMQ tells no message's age: the oldest shows as -)")
+	}
 
 	var (
 		wg      sync.WaitGroup
@@ -234,10 +249,24 @@ func (r *run) run(ctx context.Context) (Verdict, error) {
 	loop2Done := make(chan struct{})
 	goRun(func() {
 		defer close(loop2Done)
-		if err := r.loop2.Run(ctx2, r.billing.handler); err != nil && !errors.Is(err, errKilled) {
+		if err := r.loop2.Run(ctx2, r.billing.handler); err != nil && !errors.Is(err, errKilled) && !r.victim.isDead() {
 			fail(fmt.Errorf("demo: %s: %w", Victim, err))
 		}
 	})
+
+	dlqCtx, stopDLQ := context.WithCancel(bg)
+	defer stopDLQ()
+	dlqDone := make(chan struct{})
+	if r.dlq != nil {
+		goRun(func() {
+			defer close(dlqDone)
+			if err := r.dlq.loop.Run(dlqCtx, r.dlq); err != nil {
+				fail(fmt.Errorf("demo: dead-letter reader: %w", err))
+			}
+		})
+	} else {
+		close(dlqDone)
+	}
 
 	produced := make(chan error, 1)
 	goRun(func() { produced <- r.orders.produce(bg, r.plan, start, cfg.production()) })
@@ -267,6 +296,8 @@ func (r *run) run(ctx context.Context) (Verdict, error) {
 	<-loop1Done
 	stopRelay()
 	<-relayDone
+	stopDLQ()
+	<-dlqDone
 	stopStatus()
 	<-statusDone
 	stopAll()
@@ -290,16 +321,31 @@ func (r *run) run(ctx context.Context) (Verdict, error) {
 	return v, nil
 }
 
-// drain waits until the outbox and the queue are empty, or deadline.
+// drain waits until the outbox and the queue are empty and every message
+// dead-lettered has been read back, or deadline.
 func (r *run) drain(ctx context.Context, deadline time.Time) error {
-	t := time.NewTicker(50 * time.Millisecond)
+	every := 50 * time.Millisecond
+	if r.site.kind != onMemory {
+		every = 250 * time.Millisecond // each look asks the broker
+	}
+	t := time.NewTicker(every)
 	defer t.Stop()
+	empty := 0 // looks in a row that found the queue empty
 	for {
 		b, err := r.relay.Backlog(ctx)
 		if err == nil && b.Events == 0 {
 			// The relay has published the last events: their copies too.
 			r.dup.flush(ctx)
-			if r.queueLeft() == 0 {
+			// A broker's counts can lag behind a message on its way
+			// (between a delay queue and its source, on RabbitMQ): the
+			// queue must look empty twice, and every order must have its
+			// outcome.
+			if left, err := r.site.left(ctx, r.loop1); err == nil && left == 0 {
+				empty++
+			} else {
+				empty = 0
+			}
+			if empty >= 2 && r.settled(ctx) {
 				return nil
 			}
 		}
@@ -315,9 +361,36 @@ func (r *run) drain(ctx context.Context, deadline time.Time) error {
 	}
 }
 
-func (r *run) queueLeft() int64 {
-	q := r.broker.Stats(OrdersQueue)
-	return q.Visible + q.Delayed + q.InFlight
+// settled reports whether every committed order has its outcome: a good
+// order paid, a poison order in the dead-letter queue.
+func (r *run) settled(ctx context.Context) bool {
+	committed, err := r.orders.committedOrders(ctx)
+	if err != nil {
+		return false
+	}
+	paid, err := r.billing.paymentsPerOrder(ctx)
+	if err != nil {
+		return false
+	}
+	dead := make(map[string]bool)
+	for _, m := range r.deadLetters() {
+		dead[m.Key] = true
+	}
+	for _, id := range committed {
+		o := r.plan.byID[id]
+		if o == nil || (o.poison == poisonNone && paid[id] == 0) || (o.poison != poisonNone && !dead[id]) {
+			return false
+		}
+	}
+	return true
+}
+
+// deadLetters returns what is in the dead-letter queue.
+func (r *run) deadLetters() []consumer.Message {
+	if r.dlq == nil {
+		return r.site.mem.Messages(r.site.dlq)
+	}
+	return r.dlq.messages()
 }
 
 // killer kills the victim when the trap catches one of its calls, or, if
@@ -340,15 +413,18 @@ func (r *run) killer(ctx context.Context, stop func(), stopped <-chan struct{}, 
 	held := r.victim.kill()
 	stop()
 	<-stopped
+	// Its loop closed its driver; a process that dies closes its
+	// connections too (RabbitMQ requeues what they held at once).
+	r.site.closeExtra(r.victimB)
 	r.mu.Lock()
 	r.killed, r.killedOrder = true, order
 	r.mu.Unlock()
 	if order != "" {
-		r.out.event("kill: %s killed while charging %s, holding %s; the broker hands them out again after the %s visibility timeout",
-			Victim, order, plural(len(held), "unacknowledged message"), r.cfg.VisibilityTimeout)
+		r.out.event("kill: %s killed while charging %s, holding %s; %s",
+			Victim, order, plural(len(held), "unacknowledged message"), r.site.takeover())
 	} else {
-		r.out.event("kill: %s killed, holding %s; the broker hands them out again after the %s visibility timeout",
-			Victim, plural(len(held), "unacknowledged message"), r.cfg.VisibilityTimeout)
+		r.out.event("kill: %s killed, holding %s; %s",
+			Victim, plural(len(held), "unacknowledged message"), r.site.takeover())
 	}
 }
 
@@ -420,8 +496,11 @@ func (r *run) snapshot(ctx context.Context) snapshot {
 		health:     string(r.loop1.Health().State),
 	}
 	if lag, err := r.loop1.Lag(ctx); err == nil {
-		s.lag = lag.Messages + max(lag.InFlight, 0)
+		s.lag = r.site.lagOf(lag)
 		s.oldest = lag.OldestAge
+	}
+	if r.site.kind == onRabbitMQ {
+		s.oldest = ageUnknown // AMQP does not tell it
 	}
 	return s
 }
@@ -440,13 +519,17 @@ func (r *run) judge(ctx context.Context, elapsed time.Duration) (Verdict, error)
 	if err != nil {
 		return Verdict{}, err
 	}
+	left, err := r.site.left(ctx, nil)
+	if err != nil {
+		return Verdict{}, err
+	}
 	f := facts{
 		plan:      r.plan,
 		committed: committed,
 		paid:      paid,
-		dlq:       r.broker.Messages(DeadLetterQueue),
+		dlq:       r.deadLetters(),
 		backlog:   backlog,
-		queueLeft: r.queueLeft(),
+		queueLeft: left,
 	}
 	poison := 0
 	for _, o := range r.plan.poison() {
@@ -459,6 +542,7 @@ func (r *run) judge(ctx context.Context, elapsed time.Duration) (Verdict, error)
 	v := Verdict{
 		Checks:               judge(f),
 		Seed:                 r.cfg.Seed,
+		Broker:               r.site.kind.String(),
 		Elapsed:              elapsed,
 		Orders:               len(committed),
 		Good:                 len(committed) - poison,
@@ -476,7 +560,7 @@ func (r *run) judge(ctx context.Context, elapsed time.Duration) (Verdict, error)
 	}
 	r.mu.Lock()
 	if r.killed {
-		v.Killed, v.KilledOrder = Victim, r.killedOrder
+		v.Killed, v.KilledOrder, v.TakenOverHow = Victim, r.killedOrder, r.site.takenOverAfter()
 		orphans := r.victim.orphans()
 		v.Orphaned, v.TakenOver = len(orphans), r.billing.takenOver(orphans, Survivor)
 	}

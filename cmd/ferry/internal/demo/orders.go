@@ -12,7 +12,6 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/outbox"
-	"github.com/ferrymq/ferry/outbox/sqliteoutbox"
 )
 
 // OrderPlaced is the event the order service publishes for each order.
@@ -124,39 +123,34 @@ func (p *plan) duplicates() map[string]bool {
 
 // orderService commits orders and their events in one transaction each.
 type orderService struct {
+	dbs       *databases
 	db        *sql.DB
-	w         *sqliteoutbox.Writer
+	add       addFunc      // adds events in the order's transaction
+	store     outbox.Store // the relay's
 	queue     string
 	committed atomic.Int64
 }
 
 const ordersSchema = `CREATE TABLE IF NOT EXISTS orders (
-    id           TEXT    NOT NULL PRIMARY KEY,
-    customer     TEXT    NOT NULL,
-    amount_cents INTEGER NOT NULL,
-    created_at   INTEGER NOT NULL
+    id           TEXT   NOT NULL PRIMARY KEY,
+    customer     TEXT   NOT NULL,
+    amount_cents BIGINT NOT NULL,
+    created_at   BIGINT NOT NULL
 )`
 
-func newOrderService(ctx context.Context, path, queue string) (*orderService, error) {
-	db, err := sqliteoutbox.Open(path)
+func newOrderService(ctx context.Context, dbs *databases, queue string) (*orderService, error) {
+	db, add, store, err := dbs.orders(ctx)
 	if err != nil {
 		return nil, err
-	}
-	if err := sqliteoutbox.Migrate(ctx, db); err != nil {
-		db.Close()
-		return nil, fmt.Errorf("demo: order service: %w", err)
 	}
 	if _, err := db.ExecContext(ctx, ordersSchema); err != nil {
-		db.Close()
+		_ = dbs.closeDB(db)
 		return nil, fmt.Errorf("demo: order service: create orders: %w", err)
 	}
-	w, err := sqliteoutbox.NewWriter()
-	if err != nil {
-		db.Close()
-		return nil, err
-	}
-	return &orderService{db: db, w: w, queue: queue}, nil
+	return &orderService{dbs: dbs, db: db, add: add, store: store, queue: queue}, nil
 }
+
+func (s *orderService) close() error { return s.dbs.closeDB(s.db) }
 
 // place commits the order row and its event together.
 func (s *orderService) place(ctx context.Context, o *order) error {
@@ -165,11 +159,11 @@ func (s *orderService) place(ctx context.Context, o *order) error {
 		return fmt.Errorf("demo: place %s: %w", o.id, err)
 	}
 	defer func() { _ = tx.Rollback() }()
-	if _, err := tx.ExecContext(ctx, `INSERT INTO orders (id, customer, amount_cents, created_at) VALUES (?, ?, ?, ?)`,
+	if _, err := tx.ExecContext(ctx, s.dbs.q(`INSERT INTO orders (id, customer, amount_cents, created_at) VALUES (?, ?, ?, ?)`),
 		o.id, o.customer, o.amount, time.Now().UnixMilli()); err != nil {
 		return fmt.Errorf("demo: place %s: %w", o.id, err)
 	}
-	if err := s.w.Add(ctx, tx, outbox.Event{
+	if err := s.add(ctx, tx, outbox.Event{
 		ID:          o.eventID,
 		Destination: s.queue,
 		Key:         o.id,

@@ -13,8 +13,8 @@ type snapshot struct {
 	phase      Phase
 	published  int64
 	paid       int64
-	lag        int64 // messages in the queue not yet handled: waiting or in flight
-	oldest     time.Duration
+	lag        int64         // messages in the queue not yet handled: waiting or in flight
+	oldest     time.Duration // ageUnknown where the broker does not tell it
 	retries    int64
 	breaker    string
 	dead       int64
@@ -33,12 +33,18 @@ func (s snapshot) compact() string {
 		s.elapsed.Seconds(), s.phase, s.published, s.paid, s.lag, roundAge(s.oldest), s.retries, s.breaker, s.dead, s.suppressed, s.health)
 }
 
+// ageUnknown is the oldest message's age where the broker does not tell
+// it (RabbitMQ).
+const ageUnknown = time.Duration(-1)
+
 // Legend explains the columns of the status line.
 const legend = "status: time, phase, events published, payments made, messages waiting or in flight (lag) and the age of the oldest,\n" +
 	"        handler retries, breaker state, messages dead-lettered, duplicates suppressed, and the consumer's health"
 
 func roundAge(d time.Duration) string {
 	switch {
+	case d == ageUnknown:
+		return "-"
 	case d <= 0:
 		return "0s"
 	case d < 10*time.Second:

@@ -40,6 +40,7 @@ type Verdict struct {
 
 	Seed    uint64
 	Elapsed time.Duration
+	Broker  string // the kind of broker the run was on: "the memory broker", "Kafka", "SQS", "RabbitMQ"
 
 	Orders int // orders committed
 	Good   int // committed orders that are not poison
@@ -59,9 +60,11 @@ type Verdict struct {
 	// Killed is the consumer killed mid-handler ("" if the kill never
 	// happened), KilledOrder the order its caught handler was charging ("" if
 	// none was caught), Orphaned how many messages it held, and TakenOver
-	// how many of them the surviving consumer received afterwards.
-	Killed, KilledOrder string
-	Orphaned, TakenOver int
+	// how many of them the surviving consumer received afterwards, and
+	// TakenOverHow when ("after the visibility timeout", "after the
+	// rebalance", ...).
+	Killed, KilledOrder, TakenOverHow string
+	Orphaned, TakenOver               int
 }
 
 // OK reports whether every invariant holds.
@@ -258,12 +261,12 @@ func (v Verdict) Report(w io.Writer) {
 	switch {
 	case v.Killed == "":
 	case v.KilledOrder != "":
-		fmt.Fprintf(&b, "  %s was killed while charging %s, holding %s; %s took over %d of them after the visibility timeout\n",
-			v.Killed, v.KilledOrder, plural(v.Orphaned, "message"), Survivor, v.TakenOver)
+		fmt.Fprintf(&b, "  %s was killed while charging %s, holding %s; %s took over %d of them %s\n",
+			v.Killed, v.KilledOrder, plural(v.Orphaned, "message"), Survivor, v.TakenOver, v.TakenOverHow)
 	default:
-		fmt.Fprintf(&b, "  %s was killed holding %s; %s took over %d of them after the visibility timeout\n",
-			v.Killed, plural(v.Orphaned, "message"), Survivor, v.TakenOver)
+		fmt.Fprintf(&b, "  %s was killed holding %s; %s took over %d of them %s\n",
+			v.Killed, plural(v.Orphaned, "message"), Survivor, v.TakenOver, v.TakenOverHow)
 	}
-	fmt.Fprintf(&b, "  seed %d, %s\n", v.Seed, v.Elapsed.Round(100*time.Millisecond))
+	fmt.Fprintf(&b, "  seed %d, %s, on %s\n", v.Seed, v.Elapsed.Round(100*time.Millisecond), v.Broker)
 	_, _ = io.WriteString(w, b.String())
 }

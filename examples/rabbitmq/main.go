@@ -1,0 +1,202 @@
+// Command rabbitmq is an order service and a billing consumer on RabbitMQ.
+//
+// The order service commits each order and its OrderPlaced event in one
+// SQLite transaction (the transactional outbox); a relay publishes the
+// events to a queue. The billing consumer pays each order through
+// consumer.Standard (retry, circuit breaker, dead letter, timeout, recover)
+// and idempotency, so an event delivered twice is paid once. It prints each
+// payment and ends once every order is paid.
+//
+// Start the brokers (docker compose up --wait, or make brokers), then:
+//
+//	go run ./examples/rabbitmq
+//	go run ./examples/rabbitmq -url amqp://guest:guest@127.0.0.1:5672/ -orders 20
+//
+// A real service keeps its queues; this example declares its own, under a
+// fresh name, which RabbitMQ deletes a minute after they were last used, so
+// that runs never see each other's messages.
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"sync/atomic"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/idempotency"
+	"github.com/ferrymq/ferry/idempotency/sqlitestore"
+	"github.com/ferrymq/ferry/outbox"
+	"github.com/ferrymq/ferry/outbox/sqliteoutbox"
+	"github.com/ferrymq/ferry/rabbit"
+)
+
+// OrderPlaced is the event the order service publishes for each order.
+type OrderPlaced struct {
+	OrderID     string `json:"order_id"`
+	AmountCents int64  `json:"amount_cents"`
+}
+
+func main() {
+	url := flag.String("url", "amqp://guest:guest@127.0.0.1:5672/", "the AMQP URL of RabbitMQ")
+	orders := flag.Int("orders", 10, "how many orders to place")
+	timeout := flag.Duration("timeout", time.Minute, "give up when the orders are not all paid by then")
+	flag.Parse()
+
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	defer cancel()
+	if err := run(ctx, *url, *orders); err != nil {
+		slog.Error("example failed", "err", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, url string, n int) error {
+	// The broker, with the queues of this run in its topology: it declares
+	// them when it connects, and again after every reconnect.
+	id := randomID()
+	queue, dlq := "orders-"+id, "orders-"+id+"-dlq"
+	expires := amqp.Table{"x-expires": int64(time.Minute / time.Millisecond)}
+	b, err := rabbit.Dial(url, rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{
+		{Name: queue, Args: expires}, // a quorum queue, the default
+		{Name: dlq, Args: expires},
+	}}))
+	if err != nil {
+		return err
+	}
+	defer b.Close()
+
+	dir, err := os.MkdirTemp("", "ferry-example-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+
+	// The order service: each order and its event in one transaction.
+	db, err := sqliteoutbox.Open(filepath.Join(dir, "orders.db"))
+	if err != nil {
+		return err
+	}
+	defer db.Close()
+	if err := sqliteoutbox.Migrate(ctx, db); err != nil {
+		return err
+	}
+	if _, err := db.ExecContext(ctx, `CREATE TABLE orders (id TEXT PRIMARY KEY, amount_cents INTEGER NOT NULL)`); err != nil {
+		return err
+	}
+	w, err := sqliteoutbox.NewWriter()
+	if err != nil {
+		return err
+	}
+	for i := 1; i <= n; i++ {
+		o := OrderPlaced{OrderID: fmt.Sprintf("o-%04d", i), AmountCents: int64(1000 + 250*i)}
+		body, _ := json.Marshal(o)
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			return err
+		}
+		if _, err := tx.ExecContext(ctx, `INSERT INTO orders (id, amount_cents) VALUES (?, ?)`, o.OrderID, o.AmountCents); err != nil {
+			tx.Rollback()
+			return err
+		}
+		// ToQueue publishes straight to a queue, through the default exchange.
+		if err := w.Add(ctx, tx, outbox.Event{Destination: rabbit.ToQueue(queue), Key: o.OrderID, Body: body}); err != nil {
+			tx.Rollback()
+			return err
+		}
+		if err := tx.Commit(); err != nil {
+			return err
+		}
+		fmt.Printf("order service: placed %s (%d cents)\n", o.OrderID, o.AmountCents)
+	}
+
+	// The relay publishes what the transactions committed.
+	store, err := sqliteoutbox.NewStore(db)
+	if err != nil {
+		return err
+	}
+	relay, err := outbox.NewRelay(store, b)
+	if err != nil {
+		return err
+	}
+	ctx, stop := context.WithCancel(ctx)
+	defer stop()
+	relayDone := make(chan error, 1)
+	go func() { relayDone <- relay.Run(ctx) }()
+	defer func() { stop(); <-relayDone }()
+
+	// Billing: the standard middleware, then idempotency on the event id the
+	// outbox sets, with its keys in billing's own database.
+	bdb, err := sqlitestore.Open(filepath.Join(dir, "billing.db"))
+	if err != nil {
+		return err
+	}
+	defer bdb.Close()
+	if err := sqlitestore.Migrate(ctx, bdb); err != nil {
+		return err
+	}
+	keys, err := sqlitestore.NewStore(bdb)
+	if err != nil {
+		return err
+	}
+	defer keys.Close()
+	dedup, err := idempotency.New(keys, "billing")
+	if err != nil {
+		return err
+	}
+	stack, err := consumer.Standard(b, rabbit.ToQueue(dlq))
+	if err != nil {
+		return err
+	}
+
+	var paid atomic.Int64
+	allPaid := make(chan struct{})
+	pay := consumer.JSON(func(ctx context.Context, o OrderPlaced, m *consumer.Message) error {
+		// Charge the customer here; an error comes back later, a
+		// consumer.Permanent error goes to the dead-letter queue.
+		fmt.Printf("billing: paid %s (%d cents, attempt %d)\n", o.OrderID, o.AmountCents, m.Attempt)
+		if paid.Add(1) == int64(n) {
+			close(allPaid)
+		}
+		return nil
+	})
+	// A message is acked once its handler returned nil; until then
+	// RabbitMQ holds it on the consumer's channel.
+	c, err := b.NewConsumer(queue, consumer.WithName("billing"))
+	if err != nil {
+		return err
+	}
+	runDone := make(chan error, 1)
+	go func() { runDone <- c.Run(ctx, consumer.Chain(pay, stack.Wrap, dedup.Wrap)) }()
+
+	select {
+	case <-allPaid:
+		fmt.Printf("billing: paid %d of %d orders\n", paid.Load(), n)
+	case <-ctx.Done():
+		err = fmt.Errorf("%d of %d orders paid: %w", paid.Load(), n, ctx.Err())
+	}
+	stop()
+	if rerr := <-runDone; rerr != nil && err == nil {
+		err = rerr
+	}
+	return err
+}
+
+// randomID names this run's queues.
+func randomID() string {
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}

@@ -1,0 +1,21 @@
+package main
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ferrymq/ferry/examples/internal/exampletest"
+	"github.com/ferrymq/ferry/internal/testenv"
+)
+
+// The example pays every order it placed, on the SQS-compatible server.
+func TestExamplePaysEveryOrder(t *testing.T) {
+	endpoint := testenv.RequireSQS(t)
+	out := exampletest.Run(t, 90*time.Second, "-endpoint", endpoint, "-region", testenv.SQSRegion(), "-orders", "5", "-timeout", "60s")
+	for _, want := range []string{"order service: placed o-0005", "billing: paid o-0005", "billing: paid 5 of 5 orders"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q", want)
+		}
+	}
+}
