@@ -209,9 +209,9 @@ func WithCommitInterval(d time.Duration) Option {
 // loop's in-flight bound), so that a partition whose oldest record does not
 // progress (a retry in place, a hold, a slow key) leaves the rest of the
 // loop's room to the others; it is paused once it holds that many with none
-// finished for half a second (StuckAfter), or once two fetch batches wait
-// in the consumer. A set value pauses at that count whether the partition makes
-// progress or not.
+// finished for half a second (StuckAfter), or once more records wait in the
+// consumer than it finished in the last half second. A set value pauses at
+// that count whether the partition makes progress or not.
 func WithPartitionBuffer(n int) Option {
 	return func(c *config) error {
 		if n <= 0 {

@@ -62,12 +62,15 @@
 //     driver, in order, until the partition's records finish, so that a
 //     partition whose oldest record does not progress (a retry in place, a
 //     hold, a slow key) never takes the whole loop's room and the other
-//     partitions keep flowing. A partition with two fetch batches waiting
-//     in the driver, or its share unfinished with none finished for half a second,
-//     is paused (PauseFetchPartitions) until half of them are done;
-//     WithPartitionBuffer sets the share and pauses at it at once. When the loop is full
-//     or a breaker holds, it stops polling, and franz-go keeps at most one
-//     buffered fetch: lag grows, memory does not. Pauses are lifted when a
+//     partitions keep flowing. While two fetch batches wait in the driver
+//     it stops polling, and franz-go keeps at most one buffered fetch: lag
+//     grows, memory does not. A partition with more records waiting than it
+//     finished in the last half second (StuckAfter), or its share
+//     unfinished with none finished for half a second, is paused
+//     (PauseFetchPartitions) until half of them are done, so that a slow
+//     partition does not hold polling back for the others;
+//     WithPartitionBuffer sets the share and pauses at it at once. When the
+//     loop is full or a breaker holds, it stops polling too. Pauses are lifted when a
 //     partition is revoked or assigned, since franz-go keeps them across
 //     rebalances.
 //   - Rebalances: cooperative-sticky by default, so only the partitions that

@@ -349,18 +349,32 @@ func (d *kafkaDriver) waitingUnpaused() int {
 
 // adjustPauses pauses fetching a partition whose records wait (as many
 // unfinished as its limit, with no progress for StuckAfter, or at once
-// under WithPartitionBuffer) and resumes one that is down to half its
-// limit. A partition that makes progress is not paused: Fetch stops
-// polling instead while enough records wait. franz-go is called under d.mu,
-// so that the pauses and resumes Fetch and Settle decide reach it in the
-// order they were decided. d.mu is held.
+// under WithPartitionBuffer; or more waiting here than it finished in the
+// last StuckAfter) and resumes one that is down to half its limit. A
+// partition that goes fast is not paused: Fetch stops polling instead
+// while enough records wait, which costs no fetch round trip on resuming.
+// But a slow one would hold polling back for every other partition (and
+// franz-go's buffered fetch would hand out its records before theirs), so
+// once its waiting records would take longer than StuckAfter to go out at
+// its rate, it is paused. franz-go is called under d.mu, so that the
+// pauses and resumes Fetch and Settle decide reach it in the order they
+// were decided. d.mu is held.
 func (d *kafkaDriver) adjustPauses(cl *kgo.Client, limit int, fixed bool) {
-	stuck := time.Now().UnixNano() - int64(StuckAfter)
+	now := time.Now().UnixNano()
+	stuck := now - int64(StuckAfter)
 	var pause, resume []int32
 	for _, p := range d.parts {
+		if p.winStart <= stuck {
+			p.lastWinAcks = -1
+			if p.winBusy && p.outstanding > 0 {
+				p.lastWinAcks = p.winAcks
+			}
+			p.winAcks, p.winStart, p.winBusy = 0, now, p.outstanding > 0
+		}
 		held := p.outstanding + len(p.stash)
+		slow := p.lastWinAcks >= 0 && len(p.stash) > max(p.lastWinAcks, limit)
 		switch {
-		case !p.paused && held >= limit && (fixed || p.progress < stuck):
+		case !p.paused && (slow || held >= limit && (fixed || p.progress < stuck)):
 			p.paused = true
 			pause = append(pause, p.id)
 		case p.paused && held <= limit/2:

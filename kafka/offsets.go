@@ -33,6 +33,15 @@ type partition struct {
 	outstanding int           // handed out and unfinished
 	paused      bool          // fetching paused because outstanding reached the buffer
 	progress    int64         // when a record last finished (or the partition was assigned), unix nanos
+
+	// The rate the partition finishes records at: finished in the window
+	// from winStart on, and in the last whole window (-1: unknown, when the
+	// loop did not hold records of it all through the window: then it
+	// measured no rate). See adjustPauses.
+	winStart    int64
+	winAcks     int
+	winBusy     bool // it had records in the loop when the window began
+	lastWinAcks int
 }
 
 type entry struct {
@@ -43,7 +52,8 @@ type entry struct {
 }
 
 func newPartition(id int32) *partition {
-	return &partition{id: id, lane: strconv.Itoa(int(id)), next: -1, committed: -1, progress: time.Now().UnixNano()}
+	now := time.Now().UnixNano()
+	return &partition{id: id, lane: strconv.Itoa(int(id)), next: -1, committed: -1, progress: now, winStart: now, lastWinAcks: -1}
 }
 
 func (p *partition) add(r *kgo.Record) {
@@ -62,6 +72,7 @@ func (p *partition) ack(off int64) bool {
 	}
 	live[i].done = true
 	p.outstanding--
+	p.winAcks++
 	p.progress = time.Now().UnixNano()
 	for p.head < len(p.ents) && p.ents[p.head].done {
 		e := &p.ents[p.head]

@@ -14,10 +14,12 @@ import (
 )
 
 // TestSlowPartitionDoesNotStarveOthers: partition 0 is slow but makes
-// progress (100 ms a record, well under StuckAfter), so it is never paused;
-// since 14c22a6 Fetch stops polling while two fetch batches of its records
-// wait in its stash, and franz-go's buffered fetch holds hundreds more of
-// them. Records published to partition 1 afterwards wait behind them.
+// progress (100 ms a record, well under StuckAfter). Fetch stops polling
+// while two fetch batches of its records wait in its stash, and franz-go's
+// buffered fetch holds hundreds more of them: unless the slow partition is
+// paused, records published to partition 1 afterwards wait behind them
+// (found by review of the change that stopped pausing partitions that make
+// progress).
 func TestSlowPartitionDoesNotStarveOthers(t *testing.T) {
 	b := newBroker(t)
 	topic := newTopic(t, b, "review-slow", 2)
