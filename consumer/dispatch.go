@@ -64,6 +64,7 @@ type run struct {
 
 	revocations []*revocationWait
 	shutting    bool
+	closedKeys  map[orderKey]bool // keys a delivery went back on during the shutdown
 	graceOver   atomic.Bool // read by workers: start nothing more
 }
 
@@ -346,6 +347,12 @@ func (r *run) admit(d *delivery) {
 	}
 	if d.ordered {
 		k := r.orderKey(d)
+		if r.closedKeys[k] {
+			// An earlier delivery of its key went back as the Run stops:
+			// this one follows it back rather than overtake it.
+			r.settle(d, driver.Return, 0)
+			return
+		}
 		if q, busy := r.keys[k]; busy {
 			r.keys[k] = append(q, d)
 			d.state = stateQueued

@@ -190,6 +190,14 @@ func (r *run) settle(d *delivery, a driver.Action, delay time.Duration) {
 		r.releaseKey(d)
 		return
 	}
+	if r.shutting && d.ordered {
+		// Its key stays closed for the rest of the Run: a delivery of it
+		// fetched as the Run stopped must not overtake it (see admit).
+		if r.closedKeys == nil {
+			r.closedKeys = make(map[orderKey]bool)
+		}
+		r.closedKeys[r.orderKey(d)] = true
+	}
 	for _, f := range r.takeFollowers(d) {
 		r.settle(f, driver.Return, delay)
 	}
