@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -556,5 +557,35 @@ func TestRunsKeepLaneOrder(t *testing.T) {
 				t.Fatalf("lane %s ran out of order at %d: offset %d", lane, i, o)
 			}
 		}
+	}
+}
+
+// TestRunsTakeTurnsWithOtherLanes: a worker running a lane's run of slow
+// handlers hands the rest of it back once another delivery waits for a
+// worker, so that one lane does not keep the only worker for a whole run.
+func TestRunsTakeTurnsWithOtherLanes(t *testing.T) {
+	drv := newScriptLog(false)
+	drv.add("a", 300)
+	drv.add("b", 1)
+	l, err := New(drv, WithConcurrency(1), WithMaxInFlight(400), WithFetchBatch(400))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var order []string
+	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
+		time.Sleep(time.Millisecond)
+		mu.Lock()
+		order = append(order, m.Lane)
+		mu.Unlock()
+		return nil
+	}))
+	eventually(t, "all acked", func() bool { return l.Stats().Acked == 301 })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	at := slices.Index(order, "b")
+	if at < 0 || at > 100 {
+		t.Errorf("lane b's only message ran after %d of lane a's 300 (a whole run of %d): runs do not take turns", at, maxRun)
 	}
 }

@@ -25,6 +25,7 @@ func (r *run) worker() {
 		// d, then its run in order while each succeeds (see delivery.run);
 		// each goes back as it finishes, so that its ack is not held.
 		run, next := d.run, 0
+		began := time.Now()
 		for {
 			switch {
 			case r.graceOver.Load():
@@ -43,8 +44,9 @@ func (r *run) worker() {
 				r.releaseReservations(d)
 			}
 			more := next < len(run)
-			if more && (d.err != nil || d.late) {
-				// What follows must not overtake it: hand the rest back.
+			if more && (d.err != nil || d.late || r.yieldRun(began)) {
+				// What follows must not overtake it (or others wait for a
+				// worker): hand the rest back, to the head of its key.
 				d.cut, more = run[next:], false
 			}
 			select {
@@ -58,6 +60,18 @@ func (r *run) worker() {
 			d, next = run[next], next+1
 		}
 	}
+}
+
+// runSlice is how long a worker keeps to one run while other deliveries
+// wait for a worker: a run is for handlers quick enough that the round
+// trip through the dispatcher would cost more than they do; slow ones take
+// turns with other lanes as single deliveries do.
+const runSlice = 5 * time.Millisecond
+
+// yieldRun reports whether a run begun at began should end here, for
+// other deliveries waiting in the work queue.
+func (r *run) yieldRun(began time.Time) bool {
+	return len(r.work) > 0 && time.Since(began) > runSlice
 }
 
 // runAtMostOnce asks the breakers in the chain first, so that a message they
