@@ -3,11 +3,18 @@ GO        ?= go
 GOFLAGS_TEST ?= -race -count=1 -timeout 20m
 PKGS      ?= ./...
 
-.PHONY: test unit brokers brokers-down brokers-status bench vet
+.PHONY: test test-restarts unit brokers brokers-down brokers-status bench vet
 
-## test: start the brokers, then run every test (unit and integration) with -race
+## test: start the brokers, then run every test (unit and integration) with -race,
+## then, alone, the tests that restart a shared broker
 test: brokers
 	$(GO) test $(GOFLAGS_TEST) $(PKGS)
+	$(MAKE) test-restarts
+
+## test-restarts: the tests that stop and start a shared broker (Kafka), run
+## when nothing else uses it
+test-restarts: brokers
+	FERRY_TEST_KAFKA_RESTART=1 $(GO) test $(GOFLAGS_TEST) -run '^TestBrokerRestart$$' ./kafka/
 
 ## unit: run the tests without starting brokers (integration tests skip)
 unit:
