@@ -57,6 +57,7 @@ type delivery struct {
 	cut     []*delivery // set by the worker
 	passKey bool
 
+	gen   uint64         // the lane generation it was fetched under (driver.Message.Generation)
 	known driver.History // what the broker carried of the runs before this delivery
 	prior int            // handler runs known before this delivery
 	runs  int            // handler runs known, this delivery's included
@@ -77,7 +78,7 @@ type delivery struct {
 }
 
 func newDelivery(m *driver.Message, aser driver.Aser) *delivery {
-	d := &delivery{known: m.Known, heapIdx: -1}
+	d := &delivery{known: m.Known, gen: m.Generation, heapIdx: -1}
 	d.msg = Message{
 		ID: m.ID, Key: m.Key, Body: m.Body, Headers: m.Headers, Source: m.Source,
 		Lane: m.Lane, Offset: m.Offset, Deliveries: max(m.Deliveries, 1), PublishedAt: m.PublishedAt,

@@ -65,7 +65,8 @@ type run struct {
 	revocations []*revocationWait
 	shutting    bool
 	closedKeys  map[orderKey]bool // keys a delivery went back on during the shutdown
-	graceOver   atomic.Bool // read by workers: start nothing more
+	revokedGen  map[string]uint64 // per lane, Revocation.Before: older generations are stale
+	graceOver   atomic.Bool       // read by workers: start nothing more
 }
 
 func newRun(ctx context.Context, l *Loop, h Handler, breakers []*Breaker) *run {
@@ -322,6 +323,12 @@ func (r *run) takeDone() {
 func (r *run) admit(d *delivery) {
 	l := r.l
 	r.listPush(d)
+	if d.gen != 0 && d.gen < r.revokedGen[d.msg.Lane] {
+		// Fetched before its lane was revoked, and handed over after.
+		d.revoked = true
+		r.drop(d)
+		return
+	}
 	r.countPriorRuns(d)
 	if r.lanes != nil {
 		ls := r.lanes[d.msg.Lane]

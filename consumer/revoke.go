@@ -28,6 +28,12 @@ func (r *run) revoke(rev driver.Revocation) {
 	lanes := make(map[string]bool, len(rev.Lanes))
 	for _, lane := range rev.Lanes {
 		lanes[lane] = true
+		if rev.Before > r.revokedGen[lane] {
+			if r.revokedGen == nil {
+				r.revokedGen = make(map[string]uint64)
+			}
+			r.revokedGen[lane] = rev.Before
+		}
 		if ls := r.lanes[lane]; ls != nil {
 			ls.cancel()
 			delete(r.lanes, lane)

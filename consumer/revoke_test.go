@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"context"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -203,5 +204,72 @@ func TestAtMostOnceRevocationWaitsForRunningHandlers(t *testing.T) {
 	close(gate["C"])
 	if err := stop(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// staleBatchLog hands out nothing until released, then a batch fetched
+// before lane 0's revocation (generation 1) and one of its next assignment
+// (generation 2): what a Kafka Fetch returns when a rebalance happens while
+// its records are on their way to the loop.
+type staleBatchLog struct {
+	*scriptLog
+	release chan struct{}
+	once    bool
+}
+
+func (s *staleBatchLog) Fetch(ctx context.Context, dst []driver.Message, max int) ([]driver.Message, error) {
+	if !s.once {
+		s.once = true
+		select {
+		case <-s.release:
+		case <-ctx.Done():
+			return dst, ctx.Err()
+		}
+		return append(dst,
+			driver.Message{ID: "old", Lane: "0", Offset: 7, Deliveries: 1, Handle: "old", Generation: 1},
+			driver.Message{ID: "new", Lane: "0", Offset: 7, Deliveries: 1, Handle: "new", Generation: 2},
+		), nil
+	}
+	<-ctx.Done()
+	return dst, ctx.Err()
+}
+
+// TestMessagesOfARevokedGenerationAreDropped: a message fetched under a lane
+// generation that a revocation ended (Revocation.Before) and handed over
+// after it is neither run nor settled; one of the lane's next generation
+// runs.
+func TestMessagesOfARevokedGenerationAreDropped(t *testing.T) {
+	drv := &staleBatchLog{scriptLog: newScriptLog(false), release: make(chan struct{})}
+	l, err := New(drv)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var ran []string
+	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
+		mu.Lock()
+		ran = append(ran, m.ID)
+		mu.Unlock()
+		return nil
+	}))
+	done := make(chan struct{})
+	drv.revCh <- driver.Revocation{Lanes: []string{"0"}, Done: done, Before: 2}
+	<-done
+	close(drv.release)
+	eventually(t, "both messages admitted", func() bool { return l.Stats().Fetched == 2 && l.Stats().InFlight == 0 })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if !slices.Equal(ran, []string{"new"}) {
+		t.Errorf("ran %v, want only the message of the new generation", ran)
+	}
+	out := drv.outcomes()
+	if len(out["old"]) != 0 {
+		t.Errorf("the stale message was settled %v", out["old"])
+	}
+	if got := l.Stats().Revoked; got != 1 {
+		t.Errorf("Revoked = %d, want 1", got)
 	}
 }

@@ -76,9 +76,11 @@
 //   - Rebalances: cooperative-sticky by default, so only the partitions that
 //     move stop; KIP-848 (WithGroupProtocol(NextGen)) as an option. On
 //     revoke, the loop cancels the handlers of the partitions' records and
-//     drops what it had queued; the rebalance waits for those handlers to
-//     return (at most a few seconds less than the rebalance timeout), commits
-//     what finished, and lets the partitions go.
+//     drops what it had queued (and records of those partitions fetched
+//     before the revocation that reach it after: each record carries the
+//     assignment it was fetched under); the rebalance waits for those
+//     handlers to return (at most a few seconds less than the rebalance
+//     timeout), commits what finished, and lets the partitions go.
 //   - Lag: per partition, the high watermark minus the group's committed
 //     offset, as kadm reports it; plus the records fetched and unfinished and
 //     the age of the oldest of them.

@@ -39,6 +39,7 @@ type kafkaDriver struct {
 	wakePoll context.CancelFunc   // ends Fetch's poll, for records waiting here
 	parts    map[int32]*partition // owned now; a new assignment gets a new *partition
 	member   string
+	gen      uint64 // counts assignments: a partition assigned anew gets the next
 	// losses counts the times franz-go reported partitions lost. A commit
 	// is issued only if none was lost since it read what to commit; see
 	// commit.
@@ -404,6 +405,7 @@ func (d *kafkaDriver) message(r *kgo.Record, p *partition) driver.Message {
 		PublishedAt: r.Timestamp,
 		Deliveries:  1,
 		Handle:      &handle{rec: r, p: p},
+		Generation:  p.gen,
 	}
 	if len(r.Headers) > 0 {
 		m.Headers = make(map[string]string, len(r.Headers))
@@ -515,6 +517,7 @@ func (d *kafkaDriver) onAssigned(_ context.Context, cl *kgo.Client, assigned map
 		return
 	}
 	d.mu.Lock()
+	d.gen++
 	for _, id := range ps {
 		// A partition assigned again without a revocation in between
 		// (an incremental KIP-848 assignment restating what we own)
@@ -522,6 +525,7 @@ func (d *kafkaDriver) onAssigned(_ context.Context, cl *kgo.Client, assigned map
 		// and commit past them.
 		if d.parts[id] == nil {
 			d.parts[id] = newPartition(id)
+			d.parts[id].gen = d.gen
 		}
 		d.parts[id].paused = false // resumed below; paused again if it still waits
 	}
@@ -583,7 +587,12 @@ func (d *kafkaDriver) handOver(ps []int32) {
 	for i, p := range ps {
 		lanes[i] = strconv.Itoa(int(p))
 	}
-	rev := driver.Revocation{Lanes: lanes, Done: make(chan struct{})}
+	d.mu.Lock()
+	// Records fetched under these assignments and still on their way to
+	// the loop are dropped there, not run: the next owner reads them.
+	before := d.gen + 1
+	d.mu.Unlock()
+	rev := driver.Revocation{Lanes: lanes, Done: make(chan struct{}), Before: before}
 	t := time.NewTimer(d.revokeWait())
 	defer t.Stop()
 	select {

@@ -21,6 +21,7 @@ import (
 type partition struct {
 	id   int32
 	lane string
+	gen  uint64 // the assignment it was made for (kafkaDriver.gen): driver.Message.Generation
 
 	ents []entry // fetched records from ents[head] on; before head all finished
 	head int

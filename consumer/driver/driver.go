@@ -73,6 +73,11 @@ type Message struct {
 	// Handle is the driver's own reference to the delivery (a receipt handle,
 	// a delivery tag, a record), given back to Settle, Extend and As.
 	Handle any
+
+	// Generation is the generation of its lane's assignment the message
+	// was fetched under, for a driver whose revocations say which
+	// generations they end (Revocation.Before); 0 when it does not say.
+	Generation uint64
 }
 
 // History is what is known of a message's handler runs over its
@@ -204,14 +209,20 @@ type Revoker interface {
 // broker move on. Done may be nil.
 //
 // A batch the driver fetched from a lane before revoking it may still reach
-// the loop after Done, and the loop cannot tell it from a new assignment of
-// the same lane: a driver must refuse to settle handles of a lane generation
-// it no longer owns (franz-go's commit of an offset for a partition it lost
-// is refused by the group coordinator; an AMQP delivery tag carries its
-// channel generation).
+// the loop after Done. When the driver numbers its lanes' assignments
+// (Message.Generation, Revocation.Before), the loop drops such messages
+// without running them. Otherwise it cannot tell them from a new
+// assignment of the same lane and runs them, and a driver must refuse to
+// settle handles of a lane generation it no longer owns (franz-go's commit
+// of an offset for a partition it lost is refused by the group
+// coordinator; an AMQP delivery tag carries its channel generation).
 type Revocation struct {
 	Lanes []string
 	Done  chan struct{}
+	// Before, when not 0, says that every message of these lanes with a
+	// Generation below it belongs to the assignment revoked here (or an
+	// earlier one): one arriving after the revocation is dropped.
+	Before uint64
 }
 
 // Lag is how far a consumer is behind.
