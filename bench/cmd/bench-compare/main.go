@@ -1,0 +1,141 @@
+// Command bench-compare runs the bench module's comparison of Ferry with
+// the raw broker clients and Watermill on every broker, and writes
+// BENCHMARKS.md and its chart from the same samples. make bench-compare
+// runs it from the repository root; the brokers must be up (make brokers).
+//
+//	go run ./cmd/bench-compare -n 50000 -runs 3 -out ../BENCHMARKS.md -chart ../docs/benchmarks.svg
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log"
+	"os"
+	"path/filepath"
+	"runtime"
+	"runtime/debug"
+	"strings"
+	"time"
+
+	"github.com/ferrymq/ferry/bench"
+)
+
+func main() {
+	n := flag.Int("n", 50_000, "messages per consume and publish variant and run")
+	runs := flag.Int("runs", 3, "runs (rounds) of every variant")
+	keys := flag.Int("keys", 1000, "records of the Kafka key-order comparison")
+	brokers := flag.String("brokers", strings.Join(bench.Brokers, ","), "brokers to run, comma-separated")
+	out := flag.String("out", "BENCHMARKS.md", "the markdown to write")
+	chart := flag.String("chart", "benchmarks.svg", "the SVG chart to write")
+	note := flag.String("note", "", "a note to put at the top of the markdown (how the machine was loaded, say)")
+	timeout := flag.Duration("timeout", 5*time.Minute, "the longest one variant may take")
+	flag.Parse()
+	log.SetFlags(log.Ltime)
+	bench.KeyRecords = *keys
+
+	start := time.Now()
+	ctx := context.Background()
+	var samples []bench.Sample
+	var notes []string
+	run := fmt.Sprintf("%d", time.Now().Unix())
+	for _, b := range strings.Split(*brokers, ",") {
+		s, err := bench.NewSuite(strings.TrimSpace(b), run)
+		if err != nil {
+			log.Fatalf("%s: %v (are the brokers up? make brokers)", b, err)
+		}
+		got, err := bench.Run(ctx, s, *n, *runs, *timeout, log.Printf)
+		s.Close()
+		if err != nil {
+			log.Fatal(err)
+		}
+		samples = append(samples, got...)
+		notes = append(notes, s.Notes...)
+	}
+	rows := bench.Summarize(samples)
+
+	rel, err := filepath.Rel(filepath.Dir(*out), *chart)
+	if err != nil {
+		rel = *chart
+	}
+	meta := bench.Meta{
+		Date:       time.Now().UTC().Format("2006-01-02 15:04 UTC"),
+		Command:    "make bench-compare BENCH_FLAGS='" + strings.Join(os.Args[1:], " ") + "'",
+		Machine:    machine(),
+		GoVersion:  runtime.Version(),
+		Versions:   versions(),
+		N:          *n,
+		Runs:       *runs,
+		KeyRecords: *keys,
+		Note:       *note,
+		Chart:      filepath.ToSlash(rel),
+		Elapsed:    time.Since(start).Round(time.Second).String(),
+	}
+	if err := write(*out, func(f *os.File) error { return bench.WriteMarkdown(f, meta, rows, notes) }); err != nil {
+		log.Fatal(err)
+	}
+	if err := write(*chart, func(f *os.File) error { return bench.WriteSVG(f, rows) }); err != nil {
+		log.Fatal(err)
+	}
+	log.Printf("wrote %s and %s in %s", *out, *chart, meta.Elapsed)
+}
+
+func write(path string, f func(*os.File) error) error {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return err
+	}
+	fh, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if err := f(fh); err != nil {
+		fh.Close()
+		return err
+	}
+	return fh.Close()
+}
+
+// machine describes the CPU, the core count and the OS.
+func machine() string {
+	model := "unknown CPU"
+	if b, err := os.ReadFile("/proc/cpuinfo"); err == nil {
+		for _, line := range strings.Split(string(b), "\n") {
+			if k, v, ok := strings.Cut(line, ":"); ok && strings.TrimSpace(k) == "model name" {
+				model = strings.TrimSpace(v)
+				break
+			}
+		}
+	}
+	mem := ""
+	if b, err := os.ReadFile("/proc/meminfo"); err == nil {
+		var kb int
+		if _, err := fmt.Sscanf(string(b), "MemTotal: %d kB", &kb); err == nil {
+			mem = fmt.Sprintf(", %.1f GiB RAM", float64(kb)/(1<<20))
+		}
+	}
+	return fmt.Sprintf("%s, %d logical CPUs (GOMAXPROCS %d)%s, %s/%s", model, runtime.NumCPU(), runtime.GOMAXPROCS(0), mem, runtime.GOOS, runtime.GOARCH)
+}
+
+// versions lists the compared modules' versions from the build.
+func versions() []string {
+	bi, ok := debug.ReadBuildInfo()
+	if !ok {
+		return nil
+	}
+	want := []string{"github.com/ferrymq/ferry", "github.com/twmb/franz-go", "github.com/aws/aws-sdk-go-v2/service/sqs",
+		"github.com/rabbitmq/amqp091-go", "github.com/ThreeDotsLabs/watermill", "github.com/ThreeDotsLabs/watermill-kafka/v3",
+		"github.com/ThreeDotsLabs/watermill-amqp/v3", "github.com/IBM/sarama"}
+	var out []string
+	for _, w := range want {
+		for _, d := range bi.Deps {
+			if d.Path == w {
+				v := d.Version
+				if d.Replace != nil {
+					v = "this checkout (" + d.Replace.Path + ")"
+				}
+				out = append(out, "`"+w+"` "+v)
+			}
+		}
+	}
+	return out
+}
