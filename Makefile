@@ -3,11 +3,13 @@ GO        ?= go
 GOFLAGS_TEST ?= -race -count=1 -timeout 20m
 PKGS      ?= ./...
 
-.PHONY: test unit brokers brokers-down brokers-status bench vet
+.PHONY: test unit brokers brokers-down brokers-status bench bench-compare bench-test vet
 
-## test: start the brokers, then run every test (unit and integration) with -race
+## test: start the brokers, then run every test (unit and integration) with -race,
+## and the bench module's short check that every benchmark variant loses no message
 test: brokers
 	$(GO) test $(GOFLAGS_TEST) $(PKGS)
+	$(MAKE) bench-test
 
 ## unit: run the tests without starting brokers (integration tests skip)
 unit:
@@ -29,9 +31,23 @@ brokers-status:
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)
 
+## bench-compare: Ferry against the raw clients and Watermill on every broker (start
+## the brokers first); writes BENCHMARKS.md and docs/benchmarks.svg. BENCH_FLAGS
+## passes flags, e.g. BENCH_FLAGS='-n 100000 -runs 5' (go run ./cmd/bench-compare -h in bench/)
+BENCH_FLAGS ?=
+bench-compare:
+	cd bench && $(GO) run ./cmd/bench-compare -out ../BENCHMARKS.md -chart ../docs/benchmarks.svg $(BENCH_FLAGS)
+
+## bench-test: the bench module's test in short mode (every variant, a few hundred
+## messages each, checked for lost messages), with -race
+bench-test:
+	cd bench && $(GO) test -short -race -count=1 -timeout 5m ./...
+
 ## vet: go vet, staticcheck (a tool of go.mod) and a gofmt check
 vet:
 	$(GO) vet $(PKGS)
 	$(GO) tool staticcheck $(PKGS)
+	cd bench && $(GO) vet ./...
+	staticcheck=$$($(GO) tool -n staticcheck) && cd bench && $$staticcheck ./...
 	@unformatted=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './.brokers/*')); \
 	if [ -n "$$unformatted" ]; then echo "gofmt needed:"; echo "$$unformatted"; exit 1; fi
