@@ -17,8 +17,12 @@ package bench
 import (
 	"context"
 	"fmt"
+	"os"
+	"path/filepath"
 	"runtime"
+	"runtime/pprof"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 )
@@ -207,6 +211,32 @@ type Sample struct {
 // Rate is messages per second.
 func (s Sample) Rate() float64 { return float64(s.N) / s.Elapsed.Seconds() }
 
+// ProfileDir, when set, receives a CPU profile of each variant's timed
+// part, named broker_op_impl_round.pprof.
+var ProfileDir string
+
+func profileName(smp Sample) string {
+	r := strings.NewReplacer(" ", "-", "(", "", ")", "", ",", "", ":", "")
+	return filepath.Join(ProfileDir, fmt.Sprintf("%s_%s_%s_%d.pprof", smp.Broker, r.Replace(string(smp.Op)), smp.Impl, smp.Round))
+}
+
+// profiled runs f under a CPU profile written to path (when not empty).
+func profiled(path string, f func() error) error {
+	if path == "" {
+		return f()
+	}
+	fh, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	defer fh.Close()
+	if err := pprof.StartCPUProfile(fh); err != nil {
+		return err
+	}
+	defer pprof.StopCPUProfile()
+	return f()
+}
+
 // measure runs f timed, counting allocations and API calls. With tr set
 // (a consume), the time is until tr saw the last message: the consumer's
 // shutdown is not timed, nor are the allocations and calls made after.
@@ -271,6 +301,10 @@ func Run(ctx context.Context, s *Suite, n, rounds int, timeout time.Duration, lo
 		for i := range k {
 			v := s.Variants[(i+r)%k]
 			smp := Sample{Broker: s.Broker, Op: v.Op, Impl: v.Impl, Round: r + 1, N: n, Calls: -1}
+			prof := ""
+			if ProfileDir != "" {
+				prof = profileName(smp)
+			}
 			var err error
 			switch {
 			case v.Consume != nil:
@@ -286,7 +320,7 @@ func Run(ctx context.Context, s *Suite, n, rounds int, timeout time.Duration, lo
 				smp.N = src.N
 				tr := NewTracker(src.N)
 				cctx, cancel := context.WithTimeout(ctx, timeout)
-				smp.Elapsed, smp.Mallocs, smp.Calls, err = measure(v, tr, func() error { return v.Consume(cctx, src, tr) })
+				smp.Elapsed, smp.Mallocs, smp.Calls, err = measure(v, tr, func() error { return profiled(prof, func() error { return v.Consume(cctx, src, tr) }) })
 				cancel()
 				smp.Consumed = tr.Distinct()
 				if err == nil && smp.Consumed != src.N {
@@ -300,7 +334,7 @@ func Run(ctx context.Context, s *Suite, n, rounds int, timeout time.Duration, lo
 					return out, fmt.Errorf("%s %s %s: prepare: %w", s.Broker, v.Op, v.Impl, err)
 				}
 				pctx, cancel := context.WithTimeout(ctx, timeout)
-				smp.Elapsed, smp.Mallocs, smp.Calls, err = measure(v, nil, func() error { return run(pctx) })
+				smp.Elapsed, smp.Mallocs, smp.Calls, err = measure(v, nil, func() error { return profiled(prof, func() error { return run(pctx) }) })
 				cancel()
 				done()
 			}

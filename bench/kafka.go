@@ -42,7 +42,8 @@ func KafkaSuite(seeds []string, run string) (*Suite, error) {
 	}
 	adm := kadm.NewClient(admCl)
 	producer, err := kgo.NewClient(kgo.SeedBrokers(seeds...), kgo.RequiredAcks(kgo.AllISRAcks()),
-		kgo.MaxBufferedRecords(100_000), kgo.ProducerLinger(5*time.Millisecond))
+		kgo.MaxBufferedRecords(100_000), kgo.ProducerLinger(5*time.Millisecond),
+		kgo.MetadataMinAge(100*time.Millisecond)) // each fill is to a new topic
 	if err != nil {
 		br.Close()
 		admCl.Close()

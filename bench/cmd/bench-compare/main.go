@@ -29,10 +29,17 @@ func main() {
 	out := flag.String("out", "BENCHMARKS.md", "the markdown to write")
 	chart := flag.String("chart", "benchmarks.svg", "the SVG chart to write")
 	note := flag.String("note", "", "a note to put at the top of the markdown (how the machine was loaded, say)")
+	profile := flag.String("profile", "", "a directory to write a CPU profile of each variant's timed part to")
 	timeout := flag.Duration("timeout", 5*time.Minute, "the longest one variant may take")
 	flag.Parse()
 	log.SetFlags(log.Ltime)
 	bench.KeyRecords = *keys
+	if *profile != "" {
+		if err := os.MkdirAll(*profile, 0o755); err != nil {
+			log.Fatal(err)
+		}
+		bench.ProfileDir = *profile
+	}
 
 	start := time.Now()
 	ctx := context.Background()
