@@ -170,9 +170,12 @@ type Meta struct {
 	Date, Command, Machine, GoVersion string
 	Versions                          []string // "module version"
 	N, Runs, KeyRecords               int
+	Counts                            map[string]int // messages per variant of each broker
 	Note                              string
 	Chart                             string // the chart's path, relative to the markdown
 	Elapsed                           string
+	// Closing is hand-written markdown (bench/NOTES.md) appended at the end.
+	Closing string
 }
 
 func fmtRate(v float64) string {
@@ -208,7 +211,13 @@ func WriteMarkdown(w io.Writer, m Meta, rows []Row, notes []string) error {
 	p("- Machine: %s\n", m.Machine)
 	p("- Go: %s\n", m.GoVersion)
 	p("- Modules: %s\n", strings.Join(m.Versions, ", "))
-	p("- Each consume and publish variant moves %d messages of %d bytes per run, %d runs, interleaved: in each run every\n", m.N, BodySize, m.Runs)
+	var counts []string
+	for _, b := range Brokers {
+		if c, ok := m.Counts[b]; ok {
+			counts = append(counts, fmt.Sprintf("%s %d", b, c))
+		}
+	}
+	p("- Each consume and publish variant moves the same number of messages of %d bytes per run (%s), %d runs, interleaved: in each run every\n", BodySize, strings.Join(counts, ", "), m.Runs)
 	p("  variant of a broker runs once, in an order that rotates from run to run, on a fresh queue or topic filled with the same\n")
 	p("  numbered messages. The key-order rows handle %d records. Rates are medians over the runs, with the slowest and\n", m.KeyRecords)
 	p("  fastest run. A consume is timed from the consumer's start until its handler has seen every one of the messages\n")
@@ -260,6 +269,9 @@ func WriteMarkdown(w io.Writer, m Meta, rows []Row, notes []string) error {
 	for _, n := range notes {
 		p("- %s\n", n)
 	}
+	if m.Closing != "" {
+		p("\n%s", m.Closing)
+	}
 	_, err := io.WriteString(w, b.String())
 	return err
 }
@@ -278,10 +290,10 @@ func WriteSVG(w io.Writer, rows []Row) error {
 	var groups []group
 	idx := map[string]int{}
 	for _, r := range rows {
-		if r.Op == ByKey || r.Op == ByPartition {
-			continue
-		}
 		t := r.Broker + " · " + string(r.Op)
+		if r.Op == ByKey || r.Op == ByPartition {
+			t = r.Broker + " · Ferry, 1 partition, 100 keys, 5 ms handler"
+		}
 		i, ok := idx[t]
 		if !ok {
 			i = len(groups)
@@ -315,8 +327,17 @@ func WriteSVG(w io.Writer, rows []Row) error {
 		y += 22
 		for _, r := range g.rows {
 			scale := func(v float64) float64 { return float64(barW) * v / top }
-			p(`<text x="%d" y="%d" text-anchor="end">%s</text>`+"\n", left-6, y+barH-4, r.Impl)
-			p(`<rect x="%d" y="%d" width="%.1f" height="%d" fill="%s"/>`+"\n", left, y, scale(r.Median), barH, implColor[r.Impl])
+			label, color := string(r.Impl), implColor[r.Impl]
+			switch {
+			case r.Op == ByPartition:
+				label, color = "by partition", "#9ecae1"
+			case r.Op == ByKey:
+				label = "by key"
+			case r.Broker == "memory" && r.Impl == Raw:
+				label = "driver alone"
+			}
+			p(`<text x="%d" y="%d" text-anchor="end">%s</text>`+"\n", left-6, y+barH-4, label)
+			p(`<rect x="%d" y="%d" width="%.1f" height="%d" fill="%s"/>`+"\n", left, y, scale(r.Median), barH, color)
 			p(`<line x1="%.1f" x2="%.1f" y1="%d" y2="%d" stroke="black"/>`+"\n", float64(left)+scale(r.Min), float64(left)+scale(r.Max), y+barH/2, y+barH/2)
 			p(`<text x="%.1f" y="%d">%s</text>`+"\n", float64(left)+scale(r.Max)+6, y+barH-4, fmtRate(r.Median))
 			y += barH + gap

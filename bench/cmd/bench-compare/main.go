@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"runtime/debug"
+	"strconv"
 	"strings"
 	"time"
 
@@ -23,6 +24,7 @@ import (
 
 func main() {
 	n := flag.Int("n", 50_000, "messages per consume and publish variant and run")
+	perBroker := flag.String("n-broker", "memory=300000,kafka=150000", "messages per variant for some brokers instead of -n: broker=n,... (the fast ones need more to time more than start-up)")
 	runs := flag.Int("runs", 3, "runs (rounds) of every variant")
 	keys := flag.Int("keys", 1000, "records of the Kafka key-order comparison")
 	brokers := flag.String("brokers", strings.Join(bench.Brokers, ","), "brokers to run, comma-separated")
@@ -30,6 +32,7 @@ func main() {
 	chart := flag.String("chart", "benchmarks.svg", "the SVG chart to write")
 	note := flag.String("note", "", "a note to put at the top of the markdown (how the machine was loaded, say)")
 	profile := flag.String("profile", "", "a directory to write a CPU profile of each variant's timed part to")
+	notesFile := flag.String("notes", "NOTES.md", "hand-written notes (on the goals, from profiles) to append, if the file exists")
 	timeout := flag.Duration("timeout", 5*time.Minute, "the longest one variant may take")
 	flag.Parse()
 	log.SetFlags(log.Ltime)
@@ -41,9 +44,24 @@ func main() {
 		bench.ProfileDir = *profile
 	}
 
+	counts := map[string]int{}
+	for _, b := range bench.Brokers {
+		counts[b] = *n
+	}
+	if *perBroker != "" {
+		for _, kv := range strings.Split(*perBroker, ",") {
+			k, v, ok := strings.Cut(kv, "=")
+			c, err := strconv.Atoi(v)
+			if !ok || err != nil || c <= 0 {
+				log.Fatalf("-n-broker: %q is not broker=n", kv)
+			}
+			counts[strings.TrimSpace(k)] = c
+		}
+	}
 	start := time.Now()
 	ctx := context.Background()
 	var samples []bench.Sample
+	ran := map[string]int{}
 	var notes []string
 	run := fmt.Sprintf("%d", time.Now().Unix())
 	for _, b := range strings.Split(*brokers, ",") {
@@ -51,12 +69,13 @@ func main() {
 		if err != nil {
 			log.Fatalf("%s: %v (are the brokers up? make brokers)", b, err)
 		}
-		got, err := bench.Run(ctx, s, *n, *runs, *timeout, log.Printf)
+		got, err := bench.Run(ctx, s, counts[strings.TrimSpace(b)], *runs, *timeout, log.Printf)
 		s.Close()
 		if err != nil {
 			log.Fatal(err)
 		}
 		samples = append(samples, got...)
+		ran[strings.TrimSpace(b)] = counts[strings.TrimSpace(b)]
 		notes = append(notes, s.Notes...)
 	}
 	rows := bench.Summarize(samples)
@@ -67,16 +86,20 @@ func main() {
 	}
 	meta := bench.Meta{
 		Date:       time.Now().UTC().Format("2006-01-02 15:04 UTC"),
-		Command:    "make bench-compare BENCH_FLAGS='" + strings.Join(os.Args[1:], " ") + "'",
+		Command:    command(),
 		Machine:    machine(),
 		GoVersion:  runtime.Version(),
 		Versions:   versions(),
 		N:          *n,
+		Counts:     ran,
 		Runs:       *runs,
 		KeyRecords: *keys,
 		Note:       *note,
 		Chart:      filepath.ToSlash(rel),
 		Elapsed:    time.Since(start).Round(time.Second).String(),
+	}
+	if b, err := os.ReadFile(*notesFile); err == nil {
+		meta.Closing = string(b)
 	}
 	if err := write(*out, func(f *os.File) error { return bench.WriteMarkdown(f, meta, rows, notes) }); err != nil {
 		log.Fatal(err)
@@ -85,6 +108,23 @@ func main() {
 		log.Fatal(err)
 	}
 	log.Printf("wrote %s and %s in %s", *out, *chart, meta.Elapsed)
+}
+
+// command is the make command that repeats this run's measurements (the
+// output paths and the note left out).
+func command() string {
+	var flags []string
+	flag.Visit(func(f *flag.Flag) {
+		switch f.Name {
+		case "out", "chart", "note", "notes", "profile":
+			return
+		}
+		flags = append(flags, "-"+f.Name+" "+f.Value.String())
+	})
+	if len(flags) == 0 {
+		return "make bench-compare"
+	}
+	return "make bench-compare BENCH_FLAGS='" + strings.Join(flags, " ") + "'"
 }
 
 func write(path string, f func(*os.File) error) error {
