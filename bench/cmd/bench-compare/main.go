@@ -8,6 +8,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"flag"
 	"fmt"
 	"log"
@@ -33,6 +34,8 @@ func main() {
 	note := flag.String("note", "", "a note to put at the top of the markdown (how the machine was loaded, say)")
 	profile := flag.String("profile", "", "a directory to write a CPU profile of each variant's timed part to")
 	notesFile := flag.String("notes", "NOTES.md", "hand-written notes (on the goals, from profiles) to append, if the file exists")
+	data := flag.String("data", "", "a JSON file to save the run's samples and metadata to (for -from)")
+	from := flag.String("from", "", "render the markdown and chart from a JSON file saved with -data, measuring nothing")
 	timeout := flag.Duration("timeout", 5*time.Minute, "the longest one variant may take")
 	flag.Parse()
 	log.SetFlags(log.Ltime)
@@ -42,6 +45,19 @@ func main() {
 			log.Fatal(err)
 		}
 		bench.ProfileDir = *profile
+	}
+
+	if *from != "" {
+		var saved record
+		b, err := os.ReadFile(*from)
+		if err == nil {
+			err = json.Unmarshal(b, &saved)
+		}
+		if err != nil {
+			log.Fatalf("-from: %v", err)
+		}
+		render(saved, *out, *chart, *notesFile)
+		return
 	}
 
 	counts := map[string]int{}
@@ -78,12 +94,6 @@ func main() {
 		ran[strings.TrimSpace(b)] = counts[strings.TrimSpace(b)]
 		notes = append(notes, s.Notes...)
 	}
-	rows := bench.Summarize(samples)
-
-	rel, err := filepath.Rel(filepath.Dir(*out), *chart)
-	if err != nil {
-		rel = *chart
-	}
 	meta := bench.Meta{
 		Date:       time.Now().UTC().Format("2006-01-02 15:04 UTC"),
 		Command:    command(),
@@ -95,19 +105,48 @@ func main() {
 		Runs:       *runs,
 		KeyRecords: *keys,
 		Note:       *note,
-		Chart:      filepath.ToSlash(rel),
 		Elapsed:    time.Since(start).Round(time.Second).String(),
 	}
-	if b, err := os.ReadFile(*notesFile); err == nil {
+	rec := record{Meta: meta, Samples: samples, Notes: notes}
+	if *data != "" {
+		if err := write(*data, func(f *os.File) error {
+			enc := json.NewEncoder(f)
+			enc.SetIndent("", " ")
+			return enc.Encode(rec)
+		}); err != nil {
+			log.Fatal(err)
+		}
+	}
+	render(rec, *out, *chart, *notesFile)
+}
+
+// record is what -data saves and -from reads: one run, whole.
+type record struct {
+	Meta    bench.Meta
+	Samples []bench.Sample
+	Notes   []string
+}
+
+// render writes the markdown and the chart of rec.
+func render(rec record, out, chart, notesFile string) {
+	rows := bench.Summarize(rec.Samples)
+	meta := rec.Meta
+	rel, err := filepath.Rel(filepath.Dir(out), chart)
+	if err != nil {
+		rel = chart
+	}
+	meta.Chart = filepath.ToSlash(rel)
+	meta.Closing = ""
+	if b, err := os.ReadFile(notesFile); err == nil {
 		meta.Closing = string(b)
 	}
-	if err := write(*out, func(f *os.File) error { return bench.WriteMarkdown(f, meta, rows, notes) }); err != nil {
+	if err := write(out, func(f *os.File) error { return bench.WriteMarkdown(f, meta, rows, rec.Notes) }); err != nil {
 		log.Fatal(err)
 	}
-	if err := write(*chart, func(f *os.File) error { return bench.WriteSVG(f, rows) }); err != nil {
+	if err := write(chart, func(f *os.File) error { return bench.WriteSVG(f, rows) }); err != nil {
 		log.Fatal(err)
 	}
-	log.Printf("wrote %s and %s in %s", *out, *chart, meta.Elapsed)
+	log.Printf("wrote %s and %s (the run took %s)", out, chart, meta.Elapsed)
 }
 
 // command is the make command that repeats this run's measurements (the
@@ -116,7 +155,7 @@ func command() string {
 	var flags []string
 	flag.Visit(func(f *flag.Flag) {
 		switch f.Name {
-		case "out", "chart", "note", "notes", "profile":
+		case "out", "chart", "note", "notes", "profile", "data", "from":
 			return
 		}
 		flags = append(flags, "-"+f.Name+" "+f.Value.String())
