@@ -33,10 +33,11 @@ bench:
 
 ## bench-compare: Ferry against the raw clients and Watermill on every broker (start
 ## the brokers first); writes BENCHMARKS.md and docs/benchmarks.svg. BENCH_FLAGS
-## passes flags, e.g. BENCH_FLAGS='-n 100000 -runs 5' (go run ./cmd/bench-compare -h in bench/)
+## passes flags, e.g. BENCH_FLAGS='-n 100000 -runs 5' (go run ./cmd/bench-compare -h in bench/); the samples
+## are saved in docs/benchmarks.json (BENCH_FLAGS=-from ../docs/benchmarks.json renders them again)
 BENCH_FLAGS ?=
 bench-compare:
-	cd bench && $(GO) run ./cmd/bench-compare -out ../BENCHMARKS.md -chart ../docs/benchmarks.svg $(BENCH_FLAGS)
+	cd bench && $(GO) run ./cmd/bench-compare -out ../BENCHMARKS.md -chart ../docs/benchmarks.svg -data ../docs/benchmarks.json $(BENCH_FLAGS)
 
 ## bench-test: the bench module's test in short mode (every variant, a few hundred
 ## messages each, checked for lost messages), with -race

@@ -211,8 +211,8 @@ type Sample struct {
 // Rate is messages per second.
 func (s Sample) Rate() float64 { return float64(s.N) / s.Elapsed.Seconds() }
 
-// ProfileDir, when set, receives a CPU profile of each variant's timed
-// part, named broker_op_impl_round.pprof.
+// ProfileDir is where, when set, a CPU profile of each variant's timed
+// part is written, named broker_op_impl_round.pprof.
 var ProfileDir string
 
 func profileName(smp Sample) string {
