@@ -19,7 +19,7 @@ func TestEveryVariantConsumesEveryMessage(t *testing.T) {
 	if testing.Short() {
 		n, keys = 300, 200
 	}
-	KeyRecords = keys
+	KeyRecords, BacklogRecords = keys, n
 	for _, broker := range Brokers {
 		t.Run(broker, func(t *testing.T) {
 			if svc, ok := Service(broker); ok {

@@ -47,7 +47,11 @@ const (
 	Publish     Op = "publish"
 	ByPartition Op = "5 ms handler, 1 partition, 100 keys: partition order"
 	ByKey       Op = "5 ms handler, 1 partition, 100 keys: key order"
+	Backlog     Op = "heap under a backlog"
 )
+
+// BacklogRecords is how many messages the backlog variants hold.
+var BacklogRecords = 1_000_000
 
 // BodySize is the size of every message body.
 const BodySize = 100
@@ -175,6 +179,9 @@ type Variant struct {
 	// Fill, when set, fills this variant's source instead of the suite's
 	// Fill (with its own count).
 	Fill func(ctx context.Context) (Source, error)
+	// Hold, for the Backlog op, fills a fresh queue with n messages and
+	// returns what releases it; the heap it leaves is measured.
+	Hold func(ctx context.Context, n int) (release func(), err error)
 	// Calls, when set, counts the broker API calls made so far (SQS).
 	Calls func() int64
 }
@@ -206,6 +213,8 @@ type Sample struct {
 	Mallocs uint64
 	// Consumed is the distinct messages handled (consume ops).
 	Consumed int
+	// HeapBytes is the live heap a backlog of N messages added (Backlog).
+	HeapBytes int64
 }
 
 // Rate is messages per second.
@@ -326,6 +335,22 @@ func Run(ctx context.Context, s *Suite, n, rounds int, timeout time.Duration, lo
 				if err == nil && smp.Consumed != src.N {
 					err = fmt.Errorf("handled %d of %d messages", smp.Consumed, src.N)
 				}
+			case v.Hold != nil:
+				smp.N = BacklogRecords
+				var before, after runtime.MemStats
+				runtime.GC()
+				runtime.ReadMemStats(&before)
+				start := time.Now()
+				var release func()
+				release, err = v.Hold(ctx, BacklogRecords)
+				smp.Elapsed = time.Since(start)
+				if err == nil {
+					runtime.GC()
+					runtime.ReadMemStats(&after)
+					smp.HeapBytes = int64(after.HeapAlloc) - int64(before.HeapAlloc)
+					release()
+					runtime.GC()
+				}
 			case v.Publish != nil:
 				var run func(context.Context) error
 				var done func()
@@ -341,7 +366,9 @@ func Run(ctx context.Context, s *Suite, n, rounds int, timeout time.Duration, lo
 			if err != nil {
 				return out, fmt.Errorf("%s %s %s round %d: %w", s.Broker, v.Op, v.Impl, r+1, err)
 			}
-			if logf != nil {
+			if logf != nil && v.Hold != nil {
+				logf("%-8s %-48s %-9s round %d: %8.1f MiB heap for %d messages", s.Broker, v.Op, v.Impl, r+1, float64(smp.HeapBytes)/(1<<20), smp.N)
+			} else if logf != nil {
 				logf("%-8s %-48s %-9s round %d: %8.0f msgs/s (%d in %s)", s.Broker, v.Op, v.Impl, r+1, smp.Rate(), smp.N, smp.Elapsed.Round(time.Millisecond))
 			}
 			out = append(out, smp)

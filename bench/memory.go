@@ -138,9 +138,57 @@ func MemorySuite() (*Suite, error) {
 			}, func() { g.Close() }, nil
 		}},
 	}
-	s.Notes = append(s.Notes, "memory: the raw loop is Ferry's memory driver alone (Fetch 32, Settle) in 8 goroutines; there is no raw publish (the broker has no other client).",
+	s.Variants = append(s.Variants,
+		Variant{Op: Backlog, Impl: Ferry, Hold: func(ctx context.Context, n int) (func(), error) {
+			q := name("backlog")
+			for lo := 0; lo < n; lo += 256 {
+				if err := br.Publish(ctx, q, ferryMessages(lo, min(lo+256, n))...); err != nil {
+					return nil, err
+				}
+			}
+			// Draining it is the release: the queue stays in the broker.
+			return func() { drainMemory(br, q, n) }, nil
+		}},
+		Variant{Op: Backlog, Impl: Watermill, Hold: func(ctx context.Context, n int) (func(), error) {
+			g := newGo()
+			q := name("backlog")
+			for lo := 0; lo < n; lo += 256 {
+				if err := g.Publish(q, wmMessages(lo, min(lo+256, n))...); err != nil {
+					return nil, err
+				}
+			}
+			return func() { g.Close() }, nil
+		}},
+	)
+	s.Notes = append(s.Notes, "memory: the backlog rows hold 1M messages (or -backlog) of 100 bytes unconsumed, in the memory broker and in a persistent GoChannel, and report the live heap they add after a GC.", "memory: the raw loop is Ferry's memory driver alone (Fetch 32, Settle) in 8 goroutines; there is no raw publish (the broker has no other client).",
 		"memory: Watermill's GoChannel delivers to one handler at a time per subscriber (it waits for each ack), so its handler runs one message at a time; Ferry's runs 8.")
 	return s, nil
+}
+
+// drainMemory acks the n messages of queue q, freeing them.
+func drainMemory(br *memory.Broker, q string, n int) {
+	d, err := br.Driver(q)
+	if err != nil {
+		return
+	}
+	defer d.Close()
+	ctx := context.Background()
+	var ms []driver.Message
+	var ss []driver.Settlement
+	for done := 0; done < n; {
+		ms, err = d.Fetch(ctx, ms[:0], 256)
+		if err != nil {
+			return
+		}
+		ss = ss[:0]
+		for _, m := range ms {
+			ss = append(ss, driver.Settlement{Handle: m.Handle, Action: driver.Ack})
+		}
+		if err := d.Settle(ctx, ss); err != nil {
+			return
+		}
+		done += len(ms)
+	}
 }
 
 // parallelLoops runs f in p goroutines until tr has seen every message,

@@ -11,7 +11,7 @@ import (
 
 // isConsume tells whether op consumes (and so is checked for lost
 // messages).
-func isConsume(op Op) bool { return op != Publish }
+func isConsume(op Op) bool { return op != Publish && op != Backlog }
 
 // Row is one variant's samples summarised.
 type Row struct {
@@ -24,6 +24,8 @@ type Row struct {
 	Median, Min, Max float64
 	// CallsPerMsg is the median of API calls per message (-1: not counted).
 	CallsPerMsg float64
+	// HeapPerMsg is the median live heap a backlog message takes (Backlog).
+	HeapPerMsg float64
 	// AllocsPerMsg is the median of heap allocations per message, in the
 	// whole process (the broker client's and, for memory, the broker's).
 	AllocsPerMsg float64
@@ -50,7 +52,7 @@ func Summarize(samples []Sample) []Row {
 		im Impl
 	}
 	var order []key
-	rates, calls, allocs := map[key][]float64{}, map[key][]float64{}, map[key][]float64{}
+	rates, calls, allocs, heap := map[key][]float64{}, map[key][]float64{}, map[key][]float64{}, map[key][]float64{}
 	ns := map[key]int{}
 	for _, s := range samples {
 		k := key{s.Broker, s.Op, s.Impl}
@@ -63,12 +65,13 @@ func Summarize(samples []Sample) []Row {
 			calls[k] = append(calls[k], float64(s.Calls)/float64(s.N))
 		}
 		allocs[k] = append(allocs[k], float64(s.Mallocs)/float64(s.N))
+		heap[k] = append(heap[k], float64(s.HeapBytes)/float64(s.N))
 	}
 	var rows []Row
 	for _, k := range order {
 		r := Row{Broker: k.b, Op: k.op, Impl: k.im, N: ns[k], Runs: len(rates[k]),
 			Median: median(rates[k]), Min: slices.Min(rates[k]), Max: slices.Max(rates[k]),
-			CallsPerMsg: -1, AllocsPerMsg: median(allocs[k])}
+			CallsPerMsg: -1, AllocsPerMsg: median(allocs[k]), HeapPerMsg: median(heap[k])}
 		if len(calls[k]) > 0 {
 			r.CallsPerMsg = median(calls[k])
 		}
@@ -101,7 +104,7 @@ type Ratio struct {
 func Ratios(rows []Row) []Ratio {
 	var out []Ratio
 	for _, r := range rows {
-		if r.Impl != Ferry || r.Op == ByPartition || r.Op == ByKey {
+		if r.Impl != Ferry || r.Op == ByPartition || r.Op == ByKey || r.Op == Backlog {
 			continue
 		}
 		rt := Ratio{Broker: r.Broker, Op: r.Op, OverRaw: math.NaN(), OverWatermill: math.NaN()}
@@ -251,10 +254,28 @@ func WriteMarkdown(w io.Writer, m Meta, rows []Row, notes []string) error {
 		p("| %s | %s | %s |\n", g.What, g.Measured, g.Met)
 	}
 
+	var backlog []Row
+	for _, r := range rows {
+		if r.Op == Backlog {
+			backlog = append(backlog, r)
+		}
+	}
+	if len(backlog) > 0 {
+		p("\n## Heap under a backlog\n\n")
+		p("The live heap (after a GC) that a backlog of unconsumed messages of %d bytes adds to the process: where it\n", BodySize)
+		p("applies, that is for the in-process brokers (on Kafka, SQS and RabbitMQ the backlog is in the broker).\n\n")
+		p("| broker | implementation | messages | heap MiB (median) | bytes per message |\n|---|---|---:|---:|---:|\n")
+		for _, r := range backlog {
+			p("| %s | %s | %d | %.1f | %.0f |\n", r.Broker, r.Impl, r.N, r.HeapPerMsg*float64(r.N)/(1<<20), r.HeapPerMsg)
+		}
+	}
 	p("\n## All rows\n\n")
 	p("| broker | operation | implementation | msgs | runs | median msgs/s | min | max | API calls/msg | allocs/msg |\n")
 	p("|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, r := range rows {
+		if r.Op == Backlog {
+			continue
+		}
 		calls := "-"
 		if r.CallsPerMsg >= 0 {
 			calls = fmt.Sprintf("%.3f", r.CallsPerMsg)
@@ -290,6 +311,9 @@ func WriteSVG(w io.Writer, rows []Row) error {
 	var groups []group
 	idx := map[string]int{}
 	for _, r := range rows {
+		if r.Op == Backlog {
+			continue
+		}
 		t := r.Broker + " · " + string(r.Op)
 		if r.Op == ByKey || r.Op == ByPartition {
 			t = r.Broker + " · Ferry, 1 partition, 100 keys, 5 ms handler"

@@ -25,8 +25,9 @@ import (
 
 func main() {
 	n := flag.Int("n", 50_000, "messages per consume and publish variant and run")
-	perBroker := flag.String("n-broker", "memory=300000,kafka=150000", "messages per variant for some brokers instead of -n: broker=n,... (the fast ones need more to time more than start-up)")
+	perBroker := flag.String("n-broker", "memory=200000,kafka=150000", "messages per variant for some brokers instead of -n: broker=n,... (the fast ones need more to time more than start-up)")
 	runs := flag.Int("runs", 3, "runs (rounds) of every variant")
+	backlog := flag.Int("backlog", 1_000_000, "messages of the memory backlog whose heap is measured")
 	keys := flag.Int("keys", 1000, "records of the Kafka key-order comparison")
 	brokers := flag.String("brokers", strings.Join(bench.Brokers, ","), "brokers to run, comma-separated")
 	out := flag.String("out", "BENCHMARKS.md", "the markdown to write")
@@ -40,6 +41,7 @@ func main() {
 	flag.Parse()
 	log.SetFlags(log.Ltime)
 	bench.KeyRecords = *keys
+	bench.BacklogRecords = *backlog
 	if *profile != "" {
 		if err := os.MkdirAll(*profile, 0o755); err != nil {
 			log.Fatal(err)
