@@ -3,13 +3,15 @@ GO        ?= go
 GOFLAGS_TEST ?= -race -count=1 -timeout 20m
 PKGS      ?= ./...
 
-.PHONY: test test-restarts unit brokers brokers-down brokers-status bench vet
+.PHONY: test test-restarts unit brokers brokers-down brokers-status bench bench-compare bench-test vet
 
 ## test: start the brokers, then run every test (unit and integration) with -race,
-## then, alone, the tests that restart a shared broker
+## then, alone, the tests that restart a shared broker, and the bench module's
+## short check that every benchmark variant loses no message
 test: brokers
 	$(GO) test $(GOFLAGS_TEST) $(PKGS)
 	$(MAKE) test-restarts
+	$(MAKE) bench-test
 
 ## test-restarts: the tests that stop and start a shared broker (Kafka), run
 ## when nothing else uses it
@@ -36,9 +38,24 @@ brokers-status:
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)
 
+## bench-compare: Ferry against the raw clients and Watermill on every broker (start
+## the brokers first); writes BENCHMARKS.md and docs/benchmarks.svg. BENCH_FLAGS
+## passes flags, e.g. BENCH_FLAGS='-n 100000 -runs 5' (go run ./cmd/bench-compare -h in bench/); the samples
+## are saved in docs/benchmarks.json (BENCH_FLAGS=-from ../docs/benchmarks.json renders them again)
+BENCH_FLAGS ?=
+bench-compare:
+	cd bench && $(GO) run ./cmd/bench-compare -out ../BENCHMARKS.md -chart ../docs/benchmarks.svg -data ../docs/benchmarks.json $(BENCH_FLAGS)
+
+## bench-test: the bench module's test in short mode (every variant, a few hundred
+## messages each, checked for lost messages), with -race
+bench-test:
+	cd bench && $(GO) test -short -race -count=1 -timeout 5m ./...
+
 ## vet: go vet, staticcheck (a tool of go.mod) and a gofmt check
 vet:
 	$(GO) vet $(PKGS)
 	$(GO) tool staticcheck $(PKGS)
+	cd bench && $(GO) vet ./...
+	staticcheck=$$($(GO) tool -n staticcheck) && cd bench && $$staticcheck ./...
 	@unformatted=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './.brokers/*')); \
 	if [ -n "$$unformatted" ]; then echo "gofmt needed:"; echo "$$unformatted"; exit 1; fi
