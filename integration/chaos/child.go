@@ -17,10 +17,13 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/ferrymq/ferry"
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/idempotency/pgstore"
+	"github.com/ferrymq/ferry/internal/testenv"
+	"github.com/ferrymq/ferry/kafka"
 	"github.com/ferrymq/ferry/outbox"
 	"github.com/ferrymq/ferry/outbox/pgoutbox"
 )
@@ -59,15 +62,18 @@ type childConfig struct {
 	Group       string // the billing consumers' name (Kafka group)
 	RunDir      string // holds the outage flag file
 
-	Orders   int     // orders to commit (order service)
-	Rate     float64 // orders per second (order service)
-	Poison   float64 // fraction of poison orders
-	DupRate  float64 // fraction of good orders whose event is written twice
-	Seed     uint64
-	Batch    int // orders per transaction
-	Slow     time.Duration
-	Fault    string
-	Capacity int // billing concurrency
+	Orders    int     // orders to commit (order service)
+	Rate      float64 // orders per second (order service)
+	Poison    float64 // fraction of poison orders
+	DupRate   float64 // fraction of good orders whose event is written twice
+	Seed      uint64
+	Batch     int           // orders per transaction
+	Slow      time.Duration // the slow consumer's handler time
+	SlowEvery int           // the slow consumer is slow on one order in SlowEvery
+	Fault     string
+	Capacity  int // billing concurrency
+
+	KafkaSession time.Duration // the billing group's session timeout; 0: the default
 }
 
 // outageFile is the flag whose presence makes the payments API fail.
@@ -312,7 +318,7 @@ func runBilling(ctx context.Context, cfg childConfig, log *slog.Logger) error {
 		return err
 	}
 	defer pool.Close()
-	b, err := ferry.Open(ctx, cfg.BrokerURL)
+	b, err := openBilling(ctx, cfg, log)
 	if err != nil {
 		return err
 	}
@@ -356,7 +362,7 @@ func runBilling(ctx context.Context, cfg childConfig, log *slog.Logger) error {
 			downCalls.Add(1)
 			return errUnavailable
 		}
-		if slow {
+		if slow && o.Amount%int64(max(cfg.SlowEvery, 1)) == 0 {
 			select {
 			case <-ctx.Done():
 				return ctx.Err()
@@ -397,7 +403,11 @@ func runBilling(ctx context.Context, cfg childConfig, log *slog.Logger) error {
 	}
 	h := consumer.Chain(count(inner), stack.Middleware()...)
 
+	// Each order is its own key: per-key order lets a Kafka partition run
+	// many orders at once, so the slow consumer does not stall its
+	// partitions one record at a time.
 	opts := []consumer.Option{consumer.WithName(cfg.Group), consumer.WithConcurrency(cfg.Capacity),
+		consumer.WithOrdering(consumer.OrderByKey),
 		consumer.WithLogger(log), consumer.WithShutdownGrace(cfg.Slow + 5*time.Second)}
 	if cfg.Fault == faultAckFirst {
 		opts = append(opts, consumer.WithDeliveryMode(consumer.AtMostOnce))
@@ -430,6 +440,29 @@ func runBilling(ctx context.Context, cfg childConfig, log *slog.Logger) error {
 	cancel()
 	wg.Wait()
 	return err
+}
+
+// openBilling opens the billing consumers' broker. On Kafka it is built
+// from package kafka, for a session timeout shorter than franz-go's 45s: a
+// SIGKILLed member's partitions wait that long before the group hands them
+// to the others.
+func openBilling(ctx context.Context, cfg childConfig, log *slog.Logger) (ferry.Broker, error) {
+	if cfg.Kind != "kafka" || cfg.KafkaSession <= 0 {
+		return ferry.Open(ctx, cfg.BrokerURL)
+	}
+	kb, err := kafka.New(testenv.KafkaBrokers(), kafka.WithLogger(log),
+		kafka.WithSessionTimeout(cfg.KafkaSession),
+		kafka.WithClientOpts(kgo.HeartbeatInterval(min(time.Second, cfg.KafkaSession/3))))
+	if err != nil {
+		return nil, err
+	}
+	return kafkaBroker{kb}, nil
+}
+
+type kafkaBroker struct{ *kafka.Broker }
+
+func (k kafkaBroker) NewConsumer(_ context.Context, topic string, opts ...consumer.Option) (*consumer.Loop, error) {
+	return k.Broker.NewConsumer(topic, opts...)
 }
 
 // slowConsumer is the billing process whose handler outlasts the lease.

@@ -70,12 +70,14 @@ type config struct {
 	BrokerRestarts int
 	Outage         time.Duration
 	Slow           time.Duration
+	SlowEvery      int
 	Fault          string
 	DrainTimeout   time.Duration
 	BrokersSh      string
 	PostgresURL    string
 	Partitions     int
 	Capacity       int
+	KafkaSession   time.Duration
 	Keep           bool
 	Quiet          bool
 }
@@ -93,12 +95,14 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&c.BrokerRestarts, "broker-restarts", 2, "broker restarts per broker (integration/brokers.sh restart)")
 	fs.DurationVar(&c.Outage, "outage", 30*time.Second, "how long the payments API is down (0: never)")
 	fs.DurationVar(&c.Slow, "slow", 3*time.Second, "handler time of the slow consumer (above the SQS visibility timeout of 2s); 0: none")
+	fs.IntVar(&c.SlowEvery, "slow-every", 20, "the slow consumer is slow on one order in this many (on Kafka a member slow on every record holds its partitions to its pace)")
 	fs.StringVar(&c.Fault, "fault", "", "plant a fault that must fail the run: no-idempotency or ack-first")
 	fs.DurationVar(&c.DrainTimeout, "drain-timeout", 3*time.Minute, "how long to wait for the backlog to drain after the last order")
 	fs.StringVar(&c.BrokersSh, "brokers-sh", os.Getenv("FERRY_CHAOS_BROKERS_SH"), "the brokers.sh that restarts the brokers (default: integration/brokers.sh of this module, or $FERRY_CHAOS_BROKERS_SH)")
 	fs.StringVar(&c.PostgresURL, "postgres", testenv.PostgresURL(), "PostgreSQL URL (default from FERRY_POSTGRES_URL)")
 	fs.IntVar(&c.Partitions, "partitions", 6, "partitions of the Kafka topic")
 	fs.IntVar(&c.Capacity, "concurrency", 8, "handlers per billing consumer")
+	fs.DurationVar(&c.KafkaSession, "kafka-session", 6*time.Second, "the Kafka billing group's session timeout (0: franz-go's default, 45s): how long a SIGKILLed member's partitions wait")
 	fs.BoolVar(&c.Keep, "keep", false, "keep the run's schema, queues and logs")
 	fs.BoolVar(&c.Quiet, "quiet", false, "no progress lines, only the tables")
 	short := fs.Bool("short", false, "the short setting CI runs: 2,000 orders over 25s, one broker restart, a 10s outage (flags given after it override it)")

@@ -216,8 +216,8 @@ func runBroker(ctx context.Context, cfg config, kind string, out io.Writer) (*re
 		Kind: kind, BrokerURL: ferrytest.URL(ferrytest.Kind(kind)), PostgresURL: pgURL,
 		Source: q.Name, Destination: q.Destination, DLQ: dlq.Destination, Group: "billing-" + runID,
 		RunDir: runDir, Orders: cfg.Orders, Rate: float64(cfg.Orders) / cfg.Duration.Seconds(),
-		Poison: cfg.Poison, DupRate: cfg.DupRate, Seed: cfg.Seed, Batch: 10, Slow: cfg.Slow,
-		Fault: cfg.Fault, Capacity: cfg.Capacity,
+		Poison: cfg.Poison, DupRate: cfg.DupRate, Seed: cfg.Seed, Batch: 10, Slow: cfg.Slow, SlowEvery: cfg.SlowEvery,
+		Fault: cfg.Fault, Capacity: cfg.Capacity, KafkaSession: cfg.KafkaSession,
 	}
 	procs := map[string]*proc{}
 	var order []string
