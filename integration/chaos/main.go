@@ -79,6 +79,7 @@ type config struct {
 	Capacity       int
 	KafkaSession   time.Duration
 	Keep           bool
+	KeepFailed     bool
 	Quiet          bool
 }
 
@@ -104,6 +105,7 @@ func parseFlags(args []string) (config, error) {
 	fs.IntVar(&c.Capacity, "concurrency", 8, "handlers per billing consumer")
 	fs.DurationVar(&c.KafkaSession, "kafka-session", 6*time.Second, "the Kafka billing group's session timeout (0: franz-go's default, 45s): how long a SIGKILLed member's partitions wait")
 	fs.BoolVar(&c.Keep, "keep", false, "keep the run's schema, queues and logs")
+	fs.BoolVar(&c.KeepFailed, "keep-failed", true, "keep the schema, queues and logs of a failed run")
 	fs.BoolVar(&c.Quiet, "quiet", false, "no progress lines, only the tables")
 	short := fs.Bool("short", false, "the short setting CI runs: 2,000 orders over 25s, one broker restart, a 10s outage (flags given after it override it)")
 	if err := fs.Parse(args); err != nil {

@@ -76,7 +76,9 @@ func schedule(cfg config, kind string) []event {
 			}
 			tgt := targets[r.IntN(len(targets))]
 			if first {
+				// The slow consumer, once orders flow: it is mid-handler.
 				tgt, first = slowConsumer, false
+				t = max(t, cfg.Duration*3/10)
 			}
 			down := 200*time.Millisecond + time.Duration(r.Float64()*float64(2*time.Second))
 			evs = append(evs, event{at: t, what: "kill", target: tgt, down: down})
@@ -201,7 +203,7 @@ func runBroker(ctx context.Context, cfg config, kind string, out io.Writer) (*re
 		}
 	}
 	cleanup := func(ok bool) {
-		if cfg.Keep || !ok {
+		if cfg.Keep || !ok && cfg.KeepFailed {
 			fmt.Fprintf(out, "[%s] kept: schema %s, queue %s, dead letters %s, logs %s\n", kind, schema, q.Name, dlq.Name, runDir)
 			return
 		}
