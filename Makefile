@@ -3,11 +3,26 @@ GO        ?= go
 GOFLAGS_TEST ?= -race -count=1 -timeout 20m
 PKGS      ?= ./...
 
-.PHONY: test unit brokers brokers-down brokers-status bench vet
+.PHONY: test unit brokers brokers-down brokers-status bench vet chaos chaos-short
 
-## test: start the brokers, then run every test (unit and integration) with -race
+## test: start the brokers, then run every test (unit and integration) with -race,
+## then (for the whole module) the chaos run's short setting (chaos-short)
 test: brokers
 	$(GO) test $(GOFLAGS_TEST) $(PKGS)
+	$(if $(filter ./...,$(PKGS)),$(MAKE) chaos-short)
+
+## chaos-short: the short setting of the chaos run on every broker (2,000 orders, one
+## broker restart, a 10s outage) and its planted-fault runs, as tests. It runs after the
+## other packages, alone, because it restarts brokers; without -race (its six processes
+## per broker share two cores in CI).
+chaos-short:
+	FERRY_CHAOS=1 $(GO) test -count=1 -timeout 15m -v -run '^TestChaos' ./integration/chaos
+
+## chaos: break it on every broker: 100k orders each, kills, two broker restarts, a 30s
+## outage, poison, a slow consumer (CHAOS_FLAGS="-broker kafka -orders 10000" and so on;
+## go run ./integration/chaos -h lists the flags)
+chaos: brokers
+	$(GO) run ./integration/chaos $(CHAOS_FLAGS)
 
 ## unit: run the tests without starting brokers (integration tests skip)
 unit:
