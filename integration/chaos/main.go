@@ -74,6 +74,7 @@ type config struct {
 	Fault          string
 	DrainTimeout   time.Duration
 	BrokersSh      string
+	RestartCmd     string
 	PostgresURL    string
 	Partitions     int
 	Capacity       int
@@ -100,6 +101,7 @@ func parseFlags(args []string) (config, error) {
 	fs.StringVar(&c.Fault, "fault", "", "plant a fault that must fail the run: no-idempotency or ack-first")
 	fs.DurationVar(&c.DrainTimeout, "drain-timeout", 3*time.Minute, "how long to wait for the backlog to drain after the last order")
 	fs.StringVar(&c.BrokersSh, "brokers-sh", os.Getenv("FERRY_CHAOS_BROKERS_SH"), "the brokers.sh that restarts the brokers (default: integration/brokers.sh of this module, or $FERRY_CHAOS_BROKERS_SH)")
+	fs.StringVar(&c.RestartCmd, "restart-cmd", "", "a shell command that restarts the broker instead of brokers.sh ($FERRY_CHAOS_SERVICE names it: kafka, sqs, rabbitmq)")
 	fs.StringVar(&c.PostgresURL, "postgres", testenv.PostgresURL(), "PostgreSQL URL (default from FERRY_POSTGRES_URL)")
 	fs.IntVar(&c.Partitions, "partitions", 6, "partitions of the Kafka topic")
 	fs.IntVar(&c.Capacity, "concurrency", 8, "handlers per billing consumer")

@@ -62,7 +62,6 @@ type result struct {
 	BrokerRestarts                   int
 	DrainAfterOutage                 time.Duration
 	PeakLag                          int64
-	lagNow                           int64
 	Notes                            []string
 	Checks                           []check
 }

@@ -257,7 +257,7 @@ func runBroker(ctx context.Context, cfg config, kind string, out io.Writer) (*re
 	res := &result{Kind: kind, Seed: cfg.Seed, Fault: cfg.Fault, Orders: cfg.Orders}
 	var mu sync.Mutex // guards res's schedule fields below
 	var outageEnd time.Time
-	var outageLag int64
+	var outageSeq int64 // orders committed when the outage ended
 
 	// The schedule.
 	evs := schedule(cfg, kind)
@@ -288,9 +288,6 @@ func runBroker(ctx context.Context, cfg config, kind string, out io.Writer) (*re
 					}
 				})
 			case "outage":
-				mu.Lock()
-				outageLag = res.lagNow
-				mu.Unlock()
 				if err := os.WriteFile(outageFile(runDir), nil, 0o644); err != nil {
 					progress("outage: %v", err)
 					continue
@@ -301,15 +298,21 @@ func runBroker(ctx context.Context, cfg config, kind string, out io.Writer) (*re
 				case <-time.After(ev.down):
 				}
 				_ = os.Remove(outageFile(runDir))
+				var n int64
+				_ = pool.QueryRow(schedCtx, `SELECT count(*) FROM orders`).Scan(&n)
 				mu.Lock()
-				outageEnd = time.Now()
+				outageEnd, outageSeq = time.Now(), n
 				mu.Unlock()
 				progress("payments API back")
 			case "restart":
 				svc := kind
-				progress("restarting the broker: %s restart %s", cfg.BrokersSh, svc)
 				t0 := time.Now()
 				cmd := exec.CommandContext(schedCtx, cfg.BrokersSh, "restart", svc)
+				if cfg.RestartCmd != "" {
+					cmd = exec.CommandContext(schedCtx, "sh", "-c", cfg.RestartCmd)
+					cmd.Env = append(os.Environ(), "FERRY_CHAOS_SERVICE="+svc)
+				}
+				progress("restarting the broker: %s", strings.Join(cmd.Args, " "))
 				outp, err := cmd.CombinedOutput()
 				mu.Lock()
 				res.BrokerRestarts++
@@ -354,19 +357,25 @@ func runBroker(ctx context.Context, cfg config, kind string, out io.Writer) (*re
 			continue
 		}
 		mu.Lock()
-		res.lagNow = unpaid
 		res.PeakLag = max(res.PeakLag, unpaid)
-		if !outageEnd.IsZero() && res.DrainAfterOutage == 0 && unpaid <= max(outageLag, 0) {
-			res.DrainAfterOutage = time.Since(outageEnd)
-		}
+		end, seq := outageEnd, outageSeq
 		mu.Unlock()
+		// The outage's backlog is drained once every good order committed
+		// before it ended is paid.
+		if !end.IsZero() && res.DrainAfterOutage == 0 {
+			var left int64
+			if err := pool.QueryRow(ctx, `SELECT count(*) FROM orders o WHERE seq < $1 AND NOT poison
+				AND NOT EXISTS (SELECT 1 FROM payments p WHERE p.order_id = o.id)`, seq).Scan(&left); err == nil && left == 0 {
+				res.DrainAfterOutage = time.Since(end)
+			}
+		}
 		for _, name := range order {
 			p := procs[name]
 			if name == "orders" {
 				continue
 			}
 			if p.exitedByItself() {
-				progress("%s exited by itself (code %d); restarting it", name, p.wait())
+				progress("%s exited by itself (code %d: %s); restarting it", name, p.wait(), lastError(runDir+"/"+name+".log"))
 				_ = p.start()
 			}
 		}
@@ -441,6 +450,21 @@ func runBroker(ctx context.Context, cfg config, kind string, out io.Writer) (*re
 	res.judge()
 	cleanup(res.OK())
 	return res, nil
+}
+
+// lastError returns the last error a child logged, or its last line.
+func lastError(path string) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err.Error()
+	}
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	for i := len(lines) - 1; i >= 0 && i >= len(lines)-20; i-- {
+		if strings.Contains(lines[i], "level=ERROR") {
+			return lines[i]
+		}
+	}
+	return lines[len(lines)-1]
 }
 
 func pgoutboxBacklog(ctx context.Context, pool *pgxpool.Pool) (int64, error) {
