@@ -265,67 +265,71 @@ func runBroker(ctx context.Context, cfg config, kind string, out io.Writer) (*re
 	schedCtx, stopSched := context.WithCancel(ctx)
 	defer stopSched()
 	var restarting sync.WaitGroup
+	var events sync.WaitGroup // each fault runs on its own: a broker restart does not delay the kills
 	go func() {
 		defer close(schedDone)
+		defer events.Wait()
 		for _, ev := range evs {
 			select {
 			case <-schedCtx.Done():
 				return
 			case <-time.After(time.Until(start.Add(ev.at))):
 			}
-			switch ev.what {
-			case "kill":
-				p := procs[ev.target]
-				if !p.running() {
-					continue
-				}
-				p.kill()
-				progress("SIGKILL %s; back in %s", ev.target, ev.down.Round(time.Millisecond))
-				restarting.Go(func() {
-					time.Sleep(ev.down)
-					if err := p.start(); err != nil {
-						progress("restart %s: %v", p.name, err)
+			events.Go(func() {
+				switch ev.what {
+				case "kill":
+					p := procs[ev.target]
+					if !p.running() {
+						return
 					}
-				})
-			case "outage":
-				if err := os.WriteFile(outageFile(runDir), nil, 0o644); err != nil {
-					progress("outage: %v", err)
-					continue
-				}
-				progress("payments API down for %s", ev.down)
-				select {
-				case <-schedCtx.Done():
-				case <-time.After(ev.down):
-				}
-				_ = os.Remove(outageFile(runDir))
-				var n int64
-				_ = pool.QueryRow(schedCtx, `SELECT count(*) FROM orders`).Scan(&n)
-				mu.Lock()
-				outageEnd, outageSeq = time.Now(), n
-				mu.Unlock()
-				progress("payments API back")
-			case "restart":
-				svc := kind
-				t0 := time.Now()
-				cmd := exec.CommandContext(schedCtx, cfg.BrokersSh, "restart", svc)
-				if cfg.RestartCmd != "" {
-					cmd = exec.CommandContext(schedCtx, "sh", "-c", cfg.RestartCmd)
-					cmd.Env = append(os.Environ(), "FERRY_CHAOS_SERVICE="+svc)
-				}
-				progress("restarting the broker: %s", strings.Join(cmd.Args, " "))
-				outp, err := cmd.CombinedOutput()
-				mu.Lock()
-				res.BrokerRestarts++
-				mu.Unlock()
-				if err != nil {
-					progress("broker restart failed: %v: %s", err, strings.TrimSpace(string(outp)))
+					p.kill()
+					progress("SIGKILL %s; back in %s", ev.target, ev.down.Round(time.Millisecond))
+					restarting.Go(func() {
+						time.Sleep(ev.down)
+						if err := p.start(); err != nil {
+							progress("restart %s: %v", p.name, err)
+						}
+					})
+				case "outage":
+					if err := os.WriteFile(outageFile(runDir), nil, 0o644); err != nil {
+						progress("outage: %v", err)
+						return
+					}
+					progress("payments API down for %s", ev.down)
+					select {
+					case <-schedCtx.Done():
+					case <-time.After(ev.down):
+					}
+					_ = os.Remove(outageFile(runDir))
+					var n int64
+					_ = pool.QueryRow(schedCtx, `SELECT count(*) FROM orders`).Scan(&n)
 					mu.Lock()
-					res.Notes = append(res.Notes, fmt.Sprintf("broker restart failed: %v", err))
+					outageEnd, outageSeq = time.Now(), n
 					mu.Unlock()
-				} else {
-					progress("broker back after %s", time.Since(t0).Round(100*time.Millisecond))
+					progress("payments API back")
+				case "restart":
+					svc := kind
+					t0 := time.Now()
+					cmd := exec.CommandContext(schedCtx, cfg.BrokersSh, "restart", svc)
+					if cfg.RestartCmd != "" {
+						cmd = exec.CommandContext(schedCtx, "sh", "-c", cfg.RestartCmd)
+						cmd.Env = append(os.Environ(), "FERRY_CHAOS_SERVICE="+svc)
+					}
+					progress("restarting the broker: %s", strings.Join(cmd.Args, " "))
+					outp, err := cmd.CombinedOutput()
+					mu.Lock()
+					res.BrokerRestarts++
+					mu.Unlock()
+					if err != nil {
+						progress("broker restart failed: %v: %s", err, strings.TrimSpace(string(outp)))
+						mu.Lock()
+						res.Notes = append(res.Notes, fmt.Sprintf("broker restart failed: %v", err))
+						mu.Unlock()
+					} else {
+						progress("broker back after %s", time.Since(t0).Round(100*time.Millisecond))
+					}
 				}
-			}
+			})
 		}
 	}()
 
