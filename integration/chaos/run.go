@@ -85,10 +85,15 @@ func schedule(cfg config, kind string) []event {
 		}
 	}
 	if cfg.Outage > 0 {
-		evs = append(evs, event{at: cfg.Duration * 4 / 10, what: "outage", down: cfg.Outage})
+		evs = append(evs, event{at: cfg.Duration / 2, what: "outage", down: cfg.Outage})
 	}
+	// The restarts keep clear of the outage in the middle: the first at 15%
+	// of the time, the last at 85%.
 	for i := range cfg.BrokerRestarts {
-		at := cfg.Duration * time.Duration(2*i+1) / time.Duration(2*cfg.BrokerRestarts+1)
+		at := cfg.Duration * 15 / 100
+		if cfg.BrokerRestarts > 1 {
+			at += cfg.Duration * 70 / 100 * time.Duration(i) / time.Duration(cfg.BrokerRestarts-1)
+		}
 		evs = append(evs, event{at: at, what: "restart"})
 	}
 	slices.SortFunc(evs, func(a, b event) int { return int(a.at - b.at) })
