@@ -2,6 +2,7 @@ package main
 
 import (
 	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -47,12 +48,10 @@ func shortConfig(t *testing.T, args ...string) config {
 // chaos: on each broker, 2,000 orders over 40s through two relays and
 // three billing consumers, with SIGKILLs, one broker restart, a 10s
 // payments outage, poison and a slow consumer. Every invariant must hold.
+// FERRY_CHAOS_FLAGS adds flags ("-broker kafka -seed 7").
 func TestChaosShortSettingKeepsEveryInvariant(t *testing.T) {
 	requireChaos(t)
-	cfg := shortConfig(t)
-	if b := os.Getenv("FERRY_CHAOS_BROKER"); b != "" {
-		cfg = shortConfig(t, "-broker", b)
-	}
+	cfg := shortConfig(t, strings.Fields(os.Getenv("FERRY_CHAOS_FLAGS"))...)
 	results, err := run(t.Context(), cfg, t.Output())
 	if err != nil {
 		t.Fatal(err)
