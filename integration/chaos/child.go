@@ -288,7 +288,7 @@ func runRelay(ctx context.Context, cfg childConfig, log *slog.Logger) error {
 	if err != nil {
 		return err
 	}
-	r, err := outbox.NewRelay(st, b, outbox.WithName(cfg.Name), outbox.WithLogger(log),
+	r, err := outbox.NewRelay(st, recordingPublisher{Broker: b, pool: pool, name: cfg.Name}, outbox.WithName(cfg.Name), outbox.WithLogger(log),
 		outbox.WithLeaseTTL(3*time.Second), outbox.WithBatchSize(200))
 	if err != nil {
 		return err
@@ -302,6 +302,40 @@ func runRelay(ctx context.Context, cfg childConfig, log *slog.Logger) error {
 	err = r.Run(ctx)
 	cancel()
 	wg.Wait()
+	return err
+}
+
+// recordingPublisher notes in the published table each event the broker
+// took, by the Publisher's own account: a lost order then tells whether it
+// was ever published.
+type recordingPublisher struct {
+	ferry.Broker
+	pool *pgxpool.Pool
+	name string
+}
+
+func (p recordingPublisher) Publish(ctx context.Context, dest string, msgs ...consumer.Message) error {
+	err := p.Broker.Publish(ctx, dest, msgs...)
+	failed := map[int]bool{}
+	var pe *consumer.PublishError
+	switch {
+	case err == nil:
+	case errors.As(err, &pe):
+		for _, f := range pe.Failed {
+			failed[f.Index] = true
+		}
+	default:
+		return err
+	}
+	ids := make([]string, 0, len(msgs))
+	for i, m := range msgs {
+		if !failed[i] {
+			ids = append(ids, m.ID)
+		}
+	}
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	_, _ = p.pool.Exec(rctx, `INSERT INTO published (event_id, relay) SELECT unnest($1::text[]), $2`, ids, p.name)
 	return err
 }
 
@@ -401,7 +435,14 @@ func runBilling(ctx context.Context, cfg childConfig, log *slog.Logger) error {
 			return err
 		})
 	}
-	h := consumer.Chain(count(inner), stack.Middleware()...)
+	// record notes each delivery that reaches the handler stack.
+	record := func(next consumer.Handler) consumer.Handler {
+		return consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+			_, _ = pool.Exec(ctx, `INSERT INTO deliveries (event_id, consumer, attempt) VALUES ($1, $2, $3)`, m.ID, cfg.Name, m.Attempt)
+			return next.Handle(ctx, m)
+		})
+	}
+	h := consumer.Chain(count(inner), append(stack.Middleware(), record)...)
 
 	// Each order is its own key: per-key order lets a Kafka partition run
 	// many orders at once, so the slow consumer does not stall its

@@ -47,6 +47,7 @@ type result struct {
 	PaidTwice                        []string
 	PaidPoison                       []string
 	Unpaid                           []string
+	LostTrails                       []string // where each lost order's trail ends
 	PoisonInDLQ                      int
 	PoisonStoryless                  []string
 	PoisonMissing                    []string
@@ -181,6 +182,33 @@ func gather(ctx context.Context, pool *pgxpool.Pool, r *result, dls []ferrytest.
 		}
 	}
 
+	if len(r.Unpaid) > 0 {
+		// Where each lost order's trail ends.
+		rows, err := pool.Query(ctx, `SELECT o.id,
+				(SELECT count(*) FROM published p WHERE p.event_id = 'ev-' || o.id),
+				(SELECT count(*) FROM deliveries d WHERE d.event_id = 'ev-' || o.id),
+				(SELECT min(p.at) FROM published p WHERE p.event_id = 'ev-' || o.id)
+			FROM orders o WHERE o.id = ANY($1) ORDER BY o.seq`, r.Unpaid)
+		if err != nil {
+			return err
+		}
+		for rows.Next() {
+			var id string
+			var pub, del int
+			var at *time.Time
+			if err := rows.Scan(&id, &pub, &del, &at); err != nil {
+				return err
+			}
+			trail := fmt.Sprintf("%s: published %d×, delivered %d×", id, pub, del)
+			if at != nil {
+				trail += " (first published " + at.UTC().Format("15:04:05.000") + ")"
+			}
+			r.LostTrails = append(r.LostTrails, trail)
+		}
+		if err := rows.Err(); err != nil {
+			return err
+		}
+	}
 	if r.OutboxLeft, err = pgoutboxBacklog(ctx, pool); err != nil {
 		return err
 	}
@@ -302,6 +330,13 @@ func (r *result) print(w io.Writer) {
 	row("peak lag", "%d good orders committed and not yet paid", r.PeakLag)
 	for _, n := range r.Notes {
 		row("note", "%s", n)
+	}
+	for i, t := range r.LostTrails {
+		if i == 20 {
+			row("", "… (%d lost in all)", len(r.LostTrails))
+			break
+		}
+		row("lost order", "%s", t)
 	}
 	for _, c := range r.Checks {
 		mark := "ok  "

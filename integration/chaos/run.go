@@ -135,6 +135,17 @@ CREATE TABLE payments ( -- no unique constraint: a double effect is two rows
     attempt      integer NOT NULL,
     paid_at      timestamptz NOT NULL DEFAULT now()
 );
+CREATE TABLE published ( -- each event a relay's Publish reported taken
+    event_id text NOT NULL,
+    relay    text NOT NULL,
+    at       timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE deliveries ( -- each delivery that reached a billing handler stack
+    event_id text    NOT NULL,
+    consumer text    NOT NULL,
+    attempt  integer NOT NULL,
+    at       timestamptz NOT NULL DEFAULT clock_timestamp()
+);
 CREATE TABLE chaos_stats (
     proc        text    NOT NULL,
     incarnation integer NOT NULL,
