@@ -328,15 +328,23 @@ func (p recordingPublisher) Publish(ctx context.Context, dest string, msgs ...co
 		return err
 	}
 	ids := make([]string, 0, len(msgs))
-	for i, m := range msgs {
-		if !failed[i] {
-			ids = append(ids, m.ID)
+	for i := range msgs {
+		if m := &msgs[i]; !failed[i] {
+			ids = append(ids, eventID(m))
 		}
 	}
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 	defer cancel()
 	_, _ = p.pool.Exec(rctx, `INSERT INTO published (event_id, relay) SELECT unnest($1::text[]), $2`, ids, p.name)
 	return err
+}
+
+// eventID is the outbox's id of the event a message carries.
+func eventID(m *consumer.Message) string {
+	if id, ok := m.Headers[outbox.EventIDHeader]; ok {
+		return id
+	}
+	return m.ID
 }
 
 // errUnavailable is the payments API being down: transient, and what the
@@ -404,7 +412,7 @@ func runBilling(ctx context.Context, cfg childConfig, log *slog.Logger) error {
 			}
 		}
 		if _, err := tx.Exec(ctx, `INSERT INTO payments (order_id, event_id, amount_cents, consumer, attempt) VALUES ($1, $2, $3, $4, $5)`,
-			o.ID, m.ID, o.Amount, cfg.Name, m.Attempt); err != nil {
+			o.ID, eventID(m), o.Amount, cfg.Name, m.Attempt); err != nil {
 			return err
 		}
 		return nil
@@ -438,7 +446,7 @@ func runBilling(ctx context.Context, cfg childConfig, log *slog.Logger) error {
 	// record notes each delivery that reaches the handler stack.
 	record := func(next consumer.Handler) consumer.Handler {
 		return consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
-			_, _ = pool.Exec(ctx, `INSERT INTO deliveries (event_id, consumer, attempt) VALUES ($1, $2, $3)`, m.ID, cfg.Name, m.Attempt)
+			_, _ = pool.Exec(ctx, `INSERT INTO deliveries (event_id, consumer, attempt) VALUES ($1, $2, $3)`, eventID(m), cfg.Name, m.Attempt)
 			return next.Handle(ctx, m)
 		})
 	}
