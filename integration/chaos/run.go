@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math"
 	mrand "math/rand/v2"
 	"net/url"
 	"os"
@@ -511,4 +510,3 @@ func setVisibility(ctx context.Context, tb *ferrytest.Broker, queue string, seco
 	return err
 }
 
-var _ = math.MaxInt
