@@ -84,14 +84,14 @@ func schedule(cfg config, kind string) []event {
 		}
 	}
 	if cfg.Outage > 0 {
-		evs = append(evs, event{at: cfg.Duration / 2, what: "outage", down: cfg.Outage})
+		evs = append(evs, event{at: cfg.Duration * 6 / 10, what: "outage", down: cfg.Outage})
 	}
-	// The restarts keep clear of the outage in the middle: the first at 15%
-	// of the time, the last at 85%.
+	// The restarts keep clear of the outage at 60%: the first at 10% of the
+	// time (a broker takes 10-20s to come back), the last at 85%.
 	for i := range cfg.BrokerRestarts {
-		at := cfg.Duration * 15 / 100
+		at := cfg.Duration * 10 / 100
 		if cfg.BrokerRestarts > 1 {
-			at += cfg.Duration * 70 / 100 * time.Duration(i) / time.Duration(cfg.BrokerRestarts-1)
+			at += cfg.Duration * 75 / 100 * time.Duration(i) / time.Duration(cfg.BrokerRestarts-1)
 		}
 		evs = append(evs, event{at: at, what: "restart"})
 	}
