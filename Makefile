@@ -3,20 +3,35 @@ GO        ?= go
 GOFLAGS_TEST ?= -race -count=1 -timeout 20m
 PKGS      ?= ./...
 
-.PHONY: test test-restarts unit brokers brokers-down brokers-status bench bench-compare bench-test vet
+.PHONY: test test-restarts unit brokers brokers-down brokers-status bench bench-compare bench-test vet chaos chaos-short
 
-## test: start the brokers, then run every test (unit and integration) with -race,
-## then, alone, the tests that restart a shared broker, and the bench module's
-## short check that every benchmark variant loses no message
+## test: start the brokers, then run every test (unit and integration) with -race;
+## then, alone, the tests that restart a shared broker, the bench module's short
+## check that every benchmark variant loses no message, and (for the whole module)
+## the chaos run's short setting (chaos-short)
 test: brokers
 	$(GO) test $(GOFLAGS_TEST) $(PKGS)
 	$(MAKE) test-restarts
 	$(MAKE) bench-test
+	$(if $(filter ./...,$(PKGS)),$(MAKE) chaos-short)
 
 ## test-restarts: the tests that stop and start a shared broker (Kafka), run
 ## when nothing else uses it
 test-restarts: brokers
 	FERRY_TEST_KAFKA_RESTART=1 $(GO) test $(GOFLAGS_TEST) -run '^TestBrokerRestart$$' ./kafka/
+
+## chaos-short: the short setting of the chaos run on every broker (2,000 orders, one
+## broker restart, a 10s outage) and its planted-fault runs, as tests. It runs after the
+## other packages, alone, because it restarts brokers; without -race (its six processes
+## per broker share two cores in CI).
+chaos-short:
+	FERRY_CHAOS=1 $(GO) test -count=1 -timeout 15m -v -run '^TestChaos' ./integration/chaos
+
+## chaos: break it on every broker: 100k orders each, kills, two broker restarts, a 30s
+## outage, poison, a slow consumer (CHAOS_FLAGS="-broker kafka -orders 10000" and so on;
+## go run ./integration/chaos -h lists the flags)
+chaos: brokers
+	$(GO) run ./integration/chaos $(CHAOS_FLAGS)
 
 ## unit: run the tests without starting brokers (integration tests skip)
 unit:

@@ -448,7 +448,10 @@ func (a *rabbitAdmin) peek(ctx context.Context, q *Queue) ([]consumer.Message, e
 	if want == 0 {
 		return nil, nil
 	}
-	d, err := a.b.Driver(q.Name)
+	// The prefetch must hold the whole queue: peekQueue settles nothing
+	// until it has read it all, and the broker pushes no more than the
+	// prefetch of unacked deliveries.
+	d, err := a.b.Driver(q.Name, rabbit.Prefetch(min(want, 65535)))
 	if err != nil {
 		return nil, err
 	}

@@ -3,6 +3,7 @@ package ferrytest_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/url"
 	"os"
 	"os/exec"
@@ -321,6 +322,32 @@ func TestPeekReadsEverythingAndTakesNothing(t *testing.T) {
 			if len(got) != len(msgs) || len(seen) != len(msgs) {
 				t.Fatalf("read %d: %d messages (%v), want the %d published", read, len(got), seen, len(msgs))
 			}
+		}
+	})
+}
+
+// Peek reads a queue deeper than a RabbitMQ driver's default prefetch
+// (64): it got 64 of 118 dead letters, then waited for its deadline (found
+// by the chaos run).
+func TestPeekReadsMoreThanAPrefetch(t *testing.T) {
+	eachKind(t, func(t *testing.T, kind ferrytest.Kind) {
+		ctx := ctxFor(t, 60*time.Second)
+		b := ferrytest.Open(t, kind)
+		q := b.Queue(t, "peek-deep")
+		const n = 150
+		msgs := make([]consumer.Message, n)
+		for i := range msgs {
+			msgs[i] = consumer.Message{Key: fmt.Sprint(i), Body: []byte(fmt.Sprint("body-", i))}
+		}
+		if err := q.Publish(ctx, msgs...); err != nil {
+			t.Fatal(err)
+		}
+		got, err := q.Peek(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(got) != n {
+			t.Fatalf("%d messages, want %d", len(got), n)
 		}
 	})
 }

@@ -415,7 +415,8 @@ kafka_tls() {
 start_sqs() {
 	local d=$STATE/elasticmq
 	mkdir -p "$d"
-	cp "$CONF/elasticmq.conf" "$d/elasticmq.conf"
+	# Its queues and messages persist in $d (queues-storage, messages-storage).
+	sed "s|@STATE@|$d|g" "$CONF/elasticmq.conf" >"$d/elasticmq.conf"
 	jvm_start "$d/elasticmq.pid" "$d/elasticmq.log" -Xms64m -Xmx256m -XX:+UseSerialGC -XX:+ExitOnOutOfMemoryError \
 		-Djava.awt.headless=true -Dconfig.file="$d/elasticmq.conf" \
 		-cp "$(cat "$STATE/classpath/elasticmq.classpath")" org.elasticmq.server.Main
