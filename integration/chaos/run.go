@@ -509,4 +509,3 @@ func setVisibility(ctx context.Context, tb *ferrytest.Broker, queue string, seco
 		Attributes: map[string]string{"VisibilityTimeout": itoa(seconds)}})
 	return err
 }
-
