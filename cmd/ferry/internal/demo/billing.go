@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -301,20 +302,26 @@ type killable struct {
 
 	mu       sync.Mutex
 	dead     bool
-	held     map[any]string // handle -> message id, fetched and not settled
-	orphaned []string       // message ids held at the kill, or fetched after it
+	held     map[any]heldMsg // fetched and not settled (nor revoked)
+	orphaned []string        // message ids held at the kill, or fetched after it
+	// revokedBefore mirrors the loop: per lane, generations below it were
+	// revoked, and the loop drops their messages unsettled.
+	revokedBefore map[string]uint64
 }
+
+// heldMsg is what the killable notes of a message the loop holds.
+type heldMsg struct{ id, lane string }
 
 // newKillable wraps d, and returns the wrapper both as itself and as the
 // driver to give the loop.
 func newKillable(d driver.Driver) (*killable, driver.Driver) {
-	k := &killable{Driver: d, held: make(map[any]string)}
+	k := &killable{Driver: d, held: make(map[any]heldMsg), revokedBefore: make(map[string]uint64)}
 	k.lag, _ = d.(driver.LagReporter)
 	if ext, ok := d.(driver.Extender); ok {
 		return k, &leasedKillable{killable: k, ext: ext}
 	}
 	if rev, ok := d.(driver.Revoker); ok {
-		rk := &revokingKillable{killable: k, rev: rev}
+		rk := &revokingKillable{killable: k, rev: rev, out: make(chan driver.Revocation), stop: make(chan struct{})}
 		if dr, ok := d.(driver.Drainer); ok {
 			return k, &drainingKillable{revokingKillable: rk, dr: dr}
 		}
@@ -342,10 +349,59 @@ func (k *leasedKillable) Extend(ctx context.Context, handles []any, d time.Durat
 // back (Kafka, RabbitMQ).
 type revokingKillable struct {
 	*killable
-	rev driver.Revoker
+	rev       driver.Revoker
+	start     sync.Once
+	out       chan driver.Revocation
+	stop      chan struct{}
+	closeOnce sync.Once
 }
 
-func (k *revokingKillable) Revoked() <-chan driver.Revocation { return k.rev.Revoked() }
+// Revoked passes the driver's revocations on, forgetting first what the
+// killable held of the revoked lanes: the loop drops those messages
+// without settling them, and they are not the consumer's any more.
+func (k *revokingKillable) Revoked() <-chan driver.Revocation {
+	k.start.Do(func() {
+		go func() {
+			src := k.rev.Revoked()
+			for {
+				select {
+				case rev := <-src:
+					k.forget(rev)
+					select {
+					case k.out <- rev:
+					case <-k.stop:
+						return
+					}
+				case <-k.stop:
+					return
+				}
+			}
+		}()
+	})
+	return k.out
+}
+
+// Close stops passing revocations on, then closes the driver.
+func (k *revokingKillable) Close() error {
+	k.closeOnce.Do(func() { close(k.stop) })
+	return k.killable.Close()
+}
+
+// forget drops what the killable held of the revoked lanes.
+func (k *killable) forget(rev driver.Revocation) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	for _, lane := range rev.Lanes {
+		if rev.Before > k.revokedBefore[lane] {
+			k.revokedBefore[lane] = rev.Before
+		}
+	}
+	for h, m := range k.held {
+		if slices.Contains(rev.Lanes, m.lane) {
+			delete(k.held, h)
+		}
+	}
+}
 
 // drainingKillable is a revokingKillable over a driver that drains what
 // its broker pushed ahead (RabbitMQ).
@@ -375,8 +431,17 @@ func (k *killable) record(ms []driver.Message) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	for _, m := range ms {
-		k.held[m.Handle] = m.ID
+		k.hold(m)
 	}
+}
+
+// hold notes m, unless the loop will drop it as fetched under a revoked
+// generation of its lane. k.mu is held.
+func (k *killable) hold(m driver.Message) {
+	if m.Generation != 0 && m.Generation < k.revokedBefore[m.Lane] {
+		return
+	}
+	k.held[m.Handle] = heldMsg{id: m.ID, lane: m.Lane}
 }
 
 var errKilled = errors.New("demo: consumer killed")
@@ -393,7 +458,7 @@ func (k *killable) Fetch(ctx context.Context, dst []driver.Message, max int) ([]
 		if k.dead {
 			k.orphaned = append(k.orphaned, m.ID)
 		} else {
-			k.held[m.Handle] = m.ID
+			k.hold(m)
 		}
 	}
 	if k.dead {
@@ -429,8 +494,8 @@ func (k *killable) kill() []string {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	k.dead = true
-	for _, id := range k.held {
-		k.orphaned = append(k.orphaned, id)
+	for _, m := range k.held {
+		k.orphaned = append(k.orphaned, m.id)
 	}
 	clear(k.held)
 	return append([]string(nil), k.orphaned...)
