@@ -1,12 +1,10 @@
 package ferrytest
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
-	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -158,6 +156,7 @@ type kafkaBroker interface {
 	DeleteTopic(ctx context.Context, topic string) error
 	Admin() *kadm.Client
 	Driver(topic, group string) (driver.Driver, error)
+	Peek(ctx context.Context, topic, group string, perPartition int) ([]consumer.Message, error)
 }
 
 type kafkaAdmin struct{ b kafkaBroker }
@@ -196,75 +195,12 @@ func (a *kafkaAdmin) exists(ctx context.Context, name string) (bool, error) {
 	return d.Err == nil, d.Err
 }
 
-// peek reads the topic from its start to its end offsets as a consumer
-// group of its own that commits nothing: a log loses nothing by being read.
+// peek reads the topic whole through the broker's Peek: a plain read of
+// every partition from its start to its end offset, in no consumer group
+// and settling nothing. (A consumer group's driver would stop at its
+// partition buffer: records never settled hold it full.)
 func (a *kafkaAdmin) peek(ctx context.Context, q *Queue) ([]consumer.Message, error) {
-	adm := a.b.Admin()
-	starts, err := adm.ListStartOffsets(ctx, q.Name)
-	if err == nil {
-		err = starts.Error()
-	}
-	if err != nil {
-		return nil, fmt.Errorf("start offsets: %w", err)
-	}
-	ends, err := adm.ListEndOffsets(ctx, q.Name)
-	if err == nil {
-		err = ends.Error()
-	}
-	if err != nil {
-		return nil, fmt.Errorf("end offsets: %w", err)
-	}
-	next := map[string]int64{} // per partition: the next offset to read
-	left := map[string]int64{} // per partition: the offset the read ends at
-	ends.Each(func(o kadm.ListedOffset) {
-		p := strconv.Itoa(int(o.Partition))
-		if s, ok := starts.Lookup(o.Topic, o.Partition); ok && s.Offset < o.Offset {
-			next[p], left[p] = s.Offset, o.Offset
-		}
-	})
-	if len(left) == 0 {
-		return nil, nil
-	}
-	d, err := a.b.Driver(q.Name, q.group("peek"))
-	if err != nil {
-		return nil, err
-	}
-	defer answerRevocations(d)()
-	var got []driver.Message
-	for len(left) > 0 {
-		var batch []driver.Message
-		batch, err = d.Fetch(ctx, nil, 500)
-		if err != nil {
-			break
-		}
-		for _, m := range batch {
-			end, ok := left[m.Lane]
-			if !ok || m.Offset < next[m.Lane] {
-				continue // a partition read already, or a record seen again
-			}
-			if m.Offset < end {
-				got = append(got, m)
-				next[m.Lane] = m.Offset + 1
-			}
-			if m.Offset+1 >= end {
-				delete(left, m.Lane)
-			}
-		}
-	}
-	err = errors.Join(err, d.Close())
-	if err != nil {
-		return nil, fmt.Errorf("read %d records: %w", len(got), err)
-	}
-	slices.SortStableFunc(got, func(x, y driver.Message) int {
-		px, _ := strconv.Atoi(x.Lane)
-		py, _ := strconv.Atoi(y.Lane)
-		return cmp.Or(cmp.Compare(px, py), cmp.Compare(x.Offset, y.Offset))
-	})
-	out := make([]consumer.Message, len(got))
-	for i, m := range got {
-		out[i] = fromDriver(m)
-	}
-	return out, nil
+	return a.b.Peek(ctx, q.Name, "", 0)
 }
 
 func (a *kafkaAdmin) close() error { return nil }

@@ -328,13 +328,15 @@ func TestPeekReadsEverythingAndTakesNothing(t *testing.T) {
 
 // Peek reads a queue deeper than a RabbitMQ driver's default prefetch
 // (64): it got 64 of 118 dead letters, then waited for its deadline (found
-// by the chaos run).
+// by the chaos run). And deeper than a Kafka driver's partition buffer
+// (250 records not yet settled): it got 250 of 1,046 dead letters of a
+// one-partition topic (found by the 100k chaos run).
 func TestPeekReadsMoreThanAPrefetch(t *testing.T) {
 	eachKind(t, func(t *testing.T, kind ferrytest.Kind) {
 		ctx := ctxFor(t, 60*time.Second)
 		b := ferrytest.Open(t, kind)
 		q := b.Queue(t, "peek-deep")
-		const n = 150
+		const n = 600
 		msgs := make([]consumer.Message, n)
 		for i := range msgs {
 			msgs[i] = consumer.Message{Key: fmt.Sprint(i), Body: []byte(fmt.Sprint("body-", i))}
