@@ -97,6 +97,18 @@ pid_of() {
 	echo "$pid"
 }
 
+# started_pid SERVICE prints the pid the checker watches while SERVICE,
+# just started, comes up: its process, or 0 when that is already gone. For
+# RabbitMQ it is the launcher's: the server writes its own pid file only
+# once it has booted, so right after the start there is none (a restart
+# that watched "no pid" took RabbitMQ for dead at once).
+started_pid() {
+	case $1 in
+	rabbitmq) cat "$STATE/rabbitmq/launcher.pid" 2>/dev/null || echo 0 ;;
+	*) pid_of "$1" || echo 0 ;;
+	esac
+}
+
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
 port_owner() {
@@ -539,13 +551,9 @@ cmd_up() {
 	fi
 
 	# The checker gives up on a service whose process died.
-	local out rc=0 watch=() pid
+	local out rc=0 watch=()
 	for svc in "${todo[@]}"; do
-		case $svc in
-		rabbitmq) pid=$(cat "$STATE/rabbitmq/launcher.pid" 2>/dev/null || true) ;;
-		*) pid=$(pid_of "$svc" || echo 0) ;; # 0: already gone
-		esac
-		[[ -n $pid ]] && watch+=("-pid=$svc=$pid")
+		watch+=("-pid=$svc=$(started_pid "$svc")")
 	done
 	out=$("$CHECKER" -wait "${UP_TIMEOUT}s" $(versions) $(kafka_ca_flag) "${watch[@]}" "${SERVICES[@]}") || rc=$?
 	for svc in "${SERVICES[@]}"; do
@@ -599,7 +607,7 @@ cmd_restart() {
 			port_open "$port" && die "port $port ($svc) is still held by $(port_owner "$port") after stopping"
 		done
 		"start_$svc" || die "starting $svc failed"
-		watch+=("-pid=$svc=$(pid_of "$svc" || echo 0)")
+		watch+=("-pid=$svc=$(started_pid "$svc")")
 	done
 	out=$("$CHECKER" -wait "${UP_TIMEOUT}s" $(versions) $(kafka_ca_flag) "${watch[@]}" "$@") || rc=$?
 	for svc in "$@"; do
