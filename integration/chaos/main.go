@@ -99,7 +99,7 @@ func parseFlags(args []string) (config, error) {
 	fs.DurationVar(&c.Slow, "slow", 3*time.Second, "handler time of the slow consumer (above the SQS visibility timeout of 2s); 0: none")
 	fs.IntVar(&c.SlowEvery, "slow-every", 20, "the slow consumer is slow on one order in this many (on Kafka a member slow on every record holds its partitions to its pace)")
 	fs.StringVar(&c.Fault, "fault", "", "plant a fault that must fail the run: no-idempotency or ack-first")
-	fs.DurationVar(&c.DrainTimeout, "drain-timeout", 3*time.Minute, "how long to wait for the backlog to drain after the last order")
+	fs.DurationVar(&c.DrainTimeout, "drain-timeout", 10*time.Minute, "how long to wait for the backlog to drain after the last order (on Kafka the slow member holds its partitions to its pace: at 100k orders its backlog takes minutes)")
 	fs.StringVar(&c.BrokersSh, "brokers-sh", os.Getenv("FERRY_CHAOS_BROKERS_SH"), "the brokers.sh that restarts the brokers (default: integration/brokers.sh of this module, or $FERRY_CHAOS_BROKERS_SH)")
 	fs.StringVar(&c.RestartCmd, "restart-cmd", "", "a shell command that restarts the broker instead of brokers.sh ($FERRY_CHAOS_SERVICE names it: kafka, sqs, rabbitmq)")
 	fs.StringVar(&c.PostgresURL, "postgres", testenv.PostgresURL(), "PostgreSQL URL (default from FERRY_POSTGRES_URL)")

@@ -48,6 +48,8 @@ type result struct {
 	PaidPoison                       []string
 	Unpaid                           []string
 	LostTrails                       []string // where each lost order's trail ends
+	BrokerStops                      []window // each broker restart, from its start until the broker was back
+	LostByBroker                     []string // orders the broker took and lost in a restart (SQS: ElasticMQ), with their trails
 	PoisonInDLQ                      int
 	PoisonStoryless                  []string
 	PoisonMissing                    []string
@@ -182,6 +184,9 @@ func gather(ctx context.Context, pool *pgxpool.Pool, r *result, dls []ferrytest.
 		}
 	}
 
+	if err := r.attributeBrokerLoss(ctx, pool); err != nil {
+		return err
+	}
 	if len(r.Unpaid) > 0 {
 		// Where each lost order's trail ends.
 		rows, err := pool.Query(ctx, `SELECT o.id,
@@ -242,10 +247,92 @@ func gather(ctx context.Context, pool *pgxpool.Pool, r *result, dls []ferrytest.
 			r.Crashes[name] = c
 		}
 	}
-	for _, l := range [][]string{r.PaidTwice, r.PaidPoison, r.Unpaid, r.PoisonMissing, r.PoisonStoryless, r.GoodInDLQ} {
+	for _, l := range [][]string{r.PaidTwice, r.PaidPoison, r.Unpaid, r.PoisonMissing, r.PoisonStoryless, r.GoodInDLQ, r.LostByBroker} {
 		slices.Sort(l)
 	}
 	return nil
+}
+
+// window is a span of wall-clock time.
+type window struct{ From, To time.Time }
+
+// brokerLossLead is how long before a restart began the broker may have
+// acknowledged an event that its stop then lost: ElasticMQ answers
+// SendMessage before its persistence actor has written the message to H2,
+// and at SIGTERM the JVM closes H2 under that actor (its trace file logs
+// "Database is already closed" in MessageRepository.add). The lead covers
+// the actor's backlog under load.
+const brokerLossLead = 5 * time.Second
+
+// brokerLosesAcknowledged names the brokers whose restart can lose what
+// they acknowledged: ElasticMQ, the SQS of these runs (Amazon SQS is not
+// restarted under its users). Kafka (a SIGTERM flushes the log) and
+// RabbitMQ (a quorum queue confirms once the message is on disk) keep it,
+// so a loss there is always Ferry's.
+var brokerLosesAcknowledged = map[string]bool{"sqs": true}
+
+// attributeBrokerLoss moves out of Unpaid and PoisonMissing the orders the
+// broker lost: on a broker that can lose what it acknowledged, an order
+// whose event the broker acknowledged only within a restart (from
+// brokerLossLead before it began until the broker was back) and that no
+// consumer ever received. Everything else missing stays Ferry's loss.
+func (r *result) attributeBrokerLoss(ctx context.Context, pool *pgxpool.Pool) error {
+	if !brokerLosesAcknowledged[r.Kind] || len(r.BrokerStops) == 0 {
+		return nil
+	}
+	missing := append(slices.Clone(r.Unpaid), r.PoisonMissing...)
+	if len(missing) == 0 {
+		return nil
+	}
+	rows, err := pool.Query(ctx, `SELECT o.id,
+			(SELECT count(*) FROM deliveries d WHERE d.event_id = 'ev-' || o.id),
+			(SELECT array_agg(p.at ORDER BY p.at) FROM published p WHERE p.event_id = 'ev-' || o.id)
+		FROM orders o WHERE o.id = ANY($1)`, missing)
+	if err != nil {
+		return err
+	}
+	lost := map[string]string{}
+	for rows.Next() {
+		var id string
+		var del int
+		var ats []time.Time
+		if err := rows.Scan(&id, &del, &ats); err != nil {
+			return err
+		}
+		if del > 0 || len(ats) == 0 {
+			continue
+		}
+		inRestart := true
+		for _, at := range ats {
+			inRestart = inRestart && slices.ContainsFunc(r.BrokerStops, func(w window) bool {
+				return !at.Before(w.From.Add(-brokerLossLead)) && !at.After(w.To)
+			})
+		}
+		if inRestart {
+			lost[id] = fmt.Sprintf("%s: published %d×, delivered 0× (published %s, restart began %s)", id, len(ats),
+				ats[0].UTC().Format("15:04:05.000"), r.stopAround(ats[0]).UTC().Format("15:04:05.000"))
+		}
+	}
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	keep := func(id string) bool { _, gone := lost[id]; return !gone }
+	r.Unpaid = slices.DeleteFunc(r.Unpaid, func(id string) bool { return !keep(id) })
+	r.PoisonMissing = slices.DeleteFunc(r.PoisonMissing, func(id string) bool { return !keep(id) })
+	for _, t := range lost {
+		r.LostByBroker = append(r.LostByBroker, t)
+	}
+	return nil
+}
+
+// stopAround returns the start of the restart whose window holds at.
+func (r *result) stopAround(at time.Time) time.Time {
+	for _, w := range r.BrokerStops {
+		if !at.Before(w.From.Add(-brokerLossLead)) && !at.After(w.To) {
+			return w.From
+		}
+	}
+	return time.Time{}
 }
 
 // genericError replaces the order's id in a dead letter's error, so that
@@ -318,6 +405,9 @@ func (r *result) print(w io.Writer) {
 	}
 	row("good messages in the DLQ", "%d", len(r.GoodInDLQ))
 	row("lost", "%d (good orders never paid; %d events left in the outbox)", len(r.Unpaid), r.OutboxLeft)
+	if brokerLosesAcknowledged[r.Kind] {
+		row("lost by the broker's restarts", "%d (acknowledged by ElasticMQ just before its stop, never persisted, never received)", len(r.LostByBroker))
+	}
 	row("duplicates suppressed", "%d", r.Suppressed)
 	row("held by the breaker (runs)", "%d (%d calls failed while the API was down)", r.Held, r.OutageCalls)
 	row("kills (SIGKILL)", "%d billing, %d relay", r.Kills[roleBilling], r.Kills[roleRelay])
@@ -340,6 +430,13 @@ func (r *result) print(w io.Writer) {
 			break
 		}
 		row("lost order", "%s", t)
+	}
+	for i, t := range r.LostByBroker {
+		if i == 10 {
+			row("", "… (%d lost by the broker in all)", len(r.LostByBroker))
+			break
+		}
+		row("lost by the broker", "%s", t)
 	}
 	for _, c := range r.Checks {
 		mark := "ok  "

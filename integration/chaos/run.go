@@ -334,6 +334,7 @@ func runBroker(ctx context.Context, cfg config, kind string, out io.Writer) (*re
 					outp, err := cmd.CombinedOutput()
 					mu.Lock()
 					res.BrokerRestarts++
+					res.BrokerStops = append(res.BrokerStops, window{From: t0, To: time.Now()})
 					mu.Unlock()
 					if err != nil {
 						progress("broker restart failed: %v: %s", err, strings.TrimSpace(string(outp)))
