@@ -192,7 +192,7 @@ func (r *Retry) handle(ctx context.Context, m *Message, next Handler) error {
 	if m.Attempt < 1 {
 		m.Attempt = 1
 	}
-	start := time.Now()
+	start := monoNow()
 	for run := 1; ; run++ {
 		err := next.Handle(ctx, m)
 		if err == nil {
@@ -206,7 +206,7 @@ func (r *Retry) handle(ctx context.Context, m *Message, next Handler) error {
 			return r.giveBack(m, err)
 		}
 		d := r.b.inProcess(run)
-		if time.Since(start)+d > r.maxElapsed {
+		if monoNow()-start+d > r.maxElapsed {
 			return r.giveBack(m, err)
 		}
 		addRunEvent(ctx, EventRetry, func() []attribute.KeyValue { return retryEventAttrs(m.Attempt+1, d, err) })

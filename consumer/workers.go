@@ -25,7 +25,7 @@ func (r *run) worker() {
 		// d, then its run in order while each succeeds (see delivery.run);
 		// each goes back as it finishes, so that its ack is not held.
 		run, next := d.run, 0
-		began := time.Now()
+		began := monoNow()
 		for {
 			switch {
 			case r.graceOver.Load():
@@ -70,8 +70,8 @@ const runSlice = 5 * time.Millisecond
 
 // yieldRun reports whether a run begun at began should end here, for
 // other deliveries waiting in the work queue.
-func (r *run) yieldRun(began time.Time) bool {
-	return len(r.work) > 0 && time.Since(began) > runSlice
+func (r *run) yieldRun(began time.Duration) bool {
+	return len(r.work) > 0 && monoNow()-began > runSlice
 }
 
 // runAtMostOnce asks the breakers in the chain first, so that a message they
