@@ -20,12 +20,12 @@ test: brokers
 test-restarts: brokers
 	FERRY_TEST_KAFKA_RESTART=1 $(GO) test $(GOFLAGS_TEST) -run '^TestBrokerRestart$$' ./kafka/
 
-## chaos-short: the short setting of the chaos run on every broker (2,000 orders, one
+## chaos-short: the short setting of the chaos run on every broker (10,000 orders, one
 ## broker restart, a 10s outage) and its planted-fault runs, as tests. It runs after the
 ## other packages, alone, because it restarts brokers; without -race (its six processes
 ## per broker share two cores in CI).
 chaos-short:
-	FERRY_CHAOS=1 $(GO) test -count=1 -timeout 15m -v -run '^TestChaos' ./integration/chaos
+	FERRY_CHAOS=1 $(GO) test -count=1 -timeout 25m -v -run '^TestChaos' ./integration/chaos
 
 ## chaos: break it on every broker: 100k orders each, kills, two broker restarts, a 30s
 ## outage, poison, a slow consumer (CHAOS_FLAGS="-broker kafka -orders 10000" and so on;

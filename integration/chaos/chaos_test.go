@@ -45,7 +45,7 @@ func shortConfig(t *testing.T, args ...string) config {
 }
 
 // TestChaosShortSettingKeepsEveryInvariant is the short setting of make
-// chaos: on each broker, 2,000 orders over 40s through two relays and
+// chaos: on each broker, 10,000 orders over a minute through two relays and
 // three billing consumers, with SIGKILLs, one broker restart, a 10s
 // payments outage, poison and a slow consumer. Every invariant must hold.
 // FERRY_CHAOS_FLAGS adds flags ("-broker kafka -seed 7").

@@ -109,7 +109,7 @@ func parseFlags(args []string) (config, error) {
 	fs.BoolVar(&c.Keep, "keep", false, "keep the run's schema, queues and logs")
 	fs.BoolVar(&c.KeepFailed, "keep-failed", true, "keep the schema, queues and logs of a failed run")
 	fs.BoolVar(&c.Quiet, "quiet", false, "no progress lines, only the tables")
-	short := fs.Bool("short", false, "the short setting CI runs: 2,000 orders over 40s, one broker restart, a 10s outage (flags given after it override it)")
+	short := fs.Bool("short", false, "the short setting CI runs: 10,000 orders over 1m, one broker restart, a 10s outage (flags given after it override it)")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
@@ -152,7 +152,7 @@ func parseFlags(args []string) (config, error) {
 func shortOverride(fs *flag.FlagSet, c config) (int, time.Duration, int, time.Duration, time.Duration, time.Duration) {
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-	orders, dur, restarts, outage, kill, drain := 2000, 40*time.Second, 1, 10*time.Second, 3*time.Second, 90*time.Second
+	orders, dur, restarts, outage, kill, drain := 10_000, time.Minute, 1, 10*time.Second, 3*time.Second, 3*time.Minute
 	if set["orders"] {
 		orders = c.Orders
 	}
