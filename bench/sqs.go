@@ -88,6 +88,20 @@ func SQSSuite(cfg SQSConfig, run string) (*Suite, error) {
 		defer mu.Unlock()
 		return urls[name]
 	}
+	// drop deletes a queue a variant is done with: the publish variants
+	// leave 100,000 messages each, and ElasticMQ keeps every message in its
+	// heap (three rounds of them once ran it out of memory).
+	drop := func(name string) {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		mu.Lock()
+		u, ok := urls[name]
+		delete(urls, name)
+		mu.Unlock()
+		if ok {
+			_, _ = plain.DeleteQueue(ctx, &awssqs.DeleteQueueInput{QueueUrl: aws.String(u)})
+		}
+	}
 	s := &Suite{Broker: "sqs"}
 	s.Close = func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -195,7 +209,7 @@ func SQSSuite(cfg SQSConfig, run string) (*Suite, error) {
 					return parallel(ctx, Concurrency, n, 10, func(ctx context.Context, lo, hi int) error {
 						return send(ctx, counted, u, lo, hi)
 					})
-				}, func() {}, nil
+				}, func() { drop(q) }, nil
 			}
 			// A first Publish looks the queue's URL up: not timed.
 			if err := br.Publish(ctx, q, consumer.Message{Body: Body(0)}); err != nil {
@@ -205,7 +219,7 @@ func SQSSuite(cfg SQSConfig, run string) (*Suite, error) {
 				return parallel(ctx, Concurrency, n, 10, func(ctx context.Context, lo, hi int) error {
 					return br.Publish(ctx, q, ferryMessages(lo, hi)...)
 				})
-			}, func() {}, nil
+			}, func() { drop(q) }, nil
 		}
 	}
 	calls := ct.n.Load

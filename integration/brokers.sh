@@ -428,8 +428,10 @@ start_sqs() {
 	local d=$STATE/elasticmq
 	mkdir -p "$d"
 	# Its queues and messages persist in $d (queues-storage, messages-storage).
+	# It keeps every message in its heap too: 1 GiB holds a 100k-order chaos
+	# backlog beside the benchmarks' queues (256 MiB ran out of memory).
 	sed "s|@STATE@|$d|g" "$CONF/elasticmq.conf" >"$d/elasticmq.conf"
-	jvm_start "$d/elasticmq.pid" "$d/elasticmq.log" -Xms64m -Xmx256m -XX:+UseSerialGC -XX:+ExitOnOutOfMemoryError \
+	jvm_start "$d/elasticmq.pid" "$d/elasticmq.log" -Xms64m -Xmx1g -XX:+UseSerialGC -XX:+ExitOnOutOfMemoryError \
 		-Djava.awt.headless=true -Dconfig.file="$d/elasticmq.conf" \
 		-cp "$(cat "$STATE/classpath/elasticmq.classpath")" org.elasticmq.server.Main
 }
