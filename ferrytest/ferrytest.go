@@ -403,13 +403,6 @@ func (q *Queue) Publish(ctx context.Context, msgs ...consumer.Message) error {
 	return nil
 }
 
-// group returns a new consumer group name, removed with the queue.
-func (q *Queue) group(prefix string) string {
-	g := testenv.NewName(prefix)
-	q.addGroup(g)
-	return g
-}
-
 func (q *Queue) addGroup(g string) {
 	q.mu.Lock()
 	q.groups = append(q.groups, g)
