@@ -2,6 +2,7 @@ package consumer
 
 import (
 	"context"
+	"math"
 	"sync"
 	"time"
 )
@@ -29,13 +30,41 @@ type deadlineCtx struct {
 // work is done. (It returns no release func: a method value would cost an
 // allocation of its own.)
 func withLazyDeadline(parent context.Context, d time.Duration) *deadlineCtx {
-	c := &deadlineCtx{Context: parent, at: monoNow() + d}
+	now := monoNow()
+	c := &deadlineCtx{Context: parent, at: addSat(now, d)}
 	if pd, ok := parent.Deadline(); ok {
-		if pat := pd.Sub(monoBase); pat < c.at {
+		if pat := monoOffset(pd, now); pat < c.at {
 			c.at, c.parentFirst = pat, true
 		}
 	}
 	return c
+}
+
+// monoOffset places t on monoNow's scale, now being monoNow(). A time with
+// a monotonic reading (time.Now and what is derived from it) is placed by
+// it. One without (time.Date, Round(0), a deadline decoded from a message)
+// is a wall-clock time: it is placed by how far the wall clock now is from
+// it, not by the wall clock as it read at monoBase, which a clock step
+// since (NTP, a host resuming from suspend) would have moved.
+func monoOffset(t time.Time, now time.Duration) time.Duration {
+	if t != t.Round(0) { // Round(0) strips the monotonic reading
+		return t.Sub(monoBase)
+	}
+	return addSat(now, time.Until(t))
+}
+
+// addSat is a+b, held at the ends of Duration's range instead of wrapping
+// (a Timeout of math.MaxInt64 means no deadline in practice, as with
+// time.Time.Add).
+func addSat(a, b time.Duration) time.Duration {
+	s := a + b
+	switch {
+	case b > 0 && s < a:
+		return math.MaxInt64
+	case b < 0 && s > a:
+		return math.MinInt64
+	}
+	return s
 }
 
 // monoBase anchors monoNow.
@@ -47,7 +76,14 @@ var monoBase = time.Now()
 // felt: time.Now was a tenth of the full stack's CPU.
 func monoNow() time.Duration { return time.Since(monoBase) }
 
-func (c *deadlineCtx) Deadline() (time.Time, bool) { return monoBase.Add(c.at), true }
+// Deadline is the parent's own when it comes first (exactly as the parent
+// says it), else this one's, placed from monoBase.
+func (c *deadlineCtx) Deadline() (time.Time, bool) {
+	if c.parentFirst {
+		return c.Context.Deadline()
+	}
+	return monoBase.Add(c.at), true
+}
 
 func (c *deadlineCtx) Done() <-chan struct{} {
 	c.mu.Lock()
