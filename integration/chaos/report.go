@@ -256,6 +256,13 @@ func gather(ctx context.Context, pool *pgxpool.Pool, r *result, dls []ferrytest.
 // window is a span of wall-clock time.
 type window struct{ From, To time.Time }
 
+// holdsLoss reports whether the broker may have acknowledged at an event
+// that the restart w lost: from brokerLossLead before w began until it
+// ended.
+func (w window) holdsLoss(at time.Time) bool {
+	return !at.Before(w.From.Add(-brokerLossLead)) && !at.After(w.To)
+}
+
 // brokerLossLead is how long before a restart began the broker may have
 // acknowledged an event that its stop then lost: ElasticMQ answers
 // SendMessage before its persistence actor has written the message to H2,
@@ -291,6 +298,7 @@ func (r *result) attributeBrokerLoss(ctx context.Context, pool *pgxpool.Pool) er
 	if err != nil {
 		return err
 	}
+	defer rows.Close()
 	lost := map[string]string{}
 	for rows.Next() {
 		var id string
@@ -304,9 +312,7 @@ func (r *result) attributeBrokerLoss(ctx context.Context, pool *pgxpool.Pool) er
 		}
 		inRestart := true
 		for _, at := range ats {
-			inRestart = inRestart && slices.ContainsFunc(r.BrokerStops, func(w window) bool {
-				return !at.Before(w.From.Add(-brokerLossLead)) && !at.After(w.To)
-			})
+			inRestart = inRestart && slices.ContainsFunc(r.BrokerStops, func(w window) bool { return w.holdsLoss(at) })
 		}
 		if inRestart {
 			lost[id] = fmt.Sprintf("%s: published %d×, delivered 0× (published %s, restart began %s)", id, len(ats),
@@ -316,9 +322,9 @@ func (r *result) attributeBrokerLoss(ctx context.Context, pool *pgxpool.Pool) er
 	if err := rows.Err(); err != nil {
 		return err
 	}
-	keep := func(id string) bool { _, gone := lost[id]; return !gone }
-	r.Unpaid = slices.DeleteFunc(r.Unpaid, func(id string) bool { return !keep(id) })
-	r.PoisonMissing = slices.DeleteFunc(r.PoisonMissing, func(id string) bool { return !keep(id) })
+	gone := func(id string) bool { _, ok := lost[id]; return ok }
+	r.Unpaid = slices.DeleteFunc(r.Unpaid, gone)
+	r.PoisonMissing = slices.DeleteFunc(r.PoisonMissing, gone)
 	for _, t := range lost {
 		r.LostByBroker = append(r.LostByBroker, t)
 	}
@@ -328,7 +334,7 @@ func (r *result) attributeBrokerLoss(ctx context.Context, pool *pgxpool.Pool) er
 // stopAround returns the start of the restart whose window holds at.
 func (r *result) stopAround(at time.Time) time.Time {
 	for _, w := range r.BrokerStops {
-		if !at.Before(w.From.Add(-brokerLossLead)) && !at.After(w.To) {
+		if w.holdsLoss(at) {
 			return w.From
 		}
 	}
