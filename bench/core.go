@@ -186,6 +186,31 @@ type Variant struct {
 	Calls func() int64
 }
 
+// Only keeps the variants that one of filters picks. A filter is words
+// joined by "+", and picks a variant whose operation or implementation
+// contains each of them: "publish" picks every publish, "publish+raw" only
+// the raw client's.
+func Only(vs []Variant, filters []string) []Variant {
+	picks := func(v Variant, filter string) bool {
+		for _, w := range strings.Split(filter, "+") {
+			if w = strings.TrimSpace(w); w == "" || !strings.Contains(string(v.Op), w) && !strings.Contains(string(v.Impl), w) {
+				return false
+			}
+		}
+		return true
+	}
+	var out []Variant
+	for _, v := range vs {
+		for _, f := range filters {
+			if picks(v, f) {
+				out = append(out, v)
+				break
+			}
+		}
+	}
+	return out
+}
+
 // Suite is one broker's variants.
 type Suite struct {
 	Broker string

@@ -366,7 +366,10 @@ func New(seeds []string, opts ...Option) (*Broker, error) {
 		// Java's default partitioner: murmur2 of the key for keyed records,
 		// sticky batches for the others.
 		kgo.RecordPartitioner(kgo.UniformBytesPartitioner(64<<10, true, true, nil)),
-		kgo.ProducerLinger(0),
+		// Java's default linger since Kafka 4.0 (KIP-1030): concurrent
+		// Publish calls share batches. A call itself does not wait it out
+		// (see Publish).
+		kgo.ProducerLinger(5*time.Millisecond),
 		kgo.RecordDeliveryTimeout(2*time.Minute),
 	)...)
 	if err != nil {
@@ -501,7 +504,10 @@ func (b *Broker) isClosed() bool {
 // within a call and across calls.
 //
 // Records the cluster refused are reported in a *consumer.PublishError,
-// each wrapping franz-go's error (kerr errors match with errors.Is). Every
+// each wrapping franz-go's error (kerr errors match with errors.Is). The
+// cluster refuses whole batches: a record it refuses (larger than the
+// topic's max.message.bytes, say) fails the records of its partition sent
+// in the same batch with it, and each is reported. Every
 // record is checked before any is sent, and the records of one key are sent
 // one after another: a record that fails, refused here (larger than the
 // producer's batch limit) or by the cluster, fails every later record of
@@ -549,44 +555,84 @@ func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Mes
 	// previous): a record of a key that fails, here or in the cluster,
 	// fails the key's later records of the call without sending them.
 	recs := make([]kgo.Record, len(msgs))
+	// The keys' and header values' bytes share one buffer, and the
+	// headers one slice: a few allocations a call rather than a few a
+	// record.
+	nbytes, nheaders := 0, 0
+	for i := range msgs {
+		m := &msgs[i]
+		nbytes += len(m.Key) + len(m.ID)
+		nheaders += len(m.Headers)
+		if m.ID != "" {
+			nheaders++
+		}
+		for _, v := range m.Headers {
+			nbytes += len(v)
+		}
+	}
+	buf := make([]byte, 0, nbytes)
+	bytesOf := func(s string) []byte {
+		n := len(buf)
+		buf = append(buf, s...)
+		return buf[n:len(buf):len(buf)]
+	}
+	headers := make([]kgo.RecordHeader, 0, nheaders)
 	var (
-		wave  []int            // sent together: keyless records, and the first of each key
-		queue map[string][]int // each key's later records, in order
+		wave  = make([]int, 0, len(msgs)) // sent together: keyless records, and the first of each key
+		queue map[string][]int            // each key's later records, in order; nil when no key repeats
+		keys  map[string]struct{}         // the keys seen, until one repeats
+		twice bool                        // a key repeats
 	)
 	for i := range msgs {
 		m := &msgs[i]
 		r := &recs[i]
 		r.Topic = topic
 		if m.Key != "" {
-			r.Key = []byte(m.Key)
+			r.Key = bytesOf(m.Key)
 		}
 		r.Value = m.Body
 		if len(m.Headers) > 0 || m.ID != "" {
-			r.Headers = make([]kgo.RecordHeader, 0, len(m.Headers)+1)
+			h0 := len(headers)
 			if m.ID != "" {
-				r.Headers = append(r.Headers, kgo.RecordHeader{Key: HeaderMessageID, Value: []byte(m.ID)})
+				headers = append(headers, kgo.RecordHeader{Key: HeaderMessageID, Value: bytesOf(m.ID)})
 			}
 			for k, v := range m.Headers {
 				if k == HeaderMessageID && m.ID != "" {
 					continue
 				}
-				r.Headers = append(r.Headers, kgo.RecordHeader{Key: k, Value: []byte(v)})
+				headers = append(headers, kgo.RecordHeader{Key: k, Value: bytesOf(v)})
 			}
+			r.Headers = headers[h0:len(headers):len(headers)]
 		}
+		if m.Key != "" && !twice {
+			if keys == nil {
+				keys = make(map[string]struct{}, len(msgs))
+			}
+			_, twice = keys[m.Key]
+			keys[m.Key] = struct{}{}
+		}
+	}
+	// Most calls repeat no key: then every record goes in one wave.
+	for i := range msgs {
+		key := msgs[i].Key
 		switch {
-		case m.Key == "":
+		case !twice || key == "":
 			wave = append(wave, i)
-		case queue[m.Key] != nil:
-			queue[m.Key] = append(queue[m.Key], i)
+		case queue[key] != nil:
+			queue[key] = append(queue[key], i)
 		default:
 			if queue == nil {
-				queue = make(map[string][]int)
+				queue = make(map[string][]int, len(keys))
 			}
-			queue[m.Key] = []int{}
+			queue[key] = []int{}
 			wave = append(wave, i)
 		}
 	}
-	var sendable []int
+	var (
+		sendable []int
+		batch    []*kgo.Record
+		index    map[*kgo.Record]int // a record's place in recs, made on the first failure
+	)
 	for len(wave) > 0 {
 		sendable = sendable[:0]
 		for _, i := range wave {
@@ -604,19 +650,28 @@ func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Mes
 				sendable = append(sendable, i)
 			}
 		}
-		var wg sync.WaitGroup
-		wg.Add(len(sendable))
+		// ProduceSync rather than Produce and a wait: it ends the linger
+		// of the partitions it wrote to once every record is buffered, so
+		// a caller waiting for its acks does not also wait out the linger
+		// that batches concurrent callers' records.
+		batch = batch[:0]
 		for _, i := range sendable {
-			key := msgs[i].Key
-			b.prod.Produce(ctx, &recs[i], func(_ *kgo.Record, err error) {
-				defer wg.Done()
-				if err != nil {
-					fail(i, publishErr(topic, err))
-					kill(key)
-				}
-			})
+			batch = append(batch, &recs[i])
 		}
-		wg.Wait()
+		for _, res := range b.prod.ProduceSync(ctx, batch...) {
+			if res.Err == nil {
+				continue
+			}
+			if index == nil {
+				index = make(map[*kgo.Record]int, len(recs))
+				for i := range recs {
+					index[&recs[i]] = i
+				}
+			}
+			i := index[res.Record]
+			fail(i, publishErr(topic, res.Err))
+			kill(msgs[i].Key)
+		}
 		wave = wave[:0]
 		for key, rest := range queue {
 			if len(rest) == 0 {

@@ -38,6 +38,7 @@ func main() {
 	data := flag.String("data", "", "a JSON file to save the run's samples and metadata to (for -from)")
 	from := flag.String("from", "", "render the markdown and chart from a JSON file saved with -data, measuring nothing")
 	timeout := flag.Duration("timeout", 5*time.Minute, "the longest one variant may take")
+	only := flag.String("only", "", "run only these variants, comma-separated; each picks the variants whose operation or implementation contains all its +-joined words (publish+ferry,publish+raw); for working on one comparison, not for BENCHMARKS.md")
 	flag.Parse()
 	log.SetFlags(log.Ltime)
 	bench.KeyRecords = *keys
@@ -86,6 +87,9 @@ func main() {
 		s, err := bench.NewSuite(strings.TrimSpace(b), run)
 		if err != nil {
 			log.Fatalf("%s: %v (are the brokers up? make brokers)", b, err)
+		}
+		if *only != "" {
+			s.Variants = bench.Only(s.Variants, strings.Split(*only, ","))
 		}
 		got, err := bench.Run(ctx, s, counts[strings.TrimSpace(b)], *runs, *timeout, log.Printf)
 		s.Close()
