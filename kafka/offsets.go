@@ -33,7 +33,7 @@ type partition struct {
 	stash       []*kgo.Record // polled beyond the partition's share of the loop, not yet handed out
 	outstanding int           // handed out and unfinished
 	paused      bool          // fetching paused because outstanding reached the buffer
-	progress    int64         // when a record last finished (or the partition was assigned), unix nanos
+	progress    int64         // when a record last finished, or the partition was last handed a record with none unfinished (or was assigned), unix nanos
 
 	// The rate the partition finishes records at: finished in the window
 	// from winStart on, and in the last whole window (-1: unknown, when the
@@ -58,6 +58,11 @@ func newPartition(id int32) *partition {
 }
 
 func (p *partition) add(r *kgo.Record) {
+	if p.outstanding == 0 {
+		// Busy from now: a spell with nothing to finish (waiting for a
+		// fetch) is not a spell without progress.
+		p.progress = time.Now().UnixNano()
+	}
 	p.ents = append(p.ents, entry{off: r.Offset, ts: r.Timestamp.UnixNano(), epoch: r.LeaderEpoch})
 	p.outstanding++
 }

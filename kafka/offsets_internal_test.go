@@ -162,3 +162,29 @@ func TestStashKeepsAPartitionToItsShare(t *testing.T) {
 		t.Fatalf("drained %v, want offsets 3 and 4", got)
 	}
 }
+
+// TestIdlePartitionHandedAFullShareIsNotPaused: a partition whose records
+// all finished long ago (it waited for a fetch since) and that is now
+// handed its whole share at once is busy, not stuck: it is not paused. It
+// was, when the time without progress counted from its last finished
+// record: each such pause cost a fetch round trip (FetchMaxWait), which
+// made an unordered consumer 5 times slower than an ordered one.
+func TestIdlePartitionHandedAFullShareIsNotPaused(t *testing.T) {
+	b := &Broker{log: slog.New(slog.DiscardHandler)}
+	d := &kafkaDriver{b: b, topic: "t", log: b.log, parts: map[int32]*partition{0: newPartition(0)}}
+	p := d.parts[0]
+	fetched(p, 0)
+	p.ack(0)
+	p.progress = time.Now().Add(-2 * StuckAfter).UnixNano() // the last record finished long ago
+	fetched(p, 1, 2)
+	d.adjustPauses(nil, 2, false)
+	if p.paused {
+		t.Error("a partition just handed its share after an idle spell was paused as stuck")
+	}
+	// Still stuck once it holds them StuckAfter with none finished.
+	p.progress = time.Now().Add(-2 * StuckAfter).UnixNano()
+	d.adjustPauses(nil, 2, false)
+	if !p.paused {
+		t.Error("a partition at its limit with no progress for StuckAfter is not paused")
+	}
+}
