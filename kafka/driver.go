@@ -37,6 +37,7 @@ type kafkaDriver struct {
 	cl       *kgo.Client
 	maxAsked int                  // the largest batch the loop asked Fetch for
 	wakePoll context.CancelFunc   // ends Fetch's poll, for records waiting here
+	handles  []handle             // the rest of the slab newHandle hands out
 	parts    map[int32]*partition // owned now; a new assignment gets a new *partition
 	member   string
 	gen      uint64 // counts assignments: a partition assigned anew gets the next
@@ -395,6 +396,24 @@ func (d *kafkaDriver) adjustPauses(cl *kgo.Client, limit int, fixed bool) {
 	}
 }
 
+// handleSlab is how many handles are allocated at once: a handle lives
+// only while its delivery is in the loop, so a slab is garbage once its
+// records are settled.
+const handleSlab = 256
+
+// newHandle returns a handle of r fetched under p, from the driver's slab.
+// d.mu is held.
+func (d *kafkaDriver) newHandle(r *kgo.Record, p *partition) *handle {
+	if len(d.handles) == 0 {
+		d.handles = make([]handle, handleSlab)
+	}
+	h := &d.handles[0]
+	d.handles = d.handles[1:]
+	h.rec, h.p = r, p
+	return h
+}
+
+// message is r as the loop takes it. d.mu is held.
 func (d *kafkaDriver) message(r *kgo.Record, p *partition) driver.Message {
 	m := driver.Message{
 		Key:         string(r.Key),
@@ -404,7 +423,7 @@ func (d *kafkaDriver) message(r *kgo.Record, p *partition) driver.Message {
 		Offset:      r.Offset,
 		PublishedAt: r.Timestamp,
 		Deliveries:  1,
-		Handle:      &handle{rec: r, p: p},
+		Handle:      d.newHandle(r, p),
 		Generation:  p.gen,
 	}
 	if len(r.Headers) > 0 {
@@ -415,7 +434,14 @@ func (d *kafkaDriver) message(r *kgo.Record, p *partition) driver.Message {
 		m.ID = m.Headers[HeaderMessageID]
 	}
 	if m.ID == "" {
-		m.ID = r.Topic + "/" + p.lane + "/" + strconv.FormatInt(r.Offset, 10)
+		// topic/partition/offset, in one allocation.
+		var buf [64]byte
+		b := append(buf[:0], r.Topic...)
+		b = append(b, '/')
+		b = append(b, p.lane...)
+		b = append(b, '/')
+		b = strconv.AppendInt(b, r.Offset, 10)
+		m.ID = string(b)
 	}
 	return m
 }
