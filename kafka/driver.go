@@ -456,6 +456,7 @@ func (d *kafkaDriver) Settle(ctx context.Context, batch []driver.Settlement) err
 		amo      []int   // at-most-once acks: committed before Settle returns
 		amoParts []int32 // their partitions
 		gone     []int   // at-most-once acks of partitions no longer ours
+		now      int64   // read once a record finishes: its partition's progress
 	)
 	d.mu.Lock()
 	limit, fixed := d.bufferLimit()
@@ -475,7 +476,12 @@ func (d *kafkaDriver) Settle(ctx context.Context, batch []driver.Settlement) err
 			}
 			continue // revoked since: not ours to commit
 		}
-		p.ack(h.rec.Offset)
+		if p.ack(h.rec.Offset) {
+			if now == 0 {
+				now = time.Now().UnixNano()
+			}
+			p.progress = now
+		}
 		if s.BeforeRun {
 			amo = append(amo, i)
 			if !slices.Contains(amoParts, p.id) {

@@ -69,7 +69,8 @@ func (p *partition) add(r *kgo.Record) {
 
 // ack marks the record at off finished and moves the commit point over
 // every finished record at the head. It reports false for an offset it
-// does not hold unfinished.
+// does not hold unfinished. The caller sets progress (one clock reading
+// for a settled batch).
 func (p *partition) ack(off int64) bool {
 	live := p.ents[p.head:]
 	i := sort.Search(len(live), func(i int) bool { return live[i].off >= off })
@@ -79,7 +80,6 @@ func (p *partition) ack(off int64) bool {
 	live[i].done = true
 	p.outstanding--
 	p.winAcks++
-	p.progress = time.Now().UnixNano()
 	for p.head < len(p.ents) && p.ents[p.head].done {
 		e := &p.ents[p.head]
 		p.next, p.nextEpoch = e.off+1, e.epoch
