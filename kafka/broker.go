@@ -367,8 +367,8 @@ func New(seeds []string, opts ...Option) (*Broker, error) {
 		// sticky batches for the others.
 		kgo.RecordPartitioner(kgo.UniformBytesPartitioner(64<<10, true, true, nil)),
 		// Java's default linger since Kafka 4.0 (KIP-1030): concurrent
-		// Publish calls share batches. A call itself does not wait it out
-		// (see Publish).
+		// Publish calls share batches. A call does not wait it out once
+		// the producer knows the topic's partitions (see Publish).
 		kgo.ProducerLinger(5*time.Millisecond),
 		kgo.RecordDeliveryTimeout(2*time.Minute),
 	)...)
@@ -507,8 +507,10 @@ func (b *Broker) isClosed() bool {
 // each wrapping franz-go's error (kerr errors match with errors.Is). The
 // cluster refuses whole batches: a record it refuses (larger than the
 // topic's max.message.bytes, say) fails the records of its partition sent
-// in the same batch with it, and each is reported. Every
-// record is checked before any is sent, and the records of one key are sent
+// in the same batch with it, which may be records of other calls made at
+// the same time (the producer lingers to batch them), and each call
+// reports its own. Each record is checked before it is sent (its size
+// counted as franz-go counts it), and the records of one key are sent
 // one after another: a record that fails, refused here (larger than the
 // producer's batch limit) or by the cluster, fails every later record of
 // its key in the call, without sending them.
@@ -530,27 +532,22 @@ func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Mes
 	}
 	maxBytes := b.maxRecordFor(topic)
 	var (
-		mu     sync.Mutex
 		failed []consumer.FailedMessage
 		dead   map[string]bool // keys with a failed record: their later records are not sent
 	)
 	fail := func(i int, err error) {
-		mu.Lock()
 		failed = append(failed, consumer.FailedMessage{Index: i, Err: err})
-		mu.Unlock()
 	}
 	kill := func(key string) {
 		if key == "" {
 			return
 		}
-		mu.Lock()
 		if dead == nil {
 			dead = make(map[string]bool)
 		}
 		dead[key] = true
-		mu.Unlock()
 	}
-	// Every record is checked before any is sent, and the records of a
+	// Each record is checked before it is sent, and the records of a
 	// key are sent one after another (the next once the cluster has the
 	// previous): a record of a key that fails, here or in the cluster,
 	// fails the key's later records of the call without sending them.
@@ -637,11 +634,8 @@ func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Mes
 		sendable = sendable[:0]
 		for _, i := range wave {
 			r, key := &recs[i], msgs[i].Key
-			mu.Lock()
-			isDead := dead[key]
-			mu.Unlock()
 			switch {
-			case isDead:
+			case dead[key]:
 				fail(i, fmt.Errorf("kafka: not sent: an earlier record of key %q in this call failed", key))
 			case maxBytes > 0 && recordSize(r) > int(maxBytes):
 				fail(i, fmt.Errorf("kafka: record of about %d bytes exceeds the producer's batch limit of %d bytes: %w", recordSize(r), maxBytes, kerr.MessageTooLarge))

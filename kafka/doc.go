@@ -90,8 +90,8 @@
 // Broker is a consumer.Publisher: acks from all in-sync replicas with the
 // idempotent producer, so Publish returns nil only once every record is
 // durable, retries never duplicate or reorder a partition, and records of one
-// key keep their order within and across calls: every record of a call is
-// checked (its size counted as franz-go counts it) before any is sent, and
+// key keep their order within and across calls: each record of a call is
+// checked (its size counted as franz-go counts it) before it is sent, and
 // the records of one key in a call are sent one after another, each once
 // the cluster has the one before, so that when a record of a key fails,
 // here or in the cluster, the key's later records in the call fail too,
@@ -100,7 +100,13 @@
 // with n records of one key takes n round trips. The key picks the partition
 // with murmur2, as the Java client does, so Ferry and Java producers of a
 // topic agree. Records the cluster refused come back in a
-// *consumer.PublishError by index.
+// *consumer.PublishError by index; the cluster refuses whole batches, so a
+// record it refuses fails its batch-mates of the same partition too, which
+// may be records of other calls made at the same time, each reported by
+// its own call. The producer lingers 5 ms, as the Java client does since
+// Kafka 4.0, so that concurrent calls share batches; a call does not wait
+// out the linger once its records are buffered (after the first call to a
+// topic, which waits for the topic's partitions).
 //
 // # Configuration
 //

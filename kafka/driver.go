@@ -208,6 +208,11 @@ func (d *kafkaDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 	if err != nil {
 		return dst, driver.Fatal(err)
 	}
+	defer func() {
+		d.mu.Lock()
+		d.handles = nil // what is left of the slab: see handleSlab
+		d.mu.Unlock()
+	}()
 	if max <= 0 {
 		max = 1
 	}
@@ -396,10 +401,12 @@ func (d *kafkaDriver) adjustPauses(cl *kgo.Client, limit int, fixed bool) {
 	}
 }
 
-// handleSlab is how many handles are allocated at once: a handle lives
-// only while its delivery is in the loop, so a slab is garbage once its
-// records are settled.
-const handleSlab = 256
+// handleSlab is how many handles are allocated at once. A slab lives
+// while any of its handles does, and a handle keeps its record (and
+// franz-go's batch behind it) alive: so slabs are small, and each Fetch
+// drops what is left of its last one (see Fetch), so that only handles the
+// loop holds keep a slab.
+const handleSlab = 16
 
 // newHandle returns a handle of r fetched under p, from the driver's slab.
 // d.mu is held.
