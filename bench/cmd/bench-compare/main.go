@@ -40,6 +40,14 @@ func main() {
 	timeout := flag.Duration("timeout", 5*time.Minute, "the longest one variant may take")
 	only := flag.String("only", "", "run only these variants, comma-separated; each picks the variants whose operation or implementation contains all its +-joined words (publish+ferry,publish+raw); for working on one comparison, not for BENCHMARKS.md")
 	flag.Parse()
+	if *only != "" {
+		// A part of the comparison must not take the whole one's place.
+		set := map[string]bool{}
+		flag.Visit(func(f *flag.Flag) { set[f.Name] = true })
+		if !set["out"] || !set["chart"] {
+			log.Fatal("-only: give -out and -chart too (a partial run must not overwrite BENCHMARKS.md and its chart)")
+		}
+	}
 	log.SetFlags(log.Ltime)
 	bench.KeyRecords = *keys
 	bench.BacklogRecords = *backlog
@@ -89,7 +97,9 @@ func main() {
 			log.Fatalf("%s: %v (are the brokers up? make brokers)", b, err)
 		}
 		if *only != "" {
-			s.Variants = bench.Only(s.Variants, strings.Split(*only, ","))
+			if s.Variants = bench.Only(s.Variants, strings.Split(*only, ",")); len(s.Variants) == 0 {
+				log.Fatalf("-only %q picks no variant of %s", *only, b)
+			}
 		}
 		got, err := bench.Run(ctx, s, counts[strings.TrimSpace(b)], *runs, *timeout, log.Printf)
 		s.Close()
