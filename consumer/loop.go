@@ -194,8 +194,10 @@ func (l *Loop) Run(ctx context.Context, h Handler) error {
 		workers.Add(1)
 		go func() { defer workers.Done(); r.worker() }()
 	}
-	io.Add(1)
-	go func() { defer io.Done(); r.io.settleLoop(r.abandon) }()
+	for range r.io.settlers {
+		io.Add(1)
+		go func() { defer io.Done(); r.io.settleLoop(r.abandon) }()
+	}
 	if l.extender != nil {
 		io.Add(1)
 		go func() { defer io.Done(); r.io.extendLoop(r.abandon) }()

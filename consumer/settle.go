@@ -46,10 +46,12 @@ type ioQueue struct {
 	settleC    chan settleJob
 	settleBack chan settleJob
 	pending    settleJob // settlements decided and not yet staged
-	staged     settleJob // the next settle job, to be sent as soon as the settle goroutine takes it
+	staged     settleJob // the next settle job, to be sent as soon as a settle goroutine takes it
 	spare      settleJob // buffers of the last job, for reuse
-	settling   bool      // a settle job is with the driver
-	out        int       // settlements in that job
+	settlers   int       // settle goroutines: the most jobs with the driver at once (driver.Capabilities.Settlers)
+	fullBatch  int       // what a further job needs while one is out (driver.Capabilities.SettleBatch)
+	settling   int       // settle jobs with the driver
+	out        int       // settlements in those jobs
 	blocked    int       // pending deliveries whose extension is being made now
 
 	extendC    chan extendJob
@@ -61,6 +63,8 @@ type ioQueue struct {
 
 func (q *ioQueue) init(ctx context.Context, l *Loop) {
 	q.l = l
+	q.settlers = max(l.caps.Settlers, 1)
+	q.fullBatch = max(l.caps.SettleBatch, 1)
 	q.ctx, q.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	q.settleC = make(chan settleJob)
 	q.settleBack = make(chan settleJob)
@@ -68,14 +72,20 @@ func (q *ioQueue) init(ctx context.Context, l *Loop) {
 	q.extendBack = make(chan extendJob)
 }
 
-// stage makes the next settle job from what is pending, when no job is
-// with the driver, and reports whether a staged job waits to be sent. A
-// delivery whose extension is being made now stays pending until the
-// extension is back; the rest go without it, so that one slow Extend does
-// not hold back the acks of other messages.
+// stage makes the next settle job from what is pending, when a settle
+// goroutine is free, and reports whether a staged job waits to be sent.
+// While a job is with the driver, a further one is made only of a full
+// batch (see driver.Capabilities.SettleBatch); with one settle goroutine,
+// only once that job is back. A delivery whose extension is being made now
+// stays pending until the extension is back; the rest go without it, so
+// that one slow Extend does not hold back the acks of other messages.
 func (q *ioQueue) stage() bool {
-	if q.settling || len(q.staged.ds) > 0 || len(q.pending.ds) == q.blocked {
-		return len(q.staged.ds) > 0 && !q.settling
+	if len(q.staged.ds) > 0 {
+		return q.settling < q.settlers
+	}
+	ready := len(q.pending.ds) - q.blocked
+	if q.settling >= q.settlers || ready == 0 || q.settling > 0 && ready < q.fullBatch {
+		return false
 	}
 	if q.blocked == 0 {
 		q.staged = q.pending
@@ -109,7 +119,7 @@ func (q *ioQueue) canExtend() bool { return !q.extending && len(q.ext.ds) > 0 }
 // idle reports whether nothing is decided and unsent, and nothing is with
 // the driver.
 func (q *ioQueue) idle() bool {
-	return !q.settling && !q.extending && len(q.pending.ds) == 0 && len(q.staged.ds) == 0 && len(q.ext.ds) == 0
+	return q.settling == 0 && !q.extending && len(q.pending.ds) == 0 && len(q.staged.ds) == 0 && len(q.ext.ds) == 0
 }
 
 // outstanding is how many settlements are decided and not yet made.
@@ -130,8 +140,8 @@ func (q *ioQueue) add(d *delivery, s driver.Settlement) {
 }
 
 func (q *ioQueue) settleSent() {
-	q.settling = true
-	q.out = len(q.staged.ds)
+	q.settling++
+	q.out += len(q.staged.ds)
 	q.staged = settleJob{}
 }
 
@@ -141,7 +151,9 @@ func (q *ioQueue) extendSent() {
 	q.extSpare = extendJob{}
 }
 
-// settleLoop makes the Settle calls, one at a time, in the order decided.
+// settleLoop makes Settle calls, one at a time. The loop runs
+// ioQueue.settlers of them: with one, the calls are made in the order
+// decided.
 func (q *ioQueue) settleLoop(abandon <-chan struct{}) {
 	for job := range q.settleC {
 		ctx := withLazyDeadline(q.ctx, ioTimeout)
@@ -251,8 +263,8 @@ func (r *run) withdrawFrom(job settleJob) settleJob {
 // settled takes back a settle job the driver is done with.
 func (r *run) settled(job settleJob) {
 	q := &r.io
-	q.settling = false
-	q.out = 0
+	q.settling--
+	q.out -= len(job.ds)
 	failed := failedSettlements(job.err, len(job.batch))
 	if job.err != nil {
 		r.l.stats.settleErrors.Add(1)

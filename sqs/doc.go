@@ -85,7 +85,9 @@
 //   - Settle: acks go out as DeleteMessageBatch, ten entries a call, several
 //     calls at once; a batch of fewer than ten that follows the last one
 //     within a few milliseconds waits that long first (WithSettleWindow), so
-//     that under load deletes go out full. A return is
+//     that under load deletes go out full. Acks decided while a Settle call
+//     is out go in a further one as soon as they fill a batch of ten (up to
+//     four calls out at once), rather than waiting for the first. A return is
 //     ChangeMessageVisibilityBatch with the delay in whole seconds, rounded
 //     up, at least one second for a message whose handler ran (never a hot
 //     loop of zero-visibility returns), within the 12 hours. SQS answers

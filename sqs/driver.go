@@ -123,8 +123,12 @@ type sqsDriver struct {
 	done       chan struct{}
 	closeOnce  sync.Once
 
-	lastSettle time.Time // used by Settle only
+	settleMu   sync.Mutex
+	lastSettle time.Time // when the last Settle began; under settleMu
 }
+
+// settlers is how many Settle calls the loop may have out at once.
+const settlers = 4
 
 var (
 	_ driver.Driver      = (*sqsDriver)(nil)
@@ -564,7 +568,9 @@ func (d *sqsDriver) release(ps []pending) {
 
 // Capabilities reports that SQS redelivers returned messages.
 func (d *sqsDriver) Capabilities() driver.Capabilities {
-	return driver.Capabilities{Redelivers: true, System: "aws_sqs"}
+	// Deletes and returns of different messages are independent calls:
+	// acks decided while a call is out go in another, once they fill one.
+	return driver.Capabilities{Redelivers: true, System: "aws_sqs", Settlers: settlers, SettleBatch: MaxBatch}
 }
 
 // Lease is the queue's visibility timeout.
@@ -594,13 +600,17 @@ func (d *sqsDriver) As(handle, target any) bool {
 // follows the previous one within the settle window waits out the window
 // first, so that under load the next batch gathers more. Entries SQS
 // refused are retried once when SQS was at fault, and the rest reported in
-// a *driver.SettleError by index.
+// a *driver.SettleError by index. The loop may have up to settlers calls
+// out at once (see Capabilities).
 func (d *sqsDriver) Settle(ctx context.Context, batch []driver.Settlement) error {
 	if len(batch) == 0 {
 		return nil
 	}
+	d.settleMu.Lock()
+	last := d.lastSettle
+	d.settleMu.Unlock()
 	if w := d.b.cfg.settleWindow; w > 0 && len(batch) < MaxBatch {
-		if since := time.Since(d.lastSettle); since < w {
+		if since := time.Since(last); since < w {
 			t := time.NewTimer(w - since)
 			select {
 			case <-t.C:
@@ -610,7 +620,9 @@ func (d *sqsDriver) Settle(ctx context.Context, batch []driver.Settlement) error
 			t.Stop()
 		}
 	}
+	d.settleMu.Lock()
 	d.lastSettle = time.Now()
+	d.settleMu.Unlock()
 	return d.settle(ctx, batch)
 }
 

@@ -145,6 +145,20 @@ type Capabilities struct {
 	// ("kafka", "aws_sqs", "rabbitmq"; the memory broker says
 	// "ferry_memory"). Empty leaves the attribute out.
 	System string
+
+	// Settlers is how many Settle calls the loop may have with the driver
+	// at once. 0 or 1: one at a time, in the order the loop decided them.
+	// More suits a broker whose settlements of different messages are
+	// independent, each call a round trip (SQS): acks decided while a call
+	// is out need not wait for it. The driver's Settle must then be safe
+	// for concurrent use.
+	Settlers int
+
+	// SettleBatch, with Settlers above 1, is how many settlements one
+	// broker call takes (SQS: 10). While a Settle call is out, the loop
+	// makes another only with at least this many settlements, so that
+	// overlapping calls do not shrink the broker's batches.
+	SettleBatch int
 }
 
 // Driver is what every broker implements.

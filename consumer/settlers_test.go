@@ -1,0 +1,132 @@
+package consumer
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ferrymq/ferry/consumer/driver"
+)
+
+// heldSettler is a queue-shaped scriptLog whose Settle calls wait until
+// released, counting how many are out at once.
+type heldSettler struct {
+	*scriptLog
+	settlers, batch int
+
+	mu      sync.Mutex
+	out     int   // Settle calls out now
+	maxOut  int   // the most out at once
+	sizes   []int // each call's settlements, in the order the calls began
+	release chan struct{}
+}
+
+func newHeldSettler(settlers, batch int) *heldSettler {
+	return &heldSettler{scriptLog: newScriptLog(true), settlers: settlers, batch: batch, release: make(chan struct{})}
+}
+
+func (h *heldSettler) Capabilities() driver.Capabilities {
+	c := h.scriptLog.Capabilities()
+	c.Settlers, c.SettleBatch = h.settlers, h.batch
+	return c
+}
+
+func (h *heldSettler) Settle(ctx context.Context, b []driver.Settlement) error {
+	h.mu.Lock()
+	h.out++
+	h.maxOut = max(h.maxOut, h.out)
+	h.sizes = append(h.sizes, len(b))
+	h.mu.Unlock()
+	select {
+	case <-h.release:
+	case <-ctx.Done():
+	}
+	err := h.scriptLog.Settle(ctx, b)
+	h.mu.Lock()
+	h.out--
+	h.mu.Unlock()
+	return err
+}
+
+func (h *heldSettler) state() (out, maxOut int, sizes []int) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.out, h.maxOut, append([]int(nil), h.sizes...)
+}
+
+func (h *heldSettler) settledOnce(t *testing.T, n int) {
+	t.Helper()
+	got := h.outcomes()
+	if len(got) != n {
+		t.Errorf("%d messages settled, want %d", len(got), n)
+	}
+	for id, acts := range got {
+		if len(acts) != 1 || acts[0] != driver.Ack {
+			t.Errorf("%s settled %v, want one ack", id, acts)
+		}
+	}
+}
+
+// TestConcurrentSettleOnlyForAFullBatch: with a driver that takes Settle
+// calls at once (SQS), acks decided while a call is out go out in another
+// call without waiting for it, but only once they fill the driver's batch,
+// and never more calls than it takes.
+func TestConcurrentSettleOnlyForAFullBatch(t *testing.T) {
+	drv := newHeldSettler(2, 5)
+	l, err := New(drv, WithConcurrency(4), WithMaxInFlight(64))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return nil }))
+	drv.add("a", 1)
+	eventually(t, "the first Settle call to be out", func() bool { out, _, _ := drv.state(); return out == 1 })
+	drv.add("b", 4) // four acks while the first call is out: less than a batch
+	eventually(t, "the four to be handled", func() bool { return l.Stats().Running == 0 && l.Stats().InFlight == 5 })
+	time.Sleep(100 * time.Millisecond)
+	if out, _, sizes := drv.state(); out != 1 {
+		t.Fatalf("%d Settle calls out (sizes %v) with four acks waiting: a second call went out for less than a batch of 5", out, sizes)
+	}
+	drv.add("c", 1) // the fifth fills a batch
+	eventually(t, "a second Settle call with the five acks", func() bool { out, _, _ := drv.state(); return out == 2 })
+	drv.add("d", 10) // no third call: the driver takes two at once
+	time.Sleep(100 * time.Millisecond)
+	if _, maxOut, sizes := drv.state(); maxOut != 2 || len(sizes) != 2 || sizes[0] != 1 || sizes[1] != 5 {
+		t.Fatalf("calls of %v, at most %d out at once; want calls of 1 and 5, two out at once", sizes, maxOut)
+	}
+	close(drv.release)
+	eventually(t, "every message settled", func() bool { return l.Stats().Acked == 16 })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	drv.settledOnce(t, 16)
+}
+
+// TestOneSettlerSettlesOneCallAtATime: a driver that does not take Settle
+// calls at once (Kafka, RabbitMQ, memory) gets one at a time, however many
+// acks wait.
+func TestOneSettlerSettlesOneCallAtATime(t *testing.T) {
+	drv := newHeldSettler(0, 0)
+	l, err := New(drv, WithConcurrency(4), WithMaxInFlight(64))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return nil }))
+	drv.add("a", 1)
+	eventually(t, "the first Settle call to be out", func() bool { out, _, _ := drv.state(); return out == 1 })
+	drv.add("b", 30)
+	eventually(t, "the rest to be handled", func() bool { return l.Stats().Running == 0 && l.Stats().InFlight == 31 })
+	time.Sleep(100 * time.Millisecond)
+	if out, _, sizes := drv.state(); out != 1 || len(sizes) != 1 {
+		t.Fatalf("%d Settle calls out, calls of %v: a driver of one settler got a second call while one was out", out, sizes)
+	}
+	close(drv.release)
+	eventually(t, "every message settled", func() bool { return l.Stats().Acked == 31 })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if _, maxOut, sizes := drv.state(); maxOut != 1 || len(sizes) != 2 || sizes[1] != 30 {
+		t.Errorf("calls of %v, at most %d out at once; want one of 1 and then one of 30, one at a time", sizes, maxOut)
+	}
+	drv.settledOnce(t, 31)
+}
