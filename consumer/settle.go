@@ -9,8 +9,9 @@ import (
 )
 
 // This file is the loop's traffic to the broker after a fetch: settlements
-// (acks and returns) and lease extensions. Each has a goroutine of its own,
-// so that a slow or hung Settle never stops the leases of the other
+// (acks and returns) and lease extensions. Each has goroutines of its own
+// (one for extensions; one for settlements, or as many as the driver takes
+// calls at once), so that a slow or hung Settle never stops the leases of the other
 // messages from being extended, and a slow Extend never holds up acks. The
 // dispatcher keeps the two apart for any one message: a settlement is not
 // sent while an extension of the same message is being made, and a message
@@ -36,8 +37,8 @@ type extendJob struct {
 }
 
 // ioQueue is what the dispatcher has decided and not yet seen done. Only the
-// dispatcher goroutine touches it; the two I/O goroutines get jobs on
-// channels and hand them back.
+// dispatcher goroutine touches it; the I/O goroutines get jobs on channels
+// and hand them back.
 type ioQueue struct {
 	l      *Loop
 	ctx    context.Context // of settle and extend calls: outlives Run's context
@@ -50,6 +51,7 @@ type ioQueue struct {
 	spare      settleJob // buffers of the last job, for reuse
 	settlers   int       // settle goroutines: the most jobs with the driver at once (driver.Capabilities.Settlers)
 	fullBatch  int       // what a further job needs while one is out (driver.Capabilities.SettleBatch)
+	flush      bool      // shutting down: what is ready goes out, full batch or not
 	settling   int       // settle jobs with the driver
 	out        int       // settlements in those jobs
 	blocked    int       // pending deliveries whose extension is being made now
@@ -63,7 +65,7 @@ type ioQueue struct {
 
 func (q *ioQueue) init(ctx context.Context, l *Loop) {
 	q.l = l
-	q.settlers = max(l.caps.Settlers, 1)
+	q.settlers = min(max(l.caps.Settlers, 1), maxSettlers)
 	q.fullBatch = max(l.caps.SettleBatch, 1)
 	q.ctx, q.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	q.settleC = make(chan settleJob)
@@ -72,11 +74,14 @@ func (q *ioQueue) init(ctx context.Context, l *Loop) {
 	q.extendBack = make(chan extendJob)
 }
 
+// maxSettlers bounds driver.Capabilities.Settlers.
+const maxSettlers = 16
+
 // stage makes the next settle job from what is pending, when a settle
 // goroutine is free, and reports whether a staged job waits to be sent.
 // While a job is with the driver, a further one is made only of a full
-// batch (see driver.Capabilities.SettleBatch); with one settle goroutine,
-// only once that job is back. A delivery whose extension is being made now
+// batch (see driver.Capabilities.SettleBatch), but for a shutdown's last
+// settlements; with one settle goroutine, only once that job is back. A delivery whose extension is being made now
 // stays pending until the extension is back; the rest go without it, so
 // that one slow Extend does not hold back the acks of other messages.
 func (q *ioQueue) stage() bool {
@@ -84,7 +89,7 @@ func (q *ioQueue) stage() bool {
 		return q.settling < q.settlers
 	}
 	ready := len(q.pending.ds) - q.blocked
-	if q.settling >= q.settlers || ready == 0 || q.settling > 0 && ready < q.fullBatch {
+	if q.settling >= q.settlers || ready == 0 || q.settling > 0 && ready < q.fullBatch && !q.flush {
 		return false
 	}
 	if q.blocked == 0 {

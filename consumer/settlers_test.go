@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -78,18 +79,20 @@ func TestConcurrentSettleOnlyForAFullBatch(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return nil }))
+	var handled atomic.Int64
+	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { handled.Add(1); return nil }))
 	drv.add("a", 1)
 	eventually(t, "the first Settle call to be out", func() bool { out, _, _ := drv.state(); return out == 1 })
 	drv.add("b", 4) // four acks while the first call is out: less than a batch
-	eventually(t, "the four to be handled", func() bool { return l.Stats().Running == 0 && l.Stats().InFlight == 5 })
-	time.Sleep(100 * time.Millisecond)
+	eventually(t, "the four to be handled", func() bool { return handled.Load() == 5 })
+	time.Sleep(100 * time.Millisecond) // for the dispatcher to decide their acks
 	if out, _, sizes := drv.state(); out != 1 {
 		t.Fatalf("%d Settle calls out (sizes %v) with four acks waiting: a second call went out for less than a batch of 5", out, sizes)
 	}
 	drv.add("c", 1) // the fifth fills a batch
 	eventually(t, "a second Settle call with the five acks", func() bool { out, _, _ := drv.state(); return out == 2 })
 	drv.add("d", 10) // no third call: the driver takes two at once
+	eventually(t, "the ten to be handled", func() bool { return handled.Load() == 16 })
 	time.Sleep(100 * time.Millisecond)
 	if _, maxOut, sizes := drv.state(); maxOut != 2 || len(sizes) != 2 || sizes[0] != 1 || sizes[1] != 5 {
 		t.Fatalf("calls of %v, at most %d out at once; want calls of 1 and 5, two out at once", sizes, maxOut)
@@ -111,12 +114,13 @@ func TestOneSettlerSettlesOneCallAtATime(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return nil }))
+	var handled atomic.Int64
+	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { handled.Add(1); return nil }))
 	drv.add("a", 1)
 	eventually(t, "the first Settle call to be out", func() bool { out, _, _ := drv.state(); return out == 1 })
 	drv.add("b", 30)
-	eventually(t, "the rest to be handled", func() bool { return l.Stats().Running == 0 && l.Stats().InFlight == 31 })
-	time.Sleep(100 * time.Millisecond)
+	eventually(t, "the rest to be handled", func() bool { return handled.Load() == 31 })
+	time.Sleep(100 * time.Millisecond) // for the dispatcher to decide their acks
 	if out, _, sizes := drv.state(); out != 1 || len(sizes) != 1 {
 		t.Fatalf("%d Settle calls out, calls of %v: a driver of one settler got a second call while one was out", out, sizes)
 	}
@@ -129,4 +133,48 @@ func TestOneSettlerSettlesOneCallAtATime(t *testing.T) {
 		t.Errorf("calls of %v, at most %d out at once; want one of 1 and then one of 30, one at a time", sizes, maxOut)
 	}
 	drv.settledOnce(t, 31)
+}
+
+// TestShutdownSendsTheLastAcksWithoutAFullBatch: once Run is stopping,
+// acks decided while a Settle call is out go in another call at once,
+// full batch or not, so that the drain does not wait on the call ahead.
+func TestShutdownSendsTheLastAcksWithoutAFullBatch(t *testing.T) {
+	drv := newHeldSettler(2, 5)
+	l, err := New(drv, WithConcurrency(4), WithMaxInFlight(64), WithShutdownGrace(10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var running atomic.Int64
+	gate := make(chan struct{})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	errc := make(chan error, 1)
+	go func() {
+		errc <- l.Run(ctx, HandlerFunc(func(_ context.Context, m *Message) error {
+			if m.Lane != "a" {
+				running.Add(1)
+				<-gate // still running when the shutdown begins
+			}
+			return nil
+		}))
+	}()
+	drv.add("a", 1)
+	eventually(t, "the first Settle call to be out", func() bool { out, _, _ := drv.state(); return out == 1 })
+	drv.add("b", 1)
+	drv.add("c", 1)
+	eventually(t, "the two handlers to be running", func() bool { return running.Load() == 2 })
+	cancel() // the shutdown begins, with a call out and two handlers running
+	time.Sleep(100 * time.Millisecond)
+	close(gate)
+	eventually(t, "the two acks to go out beside the call that is out", func() bool { out, _, _ := drv.state(); return out == 2 })
+	close(drv.release)
+	select {
+	case err := <-errc:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("Run did not return")
+	}
+	drv.settledOnce(t, 3)
 }

@@ -42,6 +42,9 @@ func (r *run) beginShutdown(s *shutdown) {
 		return
 	}
 	r.shutting = true
+	// The last settlements go out as they come, not held for full batches:
+	// the grace is no time to gather them.
+	r.io.flush = true
 	// What waits to run later goes back now, with what waits behind it.
 	waiting := r.waiting
 	r.waiting = nil

@@ -15,8 +15,9 @@
 //   - Report lag (optional, LagReporter).
 //
 // A driver's methods are called from several goroutines of the loop at once
-// (Fetch from one, Settle from another, Extend from a third), but none of
-// Fetch, Settle and Extend is ever called concurrently with itself.
+// (Fetch from one, Settle from another, Extend from a third). Fetch and
+// Extend are never called concurrently with themselves, and neither is
+// Settle, unless the driver asks for more (Capabilities.Settlers).
 //
 // # How the brokers map onto it
 //
