@@ -11,12 +11,13 @@ import (
 // This file is the loop's traffic to the broker after a fetch: settlements
 // (acks and returns) and lease extensions. Each has goroutines of its own
 // (one for extensions; one for settlements, or as many as the driver takes
-// calls at once), so that a slow or hung Settle never stops the leases of the other
-// messages from being extended, and a slow Extend never holds up acks. The
-// dispatcher keeps the two apart for any one message: a settlement is not
-// sent while an extension of the same message is being made, and a message
-// whose settlement was sent is not extended again, so an extension never
-// lands after a return (SQS would undo the return's delay).
+// calls at once), so that a slow or hung Settle never stops the leases of
+// the other messages from being extended, and a slow Extend never holds up
+// acks. The dispatcher keeps the two apart for any one message: a
+// settlement is not sent while an extension of the same message is being
+// made, and a message whose settlement was sent is not extended again, so
+// an extension never lands after a return (SQS would undo the return's
+// delay).
 
 // ioTimeout bounds one Extend or Settle call.
 const ioTimeout = 30 * time.Second
@@ -81,9 +82,10 @@ const maxSettlers = 16
 // goroutine is free, and reports whether a staged job waits to be sent.
 // While a job is with the driver, a further one is made only of a full
 // batch (see driver.Capabilities.SettleBatch), but for a shutdown's last
-// settlements; with one settle goroutine, only once that job is back. A delivery whose extension is being made now
-// stays pending until the extension is back; the rest go without it, so
-// that one slow Extend does not hold back the acks of other messages.
+// settlements; with one settle goroutine, only once that job is back. A
+// delivery whose extension is being made now stays pending until the
+// extension is back; the rest go without it, so that one slow Extend does
+// not hold back the acks of other messages.
 func (q *ioQueue) stage() bool {
 	if len(q.staged.ds) > 0 {
 		return q.settling < q.settlers

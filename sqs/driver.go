@@ -566,7 +566,8 @@ func (d *sqsDriver) release(ps []pending) {
 	d.b.stats.released.Add(int64(len(ps)))
 }
 
-// Capabilities reports that SQS redelivers returned messages.
+// Capabilities reports that SQS redelivers returned messages, and that
+// Settle takes several calls at once.
 func (d *sqsDriver) Capabilities() driver.Capabilities {
 	// Deletes and returns of different messages are independent calls:
 	// acks decided while a call is out go in another, once they fill one.
