@@ -69,20 +69,28 @@ func (h *heldSettler) settledOnce(t *testing.T, n int) {
 	}
 }
 
+// runWithOneCallOut runs a loop over drv whose handler counts its calls,
+// and returns once a first message's Settle call is out (held).
+func runWithOneCallOut(t *testing.T, drv *heldSettler) (l *Loop, handled *atomic.Int64, stop func() error) {
+	t.Helper()
+	l, err := New(drv, WithConcurrency(4), WithMaxInFlight(64))
+	if err != nil {
+		t.Fatal(err)
+	}
+	handled = new(atomic.Int64)
+	stop = runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { handled.Add(1); return nil }))
+	drv.add("a", 1)
+	eventually(t, "the first Settle call to be out", func() bool { out, _, _ := drv.state(); return out == 1 })
+	return l, handled, stop
+}
+
 // TestConcurrentSettleOnlyForAFullBatch: with a driver that takes Settle
 // calls at once (SQS), acks decided while a call is out go out in another
 // call without waiting for it, but only once they fill the driver's batch,
 // and never more calls than it takes.
 func TestConcurrentSettleOnlyForAFullBatch(t *testing.T) {
 	drv := newHeldSettler(2, 5)
-	l, err := New(drv, WithConcurrency(4), WithMaxInFlight(64))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var handled atomic.Int64
-	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { handled.Add(1); return nil }))
-	drv.add("a", 1)
-	eventually(t, "the first Settle call to be out", func() bool { out, _, _ := drv.state(); return out == 1 })
+	l, handled, stop := runWithOneCallOut(t, drv)
 	drv.add("b", 4) // four acks while the first call is out: less than a batch
 	eventually(t, "the four to be handled", func() bool { return handled.Load() == 5 })
 	time.Sleep(100 * time.Millisecond) // for the dispatcher to decide their acks
@@ -110,14 +118,7 @@ func TestConcurrentSettleOnlyForAFullBatch(t *testing.T) {
 // acks wait.
 func TestOneSettlerSettlesOneCallAtATime(t *testing.T) {
 	drv := newHeldSettler(0, 0)
-	l, err := New(drv, WithConcurrency(4), WithMaxInFlight(64))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var handled atomic.Int64
-	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { handled.Add(1); return nil }))
-	drv.add("a", 1)
-	eventually(t, "the first Settle call to be out", func() bool { out, _, _ := drv.state(); return out == 1 })
+	l, handled, stop := runWithOneCallOut(t, drv)
 	drv.add("b", 30)
 	eventually(t, "the rest to be handled", func() bool { return handled.Load() == 31 })
 	time.Sleep(100 * time.Millisecond) // for the dispatcher to decide their acks
