@@ -82,10 +82,12 @@ const maxSettlers = 16
 // goroutine is free, and reports whether a staged job waits to be sent.
 // While a job is with the driver, a further one is made only of a full
 // batch (see driver.Capabilities.SettleBatch), but for a shutdown's last
-// settlements; with one settle goroutine, only once that job is back. A
-// delivery whose extension is being made now stays pending until the
-// extension is back; the rest go without it, so that one slow Extend does
-// not hold back the acks of other messages.
+// settlements; with one settle goroutine, only once that job is back. A job
+// of more than a full batch takes whole batches only: the rest would make a
+// short call of its own, and waits for the next job instead (at the latest
+// when no job is out). A delivery whose extension is being made now stays
+// pending until the extension is back; the rest go without it, so that one
+// slow Extend does not hold back the acks of other messages.
 func (q *ioQueue) stage() bool {
 	if len(q.staged.ds) > 0 {
 		return q.settling < q.settlers
@@ -94,14 +96,18 @@ func (q *ioQueue) stage() bool {
 	if q.settling >= q.settlers || ready == 0 || q.settling > 0 && ready < q.fullBatch && !q.flush {
 		return false
 	}
-	if q.blocked == 0 {
+	take := ready
+	if ready > q.fullBatch && !q.flush {
+		take -= ready % q.fullBatch
+	}
+	if take == len(q.pending.ds) {
 		q.staged = q.pending
 		q.pending = settleJob{batch: q.spare.batch[:0], ds: q.spare.ds[:0]}
 	} else {
 		q.staged = settleJob{batch: q.spare.batch[:0], ds: q.spare.ds[:0]}
 		kept := 0
 		for i, d := range q.pending.ds {
-			if d.extending {
+			if d.extending || len(q.staged.ds) == take {
 				q.pending.ds[kept], q.pending.batch[kept] = d, q.pending.batch[i]
 				kept++
 				continue

@@ -113,6 +113,35 @@ func TestConcurrentSettleOnlyForAFullBatch(t *testing.T) {
 	drv.settledOnce(t, 16)
 }
 
+// TestConcurrentSettleSendsWholeBatches: acks that wait for a free settle
+// goroutine and come to more than a batch go out in whole batches; the rest
+// wait for the next call rather than making a short call of their own (SQS
+// would send 7 acks as 5 and 2).
+func TestConcurrentSettleSendsWholeBatches(t *testing.T) {
+	drv := newHeldSettler(2, 5)
+	l, handled, stop := runWithOneCallOut(t, drv)
+	drv.add("b", 5) // a second call, of a full batch: both settlers busy
+	eventually(t, "a second Settle call", func() bool { out, _, _ := drv.state(); return out == 2 })
+	drv.add("c", 7) // seven acks waiting, with no settler free
+	eventually(t, "the seven to be handled", func() bool { return handled.Load() == 13 })
+	time.Sleep(100 * time.Millisecond) // for the dispatcher to decide their acks
+	drv.release <- struct{}{}          // one call returns: the seven may go
+	eventually(t, "a third Settle call", func() bool { _, _, sizes := drv.state(); return len(sizes) == 3 })
+	time.Sleep(100 * time.Millisecond)
+	if _, _, sizes := drv.state(); sizes[2] != 5 {
+		t.Fatalf("calls of %v: the seven waiting acks went in a call of %d, want a whole batch of 5", sizes, sizes[2])
+	}
+	close(drv.release)
+	eventually(t, "every message settled", func() bool { return l.Stats().Acked == 13 })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, sizes := drv.state(); len(sizes) != 4 || sizes[3] != 2 {
+		t.Errorf("calls of %v, want the last two acks in a fourth call of 2", sizes)
+	}
+	drv.settledOnce(t, 13)
+}
+
 // TestOneSettlerSettlesOneCallAtATime: a driver that does not take Settle
 // calls at once (Kafka, RabbitMQ, memory) gets one at a time, however many
 // acks wait.

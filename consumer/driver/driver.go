@@ -157,8 +157,10 @@ type Capabilities struct {
 
 	// SettleBatch, with Settlers above 1, is how many settlements one
 	// broker call takes (SQS: 10). While a Settle call is out, the loop
-	// makes another only with at least this many settlements, so that
-	// overlapping calls do not shrink the broker's batches.
+	// makes another only with at least this many settlements, and a call
+	// of more takes whole batches (the rest wait for the next call), so
+	// that overlapping calls do not shrink the broker's batches. A
+	// shutdown's last settlements go as they are.
 	SettleBatch int
 }
 
