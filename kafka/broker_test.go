@@ -233,3 +233,57 @@ func TestLagMatchesKadm(t *testing.T) {
 		t.Errorf("lag %d, kadm total %d; want equal and at least the 60 published while stopped", lag.Messages, total)
 	}
 }
+
+// TestConsumedIDIsNotAHeader: a record's HeaderMessageID becomes the
+// message's ID and is not among its Headers (as no other broker's message
+// id is); the other headers come as produced, a record with none has nil
+// Headers, and one without the id header gets topic/partition/offset.
+func TestConsumedIDIsNotAHeader(t *testing.T) {
+	b := newBroker(t)
+	topic := newTopic(t, b, "headers", 1)
+	ctx := ctxFor(t, 60*time.Second)
+	if err := b.Publish(ctx, topic,
+		consumer.Message{ID: "with-headers", Body: []byte("0"), Headers: map[string]string{"h": "v", "e": ""}},
+		consumer.Message{ID: "id-only", Body: []byte("1")},
+	); err != nil {
+		t.Fatal(err)
+	}
+	produceRaw(t,
+		&kgo.Record{Topic: topic, Value: []byte("2")},
+		// A producer that wrote the id header twice: the last one counts.
+		&kgo.Record{Topic: topic, Value: []byte("3"), Headers: []kgo.RecordHeader{
+			{Key: kafka.HeaderMessageID, Value: []byte("first")}, {Key: "x", Value: []byte("y")}, {Key: kafka.HeaderMessageID, Value: []byte("last")}}},
+	)
+	var mu sync.Mutex
+	got := map[string]consumer.Message{}
+	c, err := b.NewConsumer(topic, consumer.WithName(topic+"-g"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := runConsumer(t, c, consumer.HandlerFunc(func(_ context.Context, m *consumer.Message) error {
+		mu.Lock()
+		got[string(m.Body)] = *m
+		mu.Unlock()
+		return nil
+	}))
+	waitFor(t, 30*time.Second, "the four records", func() bool { mu.Lock(); defer mu.Unlock(); return len(got) == 4 })
+	r.stop(t)
+
+	check := func(body, id string, headers map[string]string) {
+		t.Helper()
+		m := got[body]
+		if m.ID != id || len(m.Headers) != len(headers) || (headers == nil) != (m.Headers == nil) {
+			t.Errorf("record %s: ID %q, Headers %v; want ID %q, Headers %v", body, m.ID, m.Headers, id, headers)
+			return
+		}
+		for k, v := range headers {
+			if w, ok := m.Headers[k]; !ok || w != v {
+				t.Errorf("record %s: Headers %v, want %v", body, m.Headers, headers)
+			}
+		}
+	}
+	check("0", "with-headers", map[string]string{"h": "v", "e": ""})
+	check("1", "id-only", nil)
+	check("2", topic+"/0/2", nil)
+	check("3", "last", map[string]string{"x": "y"})
+}

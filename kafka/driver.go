@@ -433,13 +433,7 @@ func (d *kafkaDriver) message(r *kgo.Record, p *partition) driver.Message {
 		Handle:      d.newHandle(r, p),
 		Generation:  p.gen,
 	}
-	if len(r.Headers) > 0 {
-		m.Headers = make(map[string]string, len(r.Headers))
-		for _, h := range r.Headers {
-			m.Headers[h.Key] = string(h.Value)
-		}
-		m.ID = m.Headers[HeaderMessageID]
-	}
+	m.ID, m.Headers = readHeaders(r)
 	if m.ID == "" {
 		// topic/partition/offset, in one allocation.
 		var buf [64]byte

@@ -24,7 +24,7 @@ import (
 // The messages come partition by partition, in offset order, as a
 // consumer would see them: Lane is the partition, Offset the record's
 // offset, ID the HeaderMessageID header (or TOPIC/PARTITION/OFFSET), and
-// Headers every record header.
+// Headers the record's other headers.
 func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int) ([]consumer.Message, error) {
 	if topic == "" {
 		return nil, configErr("topic", "must not be empty")
@@ -147,13 +147,7 @@ func peeked(r *kgo.Record) consumer.Message {
 		Key: string(r.Key), Body: r.Value, Source: r.Topic, Lane: lane,
 		Offset: r.Offset, PublishedAt: r.Timestamp,
 	}
-	if len(r.Headers) > 0 {
-		m.Headers = make(map[string]string, len(r.Headers))
-		for _, h := range r.Headers {
-			m.Headers[h.Key] = string(h.Value)
-		}
-		m.ID = m.Headers[HeaderMessageID]
-	}
+	m.ID, m.Headers = readHeaders(r)
 	if m.ID == "" {
 		m.ID = r.Topic + "/" + lane + "/" + strconv.FormatInt(r.Offset, 10)
 	}

@@ -31,7 +31,7 @@ func TestPeekReadsWithoutJoiningOrCommitting(t *testing.T) {
 		t.Fatalf("Peek from the start read %d records, want %d", len(all), len(msgs))
 	}
 	for _, m := range all {
-		if m.ID != "id-"+m.Key || m.Headers["h"] != m.Key || m.Offset < 0 || m.Lane == "" {
+		if m.ID != "id-"+m.Key || m.Headers["h"] != m.Key || len(m.Headers) != 1 || m.Offset < 0 || m.Lane == "" {
 			t.Errorf("peeked record %+v lost its id, header, lane or offset", m)
 		}
 	}
