@@ -34,6 +34,11 @@ var (
 	// it (it is marked driver.Fatal) instead of retrying for ever. The
 	// error never carries the password.
 	ErrAuthentication = errors.New("kafka: authentication failed")
+
+	// ErrPeekShort is wrapped by Peek's error when it could not read a
+	// partition up to the end offset it listed: nothing more came for a
+	// few seconds. The error names each partition and how far it got.
+	ErrPeekShort = errors.New("kafka: peek stopped short of the end")
 )
 
 // GroupProtocol chooses how the members of a consumer group share a topic's

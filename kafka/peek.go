@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kadm"
@@ -24,7 +26,13 @@ import (
 // The messages come partition by partition, in offset order, as a
 // consumer would see them: Lane is the partition, Offset the record's
 // offset, ID the HeaderMessageID header (or TOPIC/PARTITION/OFFSET), and
-// Headers the record's other headers.
+// Headers the record's other headers. Transaction markers take offsets but
+// are not messages. When a partition cannot be read to its end (nothing
+// more comes for a few seconds: a stalled broker, or records past an open
+// transaction when the broker's options read committed only), Peek fails
+// with an error wrapping ErrPeekShort rather than return part of the
+// topic. A compacted topic is the exception: its last offsets may hold no
+// record any more, so there what came by then is the answer.
 func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int) ([]consumer.Message, error) {
 	if topic == "" {
 		return nil, configErr("topic", "must not be empty")
@@ -85,16 +93,17 @@ func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int
 	if len(from) == 0 {
 		return nil, nil
 	}
-	cl, err := kgo.NewClient(b.clientOpts(kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: from}))...)
+	// Control records (transaction markers) come too: they take offsets,
+	// often the last ones of a partition, and only seeing them tells that
+	// the read reached its end.
+	cl, err := kgo.NewClient(b.clientOpts(kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: from}), kgo.KeepControlRecords())...)
 	if err != nil {
 		return fail("client", err)
 	}
 	defer cl.Close()
 	byPart := map[int32][]consumer.Message{}
+	next := map[int32]int64{} // per partition, the offset after the last record read
 	for len(until) > 0 {
-		// A partition whose last offsets hold no record (transaction
-		// markers) never reaches its end: a poll that brings nothing for
-		// a while ends the read.
 		pctx, cancel := context.WithTimeout(ctx, peekIdle)
 		fs := cl.PollFetches(pctx)
 		cancel()
@@ -102,7 +111,19 @@ func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int
 			return nil, fmt.Errorf("kafka: peek %q: %w", topic, err)
 		}
 		if fs.NumRecords() == 0 && pctx.Err() != nil {
-			break
+			// Nothing for peekIdle. On a compacted topic the last offsets
+			// may hold no record any more (a tombstone removed): what
+			// came is all there is. Elsewhere every offset holds a record,
+			// so the read stopped short, and saying so beats a short
+			// answer taken for the whole topic.
+			compacted, err := b.compacted(ctx, topic)
+			if err != nil {
+				return fail("topic config", err)
+			}
+			if compacted {
+				break
+			}
+			return nil, shortPeek(topic, until, from, next)
 		}
 		var perr error
 		fs.EachError(func(_ string, _ int32, err error) {
@@ -115,10 +136,13 @@ func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int
 		}
 		fs.EachRecord(func(r *kgo.Record) {
 			stop, ok := until[r.Partition]
-			if !ok || r.Offset >= stop {
+			if !ok {
 				return
 			}
-			byPart[r.Partition] = append(byPart[r.Partition], peeked(r))
+			next[r.Partition] = r.Offset + 1
+			if r.Offset < stop && !r.Attrs.IsControl() {
+				byPart[r.Partition] = append(byPart[r.Partition], peeked(r))
+			}
 			if r.Offset+1 >= stop {
 				delete(until, r.Partition)
 			}
@@ -136,8 +160,8 @@ func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int
 	return out, nil
 }
 
-// peekIdle is how long Peek waits for a record before it takes a
-// partition's read as done.
+// peekIdle is how long Peek waits for a record before it takes the read as
+// stopped: done on a compacted topic, short (ErrPeekShort) on any other.
 const peekIdle = 5 * time.Second
 
 // peeked is a record as Peek returns it.
@@ -152,4 +176,44 @@ func peeked(r *kgo.Record) consumer.Message {
 		m.ID = r.Topic + "/" + lane + "/" + strconv.FormatInt(r.Offset, 10)
 	}
 	return m
+}
+
+// compacted reports whether topic's cleanup.policy includes compact.
+func (b *Broker) compacted(ctx context.Context, topic string) (bool, error) {
+	rcs, err := b.adm.DescribeTopicConfigs(ctx, topic)
+	if err != nil {
+		return false, err
+	}
+	rc, err := rcs.On(topic, nil)
+	if err != nil {
+		return false, err
+	}
+	if rc.Err != nil {
+		return false, rc.Err
+	}
+	for _, c := range rc.Configs {
+		if c.Key == "cleanup.policy" {
+			return strings.Contains(c.MaybeValue(), "compact"), nil
+		}
+	}
+	return false, nil
+}
+
+// shortPeek is Peek's error for the partitions it could not read to their
+// end: where each got to and where it should have.
+func shortPeek(topic string, until map[int32]int64, from map[int32]kgo.Offset, next map[int32]int64) error {
+	parts := slices.Sorted(maps.Keys(until))
+	var b strings.Builder
+	for i, p := range parts {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		at, ok := next[p]
+		if !ok {
+			at = from[p].EpochOffset().Offset
+		}
+		fmt.Fprintf(&b, "partition %d at offset %d of %d", p, at, until[p])
+	}
+	return fmt.Errorf("kafka: peek %q: %w: %s, nothing fetched for %s (records past an open transaction under read_committed, or a stalled broker)",
+		topic, ErrPeekShort, b.String(), peekIdle)
 }
