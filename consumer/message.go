@@ -15,7 +15,8 @@ import (
 // and Headers and ignores the rest.
 type Message struct {
 	// ID is the broker's identifier for the message: the SQS MessageId, the AMQP
-	// message-id property, or topic/partition/offset for Kafka. It is stable
+	// message-id property, or for Kafka the record's kafka.HeaderMessageID
+	// header (Publish writes it) or else topic/partition/offset. It is stable
 	// across redeliveries of the same message.
 	ID string
 

@@ -67,7 +67,10 @@ type ioQueue struct {
 func (q *ioQueue) init(ctx context.Context, l *Loop) {
 	q.l = l
 	q.settlers = min(max(l.caps.Settlers, 1), maxSettlers)
-	q.fullBatch = max(l.caps.SettleBatch, 1)
+	q.fullBatch = 1
+	if q.settlers > 1 {
+		q.fullBatch = max(l.caps.SettleBatch, 1) // what a batch is matters only to overlapping calls
+	}
 	q.ctx, q.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	q.settleC = make(chan settleJob)
 	q.settleBack = make(chan settleJob)

@@ -120,8 +120,8 @@ func ParseDeadLetter(m consumer.Message) (DeadLetter, error) {
 // them (a Kafka topic's by partition and offset), and leaves them there: a
 // Kafka topic is read with kafka.Broker.Peek, in no consumer group, from
 // each partition's start to its end offset as the call began (a partition
-// that brings no record for 5 s is taken as read to its end: transaction
-// markers hold no record); an SQS or RabbitMQ queue's messages are received and handed back at once,
+// that does not move for 5 s fails it with kafka.ErrPeekShort, but on a
+// compacted topic); an SQS or RabbitMQ queue's messages are received and handed back at once,
 // which counts as one more delivery of each (ApproximateReceiveCount,
 // x-delivery-count), as any look at such a queue does; the memory broker's
 // are copied. Messages a consumer holds at the time are not in it (except

@@ -50,8 +50,8 @@
 //     partition number, Offset the record offset, Key, Body and Headers as
 //     produced, PublishedAt the record timestamp, and ID the header
 //     HeaderMessageID when the producer set one (Publish does, for a
-//     Message.ID; that header is then not among Headers), otherwise
-//     topic/partition/offset. Deliveries is always 1:
+//     Message.ID; whoever wrote it, that header is the ID and not one of
+//     Headers), otherwise topic/partition/offset. Deliveries is always 1:
 //     Kafka keeps no delivery count; the loop counts attempts in process.
 //   - Settle Ack marks the record finished (the commit point moves at the
 //     next commit). There is no Return: the loop retries in place

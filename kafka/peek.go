@@ -22,17 +22,19 @@ import (
 // is. Each partition is read from group's committed offset, or from the
 // log start when group is empty or has committed nothing there, up to the
 // partition's end offset at the time of the call, at most perPartition
-// records of each (every record up to the end when perPartition is 0).
+// messages of each (every one up to the end when perPartition is 0).
 // The messages come partition by partition, in offset order, as a
 // consumer would see them: Lane is the partition, Offset the record's
 // offset, ID the HeaderMessageID header (or TOPIC/PARTITION/OFFSET), and
 // Headers the record's other headers. Transaction markers take offsets but
-// are not messages. When a partition cannot be read to its end (nothing
-// more comes for a few seconds: a stalled broker, or records past an open
-// transaction when the broker's options read committed only), Peek fails
-// with an error wrapping ErrPeekShort rather than return part of the
-// topic. A compacted topic is the exception: its last offsets may hold no
-// record any more, so there what came by then is the answer.
+// are not messages, and do not count in perPartition.
+//
+// When a partition cannot be read to its end (it does not move for a few
+// seconds: a stalled broker, or records past an open transaction when the
+// broker's client options read committed records only), Peek fails with
+// an error wrapping ErrPeekShort rather than return part of the topic. A
+// compacted topic is the exception: its last offsets may hold no record
+// any more, so there what came by then is the answer.
 func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int) ([]consumer.Message, error) {
 	if topic == "" {
 		return nil, configErr("topic", "must not be empty")
@@ -61,7 +63,7 @@ func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int
 		}
 	}
 	from := map[int32]kgo.Offset{}
-	until := map[int32]int64{}
+	open := map[int32]*peekPart{} // the partitions not read to their end yet
 	var ferr error
 	ends.Each(func(e kadm.ListedOffset) {
 		if e.Topic != topic {
@@ -78,13 +80,13 @@ func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int
 		if c, ok := commits.Lookup(topic, e.Partition); ok && c.Err == nil && c.At > at {
 			at = c.At
 		}
-		stop := e.Offset
-		if perPartition > 0 {
-			stop = min(stop, at+int64(perPartition))
-		}
-		if at < stop {
+		if at < e.Offset {
 			from[e.Partition] = kgo.NewOffset().At(at)
-			until[e.Partition] = stop
+			left := perPartition
+			if left == 0 {
+				left = -1
+			}
+			open[e.Partition] = &peekPart{next: at, end: e.Offset, left: left}
 		}
 	})
 	if ferr != nil {
@@ -95,35 +97,40 @@ func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int
 	}
 	// Control records (transaction markers) come too: they take offsets,
 	// often the last ones of a partition, and only seeing them tells that
-	// the read reached its end.
-	cl, err := kgo.NewClient(b.clientOpts(kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: from}), kgo.KeepControlRecords())...)
+	// the read reached its end. The options after them override the
+	// user's where the user's would stall or skip a read: a fetch that
+	// waits for more bytes than there are, a reset to the end.
+	cl, err := kgo.NewClient(b.clientOpts(
+		kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: from}),
+		kgo.KeepControlRecords(),
+		kgo.FetchMinBytes(1),
+		kgo.FetchMaxWait(peekFetchWait),
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
+	)...)
 	if err != nil {
 		return fail("client", err)
 	}
 	defer cl.Close()
 	byPart := map[int32][]consumer.Message{}
-	next := map[int32]int64{} // per partition, the offset after the last record read
-	for len(until) > 0 {
-		pctx, cancel := context.WithTimeout(ctx, peekIdle)
+	progress := time.Now() // when a partition not yet read to its end last moved
+	for len(open) > 0 {
+		wait := peekIdle - time.Since(progress)
+		if wait <= 0 {
+			// No partition still open moved for peekIdle. On a compacted
+			// topic the last offsets may hold no record any more (a
+			// tombstone removed): what came is all there is. Elsewhere
+			// every offset holds a record, so the read stopped short, and
+			// saying so beats a short answer taken for the whole topic.
+			if compacted, err := b.compacted(ctx, topic); err == nil && compacted {
+				break
+			}
+			return nil, shortPeek(topic, open)
+		}
+		pctx, cancel := context.WithTimeout(ctx, wait)
 		fs := cl.PollFetches(pctx)
 		cancel()
 		if err := ctx.Err(); err != nil {
 			return nil, fmt.Errorf("kafka: peek %q: %w", topic, err)
-		}
-		if fs.NumRecords() == 0 && pctx.Err() != nil {
-			// Nothing for peekIdle. On a compacted topic the last offsets
-			// may hold no record any more (a tombstone removed): what
-			// came is all there is. Elsewhere every offset holds a record,
-			// so the read stopped short, and saying so beats a short
-			// answer taken for the whole topic.
-			compacted, err := b.compacted(ctx, topic)
-			if err != nil {
-				return fail("topic config", err)
-			}
-			if compacted {
-				break
-			}
-			return nil, shortPeek(topic, until, from, next)
 		}
 		var perr error
 		fs.EachError(func(_ string, _ int32, err error) {
@@ -134,19 +141,27 @@ func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int
 		if perr != nil {
 			return fail("fetch", perr)
 		}
+		var done []int32
 		fs.EachRecord(func(r *kgo.Record) {
-			stop, ok := until[r.Partition]
-			if !ok {
+			pp := open[r.Partition]
+			if pp == nil || r.Offset < pp.next {
 				return
 			}
-			next[r.Partition] = r.Offset + 1
-			if r.Offset < stop && !r.Attrs.IsControl() {
+			pp.next = r.Offset + 1
+			progress = time.Now()
+			if r.Offset < pp.end && !r.Attrs.IsControl() {
 				byPart[r.Partition] = append(byPart[r.Partition], peeked(r))
+				pp.left--
 			}
-			if r.Offset+1 >= stop {
-				delete(until, r.Partition)
+			if pp.next >= pp.end || pp.left == 0 {
+				delete(open, r.Partition)
+				done = append(done, r.Partition)
 			}
 		})
+		if len(done) > 0 {
+			// Read: fetching it on would count as progress of the read.
+			cl.PauseFetchPartitions(map[string][]int32{topic: done})
+		}
 	}
 	parts := make([]int32, 0, len(byPart))
 	for p := range byPart {
@@ -160,9 +175,21 @@ func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int
 	return out, nil
 }
 
-// peekIdle is how long Peek waits for a record before it takes the read as
-// stopped: done on a compacted topic, short (ErrPeekShort) on any other.
+// peekIdle is how long Peek waits for a partition it has not read to its
+// end to move before it takes the read as stopped: done on a compacted
+// topic, short (ErrPeekShort) on any other.
 const peekIdle = 5 * time.Second
+
+// peekFetchWait is how long a fetch of Peek's waits on the broker for
+// records: well under peekIdle, so that an empty fetch is not a stall.
+const peekFetchWait = time.Second
+
+// peekPart is a partition Peek is reading.
+type peekPart struct {
+	next int64 // the offset after the last record read
+	end  int64 // the end offset as the call began
+	left int   // messages still wanted (perPartition); below 0 when all are
+}
 
 // peeked is a record as Peek returns it.
 func peeked(r *kgo.Record) consumer.Message {
@@ -201,19 +228,14 @@ func (b *Broker) compacted(ctx context.Context, topic string) (bool, error) {
 
 // shortPeek is Peek's error for the partitions it could not read to their
 // end: where each got to and where it should have.
-func shortPeek(topic string, until map[int32]int64, from map[int32]kgo.Offset, next map[int32]int64) error {
-	parts := slices.Sorted(maps.Keys(until))
+func shortPeek(topic string, open map[int32]*peekPart) error {
 	var b strings.Builder
-	for i, p := range parts {
+	for i, p := range slices.Sorted(maps.Keys(open)) {
 		if i > 0 {
 			b.WriteString(", ")
 		}
-		at, ok := next[p]
-		if !ok {
-			at = from[p].EpochOffset().Offset
-		}
-		fmt.Fprintf(&b, "partition %d at offset %d of %d", p, at, until[p])
+		fmt.Fprintf(&b, "partition %d at offset %d, end %d", p, open[p].next, open[p].end)
 	}
-	return fmt.Errorf("kafka: peek %q: %w: %s, nothing fetched for %s (records past an open transaction under read_committed, or a stalled broker)",
-		topic, ErrPeekShort, b.String(), peekIdle)
+	return fmt.Errorf("kafka: peek %q: %s; nothing fetched for %s (a stalled broker, or records past an open transaction for a client that reads committed records only): %w",
+		topic, b.String(), peekIdle, ErrPeekShort)
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -81,26 +82,26 @@ func TestPeekReadsWithoutJoiningOrCommitting(t *testing.T) {
 
 // TestPeekFailsShortOfAnOpenTransaction: a partition Peek cannot read to
 // the end offset it listed fails the call with ErrPeekShort, naming the
-// partition and how far it got, instead of returning part of the topic.
-// Records past an open transaction are such a case for a client that reads
-// committed records only. On a compacted topic, whose last offsets may hold
-// no record any more, what came is the answer. Once the transaction
-// commits, the read goes to the end through its marker, which takes the
-// last offset.
+// partition and how far it got, instead of returning part of the topic,
+// even while another partition keeps bringing records. Records past an
+// open transaction are such a case for a client that reads committed
+// records only. On a compacted topic, whose last offsets may hold no record
+// any more, what came is the answer. Once the transaction commits, the
+// read goes to the end through its marker, which takes the last offset.
 func TestPeekFailsShortOfAnOpenTransaction(t *testing.T) {
 	for _, policy := range []string{"delete", "compact"} {
 		t.Run(policy, func(t *testing.T) {
 			b := newBroker(t)
 			topic := testenv.UniqueName(t, "peek-txn")
 			ctx := ctxFor(t, 60*time.Second)
-			if err := b.CreateTopic(ctx, topic, kafka.TopicConfig{Configs: map[string]string{"cleanup.policy": policy}}); err != nil {
+			if err := b.CreateTopic(ctx, topic, kafka.TopicConfig{Partitions: 2, Configs: map[string]string{"cleanup.policy": policy}}); err != nil {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() { _ = b.DeleteTopic(context.Background(), topic) })
-			if err := b.Publish(ctx, topic, consumer.Message{Key: "a", Body: []byte("a")}, consumer.Message{Key: "b", Body: []byte("b")}); err != nil {
-				t.Fatal(err)
-			}
-			txn, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaBrokers()...), kgo.TransactionalID(topic+"-txn"), kgo.DefaultProduceTopic(topic))
+			produceRaw(t, &kgo.Record{Topic: topic, Partition: 0, Key: []byte("a"), Value: []byte("a")},
+				&kgo.Record{Topic: topic, Partition: 0, Key: []byte("b"), Value: []byte("b")})
+			txn, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaBrokers()...), kgo.TransactionalID(topic+"-txn"),
+				kgo.RecordPartitioner(kgo.ManualPartitioner()))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -108,18 +109,35 @@ func TestPeekFailsShortOfAnOpenTransaction(t *testing.T) {
 			if err := txn.BeginTransaction(); err != nil {
 				t.Fatal(err)
 			}
-			if err := txn.ProduceSync(ctx, &kgo.Record{Key: []byte("c"), Value: []byte("c")}).FirstErr(); err != nil {
+			if err := txn.ProduceSync(ctx, &kgo.Record{Topic: topic, Partition: 1, Key: []byte("c"), Value: []byte("c")}).FirstErr(); err != nil {
 				t.Fatal(err)
 			}
 
+			// Partition 0 keeps getting records (past the end Peek lists)
+			// while partition 1 stands still.
+			busy, stopBusy := context.WithCancel(ctx)
+			var wg sync.WaitGroup
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for busy.Err() == nil {
+					if err := b.Publish(busy, topic, consumer.Message{Key: "a", Body: []byte("later")}); err != nil && busy.Err() == nil {
+						t.Errorf("publish: %v", err)
+						return
+					}
+					time.Sleep(100 * time.Millisecond)
+				}
+			}()
 			committedOnly := newBroker(t, kafka.WithClientOpts(kgo.FetchIsolationLevel(kgo.ReadCommitted())))
 			got, err := committedOnly.Peek(ctx, topic, "", 0)
+			stopBusy()
+			wg.Wait()
 			if policy == "compact" {
-				if err != nil || len(got) != 2 {
+				if err != nil || len(got) != 2 || string(got[0].Body) != "a" || string(got[1].Body) != "b" {
 					t.Fatalf("Peek of a compacted topic past an open transaction = %d records, %v; want a and b", len(got), err)
 				}
-			} else if !errors.Is(err, kafka.ErrPeekShort) || !strings.Contains(err.Error(), "partition 0 at offset 2 of 3") {
-				t.Fatalf("Peek past an open transaction = %d records, %v; want ErrPeekShort naming partition 0 at offset 2 of 3", len(got), err)
+			} else if !errors.Is(err, kafka.ErrPeekShort) || !strings.Contains(err.Error(), "partition 1 at offset 0, end 1;") {
+				t.Fatalf("Peek past an open transaction = %d records, %v; want ErrPeekShort naming partition 1 at offset 0, end 1", len(got), err)
 			}
 
 			if err := txn.EndTransaction(ctx, kgo.TryCommit); err != nil {
@@ -127,10 +145,51 @@ func TestPeekFailsShortOfAnOpenTransaction(t *testing.T) {
 			}
 			for _, br := range []*kafka.Broker{committedOnly, b} {
 				got, err = br.Peek(ctx, topic, "", 0)
-				if err != nil || len(got) != 3 || string(got[2].Body) != "c" {
-					t.Fatalf("Peek after the commit = %d records, %v; want a, b and c", len(got), err)
+				if err != nil || len(got) < 3 || string(got[len(got)-1].Body) != "c" || got[len(got)-1].Lane != "1" {
+					t.Fatalf("Peek after the commit = %d records, %v; want a, b, the later ones and c", len(got), err)
 				}
 			}
 		})
+	}
+}
+
+// TestPeekCountsMessagesNotMarkers: perPartition counts messages, not the
+// offsets transaction markers take, so a group committed at a marker still
+// gets the record after it; and client options that would make a fetch
+// wait for more bytes than there are, or reset to the end, do not change
+// what Peek reads.
+func TestPeekCountsMessagesNotMarkers(t *testing.T) {
+	b := newBroker(t, kafka.WithClientOpts(kgo.FetchMinBytes(1<<20), kgo.ConsumeResetOffset(kgo.NewOffset().AtEnd())))
+	topic := newTopic(t, b, "peek-markers", 1)
+	ctx := ctxFor(t, 60*time.Second)
+	txn, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaBrokers()...), kgo.TransactionalID(topic+"-txn"), kgo.DefaultProduceTopic(topic))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer txn.Close()
+	for _, v := range []string{"a", "b"} { // a at 0, its marker at 1, b at 2, its marker at 3
+		if err := txn.BeginTransaction(); err != nil {
+			t.Fatal(err)
+		}
+		if err := txn.ProduceSync(ctx, &kgo.Record{Value: []byte(v)}).FirstErr(); err != nil {
+			t.Fatal(err)
+		}
+		if err := txn.EndTransaction(ctx, kgo.TryCommit); err != nil {
+			t.Fatal(err)
+		}
+	}
+	group := topic + "-g"
+	var off kadm.Offsets
+	off.AddOffset(topic, 0, 1, -1) // a handled: committed at its marker
+	if _, err := b.Admin().CommitOffsets(ctx, group, off); err != nil {
+		t.Fatal(err)
+	}
+	got, err := b.Peek(ctx, topic, group, 1)
+	if err != nil || len(got) != 1 || string(got[0].Body) != "b" || got[0].Offset != 2 {
+		t.Fatalf("Peek of one message past the group's offset = %v, %v; want b at offset 2", got, err)
+	}
+	all, err := b.Peek(ctx, topic, "", 0)
+	if err != nil || len(all) != 2 {
+		t.Fatalf("Peek of the whole topic = %d messages, %v; want a and b", len(all), err)
 	}
 }

@@ -2,12 +2,14 @@ package lagcmd
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
 	"github.com/ferrymq/ferry"
 	"github.com/ferrymq/ferry/cmd/ferry/internal/cli"
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/kafka"
 )
 
 // kafkaPeeker is a Kafka broker's Peek (kafka.Broker.Peek).
@@ -76,6 +78,12 @@ func (s *sampler) oldestKafka(ctx context.Context, lanes map[string]int64) (time
 		return 0, nil
 	}
 	recs, err := p.Peek(ctx, s.source, s.group, 1)
+	if errors.Is(err, kafka.ErrPeekShort) {
+		// A partition did not move for a few seconds (an open
+		// transaction, a stalled broker): the age is unknown this time,
+		// and the lag, which is what the verdict rests on, still counts.
+		return 0, nil
+	}
 	if err != nil {
 		return 0, fmt.Errorf("backlog age of %s: %w", s.source, err)
 	}
