@@ -119,12 +119,13 @@ func ParseDeadLetter(m consumer.Message) (DeadLetter, error) {
 // Peek returns the messages the queue holds, in the order the broker gives
 // them (a Kafka topic's by partition and offset), and leaves them there: a
 // Kafka topic is read with kafka.Broker.Peek, in no consumer group, from
-// each partition's start to its end offset as the call began (a partition
-// that does not move for 5 s fails it with kafka.ErrPeekShort, but on a
-// compacted topic); an SQS or RabbitMQ queue's messages are received and handed back at once,
-// which counts as one more delivery of each (ApproximateReceiveCount,
-// x-delivery-count), as any look at such a queue does; the memory broker's
-// are copied. Messages a consumer holds at the time are not in it (except
+// each partition's start to its end offset as the call began (when the
+// partitions not yet read stop moving for 5 s, it fails with
+// kafka.ErrPeekShort, except on a compacted topic, where what came is
+// returned); an SQS or RabbitMQ queue's messages are received and handed
+// back at once, which counts as one more delivery of each
+// (ApproximateReceiveCount, x-delivery-count), as any look at such a queue
+// does; the memory broker's are copied. Messages a consumer holds at the time are not in it (except
 // on the memory broker). When ctx has no deadline, DefaultTimeout bounds it.
 func (q *Queue) Peek(ctx context.Context) ([]consumer.Message, error) {
 	if _, ok := ctx.Deadline(); !ok {

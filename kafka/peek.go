@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kadm"
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/ferrymq/ferry/consumer"
@@ -29,12 +30,13 @@ import (
 // Headers the record's other headers. Transaction markers take offsets but
 // are not messages, and do not count in perPartition.
 //
-// When a partition cannot be read to its end (it does not move for a few
-// seconds: a stalled broker, or records past an open transaction when the
-// broker's client options read committed records only), Peek fails with
-// an error wrapping ErrPeekShort rather than return part of the topic. A
-// compacted topic is the exception: its last offsets may hold no record
-// any more, so there what came by then is the answer.
+// When a partition cannot be read to its end (none of those not yet read
+// to their end moves for a few seconds: a stalled broker, or records past
+// an open transaction when the broker's client options read committed
+// records only), Peek fails with an error wrapping ErrPeekShort rather
+// than return part of the topic. A compacted topic is the exception: its
+// last offsets may hold no record any more, so there what came by then is
+// the answer.
 func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int) ([]consumer.Message, error) {
 	if topic == "" {
 		return nil, configErr("topic", "must not be empty")
@@ -116,15 +118,28 @@ func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int
 	for len(open) > 0 {
 		wait := peekIdle - time.Since(progress)
 		if wait <= 0 {
-			// No partition still open moved for peekIdle. On a compacted
-			// topic the last offsets may hold no record any more (a
-			// tombstone removed): what came is all there is. Elsewhere
-			// every offset holds a record, so the read stopped short, and
-			// saying so beats a short answer taken for the whole topic.
-			if compacted, err := b.compacted(ctx, topic); err == nil && compacted {
+			// No partition still open moved for peekIdle. Retention may
+			// have removed what was left of one since the offsets were
+			// listed: it is read. On a compacted topic the last offsets may
+			// hold no record any more (a tombstone removed): what came is
+			// all there is. Elsewhere every offset holds a record, so the
+			// read stopped short, and saying so beats a short answer taken
+			// for the whole topic.
+			if starts, err := b.adm.ListStartOffsets(ctx, topic); err == nil {
+				starts.Each(func(s kadm.ListedOffset) {
+					if pp := open[s.Partition]; pp != nil && s.Topic == topic && s.Err == nil && s.Offset >= pp.end {
+						delete(open, s.Partition)
+					}
+				})
+			}
+			if len(open) == 0 {
 				break
 			}
-			return nil, shortPeek(topic, open)
+			compacted, err := b.compacted(ctx, topic)
+			if err == nil && compacted {
+				break
+			}
+			return nil, shortPeek(topic, open, err)
 		}
 		pctx, cancel := context.WithTimeout(ctx, wait)
 		fs := cl.PollFetches(pctx)
@@ -134,7 +149,9 @@ func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int
 		}
 		var perr error
 		fs.EachError(func(_ string, _ int32, err error) {
-			if !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) {
+			// Retriable errors come only with the user's
+			// KeepRetryableFetchErrors; franz-go retries them all the same.
+			if !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, context.Canceled) && !kerr.IsRetriable(err) {
 				perr = err
 			}
 		})
@@ -159,7 +176,7 @@ func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int
 			}
 		})
 		if len(done) > 0 {
-			// Read: fetching it on would count as progress of the read.
+			// Read: fetching it on would only cost fetches.
 			cl.PauseFetchPartitions(map[string][]int32{topic: done})
 		}
 	}
@@ -227,14 +244,18 @@ func (b *Broker) compacted(ctx context.Context, topic string) (bool, error) {
 }
 
 // shortPeek is Peek's error for the partitions it could not read to their
-// end: where each got to and where it should have.
-func shortPeek(topic string, open map[int32]*peekPart) error {
+// end: where each got to and where it should have, and cfgErr, when the
+// topic's config (is it compacted?) could not be read.
+func shortPeek(topic string, open map[int32]*peekPart, cfgErr error) error {
 	var b strings.Builder
 	for i, p := range slices.Sorted(maps.Keys(open)) {
 		if i > 0 {
 			b.WriteString(", ")
 		}
 		fmt.Fprintf(&b, "partition %d at offset %d, end %d", p, open[p].next, open[p].end)
+	}
+	if cfgErr != nil {
+		fmt.Fprintf(&b, "; whether the topic is compacted is not known either (%v)", cfgErr)
 	}
 	return fmt.Errorf("kafka: peek %q: %s; nothing fetched for %s (a stalled broker, or records past an open transaction for a client that reads committed records only): %w",
 		topic, b.String(), peekIdle, ErrPeekShort)

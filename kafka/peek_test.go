@@ -133,8 +133,10 @@ func TestPeekFailsShortOfAnOpenTransaction(t *testing.T) {
 			stopBusy()
 			wg.Wait()
 			if policy == "compact" {
-				if err != nil || len(got) != 2 || string(got[0].Body) != "a" || string(got[1].Body) != "b" {
-					t.Fatalf("Peek of a compacted topic past an open transaction = %d records, %v; want a and b", len(got), err)
+				// a, b, and any later record that came before Peek listed
+				// the end offsets: partition 0's, none of partition 1.
+				if err != nil || len(got) < 2 || string(got[0].Body) != "a" || string(got[1].Body) != "b" || got[len(got)-1].Lane != "0" {
+					t.Fatalf("Peek of a compacted topic past an open transaction = %v, %v; want a, b (and later ones) of partition 0", got, err)
 				}
 			} else if !errors.Is(err, kafka.ErrPeekShort) || !strings.Contains(err.Error(), "partition 1 at offset 0, end 1;") {
 				t.Fatalf("Peek past an open transaction = %d records, %v; want ErrPeekShort naming partition 1 at offset 0, end 1", len(got), err)
@@ -155,11 +157,11 @@ func TestPeekFailsShortOfAnOpenTransaction(t *testing.T) {
 
 // TestPeekCountsMessagesNotMarkers: perPartition counts messages, not the
 // offsets transaction markers take, so a group committed at a marker still
-// gets the record after it; and client options that would make a fetch
-// wait for more bytes than there are, or reset to the end, do not change
-// what Peek reads.
+// gets the record after it; and a client option that makes a fetch wait
+// for more bytes than there are (as long as Peek waits for a partition to
+// move) does not make Peek's read stop short.
 func TestPeekCountsMessagesNotMarkers(t *testing.T) {
-	b := newBroker(t, kafka.WithClientOpts(kgo.FetchMinBytes(1<<20), kgo.ConsumeResetOffset(kgo.NewOffset().AtEnd())))
+	b := newBroker(t, kafka.WithClientOpts(kgo.FetchMinBytes(1<<20)))
 	topic := newTopic(t, b, "peek-markers", 1)
 	ctx := ctxFor(t, 60*time.Second)
 	txn, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaBrokers()...), kgo.TransactionalID(topic+"-txn"), kgo.DefaultProduceTopic(topic))
