@@ -132,7 +132,7 @@ func run(d *freeDriver, n, inflight int, full bool) (float64, error) {
 	case <-done:
 	case err := <-errc:
 		cancel()
-		return 0, fmt.Errorf("Run returned before the last message: %v", err)
+		return 0, fmt.Errorf("the loop returned before the last message (Run: %v)", err)
 	}
 	rate := float64(n) / time.Since(start).Seconds()
 	cancel()
