@@ -772,8 +772,8 @@ const HeaderMessageID = "ferry-message-id"
 
 // readHeaders returns a consumed record's HeaderMessageID (the last, if the
 // record has several) and its other headers, nil when it has none: most
-// records carry only the id, and a map a record costs more than the rest
-// of turning it into a message.
+// records carry only the id, and building a map costs more than the rest
+// of turning a record into a message.
 func readHeaders(r *kgo.Record) (id string, headers map[string]string) {
 	others := 0
 	for i := range r.Headers {
