@@ -64,7 +64,6 @@ func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int
 			return fail("committed offsets of group "+strconv.Quote(group), err)
 		}
 	}
-	from := map[int32]kgo.Offset{}
 	open := map[int32]*peekPart{} // the partitions not read to their end yet
 	var ferr error
 	ends.Each(func(e kadm.ListedOffset) {
@@ -83,7 +82,6 @@ func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int
 			at = c.At
 		}
 		if at < e.Offset {
-			from[e.Partition] = kgo.NewOffset().At(at)
 			left := perPartition
 			if left == 0 {
 				left = -1
@@ -94,8 +92,12 @@ func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int
 	if ferr != nil {
 		return fail("end offsets", ferr)
 	}
-	if len(from) == 0 {
+	if len(open) == 0 {
 		return nil, nil
+	}
+	from := make(map[int32]kgo.Offset, len(open))
+	for p, pp := range open {
+		from[p] = kgo.NewOffset().At(pp.next)
 	}
 	// Control records (transaction markers) come too: they take offsets,
 	// often the last ones of a partition, and only seeing them tells that

@@ -87,7 +87,9 @@
 //     within a few milliseconds waits that long first (WithSettleWindow), so
 //     that under load deletes go out full. Acks decided while a Settle call
 //     is out go in a further one as soon as they fill a batch of ten (up to
-//     four calls out at once), rather than waiting for the first. A return is
+//     four calls out at once), rather than waiting for the first, and a
+//     call of more than ten takes whole tens (the rest go with the next
+//     one), so that no call is split into a short one. A return is
 //     ChangeMessageVisibilityBatch with the delay in whole seconds, rounded
 //     up, at least one second for a message whose handler ran (never a hot
 //     loop of zero-visibility returns), within the 12 hours. SQS answers
