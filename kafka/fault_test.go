@@ -113,14 +113,24 @@ func testKilledMember(t *testing.T, proto kafka.GroupProtocol) {
 	childHandled, childCommits, _ := ch.state()
 
 	ends := endOffsets(t, b.Admin(), topic)
+	var missing [][2]int64 // at the last look: records neither the survivor handled nor the child committed
+	t.Cleanup(func() {
+		if t.Failed() && len(missing) > 0 {
+			// For whoever reads a timeout: which partitions stalled,
+			// and where the survivor was.
+			t.Logf("%d records missing, the first %v; the child committed %v; the survivor's stats %+v",
+				len(missing), missing[:min(len(missing), 10)], childCommits, survivor.Stats())
+		}
+	})
 	waitFor(t, 90*time.Second, "every record the child did not commit to be handled by the survivor", func() bool {
 		done := a.doneSet()
+		missing = missing[:0]
 		for _, po := range allOffsets(ends) {
 			if done[po] == 0 && !(childHandled[po] > 0 && po[1] < childCommits[int32(po[0])]) {
-				return false
+				missing = append(missing, po)
 			}
 		}
-		return true
+		return len(missing) == 0
 	})
 	done := a.doneSet()
 	var dups int
