@@ -3,7 +3,7 @@ GO        ?= go
 GOFLAGS_TEST ?= -race -count=1 -timeout 20m
 PKGS      ?= ./...
 
-.PHONY: test test-restarts unit brokers brokers-down brokers-status bench bench-compare bench-test vet chaos chaos-short
+.PHONY: test test-restarts restart-loop unit brokers brokers-down brokers-status bench bench-compare bench-test vet chaos chaos-short
 
 ## test: start the brokers, then run every test (unit and integration) with -race;
 ## then, alone, the tests that restart a shared broker, the bench module's short
@@ -12,6 +12,7 @@ PKGS      ?= ./...
 test: brokers
 	$(GO) test $(GOFLAGS_TEST) $(PKGS)
 	$(MAKE) test-restarts
+	$(MAKE) restart-loop
 	$(MAKE) bench-test
 	$(if $(filter ./...,$(PKGS)),$(MAKE) chaos-short)
 
@@ -19,6 +20,13 @@ test: brokers
 ## when nothing else uses it
 test-restarts: brokers
 	FERRY_TEST_KAFKA_RESTART=1 $(GO) test $(GOFLAGS_TEST) -run '^TestBrokerRestart$$' ./kafka/
+
+## restart-loop: restart Kafka, ElasticMQ and RabbitMQ RESTARTS times each (default
+## 20) while a busy loop holds every core; fails on the first restart that does
+## not come back ready (the fault tests and the chaos run rely on brokers.sh restart)
+RESTARTS ?= 20
+restart-loop: brokers
+	integration/restart-loop.sh -n $(RESTARTS)
 
 ## chaos-short: the short setting of the chaos run on every broker (10,000 orders, one
 ## broker restart, a 10s outage) and its planted-fault runs, as tests. It runs after the

@@ -98,15 +98,25 @@ pid_of() {
 }
 
 # started_pid SERVICE prints the pid the checker watches while SERVICE,
-# just started, comes up: its process, or 0 when that is already gone. For
-# RabbitMQ it is the launcher's: the server writes its own pid file only
-# once it has booted, so right after the start there is none (a restart
-# that watched "no pid" took RabbitMQ for dead at once).
+# just started, comes up: the pid that was started, as its start function
+# wrote it. pid_of would check the process's command line, which is still
+# the launching shell's until the child has exec'd (a restart under load
+# handed the checker pid 0 and took a healthy Kafka for dead). For RabbitMQ
+# it is the launcher's: the server writes its own pid file only once it has
+# booted. Postgres' pg_ctl -w returns once the server runs, so its pid file
+# is there.
 started_pid() {
+	local f
 	case $1 in
-	rabbitmq) cat "$STATE/rabbitmq/launcher.pid" 2>/dev/null || echo 0 ;;
-	*) pid_of "$1" || echo 0 ;;
+	rabbitmq) f=$STATE/rabbitmq/launcher.pid ;;
+	kafka) f=$STATE/kafka/kafka.pid ;;
+	sqs) f=$STATE/elasticmq/elasticmq.pid ;;
+	postgres) f=$STATE/postgres/data/postmaster.pid ;;
+	redis) f=$STATE/redis/redis.pid ;;
 	esac
+	local pid
+	pid=$(head -n1 "$f" 2>/dev/null | tr -dc 0-9)
+	echo "${pid:-0}"
 }
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -246,9 +256,12 @@ own() { # own USER DIR: let USER write DIR when we are root
 start_redis() {
 	local d=$STATE/redis
 	mkdir -p "$d"
-	redis-server --bind 127.0.0.1 --port 6379 --protected-mode yes \
-		--save "" --appendonly no --daemonize yes \
-		--dir "$d" --pidfile "$d/redis.pid" --logfile "$d/redis.log"
+	# In the foreground of a background job, so that its pid file holds the
+	# pid that was started before the server has written it itself.
+	nohup redis-server --bind 127.0.0.1 --port 6379 --protected-mode yes \
+		--save "" --appendonly no --daemonize no \
+		--dir "$d" --pidfile "$d/redis.pid" --logfile "$d/redis.log" >/dev/null 2>&1 </dev/null &
+	echo $! >"$d/redis.pid"
 }
 
 start_postgres() {
