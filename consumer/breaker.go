@@ -45,13 +45,18 @@ func (s BreakerState) String() string {
 //
 // Closed, it lets every message through and counts consecutive failures
 // among the errors that count (see BreakerCounts: by default every error but
-// a permanent one, a panic, a hold, a Defer and a cancelled context, so a
-// poison message, which fails with bad input or a bug, never opens the
-// breaker for everyone). It counts every call, Retry's re-runs included, so
-// that an outage opens it within a few calls even when little traffic
-// flows. It opens after Failures of them in a row, or after Failures within
-// its rolling window when they are at least FailureRatio of the calls
-// counted there (an outage whose last slow calls still succeed).
+// a permanent one, a panic, a hold, a Defer and a cancelled context). Its
+// evidence of an outage is the failures of distinct messages: only a
+// message's first run (Message.Attempt 1) can count as a failure, while its
+// re-runs (Retry's, the loop's in place, a redelivery's) count only when
+// they succeed. A poison message that fails with a plain error, run after
+// run, is therefore one failure, not five: it spends its retry budget and
+// reaches the dead-letter destination while the breaker stays closed for
+// everyone else, and an outage, which fails every message, still opens the
+// breaker after Failures messages. It opens after Failures of them in a
+// row, or after Failures within its rolling window when they are at least
+// FailureRatio of the calls counted there (an outage whose last slow calls
+// still succeed).
 //
 // Open, it does not call the handler: it returns Hold(ErrBreakerOpen, d),
 // with d the time left of the open period. The delivery loop keeps the
@@ -59,8 +64,12 @@ func (s BreakerState) String() string {
 // count an attempt, never dead-letters it, and stops fetching for d. After
 // OpenFor the breaker is half-open and lets Trials messages through; the
 // others are held a little longer (a quarter of OpenFor, at most a second). A
-// failed trial opens it again; Trials successful ones close it, and the
-// backlog drains by itself.
+// trial is not spent on a message that has already failed: for that same
+// short while after the breaker turned half-open, a re-run is held and a
+// message on its first run is the trial. Only when none came in that time
+// (on Kafka, every partition may be held at a record that failed in the
+// outage) does a re-run become the trial. A failed trial opens the breaker
+// again; Trials successful ones close it, and the backlog drains by itself.
 //
 // State, Opened and Held make it observable, for metrics and health checks.
 // One Breaker guards one dependency: share it between the consumers that
@@ -74,9 +83,10 @@ type Breaker struct {
 	onChange func(from, to BreakerState)
 	errOpen  error
 
-	openedAt atomic.Int64 // unix nanoseconds of the last opening
-	opened   atomic.Int64
-	held     atomic.Int64
+	openedAt   atomic.Int64 // unix nanoseconds of the last opening
+	halfOpenAt atomic.Int64 // monotonic nanoseconds (monoNow) of the last turn to half-open
+	opened     atomic.Int64
+	held       atomic.Int64
 }
 
 // BreakerOption configures NewBreaker.
@@ -236,12 +246,15 @@ func NewBreaker(opts ...BreakerOption) (*Breaker, error) {
 			return n.TotalFailures >= failures && float64(n.TotalFailures) >= ratio*float64(counted)
 		},
 		IsExcluded: func(err error) bool {
-			return err != nil && (err == errGateUnused || errors.Is(err, ErrHeld) || !b.counts(err))
+			return err != nil && (err == errGateUnused || err == errRerunFailed || errors.Is(err, ErrHeld) || !b.counts(err))
 		},
 		OnStateChange: func(_ string, from, to gobreaker.State) {
-			if to == gobreaker.StateOpen {
+			switch to {
+			case gobreaker.StateOpen:
 				b.openedAt.Store(time.Now().UnixNano())
 				b.opened.Add(1)
+			case gobreaker.StateHalfOpen:
+				b.halfOpenAt.Store(int64(monoNow()))
 			}
 			if b.onChange != nil {
 				b.onChange(fromGobreaker(from), fromGobreaker(to))
@@ -285,22 +298,22 @@ type breakerHandler struct {
 }
 
 func (h *breakerHandler) Handle(ctx context.Context, m *Message) error {
-	done := takeReservation(ctx, h.b) // taken before an at-most-once ack
-	if done == nil {
+	call, reserved := takeReservation(ctx, h.b) // taken before an at-most-once ack
+	if !reserved {
 		var hold error
-		if done, hold = h.b.allow(); hold != nil {
+		if call, hold = h.b.allow(m); hold != nil {
 			return hold
 		}
 	}
 	finished := false
 	defer func() {
 		if !finished { // next panicked: a panic is not the dependency's failure
-			done(&PanicError{Value: "breaker: handler panicked"})
+			call.done(&PanicError{Value: "breaker: handler panicked"})
 		}
 	}()
 	err := h.next.Handle(ctx, m)
 	finished = true
-	done(err)
+	call.report(err)
 	return err
 }
 
@@ -309,21 +322,49 @@ func (h *breakerHandler) Unwrap() Handler { return h.next }
 
 func (h *breakerHandler) breaker() *Breaker { return h.b }
 
-// allow asks for one call: done reports its outcome. While the breaker does
-// not let calls through, it returns the Hold instead.
-func (b *Breaker) allow() (done func(error), hold error) {
+// errRerunFailed is what a breaker call reports for a failed re-run while
+// the breaker was closed: the message's first failure already counted, and
+// its re-runs are no new evidence of an outage.
+var errRerunFailed = errors.New("ferry: a re-run failed again")
+
+// breakerCall is one call the breaker let through.
+type breakerCall struct {
+	done func(error) // gobreaker's: reports the call's outcome
+	// evidence is false for a re-run let through while the breaker was
+	// closed: its failure does not count, its success does.
+	evidence bool
+}
+
+// report reports the outcome of the call.
+func (c breakerCall) report(err error) {
+	if err != nil && !c.evidence {
+		err = errRerunFailed
+	}
+	c.done(err)
+}
+
+// allow asks for one call for m's run. While the breaker does not let calls
+// through, it returns the Hold instead.
+func (b *Breaker) allow(m *Message) (breakerCall, error) {
+	rerun := m != nil && m.Attempt > 1
+	state := b.cb.State()
+	if rerun && state == gobreaker.StateHalfOpen && monoNow()-time.Duration(b.halfOpenAt.Load()) < b.halfHold {
+		// Keep the trial for a message that has not failed yet.
+		b.held.Add(1)
+		return breakerCall{}, Hold(b.errOpen, b.halfHold)
+	}
 	done, err := b.cb.Allow()
 	switch {
 	case err == nil:
-		return done, nil
+		return breakerCall{done: done, evidence: !rerun || state != gobreaker.StateClosed}, nil
 	case errors.Is(err, gobreaker.ErrOpenState):
 		b.held.Add(1)
-		return nil, Hold(b.errOpen, b.remaining())
+		return breakerCall{}, Hold(b.errOpen, b.remaining())
 	case errors.Is(err, gobreaker.ErrTooManyRequests):
 		b.held.Add(1)
-		return nil, Hold(b.errOpen, b.halfHold)
+		return breakerCall{}, Hold(b.errOpen, b.halfHold)
 	}
-	return nil, err
+	return breakerCall{}, err
 }
 
 // remaining returns the time left of the open period, at least a

@@ -151,6 +151,98 @@ func TestBreakerHalfOpenLetsOnlyTheTrialsThrough(t *testing.T) {
 	}
 }
 
+// One message failing run after run (a poison message, re-run by Retry, by
+// the loop in place or by redeliveries) is one piece of evidence, not many:
+// only the first run of a message counts as a failure.
+func TestBreakerCountsOneMessagesRerunsAsOneFailure(t *testing.T) {
+	b := mustBreaker(t, BreakerFailures(3), BreakerOpenFor(time.Hour))
+	fail := b.Wrap(HandlerFunc(func(context.Context, *Message) error { return errDown }))
+	poison := &Message{ID: "poison", Attempt: 1}
+	for ; poison.Attempt <= 50; poison.Attempt++ {
+		if err := fail.Handle(context.Background(), poison); err != errDown {
+			t.Fatalf("run %d of the poison: %v, want its own error", poison.Attempt, err)
+		}
+	}
+	if b.State() != BreakerClosed {
+		t.Fatalf("breaker %s after one message failed 50 runs, want closed", b.State())
+	}
+	// Two more distinct messages fail: with the poison's first run, three.
+	for _, id := range []string{"a", "b"} {
+		_ = fail.Handle(context.Background(), &Message{ID: id, Attempt: 1})
+	}
+	if b.State() != BreakerOpen {
+		t.Fatalf("breaker %s after three distinct messages failed, want open", b.State())
+	}
+}
+
+// A re-run that succeeds is evidence that the dependency works: it resets
+// the run of consecutive failures.
+func TestBreakerCountsARerunsSuccess(t *testing.T) {
+	b := mustBreaker(t, BreakerFailures(2), BreakerFailureRatio(1), BreakerOpenFor(time.Hour))
+	fail := b.Wrap(HandlerFunc(func(context.Context, *Message) error { return errDown }))
+	ok := b.Wrap(HandlerFunc(func(context.Context, *Message) error { return nil }))
+	_ = fail.Handle(context.Background(), &Message{ID: "a", Attempt: 1})
+	_ = ok.Handle(context.Background(), &Message{ID: "a", Attempt: 2})
+	_ = fail.Handle(context.Background(), &Message{ID: "b", Attempt: 1})
+	if b.State() != BreakerClosed {
+		t.Fatalf("breaker %s: two failures with a success between them opened it", b.State())
+	}
+	_ = fail.Handle(context.Background(), &Message{ID: "c", Attempt: 1})
+	if b.State() != BreakerOpen {
+		t.Fatalf("breaker %s after two failures in a row, want open", b.State())
+	}
+}
+
+// Half-open, the trial goes to a message that has not failed yet: a re-run
+// that comes first is held, and the fresh message after it is the trial.
+func TestBreakerHalfOpenTrialIsNotSpentOnAMessageThatFailed(t *testing.T) {
+	b := mustBreaker(t, BreakerFailures(1), BreakerOpenFor(400*time.Millisecond))
+	calls := map[string]int{}
+	h := b.Wrap(HandlerFunc(func(_ context.Context, m *Message) error {
+		calls[m.ID]++
+		if m.ID == "poison" {
+			return errDown
+		}
+		return nil
+	}))
+	_ = h.Handle(context.Background(), &Message{ID: "poison", Attempt: 1})
+	waitFor(t, "half-open", func() bool { return b.State() == BreakerHalfOpen })
+	err := h.Handle(context.Background(), &Message{ID: "poison", Attempt: 2})
+	var held *HeldError
+	if !errors.As(err, &held) || calls["poison"] != 1 {
+		t.Fatalf("the poison's re-run in half-open = %v after %d calls; want held, not run", err, calls["poison"])
+	}
+	if err := h.Handle(context.Background(), &Message{ID: "fresh", Attempt: 1}); err != nil || calls["fresh"] != 1 {
+		t.Fatalf("a fresh message in half-open = %v (%d calls); want the trial, run", err, calls["fresh"])
+	}
+	if b.State() != BreakerClosed {
+		t.Fatalf("breaker %s after the fresh trial succeeded, want closed", b.State())
+	}
+}
+
+// Half-open with nothing but re-runs (a Kafka topic whose partitions are all
+// held at records that failed in the outage), a re-run becomes the trial
+// once the short wait for a fresh one is over, and its failure reopens.
+func TestBreakerHalfOpenTrialFallsBackToARerun(t *testing.T) {
+	b := mustBreaker(t, BreakerFailures(1), BreakerOpenFor(40*time.Millisecond))
+	fail := b.Wrap(HandlerFunc(func(context.Context, *Message) error { return errDown }))
+	_ = fail.Handle(context.Background(), &Message{ID: "victim", Attempt: 1})
+	waitFor(t, "half-open", func() bool { return b.State() == BreakerHalfOpen })
+	victim := &Message{ID: "victim", Attempt: 2}
+	err := fail.Handle(context.Background(), victim)
+	var held *HeldError
+	if !errors.As(err, &held) {
+		t.Fatalf("the re-run at once in half-open = %v, want held", err)
+	}
+	time.Sleep(held.Delay)
+	if err := fail.Handle(context.Background(), victim); err != errDown {
+		t.Fatalf("the re-run after the hold = %v, want the trial's own failure", err)
+	}
+	if b.State() != BreakerOpen || b.Opened() != 2 {
+		t.Fatalf("breaker %s, opened %d after the re-run trial failed; want open, 2", b.State(), b.Opened())
+	}
+}
+
 func TestBreakerPassesHandlerErrorsThatLookLikeItsOwn(t *testing.T) {
 	// A handler that returns another breaker's hold is not held by this one.
 	b := mustBreaker(t)

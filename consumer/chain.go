@@ -101,19 +101,19 @@ var errGateUnused = errors.New("ferry: breaker reservation unused")
 // reservation is one breaker call taken before an at-most-once ack.
 type reservation struct {
 	b    *Breaker
-	done func(error)
+	call breakerCall // call.done is nil once a run took it
 }
 
 // reserveGates takes one call from every breaker of the chain for d. When
 // one would hold it, it gives back the calls taken and returns the hold.
 func (r *run) reserveGates(d *delivery) error {
 	for _, b := range r.breakers {
-		done, hold := b.allow()
+		call, hold := b.allow(&d.msg)
 		if hold != nil {
 			r.releaseReservations(d)
 			return hold
 		}
-		d.reserved = append(d.reserved, reservation{b: b, done: done})
+		d.reserved = append(d.reserved, reservation{b: b, call: call})
 	}
 	return nil
 }
@@ -121,26 +121,26 @@ func (r *run) reserveGates(d *delivery) error {
 // releaseReservations gives back the calls that no breaker took.
 func (r *run) releaseReservations(d *delivery) {
 	for _, res := range d.reserved {
-		if res.done != nil {
-			res.done(errGateUnused)
+		if res.call.done != nil {
+			res.call.done(errGateUnused)
 		}
 	}
 	d.reserved = nil
 }
 
 // takeReservation returns the call reserved for b before the ack of the
-// delivery behind ctx, once; nil when there is none.
-func takeReservation(ctx context.Context, b *Breaker) func(error) {
-	d, ok := ctx.Value(reservationKey{}).(*delivery)
-	if !ok || len(d.reserved) == 0 {
-		return nil
+// delivery behind ctx, once; ok is false when there is none.
+func takeReservation(ctx context.Context, b *Breaker) (call breakerCall, ok bool) {
+	d, found := ctx.Value(reservationKey{}).(*delivery)
+	if !found || len(d.reserved) == 0 {
+		return breakerCall{}, false
 	}
 	for i := range d.reserved {
-		if res := &d.reserved[i]; res.b == b && res.done != nil {
-			done := res.done
-			res.done = nil
-			return done
+		if res := &d.reserved[i]; res.b == b && res.call.done != nil {
+			call = res.call
+			res.call.done = nil
+			return call, true
 		}
 	}
-	return nil
+	return breakerCall{}, false
 }

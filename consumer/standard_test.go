@@ -31,10 +31,14 @@ func TestStandardRetriesPanicsCountsThemAndDeadLettersThem(t *testing.T) {
 	}
 }
 
-func TestStandardBreakerSeesEveryCallAndHoldsTheRest(t *testing.T) {
+// A poison message whose handler returns a plain error (a bug, a
+// constraint violation) fails every run: its re-runs are no evidence of an
+// outage, so it spends its budget and is dead-lettered while the breaker
+// stays closed; failures of distinct messages still open it.
+func TestStandardPlainErrorPoisonIsDeadLetteredWithoutOpeningTheBreaker(t *testing.T) {
 	pub := &recordingPublisher{}
-	st, err := Standard(pub, "dlq", quietDLQ(), StandardRetry(RetryAttempts(10)),
-		StandardBreaker(BreakerFailures(2), BreakerOpenFor(time.Hour)))
+	st, err := Standard(pub, "dlq", quietDLQ(), StandardDeadLetter(DeadLetterMaxAttempts(10)),
+		StandardRetry(RetryAttempts(10)), StandardBreaker(BreakerFailures(2), BreakerOpenFor(time.Hour)))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -42,12 +46,20 @@ func TestStandardBreakerSeesEveryCallAndHoldsTheRest(t *testing.T) {
 	noSleep(st.Retry, &slept)
 	calls := 0
 	h := st.Wrap(HandlerFunc(func(context.Context, *Message) error { calls++; return errDown }))
-	err = h.Handle(context.Background(), &Message{ID: "m", Attempt: 1})
-	if !errors.Is(err, ErrHeld) || calls != 2 {
-		t.Fatalf("err = %v after %d calls; want a hold after 2 (the breaker inside Retry counts each call)", err, calls)
+	if err := h.Handle(context.Background(), &Message{ID: "poison", Attempt: 1}); err != nil {
+		t.Fatalf("err = %v after %d calls; want nil (dead-lettered)", err, calls)
 	}
-	if st.DeadLetter.Count() != 0 || st.Breaker.State() != BreakerOpen {
-		t.Errorf("dead-lettered %d, breaker %s", st.DeadLetter.Count(), st.Breaker.State())
+	if calls != 10 || st.DeadLetter.Count() != 1 || st.Breaker.State() != BreakerClosed || st.Breaker.Opened() != 0 {
+		t.Fatalf("calls %d, dead-lettered %d, breaker %s opened %d times; want 10, 1, closed, 0",
+			calls, st.DeadLetter.Count(), st.Breaker.State(), st.Breaker.Opened())
+	}
+	// An outage fails every message: the second one's first failure opens it.
+	err = h.Handle(context.Background(), &Message{ID: "victim", Attempt: 1})
+	if !errors.Is(err, ErrHeld) || st.Breaker.State() != BreakerOpen {
+		t.Fatalf("second failing message: err = %v, breaker %s; want a hold, open", err, st.Breaker.State())
+	}
+	if st.DeadLetter.Count() != 1 {
+		t.Errorf("dead-lettered %d, want only the poison", st.DeadLetter.Count())
 	}
 }
 

@@ -57,6 +57,7 @@ var tests = []struct {
 	{"HoldDoesNotCountAsAnAttempt", testHold},
 	{"AsReachesTheBrokersDelivery", testAs},
 	{"GracefulShutdownHandsNothingBack", testShutdownHandsNothingBack},
+	{"PoisonAmongTransientFailuresNeverOpensTheBreaker", testPoisonMix},
 }
 
 // testAs: a handler reaches the broker's own representation of its delivery
