@@ -3,6 +3,8 @@ package consumer
 import (
 	"context"
 	"errors"
+	"log/slog"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -420,5 +422,80 @@ func TestAnAckBeforeTheRunSaysSo(t *testing.T) {
 		if got := drv.got[0]; got.Action != driver.Ack || got.BeforeRun != (mode == AtMostOnce) {
 			t.Errorf("mode %v: settlement %+v, want an ack with BeforeRun %v", mode, got, mode == AtMostOnce)
 		}
+	}
+}
+
+// lockedBuffer is a bytes.Buffer for a logger that several goroutines use.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (w *lockedBuffer) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.Write(p)
+}
+
+func (w *lockedBuffer) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.String()
+}
+
+// At most once, a message whose first run fails after its ack, and whose
+// retry inside the chain then meets the breaker that failure opened, is
+// lost: the mode allows it, but the loop counts it as dropped (not as held,
+// which would say it is kept) and says so in a WARN line naming it.
+func TestAtMostOnceMessageHeldAfterItsAckIsCountedAndLoggedAsDropped(t *testing.T) {
+	drv := newScriptLog(true)
+	drv.push(driver.Message{ID: "lost-one", Deliveries: 1, Handle: "lost-one"})
+	b := mustBreaker(t, BreakerFailures(1), BreakerOpenFor(time.Hour))
+	rt := mustRetry(t, RetryAttempts(3))
+	var slept []time.Duration
+	noSleep(rt, &slept)
+	var logs lockedBuffer
+	l, err := New(drv, WithConcurrency(1), WithDeliveryMode(AtMostOnce),
+		WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var runs atomic.Int32
+	stop := runLoop(t, l, Chain(HandlerFunc(func(context.Context, *Message) error {
+		runs.Add(1)
+		return errors.New("dependency down")
+	}), rt.Wrap, b.Wrap))
+	waitFor(t, "the message to be dropped", func() bool { return l.Stats().Dropped == 1 })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	st := l.Stats()
+	if runs.Load() != 1 || b.State() != BreakerOpen || st.Held != 0 || st.Dropped != 1 {
+		t.Fatalf("runs %d, breaker %s, Held %d, Dropped %d; want 1, open, 0, 1", runs.Load(), b.State(), st.Held, st.Dropped)
+	}
+	if out := logs.String(); !strings.Contains(out, "level=WARN") || !strings.Contains(out, "at-most-once message dropped") ||
+		!strings.Contains(out, "id=lost-one") {
+		t.Fatalf("no WARN line naming the dropped message; the log was:\n%s", out)
+	}
+}
+
+// A handler that fails after the ack at a high rate drops every message:
+// each is counted, but the log says so a bounded number of times.
+func TestAtMostOnceDroppedMessagesAreLoggedRateLimited(t *testing.T) {
+	drv := newScriptLog(true)
+	drv.add("", 500)
+	var logs lockedBuffer
+	l, err := New(drv, WithConcurrency(4), WithDeliveryMode(AtMostOnce),
+		WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return errors.New("sink down") }))
+	waitFor(t, "every message to be dropped", func() bool { return l.Stats().Dropped == 500 })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if n := strings.Count(logs.String(), "at-most-once message dropped"); n < 1 || n > 5 {
+		t.Fatalf("%d lines for 500 dropped messages, want 1 to 5", n)
 	}
 }

@@ -417,19 +417,25 @@ func (r *run) finish(d *delivery) {
 		}
 	}
 	if isHeld {
-		l.stats.held.Add(1)
+		if !d.acked {
+			l.stats.held.Add(1)
+		}
 		r.pauseFetching(held.Delay)
 	}
 	if d.acked {
 		// At most once: acked before it ran, so whatever happened is final.
+		// A run that failed, or a retry inside the chain that met an open
+		// breaker, loses the message: the mode allows it, but it is counted
+		// and logged as dropped, never hidden among the holds.
 		switch {
 		case err == errAckFailed:
 			// Not run, and perhaps not acked: neither a success nor a
 			// handler failure (the settle error is counted).
 		case isHeld:
-			r.log.Warn("ferry: at-most-once message held after its ack (a retry inside the chain) is dropped", "id", d.msg.ID)
+			r.dropped(d, "held after its ack (a retry inside the chain met an open breaker)", err)
 		case err != nil:
 			r.countFailure(d, err)
+			r.dropped(d, "its run failed after the ack", err)
 		}
 		r.leave(d)
 		r.releaseKey(d)
@@ -515,6 +521,16 @@ func (r *run) countFailure(d *delivery, err error) {
 		return
 	}
 	r.log.Debug("ferry: handler failed", "id", d.msg.ID, "attempt", d.msg.Attempt, "err", err)
+}
+
+// dropped counts and logs (rate-limited) an at-most-once message lost
+// after its ack.
+func (r *run) dropped(d *delivery, why string, err error) {
+	r.l.stats.dropped.Add(1)
+	if ok, left := r.l.logs.Allow("dropped:" + why); ok {
+		r.log.Warn("ferry: at-most-once message dropped: "+why, "id", d.msg.ID, "source", d.msg.Source,
+			"attempt", d.msg.Attempt, "err", err, "dropped_unlogged", left)
+	}
 }
 
 // redeliveryDelay is the delay an error asks for (RetryAfter, Defer), or the

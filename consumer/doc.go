@@ -82,7 +82,12 @@
 // made, before its handler runs; a crash then loses the message instead of
 // running it twice. The circuit breakers of the handler chain (found through
 // the middleware's Unwrap methods) are asked first, so that a message a
-// breaker would hold is kept, not acked and dropped.
+// breaker would hold is kept, not acked and dropped. What fails after the
+// ack is lost, as the mode allows, and never hidden: a run that fails, or a
+// retry inside the chain that meets a breaker opened meanwhile, counts in
+// Stats.Dropped and the ferry.consumer.dropped metric, and is logged at
+// WARN with the message id (a few lines a minute, with the count of those
+// left out).
 //
 // # Writing handlers
 //

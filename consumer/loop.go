@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/ratelog"
 	"go.opentelemetry.io/otel/trace"
 )
 
@@ -40,8 +41,10 @@ type Loop struct {
 
 	stats struct {
 		fetched, acked, returned, failed, panics, held, deferred, retried, revoked atomic.Int64
-		fetchErrors, settleErrors, running                                         atomic.Int64
+		fetchErrors, settleErrors, running, dropped                                atomic.Int64
 	}
+	// logs bounds the lines of events that can repeat at the message rate.
+	logs *ratelog.Limiter
 }
 
 // Stats is a snapshot of a Loop's counters.
@@ -55,6 +58,7 @@ type Stats struct {
 	Deferred     int64 // handler runs that returned Defer (not attempts)
 	Retried      int64 // in-place re-runs (brokers that cannot redeliver)
 	Revoked      int64 // deliveries let go because the broker revoked their lane
+	Dropped      int64 // at most once: messages acked before they ran whose run failed or was held (lost, by the mode's definition)
 	FetchErrors  int64 // failed fetches
 	SettleErrors int64 // failed settle or extend calls
 	InFlight     int64 // deliveries held now, unsettled
@@ -72,7 +76,7 @@ func New(drv driver.Driver, opts ...Option) (*Loop, error) {
 	if err != nil {
 		return nil, err
 	}
-	l := &Loop{drv: drv, cfg: cfg, caps: drv.Capabilities(), space: make(chan struct{}, 1)}
+	l := &Loop{drv: drv, cfg: cfg, caps: drv.Capabilities(), space: make(chan struct{}, 1), logs: ratelog.New(5, time.Minute)}
 	if e, ok := drv.(driver.Extender); ok && e.Lease() > 0 {
 		if e.Lease() < driver.MinLease {
 			return nil, configErr("Lease", "%s is too short to keep extended; at least %s (a visibility timeout, on SQS)", e.Lease(), driver.MinLease)
@@ -112,7 +116,7 @@ func (l *Loop) Stats() Stats {
 	return Stats{
 		Fetched: s.fetched.Load(), Acked: s.acked.Load(), Returned: s.returned.Load(),
 		Failed: s.failed.Load(), Panics: s.panics.Load(), Held: s.held.Load(), Deferred: s.deferred.Load(),
-		Retried: s.retried.Load(), Revoked: s.revoked.Load(),
+		Retried: s.retried.Load(), Revoked: s.revoked.Load(), Dropped: s.dropped.Load(),
 		FetchErrors: s.fetchErrors.Load(), SettleErrors: s.settleErrors.Load(),
 		InFlight: l.inflight.Load(), Running: s.running.Load(),
 	}

@@ -20,6 +20,7 @@ const (
 	MetricReturned  = "ferry.consumer.returned"            // counter: deliveries returned for redelivery
 	MetricFailed    = "ferry.consumer.failed"              // counter: handler runs that failed (panics included)
 	MetricHeld      = "ferry.consumer.held"                // counter: handler runs held by an open circuit breaker
+	MetricDropped   = "ferry.consumer.dropped"             // counter: at most once, messages acked before they ran whose run failed or was held
 	MetricInFlight  = "ferry.consumer.in_flight"           // gauge: deliveries held unsettled
 	MetricRunning   = "ferry.consumer.running"             // gauge: handlers running
 	MetricLag       = "ferry.consumer.lag"                 // gauge: messages waiting at the broker
@@ -78,6 +79,7 @@ func (l *Loop) registerMetrics() (metric.Registration, error) {
 	returned := counter(MetricReturned, "Messages returned to the broker for redelivery.")
 	failed := counter(MetricFailed, "Handler runs that returned an error or panicked.")
 	held := counter(MetricHeld, "Handler runs held because a circuit breaker was open.")
+	dropped := counter(MetricDropped, "At most once: messages acked before they ran whose run failed or was held, and so lost.")
 	inFlight := gauge(MetricInFlight, "Messages held by the consumer and not yet settled.", "{message}")
 	running := gauge(MetricRunning, "Handlers running now.", "{handler}")
 	lag := gauge(MetricLag, "Messages waiting at the broker that no consumer has taken.", "{message}")
@@ -95,6 +97,7 @@ func (l *Loop) registerMetrics() (metric.Registration, error) {
 		o.ObserveInt64(returned, s.Returned, attrs)
 		o.ObserveInt64(failed, s.Failed, attrs)
 		o.ObserveInt64(held, s.Held, attrs)
+		o.ObserveInt64(dropped, s.Dropped, attrs)
 		o.ObserveInt64(inFlight, s.InFlight, attrs)
 		o.ObserveInt64(running, s.Running, attrs)
 		o.ObserveInt64(health, healthLevel(l.Health().State), attrs)
@@ -113,5 +116,5 @@ func (l *Loop) registerMetrics() (metric.Registration, error) {
 			o.ObserveFloat64(oldest, lg.OldestAge.Seconds(), attrs)
 		}
 		return nil
-	}, consumed, acked, returned, failed, held, inFlight, running, lag, oldest, health)
+	}, consumed, acked, returned, failed, held, dropped, inFlight, running, lag, oldest, health)
 }
