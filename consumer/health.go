@@ -59,19 +59,42 @@ const (
 	HealthBacklogPastRetention HealthState = "backlog past retention"
 	// HealthProtected: a circuit breaker of the chain is open or held
 	// messages in the window: the consumer protects its downstream and
-	// waits.
+	// waits. This is the breaker doing its job: it is not ready, but alive.
 	HealthProtected HealthState = "protected"
+	// HealthDeadLetterFailing: a dead-letter publish failed and none has
+	// succeeded since: the messages that should go there go back to the
+	// broker instead, and (on an ordered source) hold their lane.
+	HealthDeadLetterFailing HealthState = "dead-letter failing"
+	// HealthStarting: Run has not reached the broker yet (or was not called).
+	HealthStarting HealthState = "starting"
+	// HealthDisconnected: the last attempt to reach the broker or the
+	// source failed (Health.Error says why); the loop retries with backoff.
+	HealthDisconnected HealthState = "disconnected"
+	// HealthWedged: messages wait, yet the consumer made no progress at all
+	// (nothing fetched, finished, settled or held) for longer than
+	// WithWedgedAfter: a handler hangs, or the loop is stuck. Not alive.
+	HealthWedged HealthState = "wedged"
+	// HealthStopped: Run returned (Health.Error holds what it returned).
+	// Not alive.
+	HealthStopped HealthState = "stopped"
 )
 
-// Unhealthy reports whether the state calls for someone to act: retry
-// storm, backlog past retention, protected. HealthHandler answers 503 for
-// them.
+// Unhealthy reports whether the state calls for someone to act: every
+// state but steady and downstream slow. A consumer in such a state is not
+// ready (Health.Ready); whether it is alive is another question
+// (HealthState.Live).
 func (s HealthState) Unhealthy() bool {
-	switch s {
-	case HealthRetryStorm, HealthBacklogPastRetention, HealthProtected:
-		return true
-	}
-	return false
+	return s != HealthSteady && s != HealthDownstreamSlow
+}
+
+// Live reports whether a consumer in this state is alive, as a liveness
+// probe asks: only a stopped or wedged consumer is not, because only a
+// restart can help it. An open breaker (protected), a broker that is down
+// (disconnected) or a storm of retries are not cured by a restart; failing
+// liveness there would restart every pod during the very outage the
+// consumer is riding out.
+func (s HealthState) Live() bool {
+	return s != HealthStopped && s != HealthWedged
 }
 
 // LaneHealth is one lane's lag and its verdict.
@@ -92,8 +115,13 @@ type BreakerHealth struct {
 // of samples ending at At.
 type Health struct {
 	Consumer string      `json:"consumer"`
+	Source   string      `json:"source,omitempty"` // the topic or queue, where the driver names it
 	State    HealthState `json:"state"`
 	Reason   string      `json:"reason"` // one sentence naming the figures that decided the state
+	Live     bool        `json:"live"`   // State.Live(): what a liveness probe should see
+	Ready    bool        `json:"ready"`  // !State.Unhealthy(): what a readiness probe should see
+	// Error is the cause of a disconnection, or what Run returned.
+	Error string `json:"error,omitempty"`
 	At       time.Time   `json:"at"`
 	Window   string      `json:"window"` // the time the samples span
 	Samples  int         `json:"samples"`
@@ -127,6 +155,9 @@ type healthSample struct {
 	retries      int64
 	held         int64
 	deadLettered int64
+	dlqFailures  int64
+	progress     int64 // every count that moves when the loop makes progress
+	inFlight     int64
 }
 
 // healthWindow keeps the last samples, oldest first.
@@ -136,6 +167,8 @@ type healthWindow struct {
 	size     int
 	parts    chainParts
 	interval time.Duration
+	// lastProgress is when a sample last saw progress (or the first sample).
+	lastProgress time.Time
 }
 
 func (w *healthWindow) add(s healthSample) {
@@ -144,6 +177,9 @@ func (w *healthWindow) add(s healthSample) {
 	if len(w.samples) == w.size {
 		copy(w.samples, w.samples[1:])
 		w.samples = w.samples[:w.size-1]
+	}
+	if n := len(w.samples); n == 0 || w.samples[n-1].progress != s.progress || w.lastProgress.IsZero() {
+		w.lastProgress = s.at
 	}
 	w.samples = append(w.samples, s)
 }
@@ -196,11 +232,14 @@ func (l *Loop) sampleHealth(ctx context.Context) {
 }
 
 func (l *Loop) takeSample(ctx context.Context) healthSample {
+	st := l.Stats()
 	s := healthSample{
-		at:     time.Now(),
-		acked:  l.stats.acked.Load(),
-		failed: l.stats.failed.Load(),
-		held:   l.stats.held.Load(),
+		at:       time.Now(),
+		acked:    st.Acked,
+		failed:   st.Failed,
+		held:     st.Held,
+		inFlight: st.InFlight,
+		progress: st.Fetched + st.Acked + st.Returned + st.Failed + st.Held + st.Deferred + st.Retried + st.Revoked + st.Dropped,
 	}
 	p := l.health.parts
 	for _, r := range p.retries {
@@ -208,10 +247,12 @@ func (l *Loop) takeSample(ctx context.Context) healthSample {
 	}
 	for _, d := range p.deadLetters {
 		s.deadLettered += d.Count()
+		s.dlqFailures += d.PublishFailures()
 	}
 	for _, b := range p.breakers {
 		s.held += b.Held()
 	}
+	s.progress += s.retries + s.held + s.deadLettered
 	if _, ok := l.drv.(driver.LagReporter); ok {
 		lctx, cancel := context.WithTimeout(ctx, max(l.health.interval, time.Second))
 		lag, err := l.Lag(lctx)
@@ -252,8 +293,50 @@ func (l *Loop) Health() Health {
 	l.health.mu.Lock()
 	samples := slices.Clone(l.health.samples)
 	parts := l.health.parts
+	lastProgress := l.health.lastProgress
 	l.health.mu.Unlock()
-	return judge(l.cfg, samples, parts)
+	h := judge(l.cfg, samples, parts)
+	h.Source = l.caps.Source
+	l.judgeLink(&h, lastProgress)
+	h.Live, h.Ready = h.State.Live(), !h.State.Unhealthy()
+	return h
+}
+
+// judgeLink puts the loop's link to the broker, and whether it makes
+// progress, before what the samples say: a consumer that is stopped,
+// wedged, disconnected or starting is that, whatever its figures.
+func (l *Loop) judgeLink(h *Health, lastProgress time.Time) {
+	phase, since, err, failures := l.conn.get()
+	if err != nil {
+		h.Error = err.Error()
+	}
+	switch phase {
+	case phaseStopped:
+		h.State = HealthStopped
+		h.Reason = fmt.Sprintf("Run returned %s ago", time.Since(since).Round(time.Second))
+		if err == nil {
+			h.Reason += " (its context ended)"
+		}
+		return
+	case phaseIdle:
+		h.State, h.Reason = HealthStarting, "Run has not been called"
+		return
+	}
+	waiting := h.Lag > 0 || l.inflight.Load() > 0
+	if stuck := time.Since(lastProgress); phase == phaseConnected && waiting && !lastProgress.IsZero() && stuck > l.cfg.wedgedAfter {
+		h.State = HealthWedged
+		h.Reason = fmt.Sprintf("no progress for %s with %d messages in flight and a lag of %d (WithWedgedAfter %s)",
+			stuck.Round(time.Second), l.inflight.Load(), h.Lag, l.cfg.wedgedAfter)
+		return
+	}
+	switch phase {
+	case phaseDisconnected:
+		h.State = HealthDisconnected
+		h.Reason = fmt.Sprintf("%s for %s (%d failures in a row); retrying", connCause(err), time.Since(since).Round(time.Second), failures)
+	case phaseStarting:
+		h.State = HealthStarting
+		h.Reason = fmt.Sprintf("the broker has not answered yet (%s since Run began)", time.Since(since).Round(time.Second))
+	}
 }
 
 // judge decides the health from a window of samples.
@@ -293,6 +376,10 @@ func judge(cfg config, samples []healthSample, parts chainParts) Health {
 	}
 	retryLoad := h.Failed + h.Retries
 	switch {
+	case deadLetterFailing(samples):
+		h.State = HealthDeadLetterFailing
+		h.Reason = fmt.Sprintf("%d dead-letter publishes failed in %s and none succeeded since",
+			last.dlqFailures-first.dlqFailures, h.Window)
 	case open != "" || h.Held > 0:
 		h.State = HealthProtected
 		if open != "" {
@@ -315,6 +402,21 @@ func judge(cfg config, samples []healthSample, parts chainParts) Health {
 		h.Reason = fmt.Sprintf("%d messages done in %s; lag %d", h.Acked, h.Window, h.Lag)
 	}
 	return h
+}
+
+// deadLetterFailing reports whether a dead-letter publish failed in the
+// window with no message dead-lettered in the samples since.
+func deadLetterFailing(samples []healthSample) bool {
+	failedAt, lettered := -1, -1
+	for i := 1; i < len(samples); i++ {
+		if samples[i].dlqFailures > samples[i-1].dlqFailures {
+			failedAt = i
+		}
+		if samples[i].deadLettered > samples[i-1].deadLettered {
+			lettered = i
+		}
+	}
+	return failedAt > 0 && lettered < failedAt
 }
 
 // minStorm is the fewest failed runs and retries in a window that make a
@@ -459,10 +561,35 @@ func Evaluate(lags, positions []int64) Verdict {
 }
 
 // HealthHandler serves the Health of each loop as JSON ({"consumers":
-// [...]}), with status 200 when every state is steady or downstream slow
-// and 503 when any calls for someone to act (HealthState.Unhealthy): a
-// /healthz for a consumer process.
-func HealthHandler(loops ...*Loop) http.Handler {
+// [...]}), with status 200 when every consumer is ready (steady or
+// downstream slow) and 503 otherwise: a readiness probe, or a /healthz for
+// people and dashboards. It is ReadinessHandler; do not wire it to a
+// liveness probe, which must not fail while a breaker protects the
+// downstream (use LivenessHandler).
+func HealthHandler(loops ...*Loop) http.Handler { return ReadinessHandler(loops...) }
+
+// ReadinessHandler serves the Health of each loop as JSON, with status 200
+// when every consumer is ready (Health.Ready) and 503 when any is not:
+// starting, disconnected, protected, retrying in a storm, dead-lettering
+// nowhere, past its retention, wedged or stopped. Wire it to a Kubernetes
+// readinessProbe: a consumer process serves no traffic, so failing it costs
+// nothing and shows on every dashboard that something needs attention.
+func ReadinessHandler(loops ...*Loop) http.Handler {
+	return healthHandler(loops, func(h Health) bool { return h.Ready })
+}
+
+// LivenessHandler serves the Health of each loop as JSON, with status 200
+// unless a consumer is stopped (its Run returned) or wedged (no progress
+// while messages wait, for longer than WithWedgedAfter): the two cases a
+// restart cures. Wire it to a Kubernetes livenessProbe. A consumer whose
+// breaker is open, or whose broker is down, stays live: restarting it
+// would not bring the dependency back, and restarting every pod during an
+// outage undoes what the breaker does.
+func LivenessHandler(loops ...*Loop) http.Handler {
+	return healthHandler(loops, func(h Health) bool { return h.Live })
+}
+
+func healthHandler(loops []*Loop, ok func(Health) bool) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		out := struct {
 			Consumers []Health `json:"consumers"`
@@ -470,7 +597,7 @@ func HealthHandler(loops ...*Loop) http.Handler {
 		status := http.StatusOK
 		for _, l := range loops {
 			h := l.Health()
-			if h.State.Unhealthy() {
+			if !ok(h) {
 				status = http.StatusServiceUnavailable
 			}
 			out.Consumers = append(out.Consumers, h)

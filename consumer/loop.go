@@ -45,6 +45,7 @@ type Loop struct {
 	}
 	// logs bounds the lines of events that can repeat at the message rate.
 	logs *ratelog.Limiter
+	conn connState
 }
 
 // Stats is a snapshot of a Loop's counters.
@@ -160,7 +161,7 @@ func Name(ctx context.Context) string {
 // *ConfigError. It returns nil after a clean shutdown, and an error only
 // when the driver reports a fatal one. A Loop runs once: a second call
 // returns ErrAlreadyRun.
-func (l *Loop) Run(ctx context.Context, h Handler) error {
+func (l *Loop) Run(ctx context.Context, h Handler) (err error) {
 	parts, err := inspectChain(h)
 	if err != nil {
 		return err
@@ -183,6 +184,10 @@ func (l *Loop) Run(ctx context.Context, h Handler) error {
 	}
 	r := newRun(ctx, l, h, breakers)
 	defer r.cancelHandler()
+	l.connStarting()
+	slowStart := time.AfterFunc(l.cfg.reportAfter, func() { l.connSlowStart(r.log) })
+	defer slowStart.Stop()
+	defer func() { l.connStopped(err) }()
 
 	sampleCtx, stopSampling := context.WithCancel(context.WithoutCancel(ctx))
 	sampled := make(chan struct{})

@@ -25,7 +25,7 @@ const (
 	MetricRunning   = "ferry.consumer.running"             // gauge: handlers running
 	MetricLag       = "ferry.consumer.lag"                 // gauge: messages waiting at the broker
 	MetricOldestAge = "ferry.consumer.oldest_age"          // gauge, seconds: age of the oldest waiting message
-	MetricHealth    = "ferry.consumer.health"              // gauge: the Health state, 0 steady, 1 downstream slow, 2 retry storm, 3 backlog past retention, 4 protected
+	MetricHealth    = "ferry.consumer.health"              // gauge: the Health state, 0 steady, 1 downstream slow, 2 retry storm, 3 backlog past retention, 4 protected, 5 dead-letter failing, 6 starting, 7 disconnected, 8 wedged, 9 stopped
 )
 
 // healthLevel is the value of MetricHealth for a state.
@@ -39,6 +39,16 @@ func healthLevel(s HealthState) int64 {
 		return 3
 	case HealthProtected:
 		return 4
+	case HealthDeadLetterFailing:
+		return 5
+	case HealthStarting:
+		return 6
+	case HealthDisconnected:
+		return 7
+	case HealthWedged:
+		return 8
+	case HealthStopped:
+		return 9
 	}
 	return 0
 }
@@ -85,7 +95,7 @@ func (l *Loop) registerMetrics() (metric.Registration, error) {
 	lag := gauge(MetricLag, "Messages waiting at the broker that no consumer has taken.", "{message}")
 	oldest, err := m.Float64ObservableGauge(MetricOldestAge, metric.WithDescription("Age of the oldest waiting message."), metric.WithUnit("s"))
 	errs = append(errs, err)
-	health := gauge(MetricHealth, "The consumer's health state: 0 steady, 1 downstream slow, 2 retry storm, 3 backlog past retention, 4 protected.", "{state}")
+	health := gauge(MetricHealth, "The consumer's health state: 0 steady, 1 downstream slow, 2 retry storm, 3 backlog past retention, 4 protected, 5 dead-letter failing, 6 starting, 7 disconnected, 8 wedged, 9 stopped.", "{state}")
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}

@@ -103,6 +103,8 @@ type config struct {
 	meterProvider  metric.MeterProvider
 	tracerProvider trace.TracerProvider
 
+	reportAfter       time.Duration
+	wedgedAfter       time.Duration
 	healthInterval    time.Duration
 	healthSamples     int
 	retention         time.Duration
@@ -120,6 +122,8 @@ func defaultConfig() config {
 		backoffMax:   10 * time.Second,
 		fetchBackoff: 5 * time.Second,
 
+		reportAfter:    10 * time.Second,
+		wedgedAfter:    10 * time.Minute,
 		healthInterval: 5 * time.Second,
 		healthSamples:  12,
 	}
@@ -249,6 +253,35 @@ func WithFetchBackoff(max time.Duration) Option {
 			return configErr("FetchBackoff", "must be > 0, got %s", max)
 		}
 		c.fetchBackoff = max
+		return nil
+	}
+}
+
+// WithReportAfter sets how long a consumer may go, from the start of Run,
+// without its broker answering before it logs a WARN saying so (its health
+// is "starting" all that time, and "disconnected" from the first failed
+// fetch or connect, which is logged at once). Default 10s.
+func WithReportAfter(d time.Duration) Option {
+	return func(c *config) error {
+		if d <= 0 {
+			return configErr("ReportAfter", "must be > 0, got %s", d)
+		}
+		c.reportAfter = d
+		return nil
+	}
+}
+
+// WithWedgedAfter sets how long a consumer may make no progress at all (no
+// message fetched, finished, settled or held) while messages wait, before
+// its Health says it is wedged and its liveness fails: a handler that hangs
+// and ignores its context, or a loop that is stuck. Set it above the longest
+// a handler may run. Default 10m.
+func WithWedgedAfter(d time.Duration) Option {
+	return func(c *config) error {
+		if d <= 0 {
+			return configErr("WedgedAfter", "must be > 0, got %s", d)
+		}
+		c.wedgedAfter = d
 		return nil
 	}
 }

@@ -170,6 +170,9 @@ func (r *run) fetchLoop(ctx context.Context) {
 		case <-r.abandon:
 		}
 	}()
+	if !r.connect(ctx) {
+		return
+	}
 	for ctx.Err() == nil {
 		if p := l.paused.Load(); p > 0 {
 			if wait := time.Until(time.Unix(0, p)); wait > 0 {
@@ -214,15 +217,48 @@ func (r *run) fetchLoop(ctx context.Context) {
 				return
 			}
 			failures++
-			l.stats.fetchErrors.Add(1)
 			wait := fetchDelay(failures, l.cfg.fetchBackoff)
-			r.log.Warn("ferry: fetch failed; retrying", "err", err, "retry_in", wait, "failures", failures)
+			l.connFailed(r.log, err, wait)
 			if !sleep(ctx, wait) {
 				return
 			}
 			continue
 		}
 		failures = 0
+		if !l.conn.ok.Load() {
+			l.connAnswered(r.log)
+		}
+	}
+}
+
+// connect calls the driver's Connect, when it has one, until it succeeds,
+// with the fetch backoff between failures. It reports false when the
+// fetcher should stop: ctx ended, or the error was fatal.
+func (r *run) connect(ctx context.Context) bool {
+	l := r.l
+	c, ok := l.drv.(driver.Connector)
+	if !ok {
+		return true
+	}
+	for failures := 1; ; failures++ {
+		cctx, cancel := context.WithTimeout(ctx, 2*driver.ReportWithin)
+		err := c.Connect(cctx)
+		cancel()
+		switch {
+		case err == nil:
+			l.connAnswered(r.log)
+			return true
+		case ctx.Err() != nil:
+			return false
+		case driver.IsFatal(err):
+			r.fatal <- err
+			return false
+		}
+		wait := fetchDelay(failures, l.cfg.fetchBackoff)
+		l.connFailed(r.log, err, wait)
+		if !sleep(ctx, wait) {
+			return false
+		}
 	}
 }
 

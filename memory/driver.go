@@ -38,6 +38,7 @@ type picked struct {
 var (
 	_ driver.Driver      = (*memDriver)(nil)
 	_ driver.Extender    = (*memDriver)(nil)
+	_ driver.Connector   = (*memDriver)(nil)
 	_ driver.LagReporter = (*memDriver)(nil)
 	_ driver.Aser        = (*memDriver)(nil)
 )
@@ -55,6 +56,15 @@ func (d *memDriver) closedErr(op string) error {
 // Fetch appends up to max deliveries to dst. It waits until at least one
 // message is visible, ctx ends, or the broker or driver is closed (an error
 // wrapping ErrClosed, marked driver.Fatal).
+// Connect answers at once: the queue is in this process and was found (or
+// made) when the driver was built. A closed broker is fatal.
+func (d *memDriver) Connect(context.Context) error {
+	if err := d.closedErr("connect"); err != nil {
+		return driver.Fatal(err)
+	}
+	return nil
+}
+
 func (d *memDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([]driver.Message, error) {
 	q := d.q
 	if max <= 0 {
@@ -255,7 +265,7 @@ func handleErr(op, queue string, n, stale, invalid int) error {
 // Capabilities reports that the queue redelivers returned messages, and
 // names the system in traces "ferry_memory".
 func (d *memDriver) Capabilities() driver.Capabilities {
-	return driver.Capabilities{Redelivers: true, System: "ferry_memory"}
+	return driver.Capabilities{Redelivers: true, System: "ferry_memory", Source: d.q.name}
 }
 
 // As serves consumer.Message.As: a *Delivery target gets the delivery as

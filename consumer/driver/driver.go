@@ -31,12 +31,22 @@
 // queue). [github.com/ferrymq/ferry/memory] is the reference: the smallest
 // complete driver, with leases, redelivery and FIFO lanes.
 //
-// # Errors
+// # Errors, and never failing silently
 //
 // Errors from Fetch are retried by the loop with backoff and reported, except
 // errors wrapped by Fatal, which end Run. A Settle or Extend error is counted
 // and logged; the broker then redelivers the message after its lease, which is
 // always safe under at-least-once delivery.
+//
+// The loop can only report what the driver tells it, so a driver never
+// retries silently: while it cannot reach the broker or its source, Fetch
+// (and Connect) return an error within ReportWithin of the cause, wrapping
+// consumer.ErrUnreachable or consumer.ErrSourceNotFound, naming the source,
+// the broker's address (never a secret) and what the client last saw. A
+// refusal no retry can fix (credentials, permissions, a TLS mismatch) is
+// Fatal and wraps consumer.ErrRefused. A Fetch that reached the broker and
+// found nothing may block (a long poll); the loop takes any Fetch that
+// returns without an error as the broker answering.
 package driver
 
 import (
@@ -142,6 +152,11 @@ type Capabilities struct {
 	// loop retries a failed message in place, holding its lane.
 	Redelivers bool
 
+	// Source is the topic or queue the driver consumes, as the user named
+	// it: the loop names it in its logs, its Health and its metrics
+	// (messaging.destination.name). Empty for a driver that does not say.
+	Source string
+
 	// System names the broker in traces: OpenTelemetry's messaging.system
 	// ("kafka", "aws_sqs", "rabbitmq"; the memory broker says
 	// "ferry_memory"). Empty leaves the attribute out.
@@ -180,6 +195,24 @@ type Driver interface {
 
 	// Close releases the driver's resources. The loop calls it when Run ends.
 	Close() error
+}
+
+// ReportWithin is how soon after it stops reaching the broker or its source
+// a driver's Fetch or Connect returns an error saying so, instead of
+// retrying inside the client.
+const ReportWithin = 5 * time.Second
+
+// Connector is implemented by drivers that can check, before the first
+// Fetch, that the broker answers and the source exists. The loop calls
+// Connect when Run starts, and again with backoff after each non-fatal
+// error, before it fetches: until Connect succeeds the consumer's health is
+// "starting", and after a failure "disconnected" with the error as its
+// cause. Connect returns within ReportWithin (or ctx's deadline); its
+// errors follow the rules of Fetch's (see the package doc). Constructors
+// therefore need not reach the broker: a consumer built while the broker
+// is down starts consuming when it comes up.
+type Connector interface {
+	Connect(ctx context.Context) error
 }
 
 // MinLease is the shortest lease the loop can keep alive: consumer.New
