@@ -218,15 +218,17 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer, tweak
 	// alone, and where the help is, keep the error in sight.
 	usage := fs.Usage
 	fs.Usage = func() {}
+	fs.SetOutput(io.Discard)
 	err := fs.Parse(args)
 	fs.Usage = usage
+	fs.SetOutput(stderr)
 	hint := cli.HelpHint("ferry demo")
 	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			usage()
 			return exitOK
 		}
-		fmt.Fprintln(stderr, hint) // the flag package printed the error
+		fmt.Fprintf(stderr, "ferry demo: %v\n%s\n", err, hint)
 		return exitUsage
 	}
 	if fs.NArg() > 0 {

@@ -1,7 +1,9 @@
 // Package lagcmd is the ferry lag command: how far a consumer group is
 // behind on a source, lane by lane, how old its backlog is, and Burrow's
 // verdict on each lane over a window of samples (consumer.Evaluate), on
-// every broker ferry.Open opens, without joining the group.
+// every broker ferry.Open opens, without joining the group. The command
+// refuses mem:// (a new process's in-process broker is empty); the
+// sampling works on any ferry.Broker, the memory broker too.
 package lagcmd
 
 import (
