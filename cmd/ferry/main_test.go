@@ -3,6 +3,8 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
+	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -14,7 +16,17 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m)
+	code := m.Run()
+	if binDir != "" {
+		os.RemoveAll(binDir)
+	}
+	if code == 0 {
+		if err := goleak.Find(); err != nil {
+			fmt.Fprintln(os.Stderr, "goleak:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
 }
 
 // short are the flags of a whole run in a few seconds.
@@ -29,40 +41,46 @@ func ferry(t *testing.T, tweak func(*demo.Config), args ...string) (code int, st
 	return code, out.String(), errOut.String()
 }
 
-func TestBadUsageExitsTwoWithUsage(t *testing.T) {
+// A usage error prints the error and one line naming the help, not the
+// whole help: the error stays in sight.
+func TestBadUsageExitsTwoWithTheErrorAndWhereTheHelpIs(t *testing.T) {
 	for _, tc := range []struct {
 		name string
 		args []string
 		want string // in stderr
+		help string // the help its last line names
 	}{
-		{"no command", nil, "Usage: ferry <command>"},
-		{"unknown command", []string{"deploy"}, `unknown command "deploy"`},
-		{"unknown flag", []string{"demo", "-fast"}, "flag provided but not defined: -fast"},
-		{"unknown double-dash flag", []string{"demo", "--turbo"}, "flag provided but not defined: -turbo"},
-		{"orders not a number", []string{"demo", "-orders", "many"}, `invalid value "many" for flag -orders`},
-		{"too few orders", []string{"demo", "-orders", "3"}, "invalid value for -orders: must be at least 20, got 3"},
-		{"zero phase", []string{"demo", "-slow", "0s"}, "invalid value for -slow: must be > 0"},
-		{"negative phase", []string{"demo", "-recovered", "-1s"}, "invalid value for -recovered: must be > 0"},
-		{"duration without unit", []string{"demo", "-steady", "5"}, `invalid value "5" for flag -steady`},
-		{"bad seed", []string{"demo", "-seed", "-1"}, `invalid value "-1" for flag -seed`},
-		{"stray argument", []string{"demo", "now"}, `unexpected argument "now"`},
-		{"help for an unknown command", []string{"help", "deploy"}, `unknown command "deploy"`},
+		{"unknown command", []string{"deploy"}, `unknown command "deploy"`, "ferry help"},
+		{"unknown flag", []string{"demo", "-fast"}, "flag provided but not defined: -fast", "ferry help demo"},
+		{"unknown double-dash flag", []string{"demo", "--turbo"}, "flag provided but not defined: -turbo", "ferry help demo"},
+		{"orders not a number", []string{"demo", "-orders", "many"}, `invalid value "many" for flag -orders`, "ferry help demo"},
+		{"too few orders", []string{"demo", "-orders", "3"}, "invalid value for -orders: must be at least 20, got 3", "ferry help demo"},
+		{"zero phase", []string{"demo", "-slow", "0s"}, "invalid value for -slow: must be > 0", "ferry help demo"},
+		{"negative phase", []string{"demo", "-recovered", "-1s"}, "invalid value for -recovered: must be > 0", "ferry help demo"},
+		{"duration without unit", []string{"demo", "-steady", "5"}, `invalid value "5" for flag -steady`, "ferry help demo"},
+		{"bad seed", []string{"demo", "-seed", "-1"}, `invalid value "-1" for flag -seed`, "ferry help demo"},
+		{"stray argument", []string{"demo", "now"}, `unexpected argument "now"`, "ferry help demo"},
+		{"help for an unknown command", []string{"help", "deploy"}, `unknown command "deploy"`, "ferry help"},
+		{"lag without a source", []string{"lag"}, "want one SOURCE", "ferry help lag"},
+		{"dlq peek without a broker", []string{"dlq", "peek", "x"}, "--broker URL is required", "ferry help dlq peek"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			code, stdout, stderr := ferry(t, nil, tc.args...)
 			if code != exitUsage {
 				t.Errorf("exit %d, want %d", code, exitUsage)
 			}
-			if !strings.Contains(stderr, tc.want) {
-				t.Errorf("stderr lacks %q:\n%s", tc.want, stderr)
-			}
-			if !strings.Contains(stderr, "Usage: ferry") {
-				t.Errorf("stderr lacks the usage:\n%s", stderr)
+			lines := strings.Split(strings.TrimSpace(stderr), "\n")
+			if len(lines) != 2 || !strings.Contains(lines[0], tc.want) || lines[1] != "run '"+tc.help+"' for its usage and flags" {
+				t.Errorf("stderr is not the error (%q) and the line naming %s:\n%s", tc.want, tc.help, stderr)
 			}
 			if stdout != "" {
 				t.Errorf("stdout not empty: %q", stdout)
 			}
 		})
+	}
+	// With nothing to go on, the whole usage is the answer.
+	if code, _, stderr := ferry(t, nil); code != exitUsage || !strings.Contains(stderr, "Usage: ferry <command>") {
+		t.Errorf("ferry alone: exit %d, stderr %q", code, stderr)
 	}
 }
 

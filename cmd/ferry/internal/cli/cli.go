@@ -1,7 +1,8 @@
 // Package cli holds what the operating commands of ferry (lag, dlq) share:
-// their exit codes, flag parsing that lets flags follow the arguments,
-// opening the broker of --broker, and reaching the driver beneath a
-// broker opened by ferry.Open.
+// their exit codes, the signals that stop them, flag parsing that lets
+// flags follow the arguments, how they report an error, the slog handler
+// library logs go through, opening the broker of --broker, and reaching the
+// driver beneath a broker opened by ferry.Open.
 package cli
 
 import (
@@ -10,8 +11,12 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
+	"os/signal"
 	"strings"
+	"sync"
+	"syscall"
 
 	"github.com/ferrymq/ferry"
 	"github.com/ferrymq/ferry/consumer/driver"
@@ -26,15 +31,18 @@ const (
 	ExitFailed = 1
 	// ExitUsage: bad flags or arguments.
 	ExitUsage = 2
-	// ExitInterrupted: stopped by SIGINT, cleanly.
+	// ExitInterrupted: stopped by SIGINT (Ctrl-C), cleanly: 128 + 2.
 	ExitInterrupted = 130
+	// ExitTerminated: stopped by SIGTERM (a Kubernetes Job's deadline,
+	// timeout(1), a pod's shutdown), as cleanly: 128 + 15.
+	ExitTerminated = 143
 )
 
 // EnvBroker names the environment variable that is --broker's default.
 const EnvBroker = "FERRY_BROKER"
 
 // ErrUsage marks an error in the command line: the command prints it with
-// its usage and exits with ExitUsage.
+// the line that names its help, and exits with ExitUsage.
 var ErrUsage = errors.New("bad usage")
 
 // Usagef returns an error matching ErrUsage.
@@ -42,15 +50,79 @@ func Usagef(format string, args ...any) error {
 	return fmt.Errorf("%w: %s", ErrUsage, fmt.Sprintf(format, args...))
 }
 
+// Signal is the cause of a command's context when a signal stopped it
+// (context.Cause). It matches context.Canceled, so code that checks for a
+// cancelled context needs nothing more.
+type Signal struct{ Sig os.Signal }
+
+func (s *Signal) Error() string { return s.Sig.String() + " signal received" }
+
+// Is reports whether target is context.Canceled.
+func (s *Signal) Is(target error) bool { return target == context.Canceled }
+
+// NotifyContext returns a copy of parent that is cancelled, with a *Signal
+// as its cause, on the first SIGINT or SIGTERM: every command stops on
+// either as it does on Ctrl-C. stop releases the signals; a second signal
+// after the first is left to the default action (the process dies), so a
+// stuck stop can still be forced.
+func NotifyContext(parent context.Context) (ctx context.Context, stop func()) {
+	ctx, cancel := context.WithCancelCause(parent)
+	ch := make(chan os.Signal, 1)
+	signal.Notify(ch, os.Interrupt, syscall.SIGTERM)
+	done := make(chan struct{})
+	go func() {
+		select {
+		case s := <-ch:
+			signal.Stop(ch)
+			cancel(&Signal{Sig: s})
+		case <-done:
+		}
+	}()
+	var once sync.Once
+	return ctx, func() {
+		once.Do(func() {
+			signal.Stop(ch)
+			close(done)
+			cancel(context.Canceled)
+		})
+	}
+}
+
+// InterruptedExit is the exit code of a command that ctx's end stopped:
+// ExitTerminated when SIGTERM ended it, ExitInterrupted otherwise.
+func InterruptedExit(ctx context.Context) int {
+	if s := new(Signal); errors.As(context.Cause(ctx), &s) && s.Sig == syscall.SIGTERM {
+		return ExitTerminated
+	}
+	return ExitInterrupted
+}
+
+// Interruption says what stopped ctx, for a command's last words:
+// "interrupted", or "terminated (SIGTERM)".
+func Interruption(ctx context.Context) string {
+	if InterruptedExit(ctx) == ExitTerminated {
+		return "terminated (SIGTERM)"
+	}
+	return "interrupted"
+}
+
 // Parse parses args with fs, letting flags come before, between and after
 // the positional arguments (ferry dlq peek orders-dlq --json), and returns
-// the positional arguments. "--" ends the flags. It returns flag.ErrHelp
-// for -h and --help, and an error matching ErrUsage for a bad flag.
+// the positional arguments. "--" ends the flags. For -h and --help it
+// prints fs's usage and returns flag.ErrHelp; a bad flag is an error
+// matching ErrUsage that fs does not print (Report does, with one line
+// naming the help, not the whole usage).
 func Parse(fs *flag.FlagSet, args []string) ([]string, error) {
+	usage, out := fs.Usage, fs.Output()
+	fs.Usage = func() {}
+	fs.SetOutput(io.Discard)
+	defer func() { fs.Usage = usage; fs.SetOutput(out) }()
 	var pos []string
 	for {
 		if err := fs.Parse(args); err != nil {
 			if errors.Is(err, flag.ErrHelp) {
+				fs.SetOutput(out)
+				usage()
 				return nil, err
 			}
 			return nil, fmt.Errorf("%w: %w", ErrUsage, err)
@@ -67,14 +139,25 @@ func Parse(fs *flag.FlagSet, args []string) ([]string, error) {
 	}
 }
 
+// Opener opens the broker of a --broker URL: Open, or in tests one that
+// also opens the in-process mem:// brokers.
+type Opener func(ctx context.Context, url string) (ferry.Broker, error)
+
+// ErrMemoryBroker is the usage error of a mem:// URL given to lag or dlq.
+var ErrMemoryBroker = errors.New("mem:// is the in-process broker: a new ferry process has its own, empty one, so there is nothing to read or move; name the broker the service uses (kafka://, sqs://, amqp://)")
+
 // Open opens the broker of url (--broker, else $FERRY_BROKER). A missing
-// URL is a usage error.
+// URL, a mem:// one (see ErrMemoryBroker) and one ferry.Open refuses are
+// usage errors.
 func Open(ctx context.Context, url string) (ferry.Broker, error) {
 	if url == "" {
 		url = os.Getenv(EnvBroker)
 	}
 	if url == "" {
-		return nil, Usagef("--broker URL is required (or set %s): mem://NAME, kafka://HOST:PORT, sqs://..., amqp://...", EnvBroker)
+		return nil, Usagef("--broker URL is required (or set %s): kafka://HOST:PORT, sqs://..., amqp://...", EnvBroker)
+	}
+	if scheme, _, ok := strings.Cut(url, "://"); ok && strings.EqualFold(scheme, "mem") {
+		return nil, fmt.Errorf("%w: %w", ErrUsage, ErrMemoryBroker)
 	}
 	b, err := ferry.Open(ctx, url)
 	if errors.Is(err, ferry.ErrBadURL) {
@@ -142,22 +225,51 @@ func Terminal(w io.Writer) bool {
 	return err == nil && st.Mode()&os.ModeCharDevice != 0
 }
 
+// NewLogHandler returns the slog handler of every ferry command: text
+// lines (time=... level=WARN msg=... key=value) on w, which is stderr, at
+// level Info and above. The commands install it as slog's default before
+// they open a broker (see SetLogging), so what the libraries log (the
+// adapters, which take slog.Default when built, franz-go through the
+// Kafka adapter, anything that uses the log package) comes out in this one
+// format, apart from the command's output on stdout.
+func NewLogHandler(w io.Writer) slog.Handler {
+	return slog.NewTextHandler(w, &slog.HandlerOptions{Level: slog.LevelInfo})
+}
+
+// SetLogging makes a logger over NewLogHandler(w) slog's default, and so
+// the log package's too (slog.SetDefault routes log.Print through it), and
+// returns it.
+func SetLogging(w io.Writer) *slog.Logger {
+	l := slog.New(NewLogHandler(w))
+	slog.SetDefault(l)
+	return l
+}
+
+// HelpHint is the line a usage error ends with: the command whose help
+// lists the flags. cmd is the command's name as its errors begin ("ferry
+// dlq peek").
+func HelpHint(cmd string) string {
+	help := "ferry help"
+	if rest, ok := strings.CutPrefix(cmd, "ferry "); ok {
+		help += " " + rest
+	}
+	return fmt.Sprintf("run '%s' for its usage and flags", help)
+}
+
 // Report prints err for the command named cmd and returns its exit code:
-// ExitUsage (with usage) for a usage error, ExitInterrupted when ctx was
-// interrupted, ExitFailed otherwise.
-func Report(ctx context.Context, stderr io.Writer, cmd string, err error, usage func()) int {
+// ExitUsage for a usage error (printed with one line naming the command's
+// help, not the whole help: the error must stay in sight), the code of
+// InterruptedExit when ctx ended on a signal, ExitFailed otherwise.
+func Report(ctx context.Context, stderr io.Writer, cmd string, err error) int {
 	switch {
 	case err == nil:
 		return ExitOK
 	case errors.Is(err, ErrUsage):
-		fmt.Fprintf(stderr, "%s: %s\n\n", cmd, strings.TrimPrefix(err.Error(), ErrUsage.Error()+": "))
-		if usage != nil {
-			usage()
-		}
+		fmt.Fprintf(stderr, "%s: %s\n%s\n", cmd, strings.TrimPrefix(err.Error(), ErrUsage.Error()+": "), HelpHint(cmd))
 		return ExitUsage
 	case ctx.Err() != nil && errors.Is(err, context.Canceled):
-		fmt.Fprintf(stderr, "%s: interrupted\n", cmd)
-		return ExitInterrupted
+		fmt.Fprintf(stderr, "%s: %s\n", cmd, Interruption(ctx))
+		return InterruptedExit(ctx)
 	}
 	fmt.Fprintf(stderr, "%s: %v\n", cmd, ferry.Redact(err.Error()))
 	return ExitFailed

@@ -13,10 +13,12 @@ import (
 
 	"github.com/aws/aws-sdk-go-v2/aws"
 	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
+	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/memory"
+	"github.com/ferrymq/ferry/rabbit"
 )
 
 // peek shows every dead-lettered message with its story, as a table and as
@@ -44,7 +46,7 @@ func TestPeekShowsTheStoryWithoutConsuming(t *testing.T) {
 				}
 				for _, s := range stories {
 					id := string(s.Body)
-					if s.Source != "orders" || s.MessageID != id || s.Attempts != 10 || s.Deliveries != 11 || s.Unseen != 1 ||
+					if s.Source != f.src || s.MessageID != id || s.Attempts != 10 || s.Deliveries != 11 || s.Unseen != 1 ||
 						s.Key != "k-"+id || s.LastFailure == nil || s.FirstFailure == nil || s.Consumer != "billing" || s.Headers["x-tenant"] != "acme" {
 						t.Errorf("story of %s is incomplete: %+v", id, s)
 					}
@@ -64,8 +66,23 @@ func TestPeekShowsTheStoryWithoutConsuming(t *testing.T) {
 				t.Fatalf("peek exited %d: %s", code, errOut)
 			}
 			lines := strings.Split(strings.TrimSpace(out), "\n")
-			if len(lines) != 5 || !strings.Contains(lines[0], "LAST ERROR") || !strings.Contains(out, "invalid JSON") || !strings.Contains(out, "max-attempts") {
+			if f.kafka {
+				// The first line says where the read began.
+				if !strings.HasPrefix(lines[0], "reading "+f.dlq+" from the log start") {
+					t.Errorf("peek on Kafka does not say where it reads:\n%s", out)
+				}
+				lines = lines[1:]
+			}
+			if len(lines) != 6 || !strings.Contains(lines[0], "LAST ERROR") || !strings.Contains(out, "invalid JSON") || !strings.Contains(out, "max-attempts") {
 				t.Errorf("the table of 4 messages is not one:\n%s", out)
+			}
+			// How many of how many: SQS counts approximately.
+			of := "4 of 6 messages in " + f.dlq + " (--limit 4)"
+			if bk.name == "sqs" {
+				of = "4 of about 6 messages in " + f.dlq + " (--limit 4)"
+			}
+			if last := lines[len(lines)-1]; last != of {
+				t.Errorf("the last line is %q, want %q", last, of)
 			}
 			waitUntil(t, 10*time.Second, "the peeked messages back in the destination", func() bool { return f.inDLQ(t) == n })
 		})
@@ -274,33 +291,50 @@ func TestRedrivenMessageIsTheOriginal(t *testing.T) {
 	}
 }
 
+// A usage error prints the error and one line naming the command's help,
+// not the whole help: the error stays in sight.
 func TestBadUsageExitsTwo(t *testing.T) {
 	for _, tc := range []struct {
 		args []string
 		want string
 	}{
-		{nil, "Usage: ferry dlq"},
 		{[]string{"purge"}, `unknown command "purge"`},
 		{[]string{"peek"}, "want one DESTINATION"},
-		{[]string{"peek", "a", "b", "--broker", "mem://x"}, "want one DESTINATION"},
+		{[]string{"peek", "a", "b", "--broker", "kafka://127.0.0.1:9092"}, "want one DESTINATION"},
 		{[]string{"peek", "a"}, "--broker URL is required"},
 		{[]string{"peek", "a", "--broker", "nats://x"}, "scheme"},
-		{[]string{"redrive", "a", "--broker", "mem://x"}, "--to SOURCE is required"},
-		{[]string{"redrive", "a", "--to", "b", "--rate", "fast", "--broker", "mem://x"}, "--rate"},
-		{[]string{"redrive", "a", "--to", "b", "--filter", "reason", "--broker", "mem://x"}, "NAME=PATTERN"},
-		{[]string{"redrive", "a", "--to", "a", "--broker", "mem://x"}, "destination itself"},
-		{[]string{"peek", "a", "--limit", "0", "--broker", "mem://x"}, "--limit"},
+		{[]string{"peek", "a", "--bogus"}, "flag provided but not defined: -bogus"},
+		{[]string{"peek", "a", "--group", "g", "--from-start", "--broker", "kafka://127.0.0.1:9092"}, "give one"},
+		{[]string{"redrive", "a", "--to", "b", "--rate", "fast", "--broker", "kafka://127.0.0.1:9092"}, "--rate"},
+		{[]string{"redrive", "a", "--to", "b", "--filter", "reason", "--broker", "kafka://127.0.0.1:9092"}, "NAME=PATTERN"},
+		{[]string{"redrive", "a", "--to", "a", "--broker", "kafka://127.0.0.1:9092"}, "destination itself"},
+		{[]string{"peek", "a", "--limit", "0", "--broker", "kafka://127.0.0.1:9092"}, "--limit"},
+		// A new process's in-process broker is empty: nothing to read.
+		{[]string{"peek", "a", "--broker", "mem://x"}, "mem:// is the in-process broker: a new ferry process has its own, empty one"},
+		{[]string{"redrive", "a", "--broker", "mem://"}, "mem:// is the in-process broker"},
 	} {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
-			code, _, errOut := ferryDLQ(t, context.Background(), tc.args...)
-			if code != 2 || !strings.Contains(errOut, tc.want) {
-				t.Errorf("exit %d, stderr %q; want 2 and %q", code, errOut, tc.want)
+			var out, errOut strings.Builder
+			code := Run(context.Background(), tc.args, &out, &errOut)
+			lines := strings.Split(strings.TrimSpace(errOut.String()), "\n")
+			if code != 2 || !strings.Contains(lines[0], tc.want) {
+				t.Errorf("exit %d, stderr %q; want 2 and %q", code, errOut.String(), tc.want)
+			}
+			sub := "dlq"
+			if len(tc.args) > 0 && (tc.args[0] == "peek" || tc.args[0] == "redrive") {
+				sub += " " + tc.args[0]
+			}
+			if len(lines) != 2 || lines[1] != "run 'ferry help "+sub+"' for its usage and flags" {
+				t.Errorf("stderr is not the error and the line naming the help:\n%s", errOut.String())
 			}
 		})
 	}
+	if code, _, errOut := ferryDLQ(t, context.Background()); code != 2 || !strings.Contains(errOut, "Usage: ferry dlq") {
+		t.Errorf("ferry dlq: exit %d, stderr %q", code, errOut)
+	}
 	for _, args := range [][]string{{"peek", "--help"}, {"redrive", "-h"}, {"--help"}} {
 		code, out, errOut := ferryDLQ(t, context.Background(), args...)
-		if code != 0 || !strings.Contains(out+errOut, "Usage: ferry dlq") {
+		if code != 0 || !strings.Contains(out+errOut, "Usage: ferry dlq") || !strings.Contains(out+errOut, "-broker") {
 			t.Errorf("%v: exit %d, output %q", args, code, out+errOut)
 		}
 	}
@@ -385,11 +419,11 @@ func TestRedriveOnKafkaRefusesAGroupInUse(t *testing.T) {
 	<-done
 }
 
-// The progress bar is rewritten in place and erased at the end; without a
-// terminal nothing of it is written.
+// The progress bar is rewritten in place and erased at the end; it is
+// never written off a terminal.
 func TestProgressBar(t *testing.T) {
 	var buf strings.Builder
-	p := newProgress(&buf, 10)
+	p := newProgress(RedriveConfig{Progress: &buf, ProgressBar: true}, Count{N: 10})
 	p.show(Result{Moved: 4, Skipped: 1})
 	if s := buf.String(); !strings.HasPrefix(s, "\r[===============               ] 5/10") || !strings.Contains(s, "moved 4 skipped 1") {
 		t.Errorf("bar: %q", s)
@@ -403,6 +437,41 @@ func TestProgressBar(t *testing.T) {
 	_, out, errOut := ferryDLQ(t, context.Background(), "redrive", f.dlq, "--to", f.to, "--broker", f.url, "--wait", "200ms")
 	if strings.Contains(out+errOut, "\r") {
 		t.Errorf("a bar was written to a buffer: %q", out+errOut)
+	}
+}
+
+// Off a terminal (a Job's log) a progress line comes every --progress,
+// counting up; --progress 0 prints none.
+func TestProgressLinesOffATerminal(t *testing.T) {
+	f := memoryFixture(t)
+	const n = 12
+	f.seed(t, n)
+	code, out, errOut := ferryDLQ(t, context.Background(), "redrive", f.dlq, "--broker", f.url, "--rate", "10/s", "--progress", "300ms", "--wait", "200ms")
+	if code != 0 {
+		t.Fatalf("exit %d: %s%s", code, out, errOut)
+	}
+	var moved []int
+	for _, l := range strings.Split(errOut, "\n") {
+		var read, m, skipped int
+		if _, err := fmt.Sscanf(l, "ferry dlq redrive: %d of 12 read: moved %d, skipped %d,", &read, &m, &skipped); err == nil {
+			moved = append(moved, m)
+		}
+	}
+	if len(moved) < 3 {
+		t.Fatalf("want a progress line every 300ms of a run over a second, got %d:\n%s", len(moved), errOut)
+	}
+	for i := 1; i < len(moved); i++ {
+		if moved[i] < moved[i-1] {
+			t.Errorf("the lines count down: %v", moved)
+		}
+	}
+	if moved[0] == n || moved[len(moved)-1] == 0 {
+		t.Errorf("the lines do not show the run moving: %v", moved)
+	}
+	f.seed(t, 3)
+	_, _, errOut = ferryDLQ(t, context.Background(), "redrive", f.dlq, "--broker", f.url, "--rate", "10/s", "--progress", "0", "--wait", "200ms")
+	if strings.Contains(errOut, "read: moved") {
+		t.Errorf("--progress 0 printed progress:\n%s", errOut)
 	}
 }
 
@@ -430,35 +499,50 @@ func TestRedriveGivesUpOnWhatOthersHold(t *testing.T) {
 	}
 }
 
-// SIGINT stops the command cleanly: exit 130, it says how far it got, and
-// what it moved is exactly what left the destination.
-func TestRedriveStopsCleanlyOnSIGINT(t *testing.T) {
+// SIGINT and SIGTERM (a Kubernetes Job's deadline, timeout(1)) stop the
+// built command cleanly: exit 130 or 143, it says how far it got and what
+// is left, and what it moved is exactly what left the destination. Each
+// message goes to the source its ferry-dlq-source header names.
+func TestRedriveStopsCleanlyOnSIGINTAndSIGTERM(t *testing.T) {
 	for _, bk := range brokers[1:] { // memory lives in one process
-		t.Run(bk.name, func(t *testing.T) {
-			f := bk.make(t)
-			const n = 20
-			f.seed(t, n)
-			cmd, out := child(t, "redrive", f.dlq, "--to", f.to, "--broker", f.url, "--rate", "10/s", "--wait", "1s")
-			waitUntil(t, 60*time.Second, "some messages at the source", func() bool { return f.depth(t) >= 3 })
-			if err := cmd.Process.Signal(syscall.SIGINT); err != nil {
-				t.Fatal(err)
-			}
-			err := cmd.Wait()
-			var ee *exec.ExitError
-			if !errors.As(err, &ee) || ee.ExitCode() != 130 {
-				t.Fatalf("exit %v, want 130\n%s", err, out)
-			}
-			moved := f.depth(t)
-			if !strings.Contains(out.String(), fmt.Sprintf("interrupted after moving %d messages", moved)) {
-				t.Errorf("the command does not say it moved %d:\n%s", moved, out)
-			}
-			if moved >= n {
-				t.Fatalf("the interrupt came too late: %d moved", moved)
-			}
-			time.Sleep(f.settleIn)
-			waitUntil(t, 10*time.Second, "the rest in the destination", func() bool { return f.left(t) == n-moved })
-			checkOnceOf(t, f.drain(t), moved)
-		})
+		for _, sig := range []struct {
+			sig  syscall.Signal
+			code int
+			says string
+		}{
+			{syscall.SIGINT, 130, "interrupted after moving"},
+			{syscall.SIGTERM, 143, "terminated (SIGTERM) after moving"},
+		} {
+			t.Run(bk.name+"/"+sig.sig.String(), func(t *testing.T) {
+				f := bk.make(t)
+				const n = 20
+				f.seed(t, n)
+				cmd, out := child(t, "redrive", f.dlq, "--broker", f.url, "--rate", "10/s", "--wait", "1s")
+				waitUntil(t, 60*time.Second, "some messages at the source", func() bool { return f.depth(t) >= 3 })
+				if err := cmd.Process.Signal(sig.sig); err != nil {
+					t.Fatal(err)
+				}
+				err := cmd.Wait()
+				var ee *exec.ExitError
+				if !errors.As(err, &ee) || ee.ExitCode() != sig.code {
+					t.Fatalf("exit %v, want %d\n%s", err, sig.code, out)
+				}
+				moved := f.depth(t)
+				if !strings.Contains(out.String(), fmt.Sprintf("%s %d messages; nothing in flight was lost", sig.says, moved)) {
+					t.Errorf("the command does not say it moved %d:\n%s", moved, out)
+				}
+				if !strings.Contains(out.String(), fmt.Sprintf("moved %d messages from %s to their sources (%s: %d)", moved, f.dlq, f.src, moved)) ||
+					!strings.Contains(out.String(), fmt.Sprintf("%d left in %s", n-moved, f.dlq)) {
+					t.Errorf("the summary does not say %d moved and %d are left:\n%s", moved, n-moved, out)
+				}
+				if moved >= n {
+					t.Fatalf("the signal came too late: %d moved", moved)
+				}
+				time.Sleep(f.settleIn)
+				waitUntil(t, 10*time.Second, "the rest in the destination", func() bool { return f.left(t) == n-moved })
+				checkOnceOf(t, f.drain(t), moved)
+			})
+		}
 	}
 }
 
@@ -472,5 +556,176 @@ func checkOnceOf(t *testing.T, got map[string]int, n int) {
 		if c != 1 {
 			t.Errorf("%s is at the source %d times", id, c)
 		}
+	}
+}
+
+// A redrive stopped by --limit says truthfully what is left: on RabbitMQ
+// the messages the broker pushed ahead (the prefetch) and the redrive never
+// took count too.
+func TestRedriveLimitSaysWhatIsLeft(t *testing.T) {
+	for _, bk := range brokers {
+		t.Run(bk.name, func(t *testing.T) {
+			f := bk.make(t)
+			const n = 5
+			f.seed(t, n)
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			code, out, errOut := ferryDLQ(t, ctx, "redrive", f.dlq, "--to", f.to, "--broker", f.url, "--rate", "0", "--limit", "2", "--wait", "1s")
+			if code != 0 {
+				t.Fatalf("exit %d: %s%s", code, out, errOut)
+			}
+			if !strings.Contains(out, "moved 2 messages") || !strings.Contains(out, "3 left in "+f.dlq) {
+				t.Errorf("summary: %s", out)
+			}
+			waitUntil(t, 10*time.Second, "3 messages in the destination", func() bool { return f.left(t) == 3 })
+		})
+	}
+}
+
+// Without --to, each message goes back to the source its ferry-dlq-source
+// header names. One without that header stays where it is and the
+// command says so (on Kafka its partition stops before it, so nothing is
+// passed over); a run with --to then moves it.
+func TestRedriveDefaultsToEachMessagesSource(t *testing.T) {
+	for _, bk := range brokers {
+		if bk.name == "sqs" && testing.Short() {
+			continue
+		}
+		t.Run(bk.name, func(t *testing.T) {
+			f := bk.make(t)
+			const n = 4
+			f.seed(t, n)
+			orphan := deadLetters(f.src, n, 1)[0]
+			delete(orphan.Headers, consumer.HeaderDLQSource)
+			f.publish(t, orphan) // last: on Kafka nothing waits behind it in its partition
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			code, out, errOut := ferryDLQ(t, ctx, "redrive", f.dlq, "--broker", f.url, "--rate", "0", "--wait", "1s")
+			if code != 0 {
+				t.Fatalf("exit %d: %s%s", code, out, errOut)
+			}
+			if want := fmt.Sprintf("moved %d messages from %s to their sources (%s: %d)", n, f.dlq, f.src, n); !strings.Contains(out, want) ||
+				!strings.Contains(out, "1 naming no source") || !strings.Contains(out, "1 left in "+f.dlq) {
+				t.Errorf("summary %q, want %q, 1 naming no source and 1 left", out, want)
+			}
+			if !strings.Contains(errOut, "1 messages carry no ferry-dlq-source header") {
+				t.Errorf("stderr does not say what stayed and why:\n%s", errOut)
+			}
+			if f.kafka && !strings.Contains(errOut, "stopped at offset") {
+				t.Errorf("stderr does not say where the partition stopped:\n%s", errOut)
+			}
+			waitUntil(t, 10*time.Second, "the message without a source in the destination", func() bool { return f.left(t) == 1 })
+			if d := f.depth(t); d != n {
+				t.Fatalf("the source holds %d messages, want %d", d, n)
+			}
+			code, out, errOut = ferryDLQ(t, ctx, "redrive", f.dlq, "--to", f.to, "--broker", f.url, "--rate", "0", "--wait", "1s")
+			if code != 0 || !strings.Contains(out, "moved 1 messages") || !strings.Contains(out, "0 left in") {
+				t.Fatalf("the run with --to: exit %d: %s%s", code, out, errOut)
+			}
+			checkOnce(t, f.drain(t), n+1, 0)
+		})
+	}
+}
+
+// On RabbitMQ a source named bare is the queue of that name (through the
+// default exchange), amq.default/QUEUE names one outright, and a name no
+// queue has is an exchange's: the message is routed by its key.
+func TestRedriveOnRabbitMQToAQueueOrAnExchange(t *testing.T) {
+	f := rabbitFixture(t)
+	conn, err := amqp.Dial(f.url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ch, err := conn.Channel()
+	if err != nil {
+		t.Fatal(err)
+	}
+	exchange, bound := testenv.UniqueName(t, "ex"), testenv.UniqueName(t, "bound")
+	if err := ch.ExchangeDeclare(exchange, "fanout", false, true, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare(bound, false, false, false, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	defer ch.QueueDelete(bound, false, false, false)
+	if err := ch.QueueBind(bound, "", exchange, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for i, tc := range []struct {
+		to    string
+		depth func() int
+	}{
+		{f.to, func() int { return f.depth(t) }},
+		{rabbit.ToQueue(f.to), func() int { return f.depth(t) }},
+		{exchange, func() int {
+			q, err := ch.QueueDeclarePassive(bound, false, false, false, false, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return q.Messages
+		}},
+	} {
+		before := tc.depth()
+		f.publish(t, deadLetters(f.src, i, 1)...)
+		code, out, errOut := ferryDLQ(t, ctx, "redrive", f.dlq, "--to", tc.to, "--broker", f.url, "--wait", "500ms")
+		if code != 0 || !strings.Contains(out, "moved 1 messages") {
+			t.Fatalf("--to %s: exit %d: %s%s", tc.to, code, out, errOut)
+		}
+		waitUntil(t, 10*time.Second, "the message at "+tc.to, func() bool { return tc.depth() == before+1 })
+	}
+	// A name that is neither: the publish fails, and the message stays.
+	f.publish(t, deadLetters(f.src, 3, 1)...)
+	code, out, errOut := ferryDLQ(t, ctx, "redrive", f.dlq, "--to", "no-such-exchange-or-queue", "--broker", f.url, "--wait", "500ms")
+	if code != 1 || !strings.Contains(errOut, "no-such-exchange-or-queue") || !strings.Contains(errOut, "it stays in") {
+		t.Errorf("--to a name that reaches nothing: exit %d: %s%s", code, out, errOut)
+	}
+	waitUntil(t, 10*time.Second, "the message back in the destination", func() bool { return f.left(t) == 1 })
+}
+
+// On Kafka, peek shows what a redrive would still move: after a redrive,
+// it reads past the redrive group's committed offsets and says so;
+// --from-start reads the whole log, --group another group's offsets.
+func TestPeekOnKafkaShowsWhatARedriveWouldStillMove(t *testing.T) {
+	f := kafkaFixture(t)
+	const n = 6
+	f.seed(t, n)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	peek := func(args ...string) (string, []Story) {
+		t.Helper()
+		code, out, errOut := ferryDLQ(t, ctx, append([]string{"peek", f.dlq, "--broker", f.url, "--json"}, args...)...)
+		if code != 0 {
+			t.Fatalf("peek %v: exit %d: %s", args, code, errOut)
+		}
+		var s []Story
+		if err := json.Unmarshal([]byte(out), &s); err != nil {
+			t.Fatalf("peek %v printed %q: %v", args, out, err)
+		}
+		return errOut, s
+	}
+	if notes, s := peek(); len(s) != n || !strings.Contains(notes, "from the log start") || !strings.Contains(notes, fmt.Sprintf("%d of %d messages", n, n)) {
+		t.Errorf("before any redrive: %d stories; stderr:\n%s", len(s), notes)
+	}
+	if code, out, errOut := ferryDLQ(t, ctx, "redrive", f.dlq, "--broker", f.url, "--limit", "2", "--rate", "0"); code != 0 {
+		t.Fatalf("redrive: exit %d: %s%s", code, out, errOut)
+	}
+	notes, s := peek()
+	if len(s) != n-2 || !strings.Contains(notes, `past the committed offsets of group "ferry-redrive"`) || !strings.Contains(notes, fmt.Sprintf("%d of %d messages", n-2, n-2)) {
+		t.Errorf("after moving 2: %d stories, want %d; stderr:\n%s", len(s), n-2, notes)
+	}
+	moved := f.drain(t)
+	for _, st := range s {
+		if moved[st.Body] > 0 {
+			t.Errorf("peek shows %s, which the redrive moved", st.Body)
+		}
+	}
+	if notes, s := peek("--from-start"); len(s) != n || !strings.Contains(notes, "from the log start") {
+		t.Errorf("--from-start: %d stories; stderr:\n%s", len(s), notes)
+	}
+	if notes, s := peek("--group", testenv.UniqueName(t, "other")); len(s) != n || !strings.Contains(notes, "past the committed offsets of group") {
+		t.Errorf("--group other: %d stories; stderr:\n%s", len(s), notes)
 	}
 }

@@ -3,14 +3,14 @@ package dlqcmd
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"net/url"
 	"os"
 	"os/exec"
-	"os/signal"
+	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -22,6 +22,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kadm"
 
 	"github.com/ferrymq/ferry"
+	"github.com/ferrymq/ferry/cmd/ferry/internal/cli"
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/kafka"
@@ -29,34 +30,51 @@ import (
 	"github.com/ferrymq/ferry/rabbit"
 )
 
-// envChild makes the test binary run ferry dlq with the JSON array of
-// arguments it holds, as the command would (a child process the tests can
-// kill).
-const envChild = "FERRY_DLQCMD_CHILD"
-
 func TestMain(m *testing.M) {
-	if a := os.Getenv(envChild); a != "" {
-		var args []string
-		if err := json.Unmarshal([]byte(a), &args); err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			os.Exit(3)
-		}
-		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
-		code := Run(ctx, args, os.Stdout, os.Stderr)
-		stop()
-		os.Exit(code)
+	code := m.Run()
+	if binDir != "" {
+		os.RemoveAll(binDir)
 	}
-	os.Exit(m.Run())
+	os.Exit(code)
 }
 
-// child starts ferry dlq args in a child process.
-func child(t *testing.T, args ...string) (*exec.Cmd, *bytes.Buffer) {
+var (
+	buildOnce sync.Once
+	binDir    string // holds the built ferry
+	binErr    error
+)
+
+// ferryBinary builds the ferry command once per test run, and returns its
+// path: the tests that signal or kill a redrive run the real program.
+func ferryBinary(t *testing.T) string {
 	t.Helper()
-	a, _ := json.Marshal(args)
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), envChild+"="+string(a))
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
+	buildOnce.Do(func() {
+		goTool, err := exec.LookPath("go")
+		if err != nil {
+			binErr = err
+			return
+		}
+		if binDir, binErr = os.MkdirTemp("", "ferry-bin-"); binErr != nil {
+			return
+		}
+		out, err := exec.Command(goTool, "build", "-o", filepath.Join(binDir, "ferry"), "github.com/ferrymq/ferry/cmd/ferry").CombinedOutput()
+		if err != nil {
+			binErr = fmt.Errorf("go build: %v\n%s", err, out)
+		}
+	})
+	if binErr != nil {
+		t.Fatal(binErr)
+	}
+	return filepath.Join(binDir, "ferry")
+}
+
+// child starts the built ferry dlq args in a child process, its stdout and
+// stderr in one buffer.
+func child(t *testing.T, args ...string) (*exec.Cmd, *syncBuffer) {
+	t.Helper()
+	cmd := exec.Command(ferryBinary(t), append([]string{"dlq"}, args...)...)
+	out := &syncBuffer{}
+	cmd.Stdout, cmd.Stderr = out, out
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -66,13 +84,32 @@ func child(t *testing.T, args ...string) (*exec.Cmd, *bytes.Buffer) {
 			_ = cmd.Wait()
 		}
 	})
-	return cmd, &out
+	return cmd, out
+}
+
+// syncBuffer is a bytes.Buffer that a child's output and the test share.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }
 
 // fixture is a dead-letter destination and its source on one broker.
 type fixture struct {
 	url      string // --broker
 	dlq, to  string // DESTINATION and --to
+	src      string // the source the dead letters name (ferry-dlq-source)
 	pub      ferry.Broker
 	depth    func(t *testing.T) int            // messages at the source, read without taking them
 	drain    func(t *testing.T) map[string]int // the source's messages by body, taken
@@ -84,14 +121,33 @@ type fixture struct {
 }
 
 // seed publishes n dead-lettered messages to the DLQ, bodies m-000...,
-// every other one a permanent failure, the others out of attempts.
+// every other one a permanent failure, the others out of attempts, each
+// naming f.src as its source.
 func (f *fixture) seed(t *testing.T, n int) {
+	t.Helper()
+	f.publish(t, deadLetters(f.src, 0, n)...)
+}
+
+// publish publishes msgs to the DLQ.
+func (f *fixture) publish(t *testing.T, msgs ...consumer.Message) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
+	dest := f.dlq
+	if !f.kafka && strings.HasPrefix(f.url, "amqp") {
+		dest = rabbit.ToQueue(f.dlq)
+	}
+	if err := f.pub.Publish(ctx, dest, msgs...); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// deadLetters are the dead letters m-FROM... to m-(FROM+N-1) of source,
+// as consumer.DeadLetter writes them.
+func deadLetters(source string, from, n int) []consumer.Message {
 	first := time.Date(2026, 11, 30, 10, 0, 0, 0, time.UTC)
 	var msgs []consumer.Message
-	for i := range n {
+	for i := from; i < from+n; i++ {
 		id := fmt.Sprintf("m-%03d", i)
 		reason, kind, errText := "max-attempts", "error", "payments API: 503 Service Unavailable"
 		if i%2 == 0 {
@@ -103,7 +159,7 @@ func (f *fixture) seed(t *testing.T, n int) {
 				"x-tenant":                         "acme",
 				"x-delivery-count":                 "3", // as RabbitMQ sets it
 				"x-last-death-reason":              "rejected",
-				consumer.HeaderDLQSource:           "orders",
+				consumer.HeaderDLQSource:           source,
 				consumer.HeaderDLQMessageID:        id,
 				consumer.HeaderDLQKey:              "k-" + id,
 				consumer.HeaderDLQReason:           reason,
@@ -124,19 +180,15 @@ func (f *fixture) seed(t *testing.T, n int) {
 			},
 		})
 	}
-	dest := f.dlq
-	if !f.kafka && strings.HasPrefix(f.url, "amqp") {
-		dest = rabbit.ToQueue(f.dlq)
-	}
-	if err := f.pub.Publish(ctx, dest, msgs...); err != nil {
-		t.Fatal(err)
-	}
+	return msgs
 }
 
-// memoryFixture is a named memory broker shared in this process.
+// memoryFixture is a named memory broker shared in this process, which
+// only the in-process runs of the command reach (ferryDLQ: the command
+// itself refuses mem://).
 func memoryFixture(t *testing.T) *fixture {
 	name := testenv.UniqueName(t, "")
-	f := &fixture{url: "mem://" + name, dlq: "orders-dlq", to: "orders"}
+	f := &fixture{url: "mem://" + name, dlq: "orders-dlq", to: "orders", src: "orders"}
 	b, err := ferry.Open(context.Background(), f.url)
 	if err != nil {
 		t.Fatal(err)
@@ -166,6 +218,7 @@ func kafkaFixture(t *testing.T) *fixture {
 	t.Cleanup(func() { kb.Close() })
 	f := &fixture{url: "kafka://" + strings.Join(seeds, ","), kafka: true,
 		dlq: testenv.UniqueName(t, "dlq"), to: testenv.UniqueName(t, "src")}
+	f.src = f.to
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	for _, topic := range []string{f.dlq, f.to} {
@@ -228,6 +281,7 @@ func sqsFixture(t *testing.T) *fixture {
 		url: fmt.Sprintf("sqs://%s:%s@%s?region=%s&tls=%t", testenv.SQSAccessKey, testenv.SQSSecretKey, u.Host, testenv.SQSRegion(), u.Scheme == "https"),
 		dlq: testenv.UniqueName(t, "dlq"), to: testenv.UniqueName(t, "src"), settleIn: 3 * time.Second, client: c,
 	}
+	f.src = f.to
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	urls := map[string]string{}
@@ -311,8 +365,10 @@ func rabbitFixture(t *testing.T) *fixture {
 	}
 	t.Cleanup(func() { pb.Close() })
 	f.pub = pb
-	f.to = rabbit.ToQueue(f.to)
-	src := strings.TrimPrefix(f.to, rabbit.QueuePrefix)
+	// --to names the queue bare, as a user does, and as the dead letters
+	// name their source.
+	f.src = f.to
+	src := f.to
 	depth := func(q string) int {
 		ch, err := conn.Channel()
 		if err != nil {
@@ -355,12 +411,22 @@ var brokers = []struct {
 	{"rabbitmq", rabbitFixture},
 }
 
-// ferryDLQ runs ferry dlq in process.
+// ferryDLQ runs ferry dlq in process, where it may open the memory
+// fixture's mem:// broker.
 func ferryDLQ(t *testing.T, ctx context.Context, args ...string) (int, string, string) {
 	t.Helper()
 	var out, errOut bytes.Buffer
-	code := Run(ctx, args, &out, &errOut)
+	code := run(ctx, args, &out, &errOut, openInProcess)
 	return code, out.String(), errOut.String()
+}
+
+// openInProcess opens what cli.Open does, and the in-process mem://
+// brokers too.
+func openInProcess(ctx context.Context, url string) (ferry.Broker, error) {
+	if strings.HasPrefix(url, "mem://") {
+		return ferry.Open(ctx, url)
+	}
+	return cli.Open(ctx, url)
 }
 
 func waitUntil(t *testing.T, d time.Duration, what string, cond func() bool) {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"time"
 
@@ -35,7 +36,12 @@ const kafkaChunk = 100
 // record is published. A group that has members refuses those commits:
 // two redrives of one group cannot run at once, nor can a redrive and a
 // consumer of that group.
-func redriveKafka(ctx context.Context, b kafkaBroker, cfg RedriveConfig, res *Result, bar *progress) error {
+//
+// A record that names no source stops its partition there: committing
+// past it would pass it over for good (the next redrive of the group
+// starts past it), so the group's offset stays before it and the rest of
+// that partition waits for a run that says where it goes (--to).
+func redriveKafka(ctx context.Context, b kafkaBroker, cfg RedriveConfig, rt *router, res *Result, bar *progress) error {
 	adm := b.Admin()
 	commit := func(m consumer.Message) error {
 		p, err := strconv.ParseInt(m.Lane, 10, 32)
@@ -67,6 +73,7 @@ func redriveKafka(ctx context.Context, b kafkaBroker, cfg RedriveConfig, res *Re
 			ErrGroupInUse, cfg.Group, len(g.Members))
 	}
 	var next time.Time
+	stopped := map[string]bool{} // partitions stopped at a record that names no source
 	for {
 		msgs, err := b.Peek(ctx, cfg.Destination, cfg.Group, kafkaChunk)
 		if err != nil {
@@ -76,10 +83,12 @@ func redriveKafka(ctx context.Context, b kafkaBroker, cfg RedriveConfig, res *Re
 			}
 			return err
 		}
-		if len(msgs) == 0 {
-			return nil
-		}
+		read := 0
 		for _, m := range msgs {
+			if stopped[m.Lane] {
+				continue
+			}
+			read++
 			if ctx.Err() != nil {
 				res.Interrupted = true
 				return nil
@@ -96,55 +105,125 @@ func redriveKafka(ctx context.Context, b kafkaBroker, cfg RedriveConfig, res *Re
 				bar.show(*res)
 				continue
 			}
+			src, to, err := rt.route(ctx, dm)
+			if err != nil {
+				return err
+			}
+			if to == "" {
+				stopped[m.Lane] = true
+				res.Unrouted++
+				res.Stopped = append(res.Stopped, fmt.Sprintf(
+					"partition %s of %s stopped at offset %d: that record names no source (no %s header, or %s itself); the group's offset stays before it, and a run with --to SOURCE moves it and the rest of the partition",
+					m.Lane, cfg.Destination, m.Offset, consumer.HeaderDLQSource, cfg.Destination))
+				bar.show(*res)
+				continue
+			}
 			if !pace(ctx, cfg.Rate, &next) {
 				res.Interrupted = true
 				return nil
 			}
 			pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), opTimeout)
-			err := b.Publish(pctx, cfg.To, redriven(dm, cfg.Destination))
+			err = b.Publish(pctx, to, redriven(dm, cfg.Destination))
 			cancel()
 			if err != nil {
-				return fmt.Errorf("publishing %s to %s (it stays in %s): %w", m.ID, cfg.To, cfg.Destination, err)
+				return fmt.Errorf("publishing %s to %s (it stays in %s): %w", m.ID, src, cfg.Destination, err)
 			}
 			if err := commit(m); err != nil {
 				res.Moved++
-				return fmt.Errorf("%w: message %s was published to %s, and a later redrive publishes it again", err, m.ID, cfg.To)
+				res.To[src]++
+				return fmt.Errorf("%w: message %s was published to %s, and a later redrive publishes it again", err, m.ID, src)
 			}
 			res.Moved++
+			res.To[src]++
 			bar.show(*res)
+		}
+		if read == 0 {
+			return nil
 		}
 	}
 }
 
-// kafkaLeft is how many records of topic lie past group's committed
-// offsets.
-func kafkaLeft(ctx context.Context, adm *kadm.Client, topic, group string) (int64, error) {
+// partRange is where a read of one partition begins and ends.
+type partRange struct {
+	partition int32
+	from, end int64 // the first offset to read, and the end offset
+}
+
+// kafkaRanges is, per partition of topic, where a read past group's
+// committed offsets begins (the log start where it committed nothing, or
+// for group "") and the end offset.
+func kafkaRanges(ctx context.Context, adm *kadm.Client, topic, group string) ([]partRange, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), opTimeout)
 	defer cancel()
 	ends, err := adm.ListEndOffsets(ctx, topic)
 	if err != nil {
-		return -1, err
+		return nil, err
 	}
 	starts, err := adm.ListStartOffsets(ctx, topic)
 	if err != nil {
-		return -1, err
+		return nil, err
 	}
-	commits, err := adm.FetchOffsets(ctx, group)
-	if err != nil {
-		return -1, err
+	var commits kadm.OffsetResponses
+	if group != "" {
+		if commits, err = adm.FetchOffsets(ctx, group); err != nil {
+			return nil, err
+		}
 	}
-	var left int64
+	var out []partRange
+	var lerr error
 	ends.Each(func(e kadm.ListedOffset) {
+		if e.Topic != topic {
+			return
+		}
+		if e.Err != nil {
+			lerr = e.Err
+			return
+		}
 		from := int64(0)
-		if s, ok := starts.Lookup(topic, e.Partition); ok {
+		if s, ok := starts.Lookup(topic, e.Partition); ok && s.Err == nil {
 			from = s.Offset
 		}
 		if c, ok := commits.Lookup(topic, e.Partition); ok && c.Err == nil && c.At > from {
 			from = c.At
 		}
-		left += max(e.Offset-from, 0)
+		out = append(out, partRange{partition: e.Partition, from: min(from, e.Offset), end: e.Offset})
 	})
-	return left, nil
+	if lerr != nil {
+		return nil, lerr
+	}
+	slices.SortFunc(out, func(a, b partRange) int { return int(a.partition - b.partition) })
+	return out, nil
+}
+
+// kafkaLeft is how many records of topic lie past group's committed
+// offsets, by their offsets.
+func kafkaLeft(ctx context.Context, adm *kadm.Client, topic, group string) Count {
+	rs, err := kafkaRanges(ctx, adm, topic, group)
+	if err != nil {
+		return unknown("asking Kafka for the offsets failed: " + ferry.Redact(err.Error()))
+	}
+	var n int64
+	for _, r := range rs {
+		n += r.end - r.from
+	}
+	return Count{N: n}
+}
+
+// hasCommits reports whether group committed an offset on topic.
+func hasCommits(ctx context.Context, adm *kadm.Client, topic, group string) (bool, error) {
+	ctx, cancel := context.WithTimeout(ctx, opTimeout)
+	defer cancel()
+	commits, err := adm.FetchOffsets(ctx, group)
+	if err != nil {
+		return false, err
+	}
+	found := false
+	commits.Each(func(c kadm.OffsetResponse) {
+		if c.Topic == topic && c.Err == nil && c.At >= 0 {
+			found = true
+		}
+	})
+	return found, nil
 }
 
 // pace waits until the rate lets the next message go, and reports false

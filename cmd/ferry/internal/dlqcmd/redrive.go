@@ -7,14 +7,19 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"regexp"
+	"slices"
+	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ferrymq/ferry"
 	"github.com/ferrymq/ferry/cmd/ferry/internal/cli"
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/rabbit"
 )
 
 // HeaderRedrivenFrom is added to every redriven message: the dead-letter
@@ -29,8 +34,12 @@ const DefaultGroup = "ferry-redrive"
 type RedriveConfig struct {
 	// Destination is the dead-letter queue or topic to move messages out of.
 	Destination string
-	// To is where they go: a queue (memory, SQS), a topic (Kafka), an
-	// exchange or amq.default/QUEUE (RabbitMQ).
+	// To is where they all go: a queue (memory, SQS), a topic (Kafka), or
+	// on RabbitMQ a queue, else an exchange, of that name, or
+	// amq.default/QUEUE. When empty, each message goes to the source its
+	// consumer.HeaderDLQSource header names; one without it (or naming
+	// Destination) stays where it is (Result.Unrouted), and on Kafka its
+	// partition is redriven no further (Result.Stopped).
 	To string
 	// Group is the Kafka consumer group of the redrive (DefaultGroup when
 	// empty); other brokers ignore it.
@@ -50,22 +59,84 @@ type RedriveConfig struct {
 	// out of the filter's reach); default 40s, longer than SQS's default
 	// visibility timeout, after which what a killed run held comes back.
 	Idle time.Duration
-	// Progress, when not nil, gets a progress bar rewritten in place (a
-	// terminal).
-	Progress io.Writer
+	// Progress, when not nil, gets the run's progress: a bar rewritten in
+	// place when ProgressBar is set (a terminal), else a line every
+	// ProgressEvery (none when it is 0).
+	Progress      io.Writer
+	ProgressBar   bool
+	ProgressEvery time.Duration
+}
+
+// Count is how many messages a destination holds, as far as its broker
+// tells.
+type Count struct {
+	N      int64  // -1: unknown
+	Approx bool   // the broker counts approximately (SQS)
+	Why    string // why N is unknown
+}
+
+// unknown is a Count the broker could not give.
+func unknown(why string) Count { return Count{N: -1, Why: why} }
+
+// Of formats c as the total of n messages seen, which it cannot be below:
+// "43", "about 43", or "?" when unknown.
+func (c Count) Of(n int) string {
+	switch {
+	case c.N < 0:
+		return "?"
+	case c.Approx:
+		return fmt.Sprintf("about %d", max(c.N, int64(n)))
+	}
+	return strconv.FormatInt(max(c.N, int64(n)), 10)
 }
 
 // Result is how far a redrive got.
 type Result struct {
-	Moved       int           // published to To, then removed from Destination
-	Skipped     int           // not matched by the filter, left where they were
-	Left        int64         // what the broker said was left in Destination at the end (-1: not asked)
+	Moved    int            // published, then removed from Destination
+	To       map[string]int // messages moved, by the source they went to
+	Skipped  int            // not matched by the filter, left where they were
+	Unrouted int            // naming no source (RedriveConfig.To), left where they were
+	// Stopped says, for Kafka, where the redrive stopped short in a
+	// partition: at a record that names no source.
+	Stopped     []string
+	Left        Count         // what the broker said was left in Destination at the end
 	Elapsed     time.Duration // how long it ran
 	Interrupted bool          // ctx ended before the destination was empty
 	// GaveUpWaiting is set when the run ended after Idle without a message
 	// although the broker said more than the filter's leftovers were left
 	// (in flight elsewhere, delayed, or beyond the filter's reach).
 	GaveUpWaiting bool
+}
+
+// Summary is the line a redrive of dest ends with; to is --to.
+func (r Result) Summary(dest, to string) string {
+	where := to
+	if where == "" {
+		where = "their sources"
+		if len(r.To) > 0 {
+			names := slices.Sorted(maps.Keys(r.To))
+			parts := make([]string, len(names))
+			for i, n := range names {
+				parts[i] = fmt.Sprintf("%s: %d", n, r.To[n])
+			}
+			where += " (" + strings.Join(parts, ", ") + ")"
+		}
+	}
+	left := ""
+	switch {
+	case r.Left.N < 0:
+		left = fmt.Sprintf("what is left in %s is unknown: %s", dest, r.Left.Why)
+	case r.Left.Approx:
+		left = fmt.Sprintf("about %d left in %s, as SQS counts", r.Left.N, dest)
+	default:
+		left = fmt.Sprintf("%d left in %s", r.Left.N, dest)
+	}
+	unrouted := ""
+	if r.Unrouted > 0 {
+		unrouted = fmt.Sprintf(", %d naming no source", r.Unrouted)
+	}
+	return fmt.Sprintf("moved %d messages from %s to %s in %s (%d skipped by the filter%s; %s)",
+		r.Moved, dest, where, r.Elapsed.Round(time.Millisecond), r.Skipped, unrouted, left)
 }
 
 // Filter is a conjunction of NAME=PATTERN conditions on a dead-lettered
@@ -163,21 +234,22 @@ const opTimeout = 30 * time.Second
 // the broker pushes more past them only within this bound.
 const rabbitPrefetch = 1000
 
-// Redrive moves messages from cfg.Destination back to cfg.To, one at a
-// time: each is published, its publish confirmed by the broker, and only
-// then removed from the destination (acked, deleted; on Kafka the offset
-// past it committed for the redrive's group before the next is read). A
-// crash between the two leaves that one message in both places: run again,
-// it is published a second time, the only duplicate a crash can make.
-// Messages the filter does not match stay: on SQS, RabbitMQ and memory
-// they are held (invisible, unacked) until the run ends and then given
-// back at once; on Kafka the group passes over them.
+// Redrive moves messages from cfg.Destination back to their source (or
+// cfg.To), one at a time: each is published, its publish confirmed by the
+// broker, and only then removed from the destination (acked, deleted; on
+// Kafka the offset past it committed for the redrive's group before the
+// next is read). A crash between the two leaves that one message in both
+// places: run again, it is published a second time, the only duplicate a
+// crash can make. Messages the filter does not match, and those that name
+// no source, stay: on SQS, RabbitMQ and memory they are held (invisible,
+// unacked) until the run ends and then given back at once; on Kafka the
+// group passes over the filter's and stops at the others.
 //
 // When ctx ends, the message in flight is finished (published and
 // removed), the others are given back, and Result.Interrupted is set.
 func Redrive(ctx context.Context, b ferry.Broker, cfg RedriveConfig) (Result, error) {
 	start := time.Now()
-	res := Result{Left: -1}
+	res := Result{Left: unknown("the run ended before the broker was asked"), To: map[string]int{}}
 	if cfg.Group == "" {
 		cfg.Group = DefaultGroup
 	}
@@ -187,14 +259,20 @@ func Redrive(ctx context.Context, b ferry.Broker, cfg RedriveConfig) (Result, er
 	if cfg.Idle <= 0 {
 		cfg.Idle = 40 * time.Second
 	}
-	if kb, ok := b.(kafkaBroker); ok {
-		left, _ := kafkaLeft(ctx, kb.Admin(), cfg.Destination, cfg.Group)
-		bar := newProgress(cfg.Progress, left)
-		err := redriveKafka(ctx, kb, cfg, &res, bar)
-		bar.done()
-		if left, lerr := kafkaLeft(ctx, kb.Admin(), cfg.Destination, cfg.Group); lerr == nil {
-			res.Left = left
+	rt := &router{b: b, kind: cli.Kind(b), dest: cfg.Destination, to: cfg.To}
+	if cfg.To != "" {
+		// Where everything goes is known at once: a name that reaches
+		// nothing fails now, before anything moves.
+		if _, err := rt.target(ctx, cfg.To); err != nil {
+			return res, err
 		}
+	}
+	if kb, ok := b.(kafkaBroker); ok {
+		left := kafkaLeft(ctx, kb.Admin(), cfg.Destination, cfg.Group)
+		bar := newProgress(cfg, left)
+		err := redriveKafka(ctx, kb, cfg, rt, &res, bar)
+		bar.done()
+		res.Left = kafkaLeft(ctx, kb.Admin(), cfg.Destination, cfg.Group)
 		res.Elapsed = time.Since(start)
 		return res, err
 	}
@@ -203,24 +281,26 @@ func Redrive(ctx context.Context, b ferry.Broker, cfg RedriveConfig) (Result, er
 		return res, err
 	}
 	defer d.Close()
-	lagOf := func() (int64, error) {
-		r, ok := d.(driver.LagReporter)
-		if !ok {
-			return -1, nil
+	lr, canCount := d.(driver.LagReporter)
+	count := func() Count {
+		if !canCount {
+			return unknown(fmt.Sprintf("a %s broker does not count its messages", rt.kind))
 		}
 		lctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), opTimeout)
 		defer cancel()
-		l, err := r.Lag(lctx)
+		l, err := lr.Lag(lctx)
 		if err != nil {
-			return -1, err
+			return unknown("asking the broker failed: " + ferry.Redact(err.Error()))
 		}
-		return l.Messages + max(l.InFlight, 0), nil
+		// The waiting messages and those taken and not settled: on
+		// RabbitMQ the ready ones and this driver's unacked deliveries
+		// (another consumer's are not counted: AMQP does not tell them).
+		return Count{N: l.Messages + max(l.InFlight, 0), Approx: rt.kind == "sqs"}
 	}
-	total, _ := lagOf()
-	bar := newProgress(cfg.Progress, total)
+	bar := newProgress(cfg, count())
 	defer bar.done()
 
-	held := map[string]any{} // messages the filter left, by id: their latest handle
+	held := map[string]any{} // messages left where they are, by id: their latest handle
 	settle := func(s ...driver.Settlement) error {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), opTimeout)
 		defer cancel()
@@ -244,17 +324,27 @@ func Redrive(ctx context.Context, b ferry.Broker, cfg RedriveConfig) (Result, er
 		return nil
 	}
 	finish := func(err error, rest []driver.Message) (Result, error) {
-		err = errors.Join(err, giveBack(rest))
-		if left, lerr := lagOf(); lerr == nil {
-			res.Left = left
+		if dr, ok := d.(driver.Drainer); ok {
+			// RabbitMQ pushed deliveries ahead of Fetch (the prefetch):
+			// unacked, the broker counts them as neither ready nor
+			// anyone's until the driver takes them. Taken now, they count
+			// in the driver's in flight, and go back with the rest.
+			dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), opTimeout)
+			rest, _ = dr.Drain(dctx, rest)
+			cancel()
 		}
+		// Counted before the give back: what goes back is in the count
+		// either way (held, or waiting again), and a broker may take a
+		// moment to count a message given back as waiting.
+		res.Left = count()
+		err = errors.Join(err, giveBack(rest))
 		res.Elapsed = time.Since(start)
 		return res, err
 	}
 
 	var next time.Time // when the next read may go, by the rate
-	// keepHeld extends the leases of the messages the filter left, where
-	// they run out (SQS, memory), before a third of them is left.
+	// keepHeld extends the leases of the messages left where they are,
+	// where leases run out (SQS, memory), before a third of them is left.
 	ext, _ := d.(driver.Extender)
 	extended := time.Now()
 	keepHeld := func() {
@@ -309,18 +399,30 @@ func Redrive(ctx context.Context, b ferry.Broker, cfg RedriveConfig) (Result, er
 				bar.show(res)
 				continue
 			}
+			src, to, err := rt.route(ctx, m)
+			if err != nil {
+				return finish(err, batch[i:])
+			}
+			if to == "" {
+				res.Unrouted++
+				held[m.ID] = m.Handle
+				bar.show(res)
+				continue
+			}
 			pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), opTimeout)
-			err := b.Publish(pctx, cfg.To, redriven(m, cfg.Destination))
+			err = b.Publish(pctx, to, redriven(m, cfg.Destination))
 			cancel()
 			if err != nil {
-				return finish(fmt.Errorf("publishing %s to %s (it stays in %s): %w", m.ID, cfg.To, cfg.Destination, err), batch[i:])
+				return finish(fmt.Errorf("publishing %s to %s (it stays in %s): %w", m.ID, src, cfg.Destination, err), batch[i:])
 			}
 			if err := settle(driver.Settlement{Handle: m.Handle, Action: driver.Ack, BeforeRun: true}); err != nil {
 				res.Moved++
+				res.To[src]++
 				return finish(fmt.Errorf("message %s was published to %s but not removed from %s: a later redrive publishes it again: %w",
-					m.ID, cfg.To, cfg.Destination, err), batch[i+1:])
+					m.ID, src, cfg.Destination, err), batch[i+1:])
 			}
 			res.Moved++
+			res.To[src]++
 			bar.show(res)
 		}
 		if fresh {
@@ -328,15 +430,15 @@ func Redrive(ctx context.Context, b ferry.Broker, cfg RedriveConfig) (Result, er
 			continue
 		}
 		// Nothing new came: done when the broker holds nothing but what
-		// the filter left.
-		left, err := lagOf()
-		if err != nil {
-			return finish(fmt.Errorf("asking how much is left in %s: %w", cfg.Destination, err), nil)
-		}
-		if left <= int64(len(held)) && left >= 0 {
+		// the run leaves where it is.
+		if !canCount {
 			return finish(nil, nil)
 		}
-		if left < 0 {
+		left := count()
+		if left.N < 0 {
+			return finish(fmt.Errorf("asking how much is left in %s: %s", cfg.Destination, left.Why), nil)
+		}
+		if left.N <= int64(len(held)) {
 			return finish(nil, nil)
 		}
 		if time.Since(lastFresh) >= cfg.Idle {
@@ -346,40 +448,139 @@ func Redrive(ctx context.Context, b ferry.Broker, cfg RedriveConfig) (Result, er
 	}
 }
 
-// progress is a progress bar on a terminal, rewritten in place.
+// router says where each message of a redrive goes.
+type router struct {
+	b    ferry.Broker
+	kind string
+	dest string // the dead-letter destination
+	to   string // --to; "" for each message's own source
+
+	targets map[string]string // a source's name, and the destination Publish takes for it
+}
+
+// route returns the source m goes back to and the destination Publish
+// takes for it, or "", "" when m names no source: it has no
+// consumer.HeaderDLQSource header, or that names the dead-letter
+// destination itself.
+func (r *router) route(ctx context.Context, m driver.Message) (src, to string, err error) {
+	src = r.to
+	if src == "" {
+		src = m.Headers[consumer.HeaderDLQSource]
+	}
+	if src == "" || src == r.dest {
+		return "", "", nil
+	}
+	to, err = r.target(ctx, src)
+	if err != nil {
+		return "", "", err
+	}
+	if r.kind == "rabbitmq" && to == rabbit.ToQueue(r.dest) {
+		return "", "", nil
+	}
+	return src, to, nil
+}
+
+// target is the destination Publish takes for the source name: the name
+// itself, but on RabbitMQ, where a bare name is an exchange, the queue of
+// that name when one exists (see rabbitTarget).
+func (r *router) target(ctx context.Context, name string) (string, error) {
+	if r.kind != "rabbitmq" {
+		return name, nil
+	}
+	if t, ok := r.targets[name]; ok {
+		return t, nil
+	}
+	t, err := rabbitTarget(ctx, r.b, name)
+	if err != nil {
+		return "", err
+	}
+	if r.targets == nil {
+		r.targets = map[string]string{}
+	}
+	r.targets[name] = t
+	return t, nil
+}
+
+// progress shows how a redrive goes: a bar rewritten in place on a
+// terminal; elsewhere (a Job's log) a line every few seconds, also while
+// nothing moves, so that a log tells a slow run from a stuck one.
 type progress struct {
 	w     io.Writer
-	total int64
+	bar   bool
+	total Count
 	start time.Time
+
+	mu    sync.Mutex
+	r     Result
 	shown bool
+
+	stop chan struct{}
+	wg   sync.WaitGroup
 }
 
-func newProgress(w io.Writer, total int64) *progress {
-	return &progress{w: w, total: total, start: time.Now()}
+func newProgress(cfg RedriveConfig, total Count) *progress {
+	p := &progress{w: cfg.Progress, bar: cfg.ProgressBar, total: total, start: time.Now()}
+	if p.w != nil && !p.bar && cfg.ProgressEvery > 0 {
+		p.stop = make(chan struct{})
+		p.wg.Go(func() {
+			t := time.NewTicker(cfg.ProgressEvery)
+			defer t.Stop()
+			for {
+				select {
+				case <-t.C:
+					p.line()
+				case <-p.stop:
+					return
+				}
+			}
+		})
+	}
+	return p
 }
 
+// show takes the run's latest counts, and redraws the bar.
 func (p *progress) show(r Result) {
-	if p.w == nil {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.r = r
+	if p.w == nil || !p.bar {
 		return
 	}
 	p.shown = true
-	done := int64(r.Moved + r.Skipped)
-	rate := float64(r.Moved) / max(time.Since(p.start).Seconds(), 1e-3)
+	done := int64(r.Moved + r.Skipped + r.Unrouted)
 	const width = 30
 	bar := strings.Repeat(" ", width)
-	if p.total > 0 {
-		n := int(min(done*width/p.total, width))
+	if p.total.N > 0 {
+		n := int(min(done*width/p.total.N, width))
 		bar = strings.Repeat("=", n) + strings.Repeat(" ", width-n)
 	}
-	of := "?"
-	if p.total >= 0 {
-		of = fmt.Sprint(max(p.total, done))
-	}
-	fmt.Fprintf(p.w, "\r[%s] %d/%s moved %d skipped %d %.0f/s ", bar, done, of, r.Moved, r.Skipped, rate)
+	fmt.Fprintf(p.w, "\r[%s] %d/%s moved %d skipped %d %.0f/s ", bar, done, p.total.Of(int(done)), r.Moved, r.Skipped+r.Unrouted, p.rate(r))
 }
 
+func (p *progress) rate(r Result) float64 {
+	return float64(r.Moved) / max(time.Since(p.start).Seconds(), 1e-3)
+}
+
+// line prints one progress line.
+func (p *progress) line() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	r := p.r
+	done := r.Moved + r.Skipped + r.Unrouted
+	fmt.Fprintf(p.w, "ferry dlq redrive: %d of %s read: moved %d, skipped %d, %.1f/s, %s so far\n",
+		done, p.total.Of(done), r.Moved, r.Skipped+r.Unrouted, p.rate(r), time.Since(p.start).Round(time.Second))
+}
+
+// done stops the lines and erases the bar.
 func (p *progress) done() {
-	if p.w != nil && p.shown {
+	if p.stop != nil {
+		close(p.stop)
+		p.wg.Wait()
+		p.stop = nil
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.w != nil && p.bar && p.shown {
 		fmt.Fprint(p.w, "\r\033[K")
 	}
 }

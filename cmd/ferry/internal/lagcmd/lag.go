@@ -1,7 +1,9 @@
 // Package lagcmd is the ferry lag command: how far a consumer group is
 // behind on a source, lane by lane, how old its backlog is, and Burrow's
 // verdict on each lane over a window of samples (consumer.Evaluate), on
-// every broker ferry.Open opens, without joining the group.
+// every broker ferry.Open opens, without joining the group. The command
+// refuses mem:// (a new process's in-process broker is empty); the
+// sampling works on any ferry.Broker, the memory broker too.
 package lagcmd
 
 import (
@@ -41,21 +43,27 @@ Nothing joins the group or moves its position. What lag means per broker:
   sqs       the queue's approximate visible and delayed messages (one lane);
             SQS tells no position: a sample in which consumers hold messages
             (ApproximateNumberOfMessagesNotVisible > 0) counts as progress;
-            the backlog's age is in CloudWatch only (ApproximateAgeOfOldestMessage)
+            the backlog's age is in CloudWatch only, as the metric
+            ApproximateAgeOfOldestMessage
   rabbitmq  the queue's ready messages (one lane); RabbitMQ tells no position
-            over AMQP, so the verdict reads the depth alone (STOP: it did not move)
-  memory    the queue's visible and delayed messages, and its oldest one's age;
-            in-flight messages count as progress, as on SQS
+            over AMQP, so the verdict reads the depth alone (STOP: it did
+            not move)
 The group matters for Kafka only; queues are shared by their consumers.
 
 Exit status: 0 every lane OK or WARN, 1 a lane STALL, STOP or REWIND, or
-the broker failed; 2 bad usage; 130 interrupted (--watch ends so: 0 then).
+the broker failed; 2 bad usage; 130 interrupted, 143 terminated (SIGTERM);
+--watch ends so, and exits 0 then.
 
 Flags:
 `
 
 // Run runs ferry lag with args (after "lag") and returns the exit code.
 func Run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	return run(ctx, args, stdout, stderr, cli.Open)
+}
+
+// run is Run with the opener of --broker.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer, open cli.Opener) int {
 	fs, o := flags(stderr)
 	pos, err := cli.Parse(fs, args)
 	if errors.Is(err, flag.ErrHelp) {
@@ -72,7 +80,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		if o.interval <= 0 || o.samples < 2 {
 			return cli.Usagef("--interval must be positive and --samples at least 2")
 		}
-		b, err := cli.Open(ctx, o.broker)
+		b, err := open(ctx, o.broker)
 		if err != nil {
 			return err
 		}
@@ -89,7 +97,7 @@ func Run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if o.watch && err != nil && ctx.Err() != nil && errors.Is(err, context.Canceled) {
 		return cli.ExitOK
 	}
-	return cli.Report(ctx, stderr, "ferry lag", err, fs.Usage)
+	return cli.Report(ctx, stderr, "ferry lag", err)
 }
 
 // Help prints ferry lag's help to w.
@@ -109,7 +117,7 @@ func flags(w io.Writer) (*flag.FlagSet, *opts) {
 	o := &opts{}
 	fs := flag.NewFlagSet("ferry lag", flag.ContinueOnError)
 	fs.SetOutput(w)
-	fs.StringVar(&o.broker, "broker", "", "broker URL (mem://NAME, kafka://HOST:PORT, sqs://..., amqp://...); default $"+cli.EnvBroker)
+	fs.StringVar(&o.broker, "broker", "", "kafka://HOST:PORT, sqs://... or amqp://... (default $"+cli.EnvBroker+")")
 	fs.StringVar(&o.group, "group", "", "the consumer group (its consumer.WithName); required on Kafka")
 	fs.BoolVar(&o.watch, "watch", false, "print after every sample until interrupted")
 	fs.DurationVar(&o.interval, "interval", 2*time.Second, "time between samples")

@@ -1,0 +1,49 @@
+package dlqcmd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/ferrymq/ferry"
+	"github.com/ferrymq/ferry/cmd/ferry/internal/cli"
+	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/rabbit"
+)
+
+// rabbitTarget is the destination the rabbit adapter's Publish takes for
+// a redrive's source name. A bare name is an exchange to Publish, but the
+// source a dead letter names (and what a user types as --to) is the queue
+// its consumer read: so it is the queue of that name when one exists
+// (rabbit.ToQueue: straight to it through the default exchange), else the
+// exchange of that name. amq.default/QUEUE is taken as it is.
+func rabbitTarget(ctx context.Context, b ferry.Broker, name string) (string, error) {
+	if strings.HasPrefix(name, rabbit.QueuePrefix) {
+		return name, nil
+	}
+	d, err := cli.Driver(ctx, b, name, "", 1)
+	if err != nil {
+		return "", err
+	}
+	defer d.Close()
+	lr, ok := d.(driver.LagReporter)
+	if !ok {
+		return "", fmt.Errorf("cannot ask whether %s is a queue: the driver does not report depth", name)
+	}
+	// Lag declares the queue passively: it fails with 404 when there is
+	// none, and creates nothing.
+	lctx, cancel := context.WithTimeout(ctx, opTimeout)
+	defer cancel()
+	_, err = lr.Lag(lctx)
+	var ae *amqp.Error
+	switch {
+	case err == nil:
+		return rabbit.ToQueue(name), nil
+	case errors.As(err, &ae) && ae.Code == amqp.NotFound:
+		return name, nil
+	}
+	return "", fmt.Errorf("asking whether %s is a queue: %w", name, err)
+}
