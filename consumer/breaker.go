@@ -4,9 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
+	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/ferrymq/ferry/internal/ratelog"
 	"github.com/sony/gobreaker/v2"
 )
 
@@ -82,6 +85,13 @@ type Breaker struct {
 	counts   func(error) bool
 	onChange func(from, to BreakerState)
 	errOpen  error
+	logger   *slog.Logger // nil: the Loop's (Logger)
+	logs     *ratelog.Limiter
+
+	// changes are the state changes not yet logged: gobreaker reports them
+	// under its lock, and they are logged after the call, with its context.
+	changesMu sync.Mutex
+	changes   []breakerChange
 
 	openedAt   atomic.Int64 // unix nanoseconds of the last opening
 	halfOpenAt atomic.Int64 // monotonic nanoseconds (monoNow) of the last turn to half-open
@@ -92,7 +102,14 @@ type Breaker struct {
 // BreakerOption configures NewBreaker.
 type BreakerOption func(*breakerConfig) error
 
+// breakerChange is one change of state.
+type breakerChange struct {
+	from, to BreakerState
+	at       time.Time
+}
+
 type breakerConfig struct {
+	logger   *slog.Logger
 	name     string
 	failures int
 	ratio    float64
@@ -201,6 +218,20 @@ func BreakerOnStateChange(f func(from, to BreakerState)) BreakerOption {
 	}
 }
 
+// BreakerLogger sets where the breaker logs its changes of state: opening
+// (Warn, with the failure that opened it and the time it stays open),
+// half-open and closing (Info), a few lines a minute. Default the logger of
+// the Loop whose message made the change (Logger), or slog.Default().
+func BreakerLogger(l *slog.Logger) BreakerOption {
+	return func(c *breakerConfig) error {
+		if l == nil {
+			return configErr("Breaker.Logger", "must not be nil")
+		}
+		c.logger = l
+		return nil
+	}
+}
+
 // DefaultBreakerCounts counts every error as a failure of the dependency
 // except a permanent error (bad input says nothing about the dependency), a
 // panic (a bug in the handler, not an outage), a hold, a Defer (the handler
@@ -230,6 +261,8 @@ func NewBreaker(opts ...BreakerOption) (*Breaker, error) {
 		counts:   c.counts,
 		onChange: c.onChange,
 		errOpen:  fmt.Errorf("ferry: breaker %q: %w", c.name, ErrBreakerOpen),
+		logger:   c.logger,
+		logs:     ratelog.New(10, time.Minute),
 	}
 	failures, ratio := uint32(c.failures), c.ratio
 	b.cb = gobreaker.NewTwoStepCircuitBreaker[struct{}](gobreaker.Settings{
@@ -256,6 +289,11 @@ func NewBreaker(opts ...BreakerOption) (*Breaker, error) {
 			case gobreaker.StateHalfOpen:
 				b.halfOpenAt.Store(int64(monoNow()))
 			}
+			b.changesMu.Lock()
+			if len(b.changes) < 16 {
+				b.changes = append(b.changes, breakerChange{from: fromGobreaker(from), to: fromGobreaker(to), at: time.Now()})
+			}
+			b.changesMu.Unlock()
 			if b.onChange != nil {
 				b.onChange(fromGobreaker(from), fromGobreaker(to))
 			}
@@ -302,6 +340,7 @@ func (h *breakerHandler) Handle(ctx context.Context, m *Message) error {
 	if !reserved {
 		var hold error
 		if call, hold = h.b.allow(m); hold != nil {
+			h.b.logChanges(ctx, nil)
 			return hold
 		}
 	}
@@ -314,7 +353,43 @@ func (h *breakerHandler) Handle(ctx context.Context, m *Message) error {
 	err := h.next.Handle(ctx, m)
 	finished = true
 	call.report(err)
+	h.b.logChanges(ctx, err)
 	return err
+}
+
+// logChanges logs the changes of state not yet logged; cause is the result
+// of the call that made them, if a call did.
+func (b *Breaker) logChanges(ctx context.Context, cause error) {
+	b.changesMu.Lock()
+	changes := b.changes
+	b.changes = nil
+	b.changesMu.Unlock()
+	if len(changes) == 0 {
+		return
+	}
+	log := b.logger
+	if log == nil {
+		log = Logger(ctx)
+	}
+	for _, c := range changes {
+		ok, left := b.logs.Allow("")
+		if !ok {
+			continue
+		}
+		attrs := []slog.Attr{slog.String("breaker", b.name), slog.String("from", c.from.String()), slog.Int64("unlogged", left)}
+		switch c.to {
+		case BreakerOpen:
+			attrs = append(attrs, slog.Duration("open_for", b.openFor), slog.Int64("opened", b.opened.Load()))
+			if cause != nil {
+				attrs = append(attrs, slog.Any("err", cause), slog.String("error_type", errorType(cause)))
+			}
+			log.LogAttrs(ctx, slog.LevelWarn, "ferry: circuit breaker opened; holding messages (they keep their attempts)", attrs...)
+		case BreakerHalfOpen:
+			log.LogAttrs(ctx, slog.LevelInfo, "ferry: circuit breaker half-open; letting a trial through", attrs...)
+		default:
+			log.LogAttrs(ctx, slog.LevelInfo, "ferry: circuit breaker closed; consuming again", attrs...)
+		}
+	}
 }
 
 // Unwrap returns the handler the breaker guards.

@@ -47,10 +47,10 @@ const (
 type connState struct {
 	mu       sync.Mutex
 	phase    connPhase
-	since    time.Time // when the phase began
-	err      error     // the cause: of the disconnection, or the error Run returned
-	failures int       // consecutive failed Connect or Fetch calls
-	reported bool      // a slow start was logged
+	since    time.Time   // when the phase began
+	err      error       // the cause: of the disconnection, or the error Run returned
+	failures int         // consecutive failed Connect or Fetch calls
+	reported bool        // a slow start was logged
 	ok       atomic.Bool // phase is phaseConnected: the fetcher's fast path
 }
 

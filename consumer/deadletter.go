@@ -13,6 +13,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/ferrymq/ferry/internal/ratelog"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
@@ -126,7 +127,8 @@ type DeadLetter struct {
 	maxAttempts int
 	name        string
 	host        string
-	logger      *slog.Logger
+	logger      *slog.Logger // nil: the Loop's (Logger)
+	logs        *ratelog.Limiter
 
 	count    atomic.Int64
 	failures atomic.Int64
@@ -164,7 +166,9 @@ func DeadLetterConsumerName(name string) DeadLetterOption {
 }
 
 // DeadLetterLogger sets where DeadLetter logs each dead-lettering (Warn) and
-// each failed dead-letter publish (Error). Default slog.Default().
+// each failed dead-letter publish (Error), a few lines a minute of each
+// kind, with the count of those left out. Default the logger of the Loop
+// running the handler (Logger), or slog.Default() outside one.
 func DeadLetterLogger(l *slog.Logger) DeadLetterOption {
 	return func(d *DeadLetter) error {
 		if l == nil {
@@ -186,7 +190,7 @@ func NewDeadLetter(pub Publisher, destination string, opts ...DeadLetterOption) 
 		return nil, configErr("DeadLetter.Destination", "must not be empty")
 	}
 	host, _ := os.Hostname()
-	d := &DeadLetter{pub: pub, dest: destination, maxAttempts: 10, host: host}
+	d := &DeadLetter{pub: pub, dest: destination, maxAttempts: 10, host: host, logs: ratelog.New(5, time.Minute)}
 	for _, o := range opts {
 		if o == nil {
 			continue
@@ -194,9 +198,6 @@ func NewDeadLetter(pub Publisher, destination string, opts ...DeadLetterOption) 
 		if err := o(d); err != nil {
 			return nil, err
 		}
-	}
-	if d.logger == nil {
-		d.logger = slog.Default()
 	}
 	return d, nil
 }
@@ -341,18 +342,32 @@ func (d *DeadLetter) deadLetter(ctx context.Context, m *Message, rec *record, re
 	msg := Message{ID: m.ID, Key: m.Key, Body: m.Body, Headers: h, Offset: -1}
 	if perr := d.pub.Publish(pubCtx, d.dest, msg); perr != nil {
 		d.failures.Add(1)
-		d.logger.LogAttrs(ctx, slog.LevelError, "ferry: dead-letter publish failed; the message stays unacknowledged",
-			slog.String("destination", d.dest), slog.String("source", m.Source), slog.String("id", m.ID),
-			slog.Int("attempts", attempts), slog.String("reason", reason), slog.Any("error", perr))
+		if ok, left := d.logs.Allow("failed"); ok {
+			d.log(ctx).LogAttrs(ctx, slog.LevelError, "ferry: dead-letter publish failed; the message stays unacknowledged",
+				slog.String("destination", d.dest), slog.String("source", m.Source), slog.String("id", m.ID),
+				slog.Int("attempts", attempts), slog.String("reason", reason), slog.Any("error", perr),
+				slog.Int64("unlogged", left))
+		}
 		return &DeadLetterError{Destination: d.dest, Err: perr, Cause: cause}
 	}
 	d.count.Add(1)
 	rec.deadLettered = true
 	addRunEvent(ctx, EventDeadLetter, func() []attribute.KeyValue { return deadLetterEventAttrs(d.dest, reason, attempts, cause) })
-	d.logger.LogAttrs(ctx, slog.LevelWarn, "ferry: message dead-lettered",
-		slog.String("destination", d.dest), slog.String("source", m.Source), slog.String("id", m.ID),
-		slog.Int("attempts", attempts), slog.String("reason", reason), slog.Any("error", cause))
+	if ok, left := d.logs.Allow("lettered:" + reason); ok {
+		d.log(ctx).LogAttrs(ctx, slog.LevelWarn, "ferry: message dead-lettered",
+			slog.String("destination", d.dest), slog.String("source", m.Source), slog.String("id", m.ID),
+			slog.Int("attempts", attempts), slog.String("reason", reason), slog.Any("error", cause),
+			slog.Int64("unlogged", left))
+	}
 	return nil
+}
+
+// log is the logger for a line about the run behind ctx.
+func (d *DeadLetter) log(ctx context.Context) *slog.Logger {
+	if d.logger != nil {
+		return d.logger
+	}
+	return Logger(ctx)
 }
 
 func setIf(h map[string]string, k, v string) {

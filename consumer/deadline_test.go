@@ -41,7 +41,7 @@ func TestLazyDeadlineAnswersErrWithoutDone(t *testing.T) {
 }
 
 func TestLazyDeadlineFollowsItsParent(t *testing.T) {
-	parent, cancel := context.WithCancel(context.WithValue(context.Background(), nameKey{}, "x"))
+	parent, cancel := context.WithCancel(context.WithValue(context.Background(), nameKey{}, &loopInfo{name: "x"}))
 	ctx := withLazyDeadline(parent, time.Hour)
 	release := ctx.release
 	defer release()
@@ -59,7 +59,7 @@ func TestLazyDeadlineFollowsItsParent(t *testing.T) {
 	if !errors.Is(ctx.Err(), context.Canceled) || ctx.expired() {
 		t.Fatalf("Err = %v, expired %v; want Canceled, not expired", ctx.Err(), ctx.expired())
 	}
-	if ctx.Value(nameKey{}) != "x" {
+	if Name(ctx) != "x" {
 		t.Fatal("values of the parent are lost")
 	}
 	p2, c2 := context.WithTimeout(context.Background(), time.Minute)

@@ -64,6 +64,9 @@ type run struct {
 
 	revocations []*revocationWait
 	shutting    bool
+	holding     bool              // a hold was logged, and no run has succeeded since
+	holdStart   time.Time         // when holding began
+	heldSince   int64             // holds since holding began
 	closedKeys  map[orderKey]bool // keys a delivery went back on during the shutdown
 	revokedGen  map[string]uint64 // per lane, Revocation.Before: older generations are stale
 	graceOver   atomic.Bool       // read by workers: start nothing more
@@ -94,7 +97,8 @@ func newRun(ctx context.Context, l *Loop, h Handler, breakers []*Breaker) *run {
 	r.timer.Stop()
 	r.head.next, r.head.prev = &r.head, &r.head
 	r.io.init(ctx, l)
-	r.handlerCtx, r.cancelHandler = context.WithCancel(context.WithValue(context.WithoutCancel(ctx), nameKey{}, l.cfg.name))
+	info := &loopInfo{name: l.cfg.name, log: r.log}
+	r.handlerCtx, r.cancelHandler = context.WithCancel(context.WithValue(context.WithoutCancel(ctx), nameKey{}, info))
 	if l.revoker != nil {
 		r.lanes = make(map[string]*laneState)
 	}
@@ -407,6 +411,7 @@ func (r *run) finish(d *delivery) {
 	d.err, d.late = nil, false
 	held, isHeld := asHeld(err)
 	isDeferred := !isHeld && err != nil && IsDeferred(err)
+	ran := d.called
 	if d.called {
 		// A hold or a deferral is not a run: the run it would have been
 		// was not made.
@@ -420,7 +425,10 @@ func (r *run) finish(d *delivery) {
 		if !d.acked {
 			l.stats.held.Add(1)
 		}
+		r.holdsBegin(d, held)
 		r.pauseFetching(held.Delay)
+	} else if r.holding && ran && err == nil {
+		r.holdsEnd()
 	}
 	if d.acked {
 		// At most once: acked before it ran, so whatever happened is final.
@@ -520,7 +528,29 @@ func (r *run) countFailure(d *delivery, err error) {
 			"id", d.msg.ID, "attempt", d.msg.Attempt, "err", err)
 		return
 	}
-	r.log.Debug("ferry: handler failed", "id", d.msg.ID, "attempt", d.msg.Attempt, "err", err)
+	if ok, left := l.logs.Allow("failed:" + errorType(err)); ok {
+		r.log.Warn("ferry: handler failed; the message will run again", "source", d.msg.Source, "id", d.msg.ID,
+			"attempt", d.msg.Attempt, "err", err, "error_type", errorType(err), "unlogged", left)
+	}
+}
+
+// holdsBegin logs the first hold after a time without holds: the consumer
+// pauses, keeping its messages and their attempts, while a breaker is open.
+func (r *run) holdsBegin(d *delivery, held *HeldError) {
+	r.heldSince++
+	if r.holding {
+		return
+	}
+	r.holding, r.holdStart, r.heldSince = true, time.Now(), 1
+	r.log.Warn("ferry: holding messages while a circuit breaker is open; fetching pauses, no attempt is spent",
+		"source", d.msg.Source, "id", d.msg.ID, "hold", held.Delay, "err", held.Err)
+}
+
+// holdsEnd logs that a run succeeded after holds: consuming goes on.
+func (r *run) holdsEnd() {
+	r.log.Info("ferry: holds over; consuming again", "held_for", time.Since(r.holdStart).Round(time.Millisecond),
+		"holds", r.heldSince)
+	r.holding = false
 }
 
 // dropped counts and logs (rate-limited) an at-most-once message lost

@@ -121,10 +121,10 @@ type Health struct {
 	Live     bool        `json:"live"`   // State.Live(): what a liveness probe should see
 	Ready    bool        `json:"ready"`  // !State.Unhealthy(): what a readiness probe should see
 	// Error is the cause of a disconnection, or what Run returned.
-	Error string `json:"error,omitempty"`
-	At       time.Time   `json:"at"`
-	Window   string      `json:"window"` // the time the samples span
-	Samples  int         `json:"samples"`
+	Error   string    `json:"error,omitempty"`
+	At      time.Time `json:"at"`
+	Window  string    `json:"window"` // the time the samples span
+	Samples int       `json:"samples"`
 
 	Lag       int64   `json:"lag"`        // messages not yet done now, waiting or in flight (-1 where the broker does not say)
 	LagGrowth int64   `json:"lag_growth"` // lag now minus lag at the window's start

@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -135,14 +136,33 @@ func (l *Loop) Lag(ctx context.Context) (Lag, error) {
 
 type nameKey struct{}
 
+// loopInfo is what a Loop tells the middleware of its handler through the
+// handler's context.
+type loopInfo struct {
+	name string
+	log  *slog.Logger // the Loop's logger, with the consumer's name
+}
+
 // Name returns the name (WithName) of the Loop whose handler got ctx, or
 // "ferry" when ctx did not come from a Loop. Middleware uses it to namespace
 // keys and label dead letters.
 func Name(ctx context.Context) string {
-	if n, ok := ctx.Value(nameKey{}).(string); ok {
-		return n
+	if n, ok := ctx.Value(nameKey{}).(*loopInfo); ok {
+		return n.name
 	}
 	return "ferry"
+}
+
+// Logger returns the logger of the Loop whose handler got ctx (WithLogger,
+// with the consumer's name as an attribute), or slog.Default() when ctx
+// did not come from a Loop. The middleware log through it unless given a
+// logger of their own, so that one WithLogger sends every line of a
+// consumer to the same place.
+func Logger(ctx context.Context) *slog.Logger {
+	if n, ok := ctx.Value(nameKey{}).(*loopInfo); ok {
+		return n.log
+	}
+	return slog.Default()
 }
 
 // Run delivers messages to h until ctx ends, then drains: it stops

@@ -3,9 +3,11 @@ package consumer
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"sync/atomic"
 	"time"
 
+	"github.com/ferrymq/ferry/internal/ratelog"
 	"go.opentelemetry.io/otel/attribute"
 )
 
@@ -45,6 +47,8 @@ type Retry struct {
 	redeliveryMax time.Duration
 	b             backoff
 	sleep         func(ctx context.Context, d time.Duration) error // tests replace it
+	logger        *slog.Logger                                     // nil: the Loop's (Logger)
+	logs          *ratelog.Limiter
 
 	retries   atomic.Int64 // in-process re-runs
 	givenBack atomic.Int64 // deliveries returned to the broker with a delay
@@ -133,6 +137,21 @@ func RetryRedeliveryMax(d time.Duration) RetryOption {
 	}
 }
 
+// RetryLogger sets where Retry logs a delivery whose in-process runs are
+// spent (Warn: it goes back to the broker with a delay), a few lines a
+// minute for each type of error, with the count of those left out. Default
+// the logger of the Loop running the handler (Logger), or slog.Default()
+// outside one.
+func RetryLogger(l *slog.Logger) RetryOption {
+	return func(r *Retry) error {
+		if l == nil {
+			return configErr("Retry.Logger", "must not be nil")
+		}
+		r.logger = l
+		return nil
+	}
+}
+
 // RetryJitter turns jitter on or off. With jitter off every delay is the
 // exponential step itself, and consumers that failed together retry
 // together; turn it off only to make delays predictable in a test. Default
@@ -153,6 +172,7 @@ func NewRetry(opts ...RetryOption) (*Retry, error) {
 		redeliveryMax: time.Minute,
 		b:             backoff{initial: 100 * time.Millisecond, multiplier: 2, max: 2 * time.Second, jitter: true},
 		sleep:         sleepCtx,
+		logs:          ratelog.New(5, time.Minute),
 	}
 	for _, o := range opts {
 		if o == nil {
@@ -203,11 +223,11 @@ func (r *Retry) handle(ctx context.Context, m *Message, next Handler) error {
 		}
 		rec.failed(time.Now())
 		if run >= r.attempts || rec.spent(m) {
-			return r.giveBack(m, err)
+			return r.giveBack(ctx, m, err, run)
 		}
 		d := r.b.inProcess(run)
 		if monoNow()-start+d > r.maxElapsed {
-			return r.giveBack(m, err)
+			return r.giveBack(ctx, m, err, run)
 		}
 		addRunEvent(ctx, EventRetry, func() []attribute.KeyValue { return retryEventAttrs(m.Attempt+1, d, err) })
 		if serr := r.sleep(ctx, d); serr != nil {
@@ -218,10 +238,22 @@ func (r *Retry) handle(ctx context.Context, m *Message, next Handler) error {
 	}
 }
 
-// giveBack returns err to the broker with the redelivery delay for m.
-func (r *Retry) giveBack(m *Message, err error) error {
+// giveBack returns err to the broker with the redelivery delay for m, after
+// runs failed runs of this delivery.
+func (r *Retry) giveBack(ctx context.Context, m *Message, err error, runs int) error {
 	r.givenBack.Add(1)
-	return RetryAfter(err, r.b.redelivery(max(m.Attempt, 1), r.redeliveryMax))
+	d := r.b.redelivery(max(m.Attempt, 1), r.redeliveryMax)
+	if ok, left := r.logs.Allow(errorType(err)); ok {
+		log := r.logger
+		if log == nil {
+			log = Logger(ctx)
+		}
+		log.LogAttrs(ctx, slog.LevelWarn, "ferry: retries spent; the message goes back to the broker",
+			slog.String("source", m.Source), slog.String("id", m.ID), slog.Int("attempt", m.Attempt),
+			slog.Int("runs", runs), slog.Duration("redelivery_in", d), slog.Any("err", err),
+			slog.String("error_type", errorType(err)), slog.Int64("unlogged", left))
+	}
+	return RetryAfter(err, d)
 }
 
 // stopsRetry reports whether err ends the in-process retries at once.

@@ -24,6 +24,10 @@ type revocationWait struct {
 // closes once the running handlers have returned and those settlements are
 // made.
 func (r *run) revoke(rev driver.Revocation) {
+	if ok, left := r.l.logs.Allow("revoke"); ok {
+		r.log.Info("ferry: the broker took lanes away (a rebalance, a lost channel); their running handlers are cancelled and their messages come again",
+			"source", r.l.caps.Source, "lanes", rev.Lanes, "unlogged", left)
+	}
 	rw := &revocationWait{done: rev.Done}
 	lanes := make(map[string]bool, len(rev.Lanes))
 	for _, lane := range rev.Lanes {

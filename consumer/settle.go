@@ -284,8 +284,10 @@ func (r *run) settled(job settleJob) {
 	failed := failedSettlements(job.err, len(job.batch))
 	if job.err != nil {
 		r.l.stats.settleErrors.Add(1)
-		r.log.Warn("ferry: settling failed; the broker redelivers those messages after their lease",
-			"err", job.err, "failed", failed.count(len(job.batch)), "count", len(job.batch))
+		if ok, left := r.l.logs.Allow("settle"); ok {
+			r.log.Warn("ferry: settling failed; the broker redelivers those messages after their lease",
+				"err", job.err, "failed", failed.count(len(job.batch)), "count", len(job.batch), "unlogged", left)
+		}
 	}
 	for i, d := range job.ds {
 		d.settleSent = false
@@ -398,7 +400,10 @@ func (r *run) extended(job extendJob) {
 	failed := job.err != nil
 	if failed {
 		r.l.stats.settleErrors.Add(1)
-		r.log.Warn("ferry: extending leases failed; trying again at the next tick", "err", job.err, "count", len(job.handles))
+		if ok, left := r.l.logs.Allow("extend"); ok {
+			r.log.Warn("ferry: extending leases failed; trying again at the next tick (a lease that runs out lets the broker hand the message to another consumer)",
+				"err", job.err, "count", len(job.handles), "unlogged", left)
+		}
 	}
 	now := time.Now()
 	for _, d := range job.ds {

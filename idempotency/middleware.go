@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/ratelog"
 )
 
 // Defaults of the middleware's options.
@@ -119,8 +120,11 @@ func WithInProgressDelay(d time.Duration) Option {
 	}
 }
 
-// WithLogger sets where the middleware logs failures to release or complete
-// a claim. Default slog.Default().
+// WithLogger sets where the middleware logs what an operator must know:
+// store calls that failed (Warn) and claims lost to an expired lease (Warn),
+// a few lines a minute of each kind with the count of those left out.
+// Default the logger of the consumer.Loop running the handler
+// (consumer.Logger), or slog.Default() outside one.
 func WithLogger(l *slog.Logger) Option {
 	return func(c *config) error {
 		if l == nil {
@@ -155,6 +159,22 @@ type Dedup struct {
 	released    atomic.Int64
 	storeErrors atomic.Int64
 	noKey       atomic.Int64
+
+	logs *ratelog.Limiter
+}
+
+// warn logs a line of kind, rate-limited, through the configured logger or
+// the Loop's.
+func (d *Dedup) warn(ctx context.Context, kind, msg string, args ...any) {
+	ok, left := d.logs.Allow(kind)
+	if !ok {
+		return
+	}
+	log := d.cfg.logger
+	if log == nil {
+		log = consumer.Logger(ctx)
+	}
+	log.WarnContext(ctx, msg, append(args, "unlogged", left)...)
 }
 
 // New returns the idempotency middleware over store. namespace is the
@@ -188,10 +208,7 @@ func New(store Store, namespace string, opts ...Option) (*Dedup, error) {
 			return nil, err
 		}
 	}
-	if c.logger == nil {
-		c.logger = slog.Default()
-	}
-	d := &Dedup{store: store, prefix: namespace + ":", cfg: c}
+	d := &Dedup{store: store, prefix: namespace + ":", cfg: c, logs: ratelog.New(5, time.Minute)}
 	if ms, ok := store.(*MemoryStore); ok {
 		d.mem = ms.table(namespace)
 	}
@@ -269,6 +286,10 @@ func (h *handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 	cl, err := d.claim(ctx, k)
 	if err != nil {
 		d.storeErrors.Add(1)
+		if ctx.Err() == nil {
+			d.warn(ctx, "claim", "idempotency: claiming the key failed; the message goes back to the broker",
+				"key", quote(d.prefix+k), "id", m.ID, "source", m.Source, "error", err)
+		}
 		return storeErr("claim", d.prefix+k, err)
 	}
 	switch cl.Status {
@@ -304,10 +325,12 @@ func (h *handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 	if cerr := d.complete(ctx, k, cl.Token); cerr != nil {
 		if errors.Is(cerr, ErrNotOwner) {
 			d.claimsLost.Add(1)
-			d.cfg.logger.WarnContext(ctx, "idempotency: lease expired before the handler finished; the effect may have happened twice, raise the lease",
-				"key", d.prefix+k, "lease", d.cfg.lease)
+			d.warn(ctx, "lost", "idempotency: lease expired before the handler finished; the effect may have happened twice, raise the lease",
+				"key", quote(d.prefix+k), "id", m.ID, "lease", d.cfg.lease)
 		} else {
 			d.storeErrors.Add(1)
+			d.warn(ctx, "complete", "idempotency: recording the key done failed; the message goes back to the broker and its redelivery runs the handler again",
+				"key", quote(d.prefix+k), "id", m.ID, "source", m.Source, "error", cerr)
 		}
 		return storeErr("complete", d.prefix+k, cerr)
 	}
@@ -359,8 +382,8 @@ func (d *Dedup) release(ctx context.Context, k, token string) {
 	} else {
 		d.storeErrors.Add(1)
 	}
-	d.cfg.logger.WarnContext(ctx, "idempotency: release failed; the key stays claimed until its lease ends",
-		"key", d.prefix+k, "error", err)
+	d.warn(ctx, "release", "idempotency: release failed; the key stays claimed until its lease ends",
+		"key", quote(d.prefix+k), "error", err)
 }
 
 // storeErr wraps an error of the store. It wraps with %w, so an error the

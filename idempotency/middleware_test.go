@@ -3,6 +3,8 @@ package idempotency_test
 import (
 	"context"
 	"errors"
+	"log/slog"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -302,5 +304,28 @@ func TestStoreRefusalIsPermanent(t *testing.T) {
 	}
 	if n.Load() != 0 {
 		t.Fatal("handler ran without a claim")
+	}
+}
+
+// A store that is down fails every claim: the on-call sees it in a WARN
+// line naming the key and the error, a few times a minute, not once per
+// message.
+func TestStoreDownIsLoggedRateLimited(t *testing.T) {
+	var buf strings.Builder
+	d, err := idempotency.New(downStore{}, "billing", idempotency.WithLogger(slog.New(slog.NewTextHandler(&buf, nil))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var n atomic.Int32
+	h := d.Wrap(counting(&n))
+	for i := range 1000 {
+		_ = h.Handle(context.Background(), msg("m", "ev-"+strconv.Itoa(i)))
+	}
+	lines := strings.Count(buf.String(), "claiming the key failed")
+	if lines < 1 || lines > 5 || !strings.Contains(buf.String(), "connection refused") || !strings.Contains(buf.String(), "level=WARN") {
+		t.Fatalf("%d WARN lines for 1000 failed claims, want 1 to 5 naming the error:\n%s", lines, buf.String())
+	}
+	if d.StoreErrors() != 1000 {
+		t.Fatalf("StoreErrors = %d, want every failure counted", d.StoreErrors())
 	}
 }
