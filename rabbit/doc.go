@@ -127,6 +127,37 @@
 // alarm), Publish waits; when its context ends first, the error matches
 // both ErrBlocked and the context's error.
 //
+// One bad message fails alone. What AMQP or the broker cannot take without
+// closing the channel, or the whole connection, and with it every message
+// in flight of every other call, is checked before sending: a message id,
+// header name, routing key, exchange or other string property over 255
+// bytes (MaxShortString) fails with ErrTooLong, a body over
+// WithMaxMessageSize (default 128 MiB, the broker's max_message_size) or
+// headers and properties over what a frame holds fail with ErrTooLarge,
+// each a *LimitError naming the limit, and the message is never sent. What
+// the broker refuses by closing the channel (404 NOT_FOUND for a missing
+// exchange, 403 ACCESS_REFUSED) fails with ErrRefused and the broker's
+// *amqp091.Error, its code and text: the broker did not take it. Each
+// destination publishes on a channel of its own, so such a refusal fails
+// only the messages to that destination, which the broker refuses anyway,
+// never those of other destinations: a channel per destination rather than
+// one shared channel and a recovery that re-sends what was unconfirmed,
+// because a re-send duplicates what the broker had taken (on a quorum queue
+// a confirm trails the write), in healthy destinations, every time any
+// destination is refused, and cannot tell which message the broker
+// refused. ErrNotConfirmed is left for a connection lost before the
+// confirms came: those messages may or may not have been taken.
+//
+// A dead letter (a message consumer.DeadLetter publishes, which carries
+// consumer.HeaderDLQReason) is made to fit instead: its original's key, id
+// or header names may be longer than AMQP's 255 bytes (another broker's,
+// or a queue's HeaderKey), and a dead letter that could never be published
+// would come back to fail again for ever. A key over 255 bytes is routed
+// cut to 255 bytes (at a rune) and travels whole in HeaderKey, from which
+// consumers read Key; an id over 255 bytes becomes its SHA-256 (the whole
+// id is in consumer.HeaderDLQMessageID); a header name over 255 bytes is
+// cut and suffixed with its hash.
+//
 // # Retries after a delay
 //
 // No plugin is needed. A Return with a delay publishes a copy of the
