@@ -37,9 +37,11 @@
 // errors.Is with [ErrPermanent], [ErrHeld] and [ErrDeferred].
 //
 // Where the broker can take a message back (SQS, RabbitMQ, memory), the loop
-// returns it with the delay. Where it cannot (a Kafka log), the loop runs it
-// again in place after the delay and holds its partition meanwhile, so no
-// later record of the partition overtakes it.
+// returns it with the delay. Where it cannot (a Kafka log), or where it would
+// come back behind later messages of its lane (a RabbitMQ single-active-consumer
+// queue, whose delayed retries go through a delay queue), the loop runs it
+// again in place after the delay and holds its lane meanwhile, so no later
+// message of the lane overtakes it.
 //
 // # Order and parallelism
 //

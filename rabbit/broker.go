@@ -45,7 +45,9 @@ var (
 	ErrBlocked = errors.New("rabbit: broker blocked the connection")
 
 	// ErrNotConfirmed is the reason for a message whose channel closed before
-	// the broker confirmed it: it may or may not have been taken.
+	// the broker confirmed it, the broker not having refused it (that is
+	// ErrRefused): the connection was lost or closed. It may or may not have
+	// been taken.
 	ErrNotConfirmed = errors.New("rabbit: channel closed before the publish was confirmed")
 
 	// ErrEarlierFailed is the reason for a message not published because an
@@ -98,6 +100,7 @@ type config struct {
 	backoffMax  time.Duration
 	retryDelays []time.Duration
 	name        string
+	maxMessage  int // 0: DefaultMaxMessageSize
 }
 
 func fieldErr(field, format string, args ...any) error {

@@ -26,9 +26,10 @@
 //   - Lane: "" (competing consumers keep no useful order), except on a
 //     queue declared with Queue.SingleActiveConsumer, where one consumer at
 //     a time receives in queue order and Lane is the message's Key: the
-//     loop then keeps each key's order while running keys in parallel.
-//     Partitioned spreads keys over several such queues through the
-//     consistent-hash exchange.
+//     loop then keeps each key's order while running keys in parallel,
+//     and retries a failed message in place (see Retries on an ordered
+//     queue). Partitioned spreads keys over several such queues through
+//     the consistent-hash exchange.
 //   - Deliveries: the x-delivery-count header of quorum queues plus one
 //     (absent on the first delivery), plus the deliveries a delayed retry
 //     carried over; classic queues count nothing but the redelivered flag.
@@ -37,7 +38,9 @@
 //     basic.reject with requeue, or basic.nack with requeue when the
 //     handler never ran (a breaker held it, or the loop stopped first).
 //     Return with a delay: see Retries below. Capabilities.Redelivers is
-//     true; Capabilities.System is "rabbitmq".
+//     true, except on a single-active-consumer queue, where a Return leaves
+//     the delivery to go back when the channel closes (see Retries on an
+//     ordered queue); Capabilities.System is "rabbitmq".
 //   - At most once: AMQP confirms no basic.ack, so an ack the loop makes
 //     before running the handler (Settlement.BeforeRun) is followed by a
 //     basic.qos round trip on the same channel, and Settle returns nil only
@@ -124,6 +127,37 @@
 // alarm), Publish waits; when its context ends first, the error matches
 // both ErrBlocked and the context's error.
 //
+// One bad message fails alone. What AMQP or the broker cannot take without
+// closing the channel, or the whole connection, and with it every message
+// in flight of every other call, is checked before sending: a message id,
+// header name, routing key, exchange or other string property over 255
+// bytes (MaxShortString) fails with ErrTooLong, a body over
+// WithMaxMessageSize (default 128 MiB, the broker's max_message_size) or
+// headers and properties over what a frame holds fail with ErrTooLarge,
+// each a *LimitError naming the limit, and the message is never sent. What
+// the broker refuses by closing the channel (404 NOT_FOUND for a missing
+// exchange, 403 ACCESS_REFUSED) fails with ErrRefused and the broker's
+// *amqp091.Error, its code and text: the broker did not take it. Each
+// destination publishes on a channel of its own, so such a refusal fails
+// only the messages to that destination, which the broker refuses anyway,
+// never those of other destinations: a channel per destination rather than
+// one shared channel and a recovery that re-sends what was unconfirmed,
+// because a re-send duplicates what the broker had taken (on a quorum queue
+// a confirm trails the write), in healthy destinations, every time any
+// destination is refused, and cannot tell which message the broker
+// refused. ErrNotConfirmed is left for a connection lost before the
+// confirms came: those messages may or may not have been taken.
+//
+// A dead letter (a message consumer.DeadLetter publishes, which carries
+// consumer.HeaderDLQReason) is made to fit instead: its original's key, id
+// or header names may be longer than AMQP's 255 bytes (another broker's,
+// or a queue's HeaderKey), and a dead letter that could never be published
+// would come back to fail again for ever. A key over 255 bytes is routed
+// cut to 255 bytes (at a rune) and travels whole in HeaderKey, from which
+// consumers read Key; an id over 255 bytes becomes its SHA-256 (the whole
+// id is in consumer.HeaderDLQMessageID); a header name over 255 bytes is
+// cut and suffixed with its hash.
+//
 // # Retries after a delay
 //
 // No plugin is needed. A Return with a delay publishes a copy of the
@@ -143,6 +177,35 @@
 // was deleted) declares the delay queue again and is published once more
 // before that; the original is never acked unless its copy was confirmed
 // and not returned.
+//
+// # Retries on an ordered queue
+//
+// On a single-active-consumer queue the delay queue would break the order:
+// the copy comes back behind the rest of its key, which completes first.
+// So the driver reports Capabilities.Redelivers false there, and the loop
+// retries a failed message in place, as on a Kafka partition: it keeps the
+// delivery unacked, waits out the delay (the redelivery backoff, or
+// RetryAfter's) and runs it again, holding its key (the lane) so that
+// nothing behind it overtakes it; other keys go on. What
+// this costs: the message and the key's messages queued behind it hold
+// places of MaxInFlight (and of the prefetch) while it waits; the delay is
+// bounded by the broker's consumer_timeout (30 minutes by default), past
+// which the broker closes the channel and redelivers everything it had
+// delivered, at once and in order; and a queue's DeliveryLimit counts
+// deliveries, not runs in place, so it no longer bounds a poison message:
+// use consumer.DeadLetter (consumer.Standard), which counts runs.
+//
+// When the consumer stops while a message waits in place, by a shutdown or
+// a crash, the message goes back to its place at the head of the queue,
+// ahead of the rest of its key: Settle sends nothing for a Return there,
+// and the broker requeues the delivery, in order, when the channel closes.
+// (A basic.reject or basic.nack with requeue would put it behind the ready
+// messages on a RabbitMQ 3.10 quorum queue.) Its delay is given up for its
+// place: the next consumer runs it at once. Its runs in place are not
+// carried over, as on Kafka: on a quorum queue the broker counts the
+// delivery (x-delivery-count), which the loop counts as one run, so after
+// any number of runs in place the next is Attempt 2 with Deliveries 2; on a
+// classic queue, the redelivered flag says as much.
 //
 // # RabbitMQ 3.10 and 4.x
 //

@@ -166,10 +166,14 @@ func (b *Broker) NewConsumer(queue string, opts ...consumer.Option) (*consumer.L
 	return l, nil
 }
 
-// Capabilities reports that the queue redelivers returned messages, and
-// names the system "rabbitmq" for traces.
+// Capabilities names the system "rabbitmq" for traces, and reports that
+// the queue redelivers returned messages, except on a single-active-consumer
+// queue (ordered: Lane is the Key): a message returned with a delay goes
+// through a delay queue and comes back behind the rest of its key, so
+// there the loop retries a failed message in place, holding its key, as on
+// a Kafka partition.
 func (d *Driver) Capabilities() driver.Capabilities {
-	return driver.Capabilities{Redelivers: true, System: "rabbitmq"}
+	return driver.Capabilities{Redelivers: !d.laneKey, System: "rabbitmq"}
 }
 
 // Revoked delivers a revocation whenever the channel closes: the broker
@@ -701,6 +705,12 @@ const (
 	kindReject
 	kindNack
 	kindDeadLetter
+	// kindKeep leaves a returned delivery of an ordered queue unacked: the
+	// broker gives it back at its place when the channel closes. A delay
+	// queue would put it behind the rest of its key, and so would a
+	// requeue on a quorum queue (RabbitMQ 3.10 requeues at the back; a
+	// closed channel's deliveries go back to the head, in order).
+	kindKeep
 )
 
 // Settle acks or returns each delivery of the current channel. Acks of the
@@ -708,9 +718,14 @@ const (
 // Return with no delay is a basic.reject with requeue (basic.nack when the
 // handler never ran, which RabbitMQ 4.3 does not count as a delivery); a
 // Return with a delay publishes a copy to the delay queue (see the package
-// documentation), waits for its confirm, then acks the original. A
-// delivery of a closed channel is never settled on another: it is reported
-// with ErrStaleDelivery in a *driver.SettleError, as the broker requeued it.
+// documentation), waits for its confirm, then acks the original. On a
+// single-active-consumer queue a Return (which the loop makes only when it
+// stops: it retries in place there) sends nothing: the delivery stays
+// unacked until the channel closes (Close), and the broker then puts it
+// back at its place, ahead of the rest of its key, with its delay given up
+// (a requeue would put it behind them on a quorum queue). A delivery of a
+// closed channel is never settled on another: it is reported with
+// ErrStaleDelivery in a *driver.SettleError, as the broker requeued it.
 func (d *Driver) Settle(ctx context.Context, batch []driver.Settlement) error {
 	d.mu.Lock()
 	cur := d.cur
@@ -740,6 +755,8 @@ func (d *Driver) Settle(ctx context.Context, batch []driver.Settlement) error {
 		switch {
 		case st.Action == driver.Ack:
 			ops = append(ops, op{i, h, kindAck})
+		case d.laneKey:
+			ops = append(ops, op{i, h, kindKeep})
 		case st.Delay <= 0 && st.NotAttempted:
 			ops = append(ops, op{i, h, kindNack})
 		case st.Delay <= 0:
@@ -793,7 +810,9 @@ func (d *Driver) Settle(ctx context.Context, batch []driver.Settlement) error {
 		if chErr == nil {
 			chErr = d.ack(cur, acks, func(yield func(uint64) bool) {
 				for _, o := range ops {
-					if !yield(o.h.tag) {
+					// A kept delivery stays unsettled on the channel, so
+					// no multiple ack ever covers it.
+					if o.kind != kindKeep && !yield(o.h.tag) {
 						return
 					}
 				}

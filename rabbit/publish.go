@@ -46,16 +46,35 @@ type pubItem struct {
 // publisher publishes in confirm mode over the Broker's publish connection,
 // pipelined: every message of a call is sent before any confirm is awaited,
 // within a window of unconfirmed messages shared by all calls.
+//
+// Each exchange (destination) has a channel of its own. What makes the
+// broker close a publishing channel is a refusal of the destination (404
+// no such exchange, 403 access refused) or, past WithMaxMessageSize, a body
+// over its max_message_size; a closed channel fails every unconfirmed
+// message on it. On one channel shared by every destination, a single
+// publish to a missing exchange failed the messages in flight of every
+// other call, which may or may not have been taken, so callers that retry
+// published duplicates. A channel per destination confines the failure to
+// messages the broker refuses anyway. (The alternative, one channel and a
+// recovery re-sending what was unconfirmed, re-sends messages the broker
+// had taken, duplicates in the queues of healthy destinations, each time
+// any destination is refused; and it cannot tell which message was.) What
+// closes the connection, or the channel for one message only, is checked
+// before sending (see LimitError).
 type publisher struct {
 	b   *Broker
 	win window
 
-	mu sync.Mutex
-	ch *pubChannel
+	mu  sync.Mutex
+	chs map[string]*pubChannel // by exchange
 }
 
+// idlePubChannels is how many destinations' channels the publisher keeps
+// before it closes those with nothing in flight when it opens another.
+const idlePubChannels = 32
+
 func newPublisher(b *Broker) *publisher {
-	return &publisher{b: b, win: window{size: b.cfg.window}}
+	return &publisher{b: b, win: window{size: b.cfg.window}, chs: make(map[string]*pubChannel)}
 }
 
 // window bounds the unconfirmed messages of all calls: like a raw client's
@@ -107,10 +126,12 @@ func isDone(dc *amqp.DeferredConfirmation) bool {
 	}
 }
 
-// pubChannel is one confirm-mode channel and the goroutine that drains its
-// returns and its close notification.
+// pubChannel is one confirm-mode channel, for one exchange, and the
+// goroutine that drains its returns and its close notification.
 type pubChannel struct {
 	ch       *amqp.Channel
+	frameMax int           // the connection's negotiated frame_max
+	users    int           // calls between channel and release, under publisher.mu
 	closed   chan struct{} // closed once closeErr is set
 	closeErr *amqp.Error
 	gone     chan struct{} // closed when drain exits
@@ -129,11 +150,13 @@ type pending struct {
 	returned *amqp.Return
 }
 
-// channel returns the live publishing channel, opening one (and the
-// connection, when it is lost) when there is none.
-func (p *publisher) channel(ctx context.Context) (*pubChannel, error) {
+// channel returns the live publishing channel of exchange, opening one
+// (and the connection, when it is lost) when there is none. The caller
+// releases it once its message is sent.
+func (p *publisher) channel(ctx context.Context, exchange string) (*pubChannel, error) {
 	p.mu.Lock()
-	if pc := p.ch; pc != nil && !pc.ch.IsClosed() {
+	if pc := p.chs[exchange]; pc != nil && !pc.ch.IsClosed() {
+		pc.users++
 		p.mu.Unlock()
 		return pc, nil
 	}
@@ -145,9 +168,11 @@ func (p *publisher) channel(ctx context.Context) (*pubChannel, error) {
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if pc := p.ch; pc != nil && !pc.ch.IsClosed() {
+	if pc := p.chs[exchange]; pc != nil && !pc.ch.IsClosed() {
+		pc.users++
 		return pc, nil
 	}
+	p.closeIdle()
 	ch, err := conn.Channel()
 	if err != nil {
 		return nil, fmt.Errorf("rabbit: open publishing channel: %w", err)
@@ -157,11 +182,13 @@ func (p *publisher) channel(ctx context.Context) (*pubChannel, error) {
 		return nil, fmt.Errorf("rabbit: confirm mode: %w", err)
 	}
 	pc := &pubChannel{
-		ch:      ch,
-		closed:  make(chan struct{}),
-		gone:    make(chan struct{}),
-		barrier: make(chan chan struct{}),
-		byRoute: make(map[string][]*pending),
+		ch:       ch,
+		frameMax: conn.Config.FrameSize,
+		users:    1,
+		closed:   make(chan struct{}),
+		gone:     make(chan struct{}),
+		barrier:  make(chan chan struct{}),
+		byRoute:  make(map[string][]*pending),
 	}
 	// Unbuffered: the library's reader hands a return to drain before it
 	// reads the next frame, so drain holds the return before the confirm
@@ -170,8 +197,65 @@ func (p *publisher) channel(ctx context.Context) (*pubChannel, error) {
 	returns := ch.NotifyReturn(make(chan amqp.Return))
 	closes := ch.NotifyClose(make(chan *amqp.Error, 1))
 	go pc.drain(returns, closes)
-	p.ch = pc
+	p.chs[exchange] = pc
 	return pc, nil
+}
+
+// release ends a use of pc that channel began.
+func (p *publisher) release(pc *pubChannel) {
+	p.mu.Lock()
+	pc.users--
+	p.mu.Unlock()
+}
+
+// closeIdle, under p.mu, forgets closed channels and, while
+// idlePubChannels or more are left, closes those that no call uses and
+// that have nothing in flight.
+func (p *publisher) closeIdle() {
+	if len(p.chs) < idlePubChannels {
+		return
+	}
+	for ex, pc := range p.chs {
+		if pc.ch.IsClosed() {
+			delete(p.chs, ex)
+		}
+	}
+	for ex, pc := range p.chs {
+		if len(p.chs) < idlePubChannels {
+			return
+		}
+		if pc.users == 0 && pc.idle() {
+			delete(p.chs, ex)
+			go closeChannel(pc.ch)
+		}
+	}
+}
+
+// idle reports whether no message on pc waits for its confirm.
+func (pc *pubChannel) idle() bool {
+	pc.mu.Lock()
+	defer pc.mu.Unlock()
+	return len(pc.byRoute) == 0
+}
+
+// lostErr is the error of a message whose channel closed before its
+// confirm: ErrRefused with the broker's reason when the broker closed the
+// channel (a channel exception: 403, 404, 406), ErrNotConfirmed otherwise
+// (the connection was lost or closed: it may or may not have been taken).
+func (pc *pubChannel) lostErr(dest string) error {
+	var e *amqp.Error
+	select {
+	case <-pc.closed:
+		e = pc.closeErr
+	case <-time.After(100 * time.Millisecond):
+	}
+	switch {
+	case e != nil && e.Server && e.Recover:
+		return fmt.Errorf("rabbit: publish to %q: %w: %w", dest, ErrRefused, e)
+	case e != nil:
+		return fmt.Errorf("rabbit: publish to %q: %w: %w", dest, ErrNotConfirmed, e)
+	}
+	return fmt.Errorf("rabbit: publish to %q: %w", dest, ErrNotConfirmed)
 }
 
 // drain records returns until the channel's notifications end, and answers
@@ -283,9 +367,15 @@ func (p *publisher) publishRaw(ctx context.Context, exchange, dest string, items
 	pends := make([]*pending, len(items))
 	pcs := make([]*pubChannel, len(items))
 	sent := 0
+	maxBody := p.b.maxMessageSize()
 	for i := range items {
 		if p.b.isClosed() {
 			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, ErrClosed)
+			continue
+		}
+		props, err := checkLimits(exchange, &items[i], maxBody)
+		if err != nil {
+			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, err)
 			continue
 		}
 		if err := p.win.wait(ctx, p.b.closed); err != nil {
@@ -303,7 +393,7 @@ func (p *publisher) publishRaw(ctx context.Context, exchange, dest string, items
 				continue
 			}
 		}
-		pc, err := p.channel(ctx)
+		pc, err := p.channel(ctx, exchange)
 		if err != nil {
 			// One dial per call: the messages left fail with its error
 			// (the next call dials again, after the shared backoff).
@@ -312,7 +402,13 @@ func (p *publisher) publishRaw(ctx context.Context, exchange, dest string, items
 			}
 			break
 		}
+		if err := checkFrame(props, pc.frameMax); err != nil {
+			p.release(pc)
+			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, err)
+			continue
+		}
 		pd, err := pc.publish(exchange, &items[i])
+		p.release(pc)
 		if err != nil {
 			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, err)
 			continue
@@ -373,23 +469,18 @@ func (p *publisher) publishRaw(ctx context.Context, exchange, dest string, items
 		pc.mu.Lock()
 		ret := pd.returned
 		pc.mu.Unlock()
-		pc.forget(pd)
 		switch {
 		case ret != nil:
 			errs[i] = fmt.Errorf("rabbit: publish to %q with routing key %q: %w: %d %s", dest, items[i].rk, ErrUnroutable, ret.ReplyCode, ret.ReplyText)
 		case pd.dc.Acked():
 		case pc.ch.IsClosed():
-			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, ErrNotConfirmed)
-			select {
-			case <-pc.closed:
-				if pc.closeErr != nil {
-					errs[i] = fmt.Errorf("rabbit: publish to %q: %w: %w", dest, ErrNotConfirmed, pc.closeErr)
-				}
-			case <-time.After(100 * time.Millisecond):
-			}
+			errs[i] = pc.lostErr(dest)
 		default:
 			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, ErrNacked)
 		}
+		// Forgotten only now: a channel with nothing in flight may be
+		// closed as idle, which must not read as this message's loss.
+		pc.forget(pd)
 	}
 	return errs
 }
@@ -408,8 +499,13 @@ func (p *publisher) waitErr(ctx context.Context, dest string) error {
 // is its routing key; a destination made by ToQueue publishes straight to a
 // queue, with the Key in the HeaderKey header. Messages are published
 // persistent and mandatory: one that no queue takes (unroutable) fails with
-// ErrUnroutable, one the broker refuses with ErrNacked, each in a
-// *consumer.PublishError naming it, while the others are published.
+// ErrUnroutable, one the broker nacks with ErrNacked, one it refuses by
+// closing the destination's channel (no such exchange) with ErrRefused and
+// its reason, one over a limit of AMQP or the broker with a *LimitError
+// (ErrTooLong, ErrTooLarge) without being sent, each in a
+// *consumer.PublishError naming it, while the others are published. Each
+// destination has a channel of its own, so a refused message never fails
+// the messages of other destinations (see the package documentation).
 //
 // The messages of a call go out pipelined, within the Broker's confirm
 // window, except that a message waits for the confirm of the message of the
@@ -470,6 +566,7 @@ func (b *Broker) Publish(ctx context.Context, destination string, msgs ...consum
 			Timestamp:    now,
 			Body:         m.Body,
 		}
+		fitDeadLetter(it, toQueue != "")
 		if m.Key != "" {
 			wave[i] = seen[m.Key]
 			seen[m.Key]++

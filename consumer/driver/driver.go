@@ -148,8 +148,10 @@ type Settlement struct {
 // Capabilities says what a broker can do, so that the loop can do the rest.
 type Capabilities struct {
 	// Redelivers is true when the broker can take a message back and deliver
-	// it again later (SQS, RabbitMQ, memory). When false (a Kafka log) the
-	// loop retries a failed message in place, holding its lane.
+	// it again later (SQS, RabbitMQ, memory). When false (a Kafka log, or a
+	// RabbitMQ single-active-consumer queue, where a delayed message comes
+	// back behind the rest of its lane) the loop retries a failed message in
+	// place, holding its lane, and returns messages only when it stops.
 	Redelivers bool
 
 	// Source is the topic or queue the driver consumes, as the user named
