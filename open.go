@@ -21,8 +21,8 @@
 //	https://sqs.REGION.amazonaws.com/ACCOUNT/QUEUE   an SQS queue URL
 //	amqp://USER:PASSWORD@HOST:PORT/VHOST, amqps://...  RabbitMQ (package rabbit)
 //
-// A query parameter a scheme does not take is an error, as is a value it
-// does not know. What a URL cannot carry (a TLS configuration of your own,
+// A query parameter a scheme does not take is an error, as is a value a
+// parameter cannot take. What a URL cannot carry (a TLS configuration of your own,
 // a logger, franz-go or AWS options) stays a Go option of the broker's own
 // package: build the Broker there when you need them.
 //
@@ -116,13 +116,15 @@
 // "?" or "#" before its last "@": there url.Parse and that rule disagree
 // on where the password ends (the password holds an unescaped "/", "?" or
 // "#", or the path or query holds an unescaped "@"). An unescaped "@" or
-// ":" inside the password is read as the rule says.
+// ":" inside the password is read as the rule says. rabbit.Dial and
+// rabbit.Redact follow the same rule.
 package ferry
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/url"
 	"slices"
 	"strconv"
@@ -209,15 +211,8 @@ func register(name string, s scheme) {
 func schemeForms() string {
 	schemesMu.RLock()
 	defer schemesMu.RUnlock()
-	names := slices.Sorted(func(yield func(string) bool) {
-		for n := range schemes {
-			if !yield(n) {
-				return
-			}
-		}
-	})
-	forms := make([]string, 0, len(names))
-	for _, n := range names {
+	forms := make([]string, 0, len(schemes))
+	for _, n := range slices.Sorted(maps.Keys(schemes)) {
 		forms = append(forms, schemes[n].form)
 	}
 	return strings.Join(forms, ", ")
@@ -292,13 +287,7 @@ func query(u *url.URL, shown string, allowed []string) (url.Values, error) {
 	if err != nil {
 		return nil, &URLError{URL: shown, Part: "query", Reason: "does not parse", Err: err}
 	}
-	for _, k := range slices.Sorted(func(yield func(string) bool) {
-		for k := range q {
-			if !yield(k) {
-				return
-			}
-		}
-	}) {
+	for _, k := range slices.Sorted(maps.Keys(q)) {
 		if !slices.Contains(allowed, k) {
 			takes := "none"
 			if len(allowed) > 0 {
