@@ -25,26 +25,20 @@ import (
 
 // This file opens the real brokers: Kafka, SQS and RabbitMQ.
 
+// The package doc's sections describe these schemes and their parameters
+// (doc_test.go holds them to it).
 func init() {
-	register("kafka", openKafka)
-	register("sqs", openSQS)
-	register("sqs-queue-url", openSQSQueueURL)
-	register("amqp", openRabbit)
-	register("amqps", openRabbit)
+	register("kafka", scheme{open: openKafka, section: "Kafka", form: "kafka://",
+		params: []string{"client_id", "group_protocol", "tls", "ca_file", "sasl"}})
+	register("sqs", scheme{open: openSQS, section: "SQS", form: "sqs://", params: []string{"region", "tls"}})
+	register("sqs-queue-url", scheme{open: openSQSQueueURL, section: "SQS", form: "https://sqs.REGION.amazonaws.com/ACCOUNT/QUEUE"})
+	register("amqp", scheme{open: openRabbit, section: "RabbitMQ", form: "amqp://", params: []string{"ca_file"}})
+	register("amqps", scheme{open: openRabbit, section: "RabbitMQ", form: "amqps://", params: []string{"ca_file"}})
 }
 
-// openKafka opens kafka://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...].
-//
-// Query parameters: client_id; group_protocol (classic, the default, or
-// consumer for KIP-848); tls (true to connect with TLS, trusting the
-// system's roots, or ca_file); ca_file (a PEM file of the CA to trust,
-// implies tls); sasl (SCRAM-SHA-512, SCRAM-SHA-256 or PLAIN, with the URL's
-// user and password).
-func openKafka(_ context.Context, u *url.URL, shown string) (Broker, error) {
-	q, err := query(u, shown, "client_id", "group_protocol", "tls", "ca_file", "sasl")
-	if err != nil {
-		return nil, err
-	}
+// openKafka opens kafka://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...] (the
+// package doc's section Kafka).
+func openKafka(_ context.Context, u *url.URL, q url.Values, shown string) (Broker, error) {
 	if u.Host == "" {
 		return nil, &URLError{URL: shown, Part: "host", Reason: "is empty: name the seed brokers, kafka://HOST:PORT[,HOST:PORT]"}
 	}
@@ -135,16 +129,9 @@ func tlsFrom(q url.Values, shown string) (*tls.Config, error) {
 	return cfg, nil
 }
 
-// openSQS opens sqs://[KEY:SECRET@][HOST:PORT]: Amazon SQS in the region of
-// the query's region (or the default AWS configuration's), with the
-// default credential chain, or an SQS-compatible server at HOST:PORT
-// (https, or http with tls=false) with the static credentials KEY:SECRET
-// when given. Query parameters: region, tls.
-func openSQS(ctx context.Context, u *url.URL, shown string) (Broker, error) {
-	q, err := query(u, shown, "region", "tls")
-	if err != nil {
-		return nil, err
-	}
+// openSQS opens sqs://[KEY:SECRET@][HOST:PORT] (the package doc's section
+// SQS): the host, when there is one, is the endpoint.
+func openSQS(ctx context.Context, u *url.URL, q url.Values, shown string) (Broker, error) {
 	if u.Path != "" && u.Path != "/" {
 		return nil, &URLError{URL: shown, Part: "path", Reason: "must be empty: queues are named to NewConsumer and Publish"}
 	}
@@ -166,10 +153,7 @@ func openSQS(ctx context.Context, u *url.URL, shown string) (Broker, error) {
 // openSQSQueueURL opens the SQS of a queue URL,
 // https://sqs.REGION.amazonaws.com/ACCOUNT/QUEUE: its region is the
 // URL's, and NewConsumer and Publish take the queue's name or URL.
-func openSQSQueueURL(ctx context.Context, u *url.URL, shown string) (Broker, error) {
-	if _, err := query(u, shown); err != nil {
-		return nil, err
-	}
+func openSQSQueueURL(ctx context.Context, u *url.URL, _ url.Values, shown string) (Broker, error) {
 	region := strings.TrimSuffix(strings.TrimPrefix(strings.ToLower(u.Hostname()), "sqs."), ".amazonaws.com")
 	return newSQS(ctx, shown, region, "", nil)
 }
@@ -209,13 +193,9 @@ func newSQS(ctx context.Context, shown, region, endpoint string, user *url.Useri
 
 type sqsBroker struct{ *sqs.Broker }
 
-// openRabbit opens amqp:// and amqps:// URLs with rabbit.Dial. Query
-// parameter ca_file (a PEM file of the CA to trust, amqps only).
-func openRabbit(_ context.Context, u *url.URL, shown string) (Broker, error) {
-	q, err := query(u, shown, "ca_file")
-	if err != nil {
-		return nil, err
-	}
+// openRabbit opens amqp:// and amqps:// URLs with rabbit.Dial (the package
+// doc's section RabbitMQ).
+func openRabbit(_ context.Context, u *url.URL, q url.Values, shown string) (Broker, error) {
 	var opts []rabbit.Option
 	if q.Get("ca_file") != "" {
 		if strings.ToLower(u.Scheme) != "amqps" {

@@ -199,7 +199,13 @@ func TestOpenRefusesBadURLsNamingThePart(t *testing.T) {
 		{"sqs://k:s3cret@127.0.0.1:9324?tls=maybe", "query parameter tls"},
 		{"sqs://127.0.0.1:9324/q", "path"},
 		{"amqp://guest:guest@127.0.0.1:5672/?ca_file=x.pem", "query parameter ca_file"},
-		{"amqp://u:s3cret/with/slash@127.0.0.1:5672/", "URL"},
+		{"amqp://u:s3cret/with/slash@127.0.0.1:5672/", "user and password"},
+		{"amqp://u:s3cret with space@127.0.0.1:5672/", "user and password"},
+		{"127.0.0.1:9092", "scheme"},
+		{"u:s3cret@127.0.0.1:9092", "scheme"},
+		{"amqp://u:s3cret@127.0.0.1:notaport/", "URL"},
+		{"kafka://127.0.0.1:9092?client_id=%zz", "query"},
+		{"https://sqs.us-east-1.amazonaws.com/123456789012/q?region=eu-west-1", "query parameter region"},
 	}
 	for _, c := range cases {
 		b, err := ferry.Open(context.Background(), c.url)
@@ -215,6 +221,24 @@ func TestOpenRefusesBadURLsNamingThePart(t *testing.T) {
 		if strings.Contains(err.Error(), "s3cret") {
 			t.Errorf("Open(%q): the password shows in %q", c.url, err)
 		}
+	}
+}
+
+// A URL without its scheme (a Kafka seed given as is) is told so, with
+// the schemes Ferry opens, not that it "does not parse".
+func TestOpenWithoutASchemeNamesTheSchemes(t *testing.T) {
+	_, err := ferry.Open(context.Background(), "127.0.0.1:9092")
+	var ue *ferry.URLError
+	if !errors.As(err, &ue) || ue.Part != "scheme" || !strings.Contains(ue.Reason, "missing") {
+		t.Fatalf("Open(127.0.0.1:9092) = %v, want a URLError saying the scheme is missing", err)
+	}
+	for _, s := range []string{"kafka://", "sqs://", "amqp://", "amqps://", "mem://", "https://sqs.REGION.amazonaws.com/ACCOUNT/QUEUE"} {
+		if !strings.Contains(ue.Reason, s) {
+			t.Errorf("%q does not name %s", ue.Reason, s)
+		}
+	}
+	if strings.Contains(err.Error(), "parse") || strings.Contains(err.Error(), "escape") {
+		t.Errorf("the error still speaks of parsing or escaping: %v", err)
 	}
 }
 

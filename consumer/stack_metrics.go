@@ -30,19 +30,22 @@ func (s *Stack) RegisterMetrics(mp metric.MeterProvider, name string) (metric.Re
 	}
 	m := mp.Meter("github.com/ferrymq/ferry/consumer")
 	var errs []error
-	counter := func(name, desc string) metric.Int64ObservableCounter {
-		c, err := m.Int64ObservableCounter(name, metric.WithDescription(desc), metric.WithUnit("{message}"))
+	// Units are what is counted, in UCUM's curly braces as the OpenTelemetry
+	// semantic conventions write them: messages, openings of the breaker,
+	// and a state (an enumeration, not a quantity).
+	counter := func(name, desc, unit string) metric.Int64ObservableCounter {
+		c, err := m.Int64ObservableCounter(name, metric.WithDescription(desc), metric.WithUnit(unit))
 		errs = append(errs, err)
 		return c
 	}
-	dead := counter(MetricDeadLettered, "Messages moved to the dead-letter destination.")
-	dlqFail := counter(MetricDLQFailures, "Dead-letter publishes that failed; the message was not acked.")
-	retries := counter(MetricRetries, "Handler runs repeated in process after a failure.")
-	givenBack := counter(MetricGivenBack, "Deliveries returned to the broker with a redelivery delay.")
-	opened := counter(MetricBreakerOpened, "Times the circuit breaker opened.")
-	held := counter(MetricBreakerHeld, "Messages held while the circuit breaker was open.")
+	dead := counter(MetricDeadLettered, "Messages moved to the dead-letter destination.", "{message}")
+	dlqFail := counter(MetricDLQFailures, "Dead-letter publishes that failed; the message was not acked.", "{message}")
+	retries := counter(MetricRetries, "Handler runs repeated in process after a failure.", "{message}")
+	givenBack := counter(MetricGivenBack, "Deliveries returned to the broker with a redelivery delay.", "{message}")
+	opened := counter(MetricBreakerOpened, "Times the circuit breaker opened.", "{opening}")
+	held := counter(MetricBreakerHeld, "Messages held while the circuit breaker was open.", "{message}")
 	state, err := m.Int64ObservableGauge(MetricBreakerState,
-		metric.WithDescription("Circuit breaker state: 0 closed, 1 half-open, 2 open."))
+		metric.WithDescription("Circuit breaker state: 0 closed, 1 half-open, 2 open."), metric.WithUnit("{state}"))
 	errs = append(errs, err)
 	if err := errors.Join(errs...); err != nil {
 		return nil, err

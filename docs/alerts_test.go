@@ -1,12 +1,14 @@
 // Package docs_test checks that the documents in docs/ say what the code
 // does: the alerting rules parse as Prometheus parses them and name only
 // metrics and labels Ferry registers, and the metrics table lists every
-// metric Ferry registers, and nothing else.
+// metric Ferry registers, with its kind and unit, and nothing else.
 package docs_test
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
+	"maps"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -180,13 +182,70 @@ func TestAlertRulesNameOnlyWhatFerryRegisters(t *testing.T) {
 	}
 }
 
-// docs/METRICS.md lists every metric Ferry registers, by its OpenTelemetry
-// name, and no other.
-func TestTheMetricsTableListsEveryMetric(t *testing.T) {
+// instrument is what the metrics table says of a metric, and what Ferry
+// registers: its kind (counter, gauge, histogram) and its unit.
+type instrument struct{ kind, unit string }
+
+// kindOf names the kind of instrument that collected data of d's type.
+func kindOf(d metricdata.Aggregation) string {
+	switch d := d.(type) {
+	case metricdata.Sum[int64]:
+		if d.IsMonotonic {
+			return "counter"
+		}
+		return "updowncounter"
+	case metricdata.Sum[float64]:
+		if d.IsMonotonic {
+			return "counter"
+		}
+		return "updowncounter"
+	case metricdata.Gauge[int64], metricdata.Gauge[float64]:
+		return "gauge"
+	case metricdata.Histogram[int64], metricdata.Histogram[float64]:
+		return "histogram"
+	}
+	return fmt.Sprintf("%T", d)
+}
+
+// tableRow matches a row of the metrics table: | `name` | kind | unit | ...
+var tableRow = regexp.MustCompile("(?m)^\\| `([a-z_.]+)` \\| ([a-z]+) \\| ([^|]*?) \\|")
+
+// tableMismatches lists every way the metrics table differs from what is
+// registered: a metric missing from either, or listed with another kind or
+// unit.
+func tableMismatches(table string, registered map[string]instrument) []string {
+	var bad []string
+	listed := map[string]instrument{}
+	for _, m := range tableRow.FindAllStringSubmatch(table, -1) {
+		listed[m[1]] = instrument{kind: m[2], unit: strings.TrimSpace(m[3])}
+	}
+	for _, name := range slices.Sorted(maps.Keys(registered)) {
+		got, want := listed[name], registered[name]
+		switch {
+		case got == (instrument{}):
+			bad = append(bad, fmt.Sprintf("%s is registered (a %s in %s) but not in the table", name, want.kind, want.unit))
+		case got.kind != want.kind:
+			bad = append(bad, fmt.Sprintf("%s: the table says %s, Ferry registers a %s", name, got.kind, want.kind))
+		case got.unit != want.unit:
+			bad = append(bad, fmt.Sprintf("%s: the table gives the unit %q, Ferry registers %q", name, got.unit, want.unit))
+		}
+	}
+	for _, name := range slices.Sorted(maps.Keys(listed)) {
+		if _, ok := registered[name]; !ok {
+			bad = append(bad, fmt.Sprintf("%s is in the table but Ferry does not register it", name))
+		}
+	}
+	return bad
+}
+
+// registeredInstruments registers every metric Ferry has and returns each
+// one's kind and unit, as a reader collects them.
+func registeredInstruments(t *testing.T) map[string]instrument {
+	t.Helper()
 	reader := sdkmetric.NewManualReader()
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	defer mp.Shutdown(context.Background())
-	var registered []string
+	registered := map[string]instrument{}
 	registerEverything(t, mp, func() {
 		var rm metricdata.ResourceMetrics
 		if err := reader.Collect(context.Background(), &rm); err != nil {
@@ -194,23 +253,55 @@ func TestTheMetricsTableListsEveryMetric(t *testing.T) {
 		}
 		for _, sm := range rm.ScopeMetrics {
 			for _, m := range sm.Metrics {
-				registered = append(registered, m.Name)
+				registered[m.Name] = instrument{kind: kindOf(m.Data), unit: m.Unit}
 			}
 		}
 	})
+	if len(registered) < 20 {
+		t.Fatalf("only %d metrics collected: %v", len(registered), registered)
+	}
+	return registered
+}
+
+// docs/METRICS.md lists every metric Ferry registers, by its OpenTelemetry
+// name, with the kind and the unit Ferry registers it with, and no other.
+func TestTheMetricsTableListsEveryMetric(t *testing.T) {
 	table, err := os.ReadFile("METRICS.md")
 	if err != nil {
 		t.Fatal(err)
 	}
-	var listed []string
-	for _, m := range regexp.MustCompile("(?m)^\\| `([a-z_.]+)` \\|").FindAllStringSubmatch(string(table), -1) {
-		listed = append(listed, m[1])
+	for _, m := range tableMismatches(string(table), registeredInstruments(t)) {
+		t.Error("METRICS.md: " + m)
 	}
-	sort.Strings(registered)
-	registered = slices.Compact(registered)
-	sort.Strings(listed)
-	if !slices.Equal(registered, listed) {
-		t.Fatalf("METRICS.md lists\n  %s\nFerry registers\n  %s", strings.Join(listed, "\n  "), strings.Join(registered, "\n  "))
+}
+
+// The check above fails a table with a wrong unit, a wrong kind, a metric
+// missing, or one too many.
+func TestTheMetricsTableCheckCatchesDrift(t *testing.T) {
+	orig, err := os.ReadFile("METRICS.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	registered := registeredInstruments(t)
+	row := "| `ferry.breaker.opened` | counter | {opening} |"
+	cases := []struct{ name, old, new, want string }{
+		{"wrong unit", row, "| `ferry.breaker.opened` | counter | {message} |", `the table gives the unit "{message}", Ferry registers "{opening}"`},
+		{"wrong kind", row, "| `ferry.breaker.opened` | gauge | {opening} |", "the table says gauge"},
+		{"metric missing", row, "| `ferry.breaker.openings` | counter | {opening} |", "ferry.breaker.opened is registered"},
+	}
+	for _, c := range cases {
+		if !strings.Contains(string(orig), c.old) {
+			t.Fatalf("METRICS.md has no %q", c.old)
+		}
+		bad := tableMismatches(strings.Replace(string(orig), c.old, c.new, 1), registered)
+		if !slices.ContainsFunc(bad, func(m string) bool { return strings.Contains(m, c.want) }) {
+			t.Errorf("%s: no mismatch naming %q among %q", c.name, c.want, bad)
+		}
+	}
+	if bad := tableMismatches(string(orig)+"| `ferry.extra` | gauge | {x} | not a metric |\n", registered); !slices.ContainsFunc(bad, func(m string) bool {
+		return strings.Contains(m, "ferry.extra is in the table")
+	}) {
+		t.Errorf("one too many: %q", bad)
 	}
 }
 

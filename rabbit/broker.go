@@ -11,9 +11,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/url"
-	"regexp"
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -21,6 +19,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/urlsecret"
 )
 
 // Errors of the package. Match them with errors.Is; an error the broker sent
@@ -251,14 +250,10 @@ type Broker struct {
 var _ consumer.Publisher = (*Broker)(nil)
 
 // Redact returns rawURL with its password replaced by "xxxxx", for logs and
-// errors. A URL that does not parse is replaced by a placeholder whole.
-func Redact(rawURL string) string {
-	u, err := url.Parse(rawURL)
-	if err != nil {
-		return "<unparsable AMQP URL>"
-	}
-	return u.Redacted()
-}
+// errors. The user information runs from after "amqp://" to the last "@"
+// of rawURL, so that a password holding any character, "@", "/" and
+// whitespace included, is hidden whole, whether or not the URL parses.
+func Redact(rawURL string) string { return urlsecret.Redact(rawURL) }
 
 // Dial connects to the RabbitMQ at url (amqp:// or amqps://, with the vhost
 // as its path) and declares the topology of WithTopology. An invalid URL or
@@ -286,6 +281,11 @@ func Dial(rawURL string, opts ...Option) (*Broker, error) {
 		}
 	}
 	redacted := Redact(rawURL)
+	if err := urlsecret.Check(rawURL); err != nil {
+		// url.Parse would read a part of the password as the host, the
+		// vhost or the query, and errors quote those.
+		return nil, fieldErr("URL", "%s: the user and password %v", redacted, err)
+	}
 	uri, err := amqp.ParseURI(rawURL)
 	if err != nil {
 		// url.Parse's errors quote the URL or a part of it (the text
@@ -328,32 +328,12 @@ func scrub(err error, rawURL string) error {
 	if err == nil {
 		return nil
 	}
-	pw := ""
-	if u, perr := url.Parse(rawURL); perr == nil && u.User != nil {
-		pw, _ = u.User.Password()
-	} else if m := userinfo.FindStringSubmatch(rawURL); m != nil {
-		pw = m[1]
-	}
-	if pw == "" {
-		return err
-	}
-	// Only where the URL holds it, between the user's ":" and the "@": a
-	// short password also occurs inside other words of the message.
 	msg := err.Error()
-	out := msg
-	for _, form := range []string{pw, url.PathEscape(pw), url.QueryEscape(pw)} {
-		out = strings.ReplaceAll(out, ":"+form+"@", ":xxxxx@")
-	}
-	if out != msg {
+	if out := urlsecret.Scrub(msg, urlsecret.Forms(rawURL)); out != msg {
 		return &scrubbed{msg: out}
 	}
 	return err
 }
-
-// userinfo finds the password of a URL that does not parse: everything
-// from the user's ":" to the last "@" (a password may hold any character,
-// "/" and "@" included, when it was not escaped).
-var userinfo = regexp.MustCompile(`^[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@]*:(.*)@`)
 
 // scrubbed is an error whose text had a password taken out. It does not
 // unwrap: the original's text holds the password.
