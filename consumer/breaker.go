@@ -95,6 +95,7 @@ type Breaker struct {
 
 	openedAt   atomic.Int64 // unix nanoseconds of the last opening
 	halfOpenAt atomic.Int64 // monotonic nanoseconds (monoNow) of the last turn to half-open
+	registered atomic.Bool  // its metrics were registered by hand (Stack.RegisterMetrics)
 	opened     atomic.Int64
 	held       atomic.Int64
 }

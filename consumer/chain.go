@@ -41,6 +41,7 @@ type chainParts struct {
 	breakers    []*Breaker
 	retries     []*Retry
 	deadLetters []*DeadLetter
+	metrics     []MetricsSource // other layers' counters (idempotency)
 }
 
 // retrier and deadLetterer are the handlers of Retry and DeadLetter.
@@ -75,6 +76,11 @@ func inspectChain(h Handler) (chainParts, error) {
 		}
 		if d, ok := h.(deadLetterer); ok {
 			p.deadLetters = appendOnce(p.deadLetters, d.deadLetterer())
+		}
+		if m, ok := h.(metricsSourcer); ok {
+			if src := m.MetricsSource(); src != nil {
+				p.metrics = appendOnce(p.metrics, src)
+			}
 		}
 		u, ok := h.(unwrapper)
 		if !ok {

@@ -130,8 +130,9 @@ type DeadLetter struct {
 	logger      *slog.Logger // nil: the Loop's (Logger)
 	logs        *ratelog.Limiter
 
-	count    atomic.Int64
-	failures atomic.Int64
+	registered atomic.Bool // its metrics were registered by hand (Stack.RegisterMetrics)
+	count      atomic.Int64
+	failures   atomic.Int64
 }
 
 // DeadLetterOption configures NewDeadLetter.

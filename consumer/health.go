@@ -271,7 +271,7 @@ func (l *Loop) takeSample(ctx context.Context) healthSample {
 // lastLag returns the lag of the newest health sample, when Run took one
 // within the last two sampling intervals: readers of the lag between
 // samples (the metrics) need not ask the broker again.
-func (l *Loop) lastLag() (waiting int64, oldest time.Duration, ok bool) {
+func (l *Loop) lastLag() (notDone int64, oldest time.Duration, ok bool) {
 	l.health.mu.Lock()
 	defer l.health.mu.Unlock()
 	n := len(l.health.samples)
@@ -282,7 +282,7 @@ func (l *Loop) lastLag() (waiting int64, oldest time.Duration, ok bool) {
 	if !s.lagKnown || time.Since(s.at) > 2*l.health.interval {
 		return 0, 0, false
 	}
-	return s.waiting, s.oldest, true
+	return s.lag, s.oldest, true
 }
 
 // Health returns the consumer's state and the figures behind it, judged

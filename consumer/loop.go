@@ -47,6 +47,8 @@ type Loop struct {
 	// logs bounds the lines of events that can repeat at the message rate.
 	logs *ratelog.Limiter
 	conn connState
+	// instruments are the histograms, set when Run registers the metrics.
+	instruments *loopInstruments
 }
 
 // Stats is a snapshot of a Loop's counters.
@@ -194,10 +196,8 @@ func (l *Loop) Run(ctx context.Context, h Handler) (err error) {
 	l.health.parts = parts
 	l.health.mu.Unlock()
 	defer l.drv.Close()
-	if reg, err := l.registerMetrics(); err != nil {
-		l.cfg.logger.Warn("ferry: metrics unavailable", "consumer", l.cfg.name, "err", err)
-	} else {
-		defer reg.Unregister()
+	if _, merr := l.registerMetrics(parts); merr != nil {
+		l.cfg.logger.Warn("ferry: metrics unavailable", "consumer", l.cfg.name, "err", merr)
 	}
 	if l.cfg.mode != AtMostOnce {
 		breakers = nil // only an ack before the run needs to ask them first

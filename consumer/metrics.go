@@ -5,6 +5,7 @@ import (
 	"errors"
 	"time"
 
+	"github.com/ferrymq/ferry/internal/msgmetrics"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
@@ -15,17 +16,18 @@ import (
 // message for its metrics, and nothing at all when no MeterProvider is
 // installed.
 const (
-	MetricConsumed  = "messaging.client.consumed.messages" // counter: deliveries taken from the broker (OTel messaging semconv)
-	MetricAcked     = "ferry.consumer.acked"               // counter: deliveries acknowledged
-	MetricReturned  = "ferry.consumer.returned"            // counter: deliveries returned for redelivery
-	MetricFailed    = "ferry.consumer.failed"              // counter: handler runs that failed (panics included)
-	MetricHeld      = "ferry.consumer.held"                // counter: handler runs held by an open circuit breaker
-	MetricDropped   = "ferry.consumer.dropped"             // counter: at most once, messages acked before they ran whose run failed or was held
-	MetricInFlight  = "ferry.consumer.in_flight"           // gauge: deliveries held unsettled
-	MetricRunning   = "ferry.consumer.running"             // gauge: handlers running
-	MetricLag       = "ferry.consumer.lag"                 // gauge: messages waiting at the broker
-	MetricOldestAge = "ferry.consumer.oldest_age"          // gauge, seconds: age of the oldest waiting message
-	MetricHealth    = "ferry.consumer.health"              // gauge: the Health state, 0 steady, 1 downstream slow, 2 retry storm, 3 backlog past retention, 4 protected, 5 dead-letter failing, 6 starting, 7 disconnected, 8 wedged, 9 stopped
+	MetricConsumed    = "messaging.client.consumed.messages" // counter: deliveries taken from the broker (OTel messaging semconv)
+	MetricAcked       = "ferry.consumer.acked"               // counter: deliveries acknowledged
+	MetricReturned    = "ferry.consumer.returned"            // counter: deliveries returned for redelivery
+	MetricFailed      = "ferry.consumer.failed"              // counter: handler runs that failed (panics included)
+	MetricHeld        = "ferry.consumer.held"                // counter: handler runs held by an open circuit breaker
+	MetricDropped     = "ferry.consumer.dropped"             // counter: at most once, messages acked before they ran whose run failed or was held
+	MetricFetchErrors = "ferry.consumer.fetch_errors"        // counter: failed attempts to reach the broker or the source
+	MetricInFlight    = "ferry.consumer.in_flight"           // gauge: deliveries held unsettled
+	MetricRunning     = "ferry.consumer.running"             // gauge: handlers running
+	MetricLag         = "ferry.consumer.lag"                 // gauge: messages not yet done (waiting, and taken but unsettled): the lag of Health and of ferry lag
+	MetricOldestAge   = "ferry.consumer.oldest_age"          // gauge, seconds: age of the oldest waiting message
+	MetricHealth      = "ferry.consumer.health"              // gauge: the Health state, 0 steady, 1 downstream slow, 2 retry storm, 3 backlog past retention, 4 protected, 5 dead-letter failing, 6 starting, 7 disconnected, 8 wedged, 9 stopped
 )
 
 // healthLevel is the value of MetricHealth for a state.
@@ -65,9 +67,12 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 	}
 }
 
-// registerMetrics registers the loop's observable instruments for the
-// length of one Run.
-func (l *Loop) registerMetrics() (metric.Registration, error) {
+// registerMetrics registers the loop's observable instruments, the
+// histograms it records into, and the counters of the middleware in its
+// chain that nobody registered by hand, all on the loop's MeterProvider.
+// They stay registered after Run returns, so that the health gauge reports
+// the consumer stopped rather than vanish.
+func (l *Loop) registerMetrics(parts chainParts) (metric.Registration, error) {
 	mp := l.cfg.meterProvider
 	if mp == nil {
 		mp = otel.GetMeterProvider()
@@ -90,41 +95,129 @@ func (l *Loop) registerMetrics() (metric.Registration, error) {
 	failed := counter(MetricFailed, "Handler runs that returned an error or panicked.")
 	held := counter(MetricHeld, "Handler runs held because a circuit breaker was open.")
 	dropped := counter(MetricDropped, "At most once: messages acked before they ran whose run failed or was held, and so lost.")
+	fetchErrors := counter(MetricFetchErrors, "Failed attempts to reach the broker or the source (connect and fetch).")
 	inFlight := gauge(MetricInFlight, "Messages held by the consumer and not yet settled.", "{message}")
 	running := gauge(MetricRunning, "Handlers running now.", "{handler}")
-	lag := gauge(MetricLag, "Messages waiting at the broker that no consumer has taken.", "{message}")
+	lag := gauge(MetricLag, "Messages not yet done: waiting at the broker, and taken but not yet settled.", "{message}")
 	oldest, err := m.Float64ObservableGauge(MetricOldestAge, metric.WithDescription("Age of the oldest waiting message."), metric.WithUnit("s"))
 	errs = append(errs, err)
 	health := gauge(MetricHealth, "The consumer's health state: 0 steady, 1 downstream slow, 2 retry storm, 3 backlog past retention, 4 protected, 5 dead-letter failing, 6 starting, 7 disconnected, 8 wedged, 9 stopped.", "{state}")
+	process, err := msgmetrics.Duration(m, msgmetrics.ProcessDuration, "Duration of one run of the handler chain for a message.")
+	errs = append(errs, err)
+	operation, err := msgmetrics.Duration(m, msgmetrics.OperationDuration, "Duration of messaging operations: publish, receive and settle calls.")
+	errs = append(errs, err)
 	if err := errors.Join(errs...); err != nil {
 		return nil, err
 	}
-	attrs := metric.WithAttributes(attribute.String("messaging.consumer.group.name", l.cfg.name))
-	return m.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
+	base := []attribute.KeyValue{
+		msgmetrics.KeySystem.String(l.caps.System),
+		msgmetrics.KeyDestination.String(l.caps.Source),
+		msgmetrics.KeyGroup.String(l.cfg.name),
+	}
+	l.instruments = newLoopInstruments(process, operation, base)
+	attrs := metric.WithAttributes(base...)
+	consumedAttrs := metric.WithAttributes(append(base, msgmetrics.KeyOperationName.String("receive"))...)
+	reg, err := m.RegisterCallback(func(ctx context.Context, o metric.Observer) error {
 		s := l.Stats()
-		o.ObserveInt64(consumed, s.Fetched, attrs)
+		o.ObserveInt64(consumed, s.Fetched, consumedAttrs)
 		o.ObserveInt64(acked, s.Acked, attrs)
 		o.ObserveInt64(returned, s.Returned, attrs)
 		o.ObserveInt64(failed, s.Failed, attrs)
 		o.ObserveInt64(held, s.Held, attrs)
 		o.ObserveInt64(dropped, s.Dropped, attrs)
+		o.ObserveInt64(fetchErrors, s.FetchErrors, attrs)
 		o.ObserveInt64(inFlight, s.InFlight, attrs)
 		o.ObserveInt64(running, s.Running, attrs)
 		o.ObserveInt64(health, healthLevel(l.Health().State), attrs)
+		if phase, _, _, _ := l.conn.get(); phase == phaseStopped {
+			return nil // no broker to ask
+		}
 		// The health sampler asks the broker for the lag every interval
 		// while Run runs; a collection between samples reuses the last
 		// one rather than asking again.
-		if waiting, age, ok := l.lastLag(); ok {
-			o.ObserveInt64(lag, waiting, attrs)
+		if notDone, age, ok := l.lastLag(); ok {
+			o.ObserveInt64(lag, notDone, attrs)
 			o.ObserveFloat64(oldest, age.Seconds(), attrs)
 			return nil
 		}
 		lctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()
 		if lg, err := l.Lag(lctx); err == nil {
-			o.ObserveInt64(lag, lg.Messages, attrs)
+			o.ObserveInt64(lag, lg.Messages+max(lg.InFlight, 0), attrs)
 			o.ObserveFloat64(oldest, lg.OldestAge.Seconds(), attrs)
 		}
 		return nil
-	}, consumed, acked, returned, failed, held, dropped, inFlight, running, lag, oldest, health)
+	}, consumed, acked, returned, failed, held, dropped, fetchErrors, inFlight, running, lag, oldest, health)
+	if err != nil {
+		return nil, err
+	}
+	chain := parts.unregistered()
+	if len(chain.deadLetters)+len(chain.retries)+len(chain.breakers) > 0 {
+		if _, err := chain.registerMetrics(mp, metric.WithAttributes(msgmetrics.KeyGroup.String(l.cfg.name))); err != nil {
+			return reg, err
+		}
+	}
+	for _, src := range chain.metrics {
+		if _, err := src.RegisterMetrics(mp, l.cfg.name); err != nil {
+			return reg, err
+		}
+	}
+	return reg, nil
+}
+
+// loopInstruments are the histograms the loop records into, with their
+// attribute sets made once.
+type loopInstruments struct {
+	process, operation                     metric.Float64Histogram
+	processOK                              metric.RecordOption
+	processErr                             map[string]metric.RecordOption // by error.type
+	receive, receiveErr, settle, settleErr metric.RecordOption
+}
+
+func newLoopInstruments(process, operation metric.Float64Histogram, base []attribute.KeyValue) *loopInstruments {
+	with := func(kv ...attribute.KeyValue) metric.RecordOption {
+		return metric.WithAttributeSet(attribute.NewSet(append(append([]attribute.KeyValue(nil), base...), kv...)...))
+	}
+	li := &loopInstruments{
+		process: process, operation: operation,
+		processOK:  with(msgmetrics.KeyOperationName.String("process"), msgmetrics.KeyOperationType.String("process")),
+		processErr: map[string]metric.RecordOption{},
+		receive:    with(msgmetrics.KeyOperationName.String("receive"), msgmetrics.KeyOperationType.String("receive")),
+		receiveErr: with(msgmetrics.KeyOperationName.String("receive"), msgmetrics.KeyOperationType.String("receive"),
+			msgmetrics.KeyErrorType.String("error")),
+		settle: with(msgmetrics.KeyOperationName.String("settle"), msgmetrics.KeyOperationType.String("settle")),
+		settleErr: with(msgmetrics.KeyOperationName.String("settle"), msgmetrics.KeyOperationType.String("settle"),
+			msgmetrics.KeyErrorType.String("error")),
+	}
+	for _, kind := range []string{"permanent", "panic", "timeout", "error", "held", "deferred"} {
+		li.processErr[kind] = with(msgmetrics.KeyOperationName.String("process"), msgmetrics.KeyOperationType.String("process"),
+			msgmetrics.KeyErrorType.String(kind))
+	}
+	return li
+}
+
+// recordProcess records one run of the handler chain that took d and
+// returned err.
+func (li *loopInstruments) recordProcess(d time.Duration, err error) {
+	opt := li.processOK
+	if err != nil {
+		switch {
+		case IsHeld(err):
+			opt = li.processErr["held"]
+		case IsDeferred(err):
+			opt = li.processErr["deferred"]
+		default:
+			opt = li.processErr[errorKind(err)]
+		}
+	}
+	li.process.Record(context.Background(), d.Seconds(), opt)
+}
+
+// recordOp records a receive or settle call.
+func (li *loopInstruments) recordOp(ok, failed metric.RecordOption, d time.Duration, err error) {
+	opt := ok
+	if err != nil && !errors.Is(err, context.Canceled) {
+		opt = failed
+	}
+	li.operation.Record(context.Background(), d.Seconds(), opt)
 }

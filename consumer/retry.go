@@ -50,8 +50,9 @@ type Retry struct {
 	logger        *slog.Logger                                     // nil: the Loop's (Logger)
 	logs          *ratelog.Limiter
 
-	retries   atomic.Int64 // in-process re-runs
-	givenBack atomic.Int64 // deliveries returned to the broker with a delay
+	registered atomic.Bool  // its metrics were registered by hand (Stack.RegisterMetrics)
+	retries    atomic.Int64 // in-process re-runs
+	givenBack  atomic.Int64 // deliveries returned to the broker with a delay
 }
 
 // Retries returns how many times Retry ran a handler again in process.

@@ -173,7 +173,11 @@ func (q *ioQueue) extendSent() {
 func (q *ioQueue) settleLoop(abandon <-chan struct{}) {
 	for job := range q.settleC {
 		ctx := withLazyDeadline(q.ctx, ioTimeout)
+		began := monoNow()
 		job.err = q.l.drv.Settle(ctx, job.batch)
+		if li := q.l.instruments; li != nil {
+			li.recordOp(li.settle, li.settleErr, monoNow()-began, job.err)
+		}
 		ctx.release()
 		select {
 		case q.settleBack <- job:

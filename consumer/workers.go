@@ -105,10 +105,18 @@ func (r *run) call(d *delivery) (err error) {
 	}
 	s := &r.l.stats
 	s.running.Add(1)
+	li := r.l.instruments
+	var start time.Duration
+	if li != nil {
+		start = monoNow()
+	}
 	defer func() {
 		s.running.Add(-1)
 		if v := recover(); v != nil {
 			err = &PanicError{Value: v, Stack: debug.Stack()}
+		}
+		if li != nil {
+			li.recordProcess(monoNow()-start, err)
 		}
 	}()
 	d.msg.Attempt = d.runs + 1
@@ -193,7 +201,11 @@ func (r *run) fetchLoop(ctx context.Context) {
 			}
 		}
 		var err error
+		began := monoNow()
 		buf, err = l.drv.Fetch(ctx, buf[:0], min(room, l.cfg.fetchBatch))
+		if li := l.instruments; li != nil {
+			li.recordOp(li.receive, li.receiveErr, monoNow()-began, err)
+		}
 		if len(buf) > 0 {
 			l.inflight.Add(int64(len(buf)))
 			l.stats.fetched.Add(int64(len(buf)))

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 
+	"github.com/ferrymq/ferry/consumer"
+
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
 )
@@ -25,7 +27,24 @@ const (
 // registration is unregistered. The counters are read when a reader
 // collects, so the middleware costs nothing more per message. Claims lost
 // and store errors that grow are what an alert should watch.
+//
+// A consumer.Loop running the middleware registers these itself, on its own
+// MeterProvider, when Run starts; call RegisterMetrics only to report them
+// elsewhere. A Dedup registered here is not registered again by a Loop.
 func (d *Dedup) RegisterMetrics(mp metric.MeterProvider, name string) (metric.Registration, error) {
+	d.registered.Store(true)
+	return d.registerMetrics(mp, name)
+}
+
+// MetricsRegistered reports whether RegisterMetrics was called: a
+// consumer.Loop then does not register d's metrics again.
+func (d *Dedup) MetricsRegistered() bool { return d.registered.Load() }
+
+// MetricsSource returns d, for the consumer.Loop that runs h to register
+// its metrics.
+func (h *handler) MetricsSource() consumer.MetricsSource { return h.d }
+
+func (d *Dedup) registerMetrics(mp metric.MeterProvider, name string) (metric.Registration, error) {
 	if mp == nil {
 		return nil, configErr("MeterProvider", "must not be nil")
 	}

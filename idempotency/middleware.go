@@ -160,7 +160,8 @@ type Dedup struct {
 	storeErrors atomic.Int64
 	noKey       atomic.Int64
 
-	logs *ratelog.Limiter
+	logs       *ratelog.Limiter
+	registered atomic.Bool // RegisterMetrics was called
 }
 
 // warn logs a line of kind, rate-limited, through the configured logger or
