@@ -7,10 +7,11 @@
 // and idempotency, so an event delivered twice is paid once. It prints each
 // payment and ends once every order is paid.
 //
-// Start the brokers (docker compose up --wait, or make brokers), then:
+// Start the brokers (docker compose up --wait, or make brokers), then, in
+// the examples folder (a Go module of its own):
 //
-//	go run ./examples/kafka
-//	go run ./examples/kafka -brokers 127.0.0.1:9092 -orders 20
+//	go run ./kafka
+//	go run ./kafka -brokers 127.0.0.1:9092 -orders 20
 //
 // A real service keeps its topics; this example makes its own, under a
 // fresh name, and deletes them at the end, so that runs never see each

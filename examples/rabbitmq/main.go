@@ -7,10 +7,11 @@
 // and idempotency, so an event delivered twice is paid once. It prints each
 // payment and ends once every order is paid.
 //
-// Start the brokers (docker compose up --wait, or make brokers), then:
+// Start the brokers (docker compose up --wait, or make brokers), then, in
+// the examples folder (a Go module of its own):
 //
-//	go run ./examples/rabbitmq
-//	go run ./examples/rabbitmq -url amqp://guest:guest@127.0.0.1:5672/ -orders 20
+//	go run ./rabbitmq
+//	go run ./rabbitmq -url amqp://guest:guest@127.0.0.1:5672/ -orders 20
 //
 // A real service keeps its queues; this example declares its own, under a
 // fresh name, which RabbitMQ deletes a minute after they were last used, so

@@ -8,10 +8,11 @@
 // and idempotency, so an event delivered twice is paid once. It prints each
 // payment and ends once every order is paid.
 //
-// Start the brokers (docker compose up --wait, or make brokers), then:
+// Start the brokers (docker compose up --wait, or make brokers), then, in
+// the examples folder (a Go module of its own):
 //
-//	go run ./examples/sqs
-//	go run ./examples/sqs -endpoint http://127.0.0.1:9324 -orders 20
+//	go run ./sqs
+//	go run ./sqs -endpoint http://127.0.0.1:9324 -orders 20
 //
 // With -endpoint "" it talks to AWS, with the default credential chain and
 // the region of -region. A real service keeps its queues; this example
