@@ -29,6 +29,7 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -37,6 +38,7 @@ import (
 	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
+	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
 	"github.com/aws/aws-sdk-go-v2/config"
 	"github.com/aws/aws-sdk-go-v2/credentials"
 	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
@@ -83,20 +85,10 @@ func main() {
 
 func run(ctx context.Context, endpoint, region string, n int, payTime time.Duration) error {
 	// The SQS client, the broker over it, and the queues of this run.
-	var opts []func(*config.LoadOptions) error
-	if endpoint != "" {
-		// A local server takes any credentials.
-		opts = append(opts, config.WithCredentialsProvider(credentials.NewStaticCredentialsProvider("x", "x", "")))
-	}
-	cfg, err := config.LoadDefaultConfig(ctx, append(opts, config.WithRegion(region))...)
+	client, err := newClient(ctx, endpoint, region)
 	if err != nil {
 		return err
 	}
-	client := awssqs.NewFromConfig(cfg, func(o *awssqs.Options) {
-		if endpoint != "" {
-			o.BaseEndpoint = aws.String(endpoint)
-		}
-	})
 	b, err := sqs.New(client)
 	if err != nil {
 		return err
@@ -235,6 +227,36 @@ func run(ctx context.Context, endpoint, region string, n int, payTime time.Durat
 	fmt.Printf("billing: paid %d of %d orders\n", paid.Load(), n)
 	return nil
 }
+
+// newClient returns the SQS client of the region, at endpoint unless it is
+// "" (AWS).
+func newClient(ctx context.Context, endpoint, region string) (*awssqs.Client, error) {
+	var opts []func(*config.LoadOptions) error
+	if endpoint != "" {
+		// A local server takes any credentials.
+		opts = append(opts, config.WithCredentialsProvider(credentials.NewStaticCredentialsProvider("x", "x", "")))
+	}
+	cfg, err := config.LoadDefaultConfig(ctx, append(opts, config.WithRegion(region))...)
+	if err != nil {
+		return nil, err
+	}
+	return awssqs.NewFromConfig(cfg, func(o *awssqs.Options) {
+		if endpoint != "" {
+			o.BaseEndpoint = aws.String(endpoint)
+		}
+		// A consumer keeps several receives and batch calls open at once:
+		// with the SDK's 10 idle connections per host, connections are
+		// closed and opened all the time, and a receive cut on a closing
+		// one leaves its messages invisible until their visibility timeout
+		// (see package sqs).
+		o.HTTPClient = awshttp.NewBuildableClient().WithTransportOptions(func(tr *http.Transport) {
+			tr.MaxIdleConnsPerHost = idleConnsPerHost
+		})
+	}), nil
+}
+
+// idleConnsPerHost is how many idle connections the SQS client keeps.
+const idleConnsPerHost = 100
 
 // randomID names this run's queues.
 func randomID() string {
