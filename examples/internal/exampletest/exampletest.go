@@ -229,9 +229,20 @@ func Unfinished(lines []string, started, finished *regexp.Regexp) []string {
 func CheckDrainsOnSIGTERM(t *testing.T, bin string, args ...string) {
 	t.Helper()
 	p := Start(t, bin, nil, args...)
-	p.WaitFor(regexp.MustCompile(`^billing: paid o-`), 60*time.Second)
+	began := regexp.MustCompile(`^billing: paying (o-\d+)$`)
+	ended := regexp.MustCompile(`^billing: paid (o-\d+) `)
+	p.WaitFor(ended, 60*time.Second)
+	// Signal while the output shows payments begun and not finished.
+	var inFlight []string
+	atSignal := 0
+	for deadline := time.Now().Add(10 * time.Second); len(inFlight) == 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("no payment in flight for 10s after the first one finished: make each payment slower")
+		}
+		lines := p.Stdout()
+		atSignal, inFlight = len(lines), Unfinished(lines, began, ended)
+	}
 	p.Signal(syscall.SIGTERM)
-	atSignal := len(p.Stdout())
 	if err := p.Wait(45 * time.Second); err != nil {
 		t.Fatalf("after SIGTERM the example exited with %v, want status 0", err)
 	}
@@ -239,12 +250,9 @@ func CheckDrainsOnSIGTERM(t *testing.T, bin string, args ...string) {
 	if last := lines[len(lines)-1]; !strings.HasPrefix(last, "stopped (terminated signal received): ") {
 		t.Errorf("last line %q, want the example to say SIGTERM stopped it before every order was paid", last)
 	}
-	began := regexp.MustCompile(`^billing: paying (o-\d+)$`)
-	ended := regexp.MustCompile(`^billing: paid (o-\d+) `)
 	if open := Unfinished(lines, began, ended); len(open) > 0 {
 		t.Errorf("payments begun and never finished (the consumer did not drain): %v", open)
 	}
-	inFlight := Unfinished(lines[:atSignal], began, ended)
 	drained := 0
 	for _, l := range lines[atSignal:] {
 		if m := ended.FindStringSubmatch(l); m != nil && slices.Contains(inFlight, m[1]) {
