@@ -82,7 +82,10 @@ func run(ctx context.Context, url string, n int, payTime time.Duration) error {
 	queue, dlq := "orders-"+id, "orders-"+id+"-dlq"
 	expires := amqp.Table{"x-expires": int64(time.Minute / time.Millisecond)}
 	b, err := rabbit.Dial(url, rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{
-		{Name: queue, Args: expires}, // a quorum queue, the default
+		// A quorum queue (the default). What passes its delivery limit
+		// (RabbitMQ 4's default is 20 deliveries) goes to the dead-letter
+		// queue through the default exchange instead of being dropped.
+		{Name: queue, DeadLetterRoutingKey: dlq, Args: expires},
 		{Name: dlq, Args: expires},
 	}}))
 	if err != nil {
