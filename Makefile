@@ -3,17 +3,19 @@ GO        ?= go
 GOFLAGS_TEST ?= -race -count=1 -timeout 20m
 PKGS      ?= ./...
 
-.PHONY: test test-restarts restart-loop unit brokers brokers-down brokers-status bench bench-compare bench-test vet chaos chaos-short
+.PHONY: test test-restarts restart-loop unit brokers brokers-down brokers-status bench bench-compare bench-test examples-test vet chaos chaos-short
 
 ## test: start the brokers, then run every test (unit and integration) with -race;
 ## then, alone, the tests that restart a shared broker, the bench module's short
-## check that every benchmark variant loses no message, and (for the whole module)
+## check that every benchmark variant loses no message, the examples module's
+## tests (each example run against the real brokers) and (for the whole module)
 ## the chaos run's short setting (chaos-short)
 test: brokers
 	$(GO) test $(GOFLAGS_TEST) $(PKGS)
 	$(MAKE) test-restarts
 	$(MAKE) restart-loop
 	$(MAKE) bench-test
+	$(MAKE) examples-test
 	$(if $(filter ./...,$(PKGS)),$(MAKE) chaos-short)
 
 ## test-restarts: the tests that stop and start a shared broker (Kafka), run
@@ -74,11 +76,19 @@ bench-compare:
 bench-test:
 	cd bench && $(GO) test -short -race -count=1 -timeout 5m ./...
 
-## vet: go vet, staticcheck (a tool of go.mod) and a gofmt check
+## examples-test: the examples module's tests (each example built and run against
+## the real brokers and PostgreSQL), with -race
+examples-test:
+	cd examples && $(GO) test -race -count=1 ./...
+
+## vet: go vet, staticcheck (a tool of go.mod) and a gofmt check, over the module
+## and over the bench and examples modules
 vet:
 	$(GO) vet $(PKGS)
 	$(GO) tool staticcheck $(PKGS)
 	cd bench && $(GO) vet ./...
 	staticcheck=$$($(GO) tool -n staticcheck) && cd bench && $$staticcheck ./...
+	cd examples && $(GO) vet ./...
+	staticcheck=$$($(GO) tool -n staticcheck) && cd examples && $$staticcheck ./...
 	@unformatted=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './.brokers/*')); \
 	if [ -n "$$unformatted" ]; then echo "gofmt needed:"; echo "$$unformatted"; exit 1; fi

@@ -238,8 +238,9 @@ type Broker struct {
 	idPrefix string
 	idSeq    atomic.Uint64
 
-	mu      sync.Mutex
-	drivers map[*Driver]struct{}
+	mu         sync.Mutex
+	drivers    map[*Driver]struct{}
+	dropWarned map[string]bool // queues whose drop warning was logged
 
 	closeOnce sync.Once
 	closed    chan struct{}
@@ -300,13 +301,14 @@ func Dial(rawURL string, opts ...Option) (*Broker, error) {
 	var p [4]byte
 	_, _ = crand.Read(p[:])
 	b := &Broker{
-		cfg:      c,
-		uri:      uri,
-		redacted: redacted,
-		log:      c.logger.With("broker", redacted),
-		idPrefix: hex.EncodeToString(p[:]) + "-",
-		drivers:  make(map[*Driver]struct{}),
-		closed:   make(chan struct{}),
+		cfg:        c,
+		uri:        uri,
+		redacted:   redacted,
+		log:        c.logger.With("broker", redacted),
+		idPrefix:   hex.EncodeToString(p[:]) + "-",
+		drivers:    make(map[*Driver]struct{}),
+		dropWarned: make(map[string]bool),
+		closed:     make(chan struct{}),
 	}
 	b.life, b.endLife = context.WithCancel(context.Background())
 	b.pubConn = newConnMgr(b, "publish")
@@ -340,6 +342,26 @@ func scrub(err error, rawURL string) error {
 type scrubbed struct{ msg string }
 
 func (e *scrubbed) Error() string { return e.msg }
+
+// warnDrops logs, once per queue in the Broker's life, that RabbitMQ drops
+// the messages of q, a queue of the topology that a consumer of the Broker
+// opened on conn, past its delivery limit (see dropLimit).
+func (b *Broker) warnDrops(q Queue, conn *amqp.Connection) {
+	version, _ := conn.Properties["version"].(string)
+	limit, byDefault, drops := dropLimit(q, version)
+	if !drops {
+		return
+	}
+	b.mu.Lock()
+	warned := b.dropWarned[q.Name]
+	b.dropWarned[q.Name] = true
+	b.mu.Unlock()
+	if warned {
+		return
+	}
+	b.log.Warn("rabbit: quorum queue has no dead-letter exchange: a message delivered more than delivery_limit times is dropped (declare a DeadLetterExchange)",
+		"queue", q.Name, "delivery_limit", limit, "broker_default_limit", byDefault, "rabbitmq_version", version)
+}
 
 func (b *Broker) isClosed() bool {
 	select {
@@ -606,7 +628,7 @@ func (m *connMgr) connect() (*amqp.Connection, error) {
 		}
 		return nil, fmt.Errorf("rabbit: connect to %s: %w", m.b.redacted, scrub(err, m.b.uri.String()))
 	}
-	err = m.b.cfg.topology.declare(conn, m.b.log)
+	err = m.b.cfg.topology.declare(conn)
 	if !stop() {
 		// The deadline was brought forward: the connection is unusable.
 		err = errors.Join(err, ctx.Err())

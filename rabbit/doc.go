@@ -100,9 +100,25 @@
 //
 // The Topology is data: exchanges, queues (quorum by default; classic on
 // request) and bindings, with dead-letter exchanges, delivery limits and
-// single active consumer as fields. A quorum queue declared without a
-// dead-letter exchange is logged as a warning: what passes its delivery
-// limit is dropped.
+// single active consumer as fields.
+//
+// RabbitMQ drops a message of a quorum queue with no dead-letter exchange
+// when it passes the queue's delivery limit, or is rejected without
+// requeue (which the driver does only past DeliveryLimit; see Retries
+// below). A Broker warns of it once per queue, when a consumer of it
+// first opens a queue of its Topology that is a quorum queue with no
+// DeadLetterExchange (nor x-dead-letter-exchange in Args) and a delivery
+// limit: DeliveryLimit, an x-delivery-limit in Args, or, on RabbitMQ 4.0
+// and later, the broker's default of 20. A queue the Broker only declares
+// or publishes to (a dead-letter queue fed by consumer.DeadLetter) is not
+// warned about: only deliveries pass a limit. Whether Ferry's DeadLetter
+// middleware is in front cannot be seen from here, and does not remove the
+// risk: a limit below its DeadLetterMaxAttempts (10 by default) is reached
+// first, and a message whose every delivery ends before its handler
+// returns (a process that crashes in the handler) reaches any limit
+// without DeadLetter acting. Nor are policies seen: a dead-letter exchange
+// set by a policy still draws the warning, and a queue outside the
+// Topology, whose arguments the Broker does not know, never does.
 //
 // # Publishing
 //

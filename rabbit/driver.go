@@ -371,9 +371,10 @@ func (d *Driver) open(ctx context.Context, gen uint64) (*session, chan *amqp.Err
 				return fail(fmt.Errorf("rabbit: declare exchange %q: %w", e.Name, err))
 			}
 		}
-		if err := declareQueue(ch, d.q, d.log); err != nil {
+		if err := declareQueue(ch, d.q); err != nil {
 			return fail(fmt.Errorf("rabbit: declare %w", err))
 		}
+		d.b.warnDrops(d.q, conn)
 		for _, bd := range t.bindingsOf(d.queue) {
 			if err := ch.QueueBind(bd.Queue, bd.Key, bd.Exchange, false, bd.Args); err != nil {
 				return fail(fmt.Errorf("rabbit: bind %q to %q: %w", bd.Queue, bd.Exchange, err))
@@ -1082,7 +1083,7 @@ func (d *Driver) declareDelay(ctx context.Context, delay time.Duration, force bo
 			return err
 		}
 		defer closeChannel(ch)
-		return declareQueue(ch, delayQueue(d.queue, delay), d.log)
+		return declareQueue(ch, delayQueue(d.queue, delay))
 	})
 	if err != nil {
 		return fmt.Errorf("rabbit: declare delay %w", err)

@@ -2,8 +2,8 @@ package rabbit
 
 import (
 	"fmt"
-	"log/slog"
 	"strconv"
+	"strings"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -42,7 +42,8 @@ type Queue struct {
 	Classic bool
 	// DeadLetterExchange takes messages the queue dead-letters: rejected
 	// without requeue, or past DeliveryLimit. A quorum queue without one
-	// drops such messages; declaring it logs a warning.
+	// drops such messages; a Broker that consumes such a queue with a
+	// delivery limit logs a warning (see the package documentation).
 	DeadLetterExchange string
 	// DeadLetterRoutingKey replaces the routing key of dead-lettered
 	// messages; empty keeps it.
@@ -166,22 +167,77 @@ func (q Queue) args() amqp.Table {
 	return a
 }
 
-// declareQueue declares q on ch, warning when a quorum queue has no
-// dead-letter exchange.
-func declareQueue(ch *amqp.Channel, q Queue, log *slog.Logger) error {
-	args := q.args()
-	if _, err := ch.QueueDeclare(q.Name, true, false, false, false, args); err != nil {
+// declareQueue declares q on ch.
+func declareQueue(ch *amqp.Channel, q Queue) error {
+	if _, err := ch.QueueDeclare(q.Name, true, false, false, false, q.args()); err != nil {
 		return fmt.Errorf("queue %q: %w", q.Name, err)
-	}
-	if !q.Classic && args["x-dead-letter-exchange"] == nil {
-		log.Warn("rabbit: quorum queue has no dead-letter exchange: a message past its delivery limit is dropped (RabbitMQ 4.x applies a default limit of 20)",
-			"queue", q.Name, "delivery_limit", q.DeliveryLimit)
 	}
 	return nil
 }
 
+// defaultDeliveryLimit is the delivery limit RabbitMQ 4.0 and later give a
+// quorum queue declared without one.
+const defaultDeliveryLimit = 20
+
+// dropLimit says whether RabbitMQ can drop messages of q, a queue of the
+// topology, while they are consumed, and past how many deliveries. A
+// message is dropped when the queue dead-letters it and has no
+// dead-letter exchange: when it passes the queue's delivery limit, or is
+// rejected without requeue, which the driver does only past DeliveryLimit.
+// Classic queues have no limit. The limit is DeliveryLimit, else an
+// x-delivery-limit of Args (a negative one is none, on 4.x), else on a
+// broker of version 4.0 or later (server, the version it announces) the
+// default of 20 (byDefault). Policies are not seen: a dead-letter
+// exchange or a delivery limit set by a policy is taken for none.
+func dropLimit(q Queue, server string) (limit int64, byDefault, drops bool) {
+	if q.Classic || q.args()["x-dead-letter-exchange"] != nil {
+		return 0, false, false
+	}
+	if q.DeliveryLimit > 0 {
+		return int64(q.DeliveryLimit), false, true
+	}
+	if v, ok := q.Args["x-delivery-limit"]; ok {
+		n, isInt := intArg(v)
+		if isInt && n > 0 {
+			return n, false, true
+		}
+		if isInt && n < 0 {
+			return 0, false, false
+		}
+	}
+	if major, _, _ := strings.Cut(server, "."); major != "" {
+		if m, err := strconv.Atoi(major); err == nil && m >= 4 {
+			return defaultDeliveryLimit, true, true
+		}
+	}
+	return 0, false, false
+}
+
+// intArg reads an integer declare argument.
+func intArg(v any) (int64, bool) {
+	switch n := v.(type) {
+	case int:
+		return int64(n), true
+	case int8:
+		return int64(n), true
+	case int16:
+		return int64(n), true
+	case int32:
+		return int64(n), true
+	case int64:
+		return n, true
+	case uint8:
+		return int64(n), true
+	case uint16:
+		return int64(n), true
+	case uint32:
+		return int64(n), true
+	}
+	return 0, false
+}
+
 // declare declares the topology on a channel of its own.
-func (t Topology) declare(conn *amqp.Connection, log *slog.Logger) error {
+func (t Topology) declare(conn *amqp.Connection) error {
 	if len(t.Exchanges)+len(t.Queues)+len(t.Bindings) == 0 {
 		return nil
 	}
@@ -200,7 +256,7 @@ func (t Topology) declare(conn *amqp.Connection, log *slog.Logger) error {
 		}
 	}
 	for _, q := range t.Queues {
-		if err := declareQueue(ch, q, log); err != nil {
+		if err := declareQueue(ch, q); err != nil {
 			return err
 		}
 	}

@@ -7,10 +7,11 @@
 // and idempotency, so an event delivered twice is paid once. It prints each
 // payment and ends once every order is paid.
 //
-// Start the brokers (docker compose up --wait, or make brokers), then:
+// Start the brokers (docker compose up --wait, or make brokers), then, in
+// the examples folder (a Go module of its own):
 //
-//	go run ./examples/kafka
-//	go run ./examples/kafka -brokers 127.0.0.1:9092 -orders 20
+//	go run ./kafka
+//	go run ./kafka -brokers 127.0.0.1:9092 -orders 20
 //
 // A real service keeps its topics; this example makes its own, under a
 // fresh name, and deletes them at the end, so that runs never see each
@@ -22,6 +23,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"log/slog"
@@ -30,6 +32,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
@@ -50,19 +53,28 @@ func main() {
 	brokers := flag.String("brokers", "127.0.0.1:9092", "Kafka bootstrap addresses, comma-separated")
 	orders := flag.Int("orders", 10, "how many orders to place")
 	timeout := flag.Duration("timeout", time.Minute, "give up when the orders are not all paid by then")
+	payTime := flag.Duration("pay-time", 0, "how long each payment takes (the payments API)")
 	flag.Parse()
 
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	// SIGTERM is how a container is stopped, SIGINT is Ctrl-C: either
+	// stops the consumer, which drains (what it fetched runs and is acked)
+	// before the program exits.
+	signalled, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	ctx, cancel := context.WithTimeout(signalled, *timeout)
 	defer cancel()
-	if err := run(ctx, strings.Split(*brokers, ","), *orders); err != nil {
+	err := run(ctx, strings.Split(*brokers, ","), *orders, *payTime)
+	if err != nil && errors.Is(err, context.Canceled) && signalled.Err() != nil {
+		fmt.Printf("stopped (%v): %v\n", context.Cause(signalled), err)
+		return
+	}
+	if err != nil {
 		slog.Error("example failed", "err", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, seeds []string, n int) error {
+func run(ctx context.Context, seeds []string, n int, payTime time.Duration) error {
 	// The broker, and the topics of this run.
 	b, err := kafka.New(seeds)
 	if err != nil {
@@ -166,6 +178,12 @@ func run(ctx context.Context, seeds []string, n int) error {
 	pay := consumer.JSON(func(ctx context.Context, o OrderPlaced, m *consumer.Message) error {
 		// Charge the customer here; an error comes back later, a
 		// consumer.Permanent error goes to the dead-letter topic.
+		fmt.Printf("billing: paying %s\n", o.OrderID)
+		select {
+		case <-time.After(payTime):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
 		fmt.Printf("billing: paid %s (%d cents, attempt %d)\n", o.OrderID, o.AmountCents, m.Attempt)
 		if paid.Add(1) == int64(n) {
 			close(allPaid)
@@ -182,15 +200,19 @@ func run(ctx context.Context, seeds []string, n int) error {
 
 	select {
 	case <-allPaid:
-		fmt.Printf("billing: paid %d of %d orders\n", paid.Load(), n)
-	case <-ctx.Done():
-		err = fmt.Errorf("%d of %d orders paid: %w", paid.Load(), n, ctx.Err())
+	case <-ctx.Done(): // a signal or the timeout
 	}
+	// Stopping the consumer drains it: what it fetched runs, within its
+	// shutdown grace, and is acked; Run returns once that is done.
 	stop()
-	if rerr := <-runDone; rerr != nil && err == nil {
-		err = rerr
+	if err := <-runDone; err != nil {
+		return err
 	}
-	return err
+	if paid.Load() < int64(n) {
+		return fmt.Errorf("%d of %d orders paid: %w", paid.Load(), n, ctx.Err())
+	}
+	fmt.Printf("billing: paid %d of %d orders\n", paid.Load(), n)
+	return nil
 }
 
 // randomID names this run's topics.

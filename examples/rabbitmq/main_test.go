@@ -19,3 +19,10 @@ func TestExamplePaysEveryOrder(t *testing.T) {
 		}
 	}
 }
+
+// SIGTERM mid-run (how a container is stopped) stops the example cleanly:
+// the payments in flight finish, the consumer drains, and it exits 0.
+func TestExampleDrainsOnSIGTERM(t *testing.T) {
+	url := testenv.RequireRabbitMQ(t)
+	exampletest.CheckDrainsOnSIGTERM(t, exampletest.Build(t), "-url", url, "-orders", "100", "-pay-time", "300ms", "-timeout", "90s")
+}

@@ -8,10 +8,11 @@
 // and idempotency, so an event delivered twice is paid once. It prints each
 // payment and ends once every order is paid.
 //
-// Start the brokers (docker compose up --wait, or make brokers), then:
+// Start the brokers (docker compose up --wait, or make brokers), then, in
+// the examples folder (a Go module of its own):
 //
-//	go run ./examples/sqs
-//	go run ./examples/sqs -endpoint http://127.0.0.1:9324 -orders 20
+//	go run ./sqs
+//	go run ./sqs -endpoint http://127.0.0.1:9324 -orders 20
 //
 // With -endpoint "" it talks to AWS, with the default credential chain and
 // the region of -region. A real service keeps its queues; this example
@@ -24,16 +25,20 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"os"
 	"os/signal"
 	"path/filepath"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
+	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
 	"github.com/aws/aws-sdk-go-v2/config"
 	"github.com/aws/aws-sdk-go-v2/credentials"
 	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
@@ -57,34 +62,33 @@ func main() {
 	region := flag.String("region", "us-east-1", "the AWS region")
 	orders := flag.Int("orders", 10, "how many orders to place")
 	timeout := flag.Duration("timeout", time.Minute, "give up when the orders are not all paid by then")
+	payTime := flag.Duration("pay-time", 0, "how long each payment takes (the payments API)")
 	flag.Parse()
 
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	// SIGTERM is how a container is stopped, SIGINT is Ctrl-C: either
+	// stops the consumer, which drains (what it fetched runs and is acked)
+	// before the program exits.
+	signalled, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	ctx, cancel := context.WithTimeout(signalled, *timeout)
 	defer cancel()
-	if err := run(ctx, *endpoint, *region, *orders); err != nil {
+	err := run(ctx, *endpoint, *region, *orders, *payTime)
+	if err != nil && errors.Is(err, context.Canceled) && signalled.Err() != nil {
+		fmt.Printf("stopped (%v): %v\n", context.Cause(signalled), err)
+		return
+	}
+	if err != nil {
 		slog.Error("example failed", "err", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, endpoint, region string, n int) error {
+func run(ctx context.Context, endpoint, region string, n int, payTime time.Duration) error {
 	// The SQS client, the broker over it, and the queues of this run.
-	var opts []func(*config.LoadOptions) error
-	if endpoint != "" {
-		// A local server takes any credentials.
-		opts = append(opts, config.WithCredentialsProvider(credentials.NewStaticCredentialsProvider("x", "x", "")))
-	}
-	cfg, err := config.LoadDefaultConfig(ctx, append(opts, config.WithRegion(region))...)
+	client, err := newClient(ctx, endpoint, region)
 	if err != nil {
 		return err
 	}
-	client := awssqs.NewFromConfig(cfg, func(o *awssqs.Options) {
-		if endpoint != "" {
-			o.BaseEndpoint = aws.String(endpoint)
-		}
-	})
 	b, err := sqs.New(client)
 	if err != nil {
 		return err
@@ -187,6 +191,12 @@ func run(ctx context.Context, endpoint, region string, n int) error {
 	pay := consumer.JSON(func(ctx context.Context, o OrderPlaced, m *consumer.Message) error {
 		// Charge the customer here; an error comes back later, a
 		// consumer.Permanent error goes to the dead-letter queue.
+		fmt.Printf("billing: paying %s\n", o.OrderID)
+		select {
+		case <-time.After(payTime):
+		case <-ctx.Done():
+			return ctx.Err()
+		}
 		fmt.Printf("billing: paid %s (%d cents, attempt %d)\n", o.OrderID, o.AmountCents, m.Attempt)
 		if paid.Add(1) == int64(n) {
 			close(allPaid)
@@ -203,16 +213,50 @@ func run(ctx context.Context, endpoint, region string, n int) error {
 
 	select {
 	case <-allPaid:
-		fmt.Printf("billing: paid %d of %d orders\n", paid.Load(), n)
-	case <-ctx.Done():
-		err = fmt.Errorf("%d of %d orders paid: %w", paid.Load(), n, ctx.Err())
+	case <-ctx.Done(): // a signal or the timeout
 	}
+	// Stopping the consumer drains it: what it fetched runs, within its
+	// shutdown grace, and is acked; Run returns once that is done.
 	stop()
-	if rerr := <-runDone; rerr != nil && err == nil {
-		err = rerr
+	if err := <-runDone; err != nil {
+		return err
 	}
-	return err
+	if paid.Load() < int64(n) {
+		return fmt.Errorf("%d of %d orders paid: %w", paid.Load(), n, ctx.Err())
+	}
+	fmt.Printf("billing: paid %d of %d orders\n", paid.Load(), n)
+	return nil
 }
+
+// newClient returns the SQS client of the region, at endpoint unless it is
+// "" (AWS).
+func newClient(ctx context.Context, endpoint, region string) (*awssqs.Client, error) {
+	var opts []func(*config.LoadOptions) error
+	if endpoint != "" {
+		// A local server takes any credentials.
+		opts = append(opts, config.WithCredentialsProvider(credentials.NewStaticCredentialsProvider("x", "x", "")))
+	}
+	cfg, err := config.LoadDefaultConfig(ctx, append(opts, config.WithRegion(region))...)
+	if err != nil {
+		return nil, err
+	}
+	return awssqs.NewFromConfig(cfg, func(o *awssqs.Options) {
+		if endpoint != "" {
+			o.BaseEndpoint = aws.String(endpoint)
+		}
+		// A consumer keeps several receives and batch calls open at once:
+		// with the SDK's 10 idle connections per host, connections are
+		// closed and opened all the time, and a receive cut on a closing
+		// one leaves its messages invisible until their visibility timeout
+		// (see package sqs).
+		o.HTTPClient = awshttp.NewBuildableClient().WithTransportOptions(func(tr *http.Transport) {
+			tr.MaxIdleConnsPerHost = idleConnsPerHost
+		})
+	}), nil
+}
+
+// idleConnsPerHost is how many idle connections the SQS client keeps.
+const idleConnsPerHost = 100
 
 // randomID names this run's queues.
 func randomID() string {
