@@ -19,37 +19,29 @@ import (
 	"github.com/ferrymq/ferry/outbox"
 )
 
-// healthRoutes serves the probes of the consumer loop. It is the one place
-// that decides them, so that it is easy to change when package consumer
-// tells liveness and readiness apart itself.
+// healthRoutes serves the probes of the consumer loop, as package consumer
+// recommends wiring them:
 //
-// /livez fails only when the loop is stopped: the one state a restart
-// cures. An open circuit breaker must never fail it (the orchestrator would
-// restart every replica during the outage the breaker rides out).
+// /livez is consumer.LivenessHandler: 503 only when the loop is stopped or
+// wedged, the states a restart cures. An open circuit breaker must never
+// fail it (the orchestrator would restart every replica during the outage
+// the breaker rides out), nor a broker that is down.
 //
-// /readyz is consumer.HealthHandler, the consumer's recommended health
-// endpoint: 503 with the figures for the states that call for someone to
-// act (retry storm, backlog past retention, protected: a breaker holds
-// messages), 200 otherwise; and 503 once the shutdown began or the loop
-// stopped.
+// /readyz is consumer.ReadinessHandler: 503 with the figures for every
+// state but steady and downstream slow (starting, disconnected, protected,
+// retry storm, ...), and 503 once the shutdown began.
 func healthRoutes(mux *http.ServeMux, loop *consumer.Loop, state *lifecycle) {
-	mux.HandleFunc("GET /livez", func(w http.ResponseWriter, _ *http.Request) {
-		if !state.running.Load() && !state.draining.Load() {
-			http.Error(w, "the consumer stopped", http.StatusServiceUnavailable)
+	// Liveness fails only when the consumer is stopped or wedged (no
+	// progress while messages wait): an open breaker or a broker that is
+	// down never restarts the pod.
+	mux.Handle("GET /livez", consumer.LivenessHandler(loop))
+	ready := consumer.ReadinessHandler(loop)
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
+		if state.draining.Load() {
+			http.Error(w, "shutting down", http.StatusServiceUnavailable)
 			return
 		}
-		_, _ = io.WriteString(w, "ok\n")
-	})
-	health := consumer.HealthHandler(loop)
-	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, r *http.Request) {
-		switch {
-		case state.draining.Load():
-			http.Error(w, "shutting down", http.StatusServiceUnavailable)
-		case !state.running.Load():
-			http.Error(w, "the consumer stopped", http.StatusServiceUnavailable)
-		default:
-			health.ServeHTTP(w, r)
-		}
+		ready.ServeHTTP(w, r)
 	})
 }
 

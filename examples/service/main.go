@@ -222,7 +222,6 @@ func run(ctx context.Context, cfg config, log *slog.Logger) (err error) {
 	// Everything below runs until ctx ends; each part has its own context,
 	// so the shutdown can stop them one after the other.
 	var wg sync.WaitGroup
-	state.running.Store(true) // Run starts below
 	serveErr := make(chan error, 1)
 	wg.Go(func() {
 		if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
@@ -243,9 +242,7 @@ func run(ctx context.Context, cfg config, log *slog.Logger) (err error) {
 	defer stopConsuming()
 	loopErr := make(chan error, 1)
 	go func() {
-		err := loop.Run(consumeCtx, consumer.Chain(pay, stack.Wrap))
-		state.running.Store(false)
-		loopErr <- err
+		loopErr <- loop.Run(consumeCtx, consumer.Chain(pay, stack.Wrap))
 	}()
 	log.Info("ready")
 
@@ -291,7 +288,6 @@ func run(ctx context.Context, cfg config, log *slog.Logger) (err error) {
 
 // lifecycle is what the probes need to know of the service's state.
 type lifecycle struct {
-	running  atomic.Bool // the consumer's Run has not returned
 	draining atomic.Bool // the shutdown began
 }
 
