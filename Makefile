@@ -3,7 +3,7 @@ GO        ?= go
 GOFLAGS_TEST ?= -race -count=1 -timeout 20m
 PKGS      ?= ./...
 
-.PHONY: test test-restarts restart-loop unit brokers brokers-down brokers-status bench bench-compare bench-test examples-test vet chaos chaos-short
+.PHONY: test test-restarts restart-loop unit brokers brokers-down brokers-status bench bench-compare bench-test examples-test tools-test vet chaos chaos-short
 
 ## test: start the brokers, then run every test (unit and integration) with -race;
 ## then, alone, the tests that restart a shared broker, the bench module's short
@@ -16,6 +16,7 @@ test: brokers
 	$(MAKE) restart-loop
 	$(MAKE) bench-test
 	$(MAKE) examples-test
+	$(MAKE) tools-test
 	$(if $(filter ./...,$(PKGS)),$(MAKE) chaos-short)
 
 ## test-restarts: the tests that stop and start a shared broker (Kafka), run
@@ -71,6 +72,11 @@ BENCH_FLAGS ?=
 bench-compare:
 	cd bench && $(GO) run ./cmd/bench-compare -out ../BENCHMARKS.md -chart ../docs/benchmarks.svg -data ../docs/benchmarks.json $(BENCH_FLAGS)
 
+## tools-test: the tools module's tests: docs/METRICS.md and docs/alerts.yml
+## against what Ferry registers, docker-compose.yml against brokers.sh
+tools-test:
+	cd tools && $(GO) test -race -count=1 ./...
+
 ## bench-test: the bench module's test in short mode (every variant, a few hundred
 ## messages each, checked for lost messages), with -race
 bench-test:
@@ -81,14 +87,16 @@ bench-test:
 examples-test:
 	cd examples && $(GO) test -race -count=1 ./...
 
-## vet: go vet, staticcheck (a tool of go.mod) and a gofmt check, over the module
-## and over the bench and examples modules
+## vet: go vet, staticcheck (a tool of tools/go.mod) and a gofmt check, over the
+## module and over the bench, examples and tools modules
 vet:
 	$(GO) vet $(PKGS)
-	$(GO) tool staticcheck $(PKGS)
+	staticcheck=$$(cd tools && $(GO) tool -n staticcheck) && $$staticcheck $(PKGS)
 	cd bench && $(GO) vet ./...
-	staticcheck=$$($(GO) tool -n staticcheck) && cd bench && $$staticcheck ./...
+	staticcheck=$$(cd tools && $(GO) tool -n staticcheck) && cd bench && $$staticcheck ./...
 	cd examples && $(GO) vet ./...
-	staticcheck=$$($(GO) tool -n staticcheck) && cd examples && $$staticcheck ./...
+	staticcheck=$$(cd tools && $(GO) tool -n staticcheck) && cd examples && $$staticcheck ./...
+	cd tools && $(GO) vet ./...
+	staticcheck=$$(cd tools && $(GO) tool -n staticcheck) && cd tools && $$staticcheck ./...
 	@unformatted=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './.brokers/*')); \
 	if [ -n "$$unformatted" ]; then echo "gofmt needed:"; echo "$$unformatted"; exit 1; fi

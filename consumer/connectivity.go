@@ -54,10 +54,10 @@ type connState struct {
 	ok       atomic.Bool // phase is phaseConnected: the fetcher's fast path
 }
 
-func (c *connState) get() (phase connPhase, since time.Time, err error, failures int) {
+func (c *connState) get() (phase connPhase, since time.Time, failures int, err error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	return c.phase, c.since, c.err, c.failures
+	return c.phase, c.since, c.failures, c.err
 }
 
 // starting marks the start of Run.

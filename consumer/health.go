@@ -306,7 +306,7 @@ func (l *Loop) Health() Health {
 // progress, before what the samples say: a consumer that is stopped,
 // wedged, disconnected or starting is that, whatever its figures.
 func (l *Loop) judgeLink(h *Health, lastProgress time.Time) {
-	phase, since, err, failures := l.conn.get()
+	phase, since, failures, err := l.conn.get()
 	if err != nil {
 		h.Error = err.Error()
 	}

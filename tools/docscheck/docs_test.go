@@ -1,8 +1,8 @@
-// Package docs_test checks that the documents in docs/ say what the code
+// Package docscheck_test checks that the documents in docs/ say what the code
 // does: the alerting rules parse as Prometheus parses them and name only
 // metrics and labels Ferry registers, and the metrics table lists every
 // metric Ferry registers, with its kind and unit, and nothing else.
-package docs_test
+package docscheck_test
 
 import (
 	"context"
@@ -31,6 +31,10 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 )
+
+// docsDir is the repository's docs/ folder, whose documents this package
+// checks.
+var docsDir = filepath.Join("..", "..", "docs")
 
 // registerEverything registers every metric Ferry has with mp: a consumer
 // loop while it runs, the Standard stack, idempotency and an outbox relay
@@ -132,7 +136,7 @@ func TestAlertRulesNameOnlyWhatFerryRegisters(t *testing.T) {
 	}
 
 	p := parser.NewParser(parser.Options{})
-	groups, errs := rulefmt.ParseFile("alerts.yml", false, model.UTF8Validation, p, slog.New(slog.DiscardHandler))
+	groups, errs := rulefmt.ParseFile(filepath.Join(docsDir, "alerts.yml"), false, model.UTF8Validation, p, slog.New(slog.DiscardHandler))
 	if len(errs) > 0 {
 		t.Fatalf("alerts.yml does not parse: %v", errs)
 	}
@@ -261,7 +265,7 @@ func registeredInstruments(t *testing.T) map[string]instrument {
 // docs/METRICS.md lists every metric Ferry registers, by its OpenTelemetry
 // name, with the kind and the unit Ferry registers it with, and no other.
 func TestTheMetricsTableListsEveryMetric(t *testing.T) {
-	table, err := os.ReadFile("METRICS.md")
+	table, err := os.ReadFile(filepath.Join(docsDir, "METRICS.md"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -273,7 +277,7 @@ func TestTheMetricsTableListsEveryMetric(t *testing.T) {
 // The check above fails a table with a wrong unit, a wrong kind, a metric
 // missing, or one too many.
 func TestTheMetricsTableCheckCatchesDrift(t *testing.T) {
-	orig, err := os.ReadFile("METRICS.md")
+	orig, err := os.ReadFile(filepath.Join(docsDir, "METRICS.md"))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,4 +1,4 @@
-package integration_test
+package composecheck_test
 
 import (
 	"context"
@@ -38,10 +38,10 @@ import (
 // script that makes those certificates runs here too, with this machine's
 // openssl. (No test here starts a container: that needs a Docker engine.)
 
-// repoRoot is the repository's root, the folder above this package.
+// repoRoot is the repository's root, two folders above this package.
 func repoRoot(t *testing.T) string {
 	t.Helper()
-	root, err := filepath.Abs("..")
+	root, err := filepath.Abs(filepath.Join("..", ".."))
 	if err != nil {
 		t.Fatal(err)
 	}
