@@ -10,6 +10,7 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/idempotency"
+	"github.com/ferrymq/ferry/idempotency/internal/inboxcount"
 	"github.com/ferrymq/ferry/idempotency/internal/keytable"
 )
 
@@ -85,31 +86,35 @@ func NewInbox(db DB, namespace string, h TxHandler, opts ...Option) (consumer.Ha
 	if err != nil {
 		return nil, err
 	}
-	return consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) (err error) {
+	counts := &inboxcount.Counts{}
+	return &inboxcount.Handler{Counts: counts, Fn: func(ctx context.Context, m *consumer.Message) (err error) {
 		key, err := in.keyOf(m)
 		if err != nil {
+			counts.NoKey.Add(1)
 			return err
 		}
 		tx, err := db.Begin(ctx)
 		if err != nil {
-			return storeErr("inbox: begin", err)
+			return counts.StoreErr(storeErr, "inbox: begin", err)
 		}
 		defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }() // a no-op after Commit
 		tag, err := tx.Exec(ctx, in.insertSQL, keytable.Hash(key), in.retention)
 		if err != nil {
-			return storeErr("inbox: record key "+keytable.Quote(key), err)
+			return counts.StoreErr(storeErr, "inbox: record key "+keytable.Quote(key), err)
 		}
 		if tag.RowsAffected() == 0 {
+			counts.Duplicates.Add(1)
 			return nil // committed before: a duplicate
 		}
 		if err := h(ctx, tx, m); err != nil {
 			return err
 		}
 		if err := tx.Commit(ctx); err != nil {
-			return storeErr("inbox: commit "+keytable.Quote(key), err)
+			return counts.StoreErr(storeErr, "inbox: commit "+keytable.Quote(key), err)
 		}
+		counts.Completed.Add(1)
 		return nil
-	}), nil
+	}}, nil
 }
 
 // NewSQLInbox is NewInbox for database/sql over PostgreSQL (the pgx stdlib
@@ -125,33 +130,37 @@ func NewSQLInbox(db *sql.DB, namespace string, h SQLTxHandler, opts ...Option) (
 	if err != nil {
 		return nil, err
 	}
-	return consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+	counts := &inboxcount.Counts{}
+	return &inboxcount.Handler{Counts: counts, Fn: func(ctx context.Context, m *consumer.Message) error {
 		key, err := in.keyOf(m)
 		if err != nil {
+			counts.NoKey.Add(1)
 			return err
 		}
 		tx, err := db.BeginTx(ctx, nil)
 		if err != nil {
-			return storeErr("inbox: begin", err)
+			return counts.StoreErr(storeErr, "inbox: begin", err)
 		}
 		defer func() { _ = tx.Rollback() }() // a no-op after Commit
 		res, err := tx.ExecContext(ctx, in.insertSQL, keytable.Hash(key), in.retention)
 		if err != nil {
-			return storeErr("inbox: record key "+keytable.Quote(key), err)
+			return counts.StoreErr(storeErr, "inbox: record key "+keytable.Quote(key), err)
 		}
 		n, err := res.RowsAffected()
 		if err != nil {
-			return storeErr("inbox: record key "+keytable.Quote(key), err)
+			return counts.StoreErr(storeErr, "inbox: record key "+keytable.Quote(key), err)
 		}
 		if n == 0 {
+			counts.Duplicates.Add(1)
 			return nil // committed before: a duplicate
 		}
 		if err := h(ctx, tx, m); err != nil {
 			return err
 		}
 		if err := tx.Commit(); err != nil {
-			return storeErr("inbox: commit "+keytable.Quote(key), err)
+			return counts.StoreErr(storeErr, "inbox: commit "+keytable.Quote(key), err)
 		}
+		counts.Completed.Add(1)
 		return nil
-	}), nil
+	}}, nil
 }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/idempotency"
+	"github.com/ferrymq/ferry/idempotency/internal/inboxcount"
 	"github.com/ferrymq/ferry/idempotency/internal/keytable"
 )
 
@@ -57,38 +58,43 @@ WHERE expires_at <= ?2`
 	if err != nil {
 		return nil, fmt.Errorf("sqlitestore: inbox: prepare (has Migrate created table %s?): %w", c.Table, err)
 	}
-	return consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+	counts := &inboxcount.Counts{}
+	return &inboxcount.Handler{Counts: counts, Fn: func(ctx context.Context, m *consumer.Message) error {
 		k, err := c.Key(m)
 		if err != nil {
+			counts.NoKey.Add(1)
 			return consumer.Permanent(fmt.Errorf("%w: %w", idempotency.ErrNoKey, err))
 		}
 		if k == "" {
+			counts.NoKey.Add(1)
 			return consumer.Permanent(fmt.Errorf("%w (message %q from %q)", idempotency.ErrNoKey, m.ID, m.Source))
 		}
 		key := prefix + k
 		tx, err := db.BeginTx(ctx, nil)
 		if err != nil {
-			return storeErr("inbox: begin", err)
+			return counts.StoreErr(storeErr, "inbox: begin", err)
 		}
 		defer func() { _ = tx.Rollback() }() // a no-op after Commit
 		now := time.Now().UnixMilli()
 		res, err := tx.StmtContext(ctx, insert).ExecContext(ctx, keytable.Hash(key), now, now+retention)
 		if err != nil {
-			return storeErr("inbox: record key "+keytable.Quote(key), err)
+			return counts.StoreErr(storeErr, "inbox: record key "+keytable.Quote(key), err)
 		}
 		n, err := res.RowsAffected()
 		if err != nil {
-			return storeErr("inbox: record key "+keytable.Quote(key), err)
+			return counts.StoreErr(storeErr, "inbox: record key "+keytable.Quote(key), err)
 		}
 		if n == 0 {
+			counts.Duplicates.Add(1)
 			return nil // committed before: a duplicate
 		}
 		if err := h(ctx, tx, m); err != nil {
 			return err
 		}
 		if err := tx.Commit(); err != nil {
-			return storeErr("inbox: commit "+keytable.Quote(key), err)
+			return counts.StoreErr(storeErr, "inbox: commit "+keytable.Quote(key), err)
 		}
+		counts.Completed.Add(1)
 		return nil
-	}), nil
+	}}, nil
 }
