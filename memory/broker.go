@@ -14,6 +14,9 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/msgmetrics"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
 )
 
 // Errors returned by the broker. Match them with errors.Is.
@@ -112,8 +115,24 @@ type QueueConfig struct {
 type Option func(*config) error
 
 type config struct {
-	autoCreate  bool
-	dedupWindow time.Duration
+	autoCreate    bool
+	dedupWindow   time.Duration
+	meterProvider metric.MeterProvider
+}
+
+// WithMeterProvider sets where Publish reports its calls, as the
+// OpenTelemetry messaging conventions name them
+// (messaging.client.operation.duration and messaging.client.sent.messages,
+// with messaging.system "ferry_memory"). Default the global provider, a
+// no-op until one is installed.
+func WithMeterProvider(mp metric.MeterProvider) Option {
+	return func(c *config) error {
+		if mp == nil {
+			return fieldErr("MeterProvider", "must not be nil")
+		}
+		c.meterProvider = mp
+		return nil
+	}
 }
 
 // WithAutoCreate chooses what happens on Publish, Driver or NewConsumer for a
@@ -154,9 +173,14 @@ type Broker struct {
 
 	closeOnce sync.Once
 	closed    chan struct{}
+
+	metrics *msgmetrics.Publisher
 }
 
 var _ consumer.Publisher = (*Broker)(nil)
+
+// system is the memory broker's messaging.system in traces and metrics.
+const system = "ferry_memory"
 
 // New returns an empty broker, or a *consumer.ConfigError when an option is
 // invalid.
@@ -170,9 +194,17 @@ func New(opts ...Option) (*Broker, error) {
 			return nil, err
 		}
 	}
+	if c.meterProvider == nil {
+		c.meterProvider = otel.GetMeterProvider()
+	}
+	pm, err := msgmetrics.NewPublisher(c.meterProvider, system)
+	if err != nil {
+		return nil, fmt.Errorf("memory: metrics: %w", err)
+	}
 	var p [4]byte
 	_, _ = rand.Read(p[:])
 	return &Broker{
+		metrics:     pm,
 		epoch:       time.Now(),
 		autoCreate:  c.autoCreate,
 		dedupWindow: c.dedupWindow,
@@ -300,6 +332,13 @@ func (b *Broker) lookup(name string) *queue {
 // are reported in a *consumer.PublishError wrapping ErrInvalidMessage; the
 // others are published.
 func (b *Broker) Publish(ctx context.Context, destination string, msgs ...consumer.Message) error {
+	start := time.Now()
+	err := b.publish(ctx, destination, msgs)
+	b.metrics.Record(ctx, destination, len(msgs), start, err)
+	return err
+}
+
+func (b *Broker) publish(ctx context.Context, destination string, msgs []consumer.Message) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}

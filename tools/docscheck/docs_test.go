@@ -45,7 +45,7 @@ func registerEverything(t *testing.T, mp *sdkmetric.MeterProvider, collect func(
 	defer cancel()
 	quiet := slog.New(slog.DiscardHandler)
 
-	b, err := memory.New()
+	b, err := memory.New(memory.WithMeterProvider(mp))
 	if err != nil {
 		t.Fatal(err)
 	}
