@@ -185,7 +185,7 @@ func TestMissingQueueIsReportedAndConsumedOnceDeclared(t *testing.T) {
 	start := time.Now()
 	stop := runLoop(t, c, h)
 	hl := waitHealth(t, c, driver.ReportWithin, "health disconnected", isState(consumer.HealthDisconnected))
-	if !containsAll(hl.Error, consumer.ErrSourceNotFound.Error(), name, rabbit.Redact(url)) || hl.Live == false || hl.Ready {
+	if !containsAll(hl.Error, consumer.ErrSourceNotFound.Error(), name, rabbit.Redact(url)) || !hl.Live || hl.Ready {
 		t.Errorf("health %+v: want the cause (source not found), the queue and the broker in Error, live and not ready", hl)
 	}
 	line := warnLine(t, logs, warnWithin-time.Since(start), "ferry: cannot consume: the source does not exist", "source="+name, rabbit.Redact(url))
