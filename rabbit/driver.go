@@ -430,11 +430,10 @@ func isFatal(err error) bool {
 
 // open opens a consuming channel: the queue (and its exchanges and
 // bindings) declared again when it is in the topology, the prefetch set,
-// the consumer started.
-// Waiting for the connection is bounded by driver.ReportWithin, so that
-// Fetch reports a broker that does not answer in time (the dial goes on,
-// and the next open waits for it again). Its errors carry their kind (see
-// classify).
+// the consumer started. Waiting for the connection is bounded by
+// driver.ReportWithin, so that Fetch reports a broker that does not answer
+// in time (the dial goes on, and the next open waits for it again). Its
+// errors carry their kind (see classify).
 func (d *Driver) open(ctx context.Context, gen uint64) (*session, chan *amqp.Error, chan string, error) {
 	gctx, cancel := context.WithTimeout(ctx, driver.ReportWithin)
 	conn, err := d.b.consConn.get(gctx)
