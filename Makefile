@@ -19,10 +19,11 @@ test: brokers
 	$(MAKE) tools-test
 	$(if $(filter ./...,$(PKGS)),$(MAKE) chaos-short)
 
-## test-restarts: the tests that stop and start a shared broker (Kafka), run
-## when nothing else uses it
+## test-restarts: the tests that stop and start a shared broker (Kafka, RabbitMQ),
+## run when nothing else uses it
 test-restarts: brokers
 	FERRY_TEST_KAFKA_RESTART=1 $(GO) test $(GOFLAGS_TEST) -run '^TestBrokerRestart$$' ./kafka/
+	FERRY_TEST_RABBIT_RESTART=1 $(GO) test $(GOFLAGS_TEST) -run '^TestBrokerRestartResumesConsumersAndPublishers$$' ./rabbit/
 
 ## restart-loop: restart Kafka, ElasticMQ and RabbitMQ RESTARTS times each (default
 ## 20) while a busy loop holds every core; fails on the first restart that does

@@ -353,7 +353,9 @@ func (d *DeadLetter) deadLetter(ctx context.Context, m *Message, rec *record, re
 	}
 	d.count.Add(1)
 	rec.deadLettered = true
-	addRunEvent(ctx, EventDeadLetter, func() []attribute.KeyValue { return deadLetterEventAttrs(d.dest, reason, attempts, cause) })
+	addRunEvent(ctx, EventDeadLetter, func() []attribute.KeyValue {
+		return deadLetterEventAttrs(destinationName(d.pub, d.dest), reason, attempts, cause)
+	})
 	if ok, left := d.logs.Allow("lettered:" + reason); ok {
 		d.log(ctx).LogAttrs(ctx, slog.LevelWarn, "ferry: message dead-lettered",
 			slog.String("destination", d.dest), slog.String("source", m.Source), slog.String("id", m.ID),

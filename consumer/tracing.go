@@ -118,6 +118,31 @@ func addRunEvent(ctx context.Context, name string, attrs func() []attribute.KeyV
 	span.AddEvent(name, trace.WithAttributes(attrs()...))
 }
 
+// DestinationNamer is implemented by a Publisher whose destinations say
+// more than the name of the queue or topic they reach (RabbitMQ's
+// rabbit.ToQueue("orders") is "amq.default/orders"): DestinationName
+// returns the name a user gave it ("orders"), which TracePublisher puts in
+// its spans' names and messaging.destination.name.
+type DestinationNamer interface {
+	DestinationName(destination string) string
+}
+
+// destinationName is destination as p names it (see DestinationNamer),
+// looking through Publishers that wrap another (an Unwrap method).
+func destinationName(p Publisher, destination string) string {
+	for range 8 {
+		if n, ok := p.(DestinationNamer); ok {
+			return n.DestinationName(destination)
+		}
+		u, ok := p.(interface{ Unwrap() Publisher })
+		if !ok {
+			break
+		}
+		p = u.Unwrap()
+	}
+	return destination
+}
+
 // TracePublisher returns a Publisher that publishes through p and makes a
 // producer span of tp, "send DESTINATION", for every message, with the W3C
 // trace context of that span written into a copy of the message's headers
@@ -126,7 +151,8 @@ func addRunEvent(ctx context.Context, name string, attrs func() []attribute.KeyV
 // (an outbox event written inside a traced transaction) continues that
 // trace; otherwise the span is a child of ctx's. system is the messaging
 // system named in the spans ("kafka", "aws_sqs", "rabbitmq", "ferry_memory").
-// A message the Publish call failed gets an error span.
+// DESTINATION is the destination as p names it, when p is a
+// DestinationNamer. A message the Publish call failed gets an error span.
 func TracePublisher(p Publisher, tp trace.TracerProvider, system string) (Publisher, error) {
 	if p == nil {
 		return nil, configErr("Publisher", "must not be nil")
@@ -147,6 +173,7 @@ type tracePublisher struct {
 func (t *tracePublisher) Unwrap() Publisher { return t.next }
 
 func (t *tracePublisher) Publish(ctx context.Context, destination string, msgs ...Message) error {
+	name := destinationName(t.next, destination)
 	spans := make([]trace.Span, len(msgs))
 	out := make([]Message, len(msgs))
 	for i, m := range msgs {
@@ -157,7 +184,7 @@ func (t *tracePublisher) Publish(ctx context.Context, destination string, msgs .
 		attrs := []attribute.KeyValue{
 			attribute.String("messaging.operation.name", "send"),
 			attribute.String("messaging.operation.type", "send"),
-			attribute.String("messaging.destination.name", destination),
+			attribute.String("messaging.destination.name", name),
 			attribute.Int("messaging.message.body.size", len(m.Body)),
 		}
 		if t.system != "" {
@@ -166,7 +193,7 @@ func (t *tracePublisher) Publish(ctx context.Context, destination string, msgs .
 		if m.ID != "" {
 			attrs = append(attrs, attribute.String("messaging.message.id", m.ID))
 		}
-		sctx, span := t.tracer.Start(parent, "send "+destination,
+		sctx, span := t.tracer.Start(parent, "send "+name,
 			trace.WithSpanKind(trace.SpanKindProducer), trace.WithAttributes(attrs...))
 		spans[i] = span
 		h := make(map[string]string, len(m.Headers)+2)

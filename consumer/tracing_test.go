@@ -3,6 +3,7 @@ package consumer_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -288,5 +289,60 @@ func TestTracePublisherMarksOnlyTheRefusedMessage(t *testing.T) {
 	}
 	if _, err := consumer.TracePublisher(nil, tp, "kafka"); !errors.Is(err, consumer.ErrInvalidConfig) {
 		t.Errorf("TracePublisher(nil) = %v, want a ConfigError", err)
+	}
+}
+
+// prefixed publishes to destinations that carry a prefix beyond the name
+// (as rabbit.ToQueue's do) and names them without it.
+type prefixed struct{ got []string }
+
+func (p *prefixed) Publish(_ context.Context, dest string, _ ...consumer.Message) error {
+	p.got = append(p.got, dest)
+	return nil
+}
+
+func (p *prefixed) DestinationName(dest string) string { return strings.TrimPrefix(dest, "via/") }
+
+// wrapper is a Publisher over another that says which (an Unwrap method).
+type wrapper struct{ next consumer.Publisher }
+
+func (w wrapper) Publish(ctx context.Context, dest string, msgs ...consumer.Message) error {
+	return w.next.Publish(ctx, dest, msgs...)
+}
+
+func (w wrapper) Unwrap() consumer.Publisher { return w.next }
+
+// A Publisher that is a DestinationNamer, or wraps one, has its spans name
+// the destination as it names it (span name and messaging.destination.name),
+// while the message still goes to the destination as given.
+func TestTracePublisherNamesTheDestinationAsThePublisherDoes(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		wrap func(consumer.Publisher) consumer.Publisher
+	}{
+		{"namer", func(p consumer.Publisher) consumer.Publisher { return p }},
+		{"wrapped namer", func(p consumer.Publisher) consumer.Publisher { return wrapper{p} }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tp, rec := tracing(t)
+			next := &prefixed{}
+			pub, err := consumer.TracePublisher(tc.wrap(next), tp, "rabbitmq")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := pub.Publish(context.Background(), "via/orders", consumer.Message{ID: "a"}); err != nil {
+				t.Fatal(err)
+			}
+			if len(next.got) != 1 || next.got[0] != "via/orders" {
+				t.Errorf("published to %v, want via/orders", next.got)
+			}
+			s := spanNamed(rec.Ended(), "send orders")
+			if s == nil {
+				t.Fatalf("no span %q among %d", "send orders", len(rec.Ended()))
+			}
+			if v, _ := attrOf(s, "messaging.destination.name"); v.AsString() != "orders" {
+				t.Errorf("messaging.destination.name = %q, want orders", v.AsString())
+			}
+		})
 	}
 }

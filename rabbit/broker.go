@@ -99,7 +99,8 @@ type config struct {
 	backoffMax  time.Duration
 	retryDelays []time.Duration
 	name        string
-	maxMessage  int // 0: DefaultMaxMessageSize
+	maxMessage  int  // 0: DefaultMaxMessageSize
+	lazy        bool // WithLazyConnect
 }
 
 func fieldErr(field, format string, args ...any) error {
@@ -210,6 +211,24 @@ func WithRetryDelays(delays ...time.Duration) Option {
 	}
 }
 
+// WithLazyConnect makes Dial return without connecting: the publishing
+// connection opens with the first Publish, the consuming connection when
+// the first consumer starts (its Run calls the Driver's Connect). Use it
+// for a service that must start, and report itself not ready, while
+// RabbitMQ is down: its consumers say so (health disconnected, a WARN
+// naming the queue and the broker, errors wrapping consumer.ErrUnreachable)
+// and start consuming when the broker comes up. What Dial would have
+// refused at once (credentials, the vhost, TLS, the topology) then ends a
+// consumer's Run with a driver.Fatal error wrapping consumer.ErrRefused,
+// and fails each Publish. Default: Dial connects, and fails when it cannot
+// (see Dial).
+func WithLazyConnect() Option {
+	return func(c *config) error {
+		c.lazy = true
+		return nil
+	}
+}
+
 // WithConnectionName names the Broker's connections in the management UI
 // and in rabbitmqctl list_connections (suffixed "publish" and "consume").
 // Default "ferry".
@@ -242,6 +261,8 @@ type Broker struct {
 	drivers    map[*Driver]struct{}
 	dropWarned map[string]bool // queues whose drop warning was logged
 
+	connected atomic.Bool // a connection was ever opened (see classify)
+
 	closeOnce sync.Once
 	closed    chan struct{}
 	life      context.Context // cancelled by Close: bounds every dial
@@ -259,9 +280,18 @@ func Redact(rawURL string) string { return urlsecret.Redact(rawURL) }
 // Dial connects to the RabbitMQ at url (amqp:// or amqps://, with the vhost
 // as its path) and declares the topology of WithTopology. An invalid URL or
 // option fails with a *consumer.ConfigError; a broker that cannot be reached
-// or refuses the credentials, the vhost or the topology fails with an error
-// wrapping the cause (an *amqp091.Error where the broker said why). Neither
-// error holds the password.
+// fails with an error wrapping consumer.ErrUnreachable, one that refuses the
+// credentials, the vhost, the TLS handshake or the topology with an error
+// wrapping consumer.ErrRefused, each wrapping the cause too (an
+// *amqp091.Error where the broker said why). Neither error holds the
+// password.
+//
+// Dial fails fast because the Broker is a publisher too: a service that
+// publishes learns of a wrong URL, or of a broker that is down, when it
+// starts rather than at its first Publish. The Drivers and consumers of a
+// Broker need no connection to be built (they connect when they run, and
+// reconnect by themselves), so WithLazyConnect gives a Broker, and
+// consumers, that can be built while RabbitMQ is down.
 func Dial(rawURL string, opts ...Option) (*Broker, error) {
 	c := config{
 		logger:      slog.Default(),
@@ -314,6 +344,9 @@ func Dial(rawURL string, opts ...Option) (*Broker, error) {
 	b.pubConn = newConnMgr(b, "publish")
 	b.consConn = newConnMgr(b, "consume")
 	b.pub = newPublisher(b)
+	if c.lazy {
+		return b, nil
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*c.dialTimeout)
 	defer cancel()
 	if _, err := b.pubConn.get(ctx); err != nil {
@@ -511,19 +544,13 @@ func (m *connMgr) get(ctx context.Context) (*amqp.Connection, error) {
 		last := m.lastErr
 		m.mu.Unlock()
 		if last != nil {
+			// last says what kind of failure it was.
 			return nil, fmt.Errorf("rabbit: connect to %s: %w (the last attempt: %w)", m.b.redacted, ctx.Err(), last)
 		}
-		return nil, fmt.Errorf("rabbit: connect to %s: %w", m.b.redacted, ctx.Err())
+		return nil, fmt.Errorf("rabbit: connect to %s: %w: %w", m.b.redacted, consumer.ErrUnreachable, ctx.Err())
 	case <-m.b.closed:
 		return nil, ErrClosed
 	}
-}
-
-// connectedBefore reports whether a connection was ever opened.
-func (m *connMgr) connectedBefore() bool {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	return m.gen > 0
 }
 
 // dial waits out the backoff, dials and records the outcome in dc.
@@ -551,6 +578,7 @@ func (m *connMgr) dial(dc *dialCall, wait time.Duration) {
 		return
 	}
 	m.failures, m.lastErr, m.nextDial = 0, nil, time.Time{}
+	m.b.connected.Store(true)
 	m.gen++
 	m.conn = conn
 	m.dead = make(chan struct{})
@@ -626,7 +654,8 @@ func (m *connMgr) connect() (*amqp.Connection, error) {
 		if ctx.Err() != nil && m.b.isClosed() {
 			return nil, ErrClosed
 		}
-		return nil, fmt.Errorf("rabbit: connect to %s: %w", m.b.redacted, scrub(err, m.b.uri.String()))
+		kind := classify(err, stageHandshake, m.b.connected.Load())
+		return nil, fmt.Errorf("rabbit: connect to %s: %w: %w", m.b.redacted, kind, scrub(err, m.b.uri.String()))
 	}
 	err = m.b.cfg.topology.declare(conn)
 	if !stop() {
@@ -638,7 +667,7 @@ func (m *connMgr) connect() (*amqp.Connection, error) {
 		if m.b.isClosed() {
 			return nil, ErrClosed
 		}
-		return nil, fmt.Errorf("rabbit: declare topology on %s: %w", m.b.redacted, err)
+		return nil, fmt.Errorf("rabbit: declare topology on %s: %w", m.b.redacted, withKind(err, stageDeclare, true))
 	}
 	return conn, nil
 }

@@ -15,6 +15,10 @@
 //
 // # How RabbitMQ maps onto the loop
 //
+//   - Connect: the consuming connection (opened if need be) and a passive
+//     queue.declare of the queue, or, for a queue of the Topology, its
+//     declaration with its exchanges and bindings, within
+//     driver.ReportWithin; see "When it cannot consume" below.
 //   - Fetch: deliveries of basic.consume on a channel of the Broker's
 //     consuming connection, with basic.qos prefetch equal to the loop's
 //     MaxInFlight, so the broker never pushes more than the loop may hold.
@@ -40,7 +44,8 @@
 //     Return with a delay: see Retries below. Capabilities.Redelivers is
 //     true, except on a single-active-consumer queue, where a Return leaves
 //     the delivery to go back when the channel closes (see Retries on an
-//     ordered queue); Capabilities.System is "rabbitmq".
+//     ordered queue); Capabilities.System is "rabbitmq", and
+//     Capabilities.Source the queue.
 //   - At most once: AMQP confirms no basic.ack, so an ack the loop makes
 //     before running the handler (Settlement.BeforeRun) is followed by a
 //     basic.qos round trip on the same channel, and Settle returns nil only
@@ -67,36 +72,41 @@
 //     channel is never acked on a new one (where it would name another
 //     delivery, or close the channel with 406), and Settle reports it with
 //     ErrStaleDelivery.
-//   - Lag: the queue's ready messages (a passive queue.declare) and this
-//     consumer's unsettled deliveries.
+//   - Lag: Messages is the queue's ready messages (a passive
+//     queue.declare), InFlight this consumer's unacked deliveries: those
+//     the broker pushed ahead that the loop has not fetched yet (the
+//     prefetch) and those the loop holds (running, queued, being
+//     settled). Their sum, the loop's Health.Lag, is every message not
+//     yet done when the consumer is the queue's only one. AMQP tells no
+//     one else's unacked deliveries, nor the age of the oldest message:
+//     the ferry.consumer.lag metric and ferry lag (from another process)
+//     show Messages, the ready messages, and ferry lag says its in flight
+//     is unknown.
 //
 // # Connections, reconnects and the topology
 //
-// Dial opens a publishing connection at once and a consuming connection
-// when the first consumer starts; one blocked by a memory or disk alarm
-// (publishers only) never holds back the other's acks. A lost connection or
-// channel is reopened with exponential backoff and full jitter
-// (WithReconnectBackoff). A dial runs on a goroutine of its own, bounded by
-// the dial timeout (TCP connect, TLS and AMQP handshakes and the topology's
-// declarations) and ended by Close; every caller needing the connection
-// waits for that one dial only as long as its own context allows, and
-// failed dials are spaced by a backoff shared by the publishers and the
-// consumers of the connection. A Publish call dials at most once: when it
-// fails, the call's messages not yet sent fail with its error. Each new
-// connection declares the Topology again,
-// and each consuming channel declares its own queue again, with its
+// Dial opens a publishing connection at once (with WithLazyConnect: at
+// the first Publish) and a consuming connection when the first consumer
+// starts; one blocked by a memory or disk alarm (publishers only) never
+// holds back the other's acks. A lost connection or channel is reopened
+// with exponential backoff and full jitter (WithReconnectBackoff). A dial
+// runs on a goroutine of its own, bounded by the dial timeout (TCP
+// connect, TLS and AMQP handshakes and the topology's declarations) and
+// ended by Close; every caller needing the connection waits for that one
+// dial only as long as its own context allows (a consumer at most
+// driver.ReportWithin, then it reports), and failed dials are spaced by a
+// backoff shared by the publishers and the consumers of the connection. A
+// Publish call dials at most once: when it fails, the call's messages not
+// yet sent fail with its error. Each new connection declares the Topology
+// again, and each consuming channel declares its own queue again, with its
 // exchanges and bindings, so a queue deleted under a consumer comes back.
 // A server-side basic.cancel (the queue was deleted) is reported through
-// Fetch as ErrConsumerCancelled and consuming resumes once the queue exists.
-// Access refused (403) is fatal: the loop's Run returns it. A refused
-// vhost (530 NOT_ALLOWED) is fatal at the consuming connection's first
-// connect (a wrong URL); on a reconnect it is what a restarting node
-// answers before its vhosts are up, and it is retried. Lag, and the delay
-// queues' declarations, are bounded by their context (Lag by 10 seconds
-// when it has no deadline). Every notification channel the package registers is drained
-// by a goroutine of its own, so the library's reader never waits on it, and
-// Close cuts a connection the broker no longer answers (a blocked one)
-// after 400 ms.
+// Fetch as ErrConsumerCancelled and consuming resumes once the queue
+// exists. Lag, and the delay queues' declarations, are bounded by their
+// context (Lag by 10 seconds when it has no deadline). Every notification
+// channel the package registers is drained by a goroutine of its own, so
+// the library's reader never waits on it, and Close cuts a connection the
+// broker no longer answers (a blocked one) after 400 ms.
 //
 // The Topology is data: exchanges, queues (quorum by default; classic on
 // request) and bindings, with dead-letter exchanges, delivery limits and
@@ -120,12 +130,61 @@
 // set by a policy still draws the warning, and a queue outside the
 // Topology, whose arguments the Broker does not know, never does.
 //
+// # When it cannot consume
+//
+// A consumer never looks healthy while it cannot consume, and reports why
+// as a Kafka or SQS consumer does: the errors of Connect and Fetch wrap one
+// of consumer's three, name the queue and the broker's URL with the
+// password hidden, and wrap the client's own error (an *amqp091.Error
+// where the broker said why), which the loop puts in Health.Error and in a
+// WARN line at once, counting FetchErrors.
+//
+//   - consumer.ErrUnreachable, retried with backoff: a dial refused or
+//     timed out, a connection or channel lost (320 CONNECTION_FORCED,
+//     a missed heartbeat), the broker not answering within
+//     driver.ReportWithin, a vhost refused on a reconnect (what a
+//     restarting node answers before its vhosts are up).
+//   - consumer.ErrSourceNotFound, retried with backoff: the queue does not
+//     exist (404 NOT_FOUND from Connect's passive declare or from
+//     basic.consume), or the broker cancelled the consumer because it was
+//     deleted (ErrConsumerCancelled). The consumer consumes once it is
+//     declared; a queue of the Topology is declared again by the driver
+//     itself.
+//   - consumer.ErrRefused, marked driver.Fatal, so Run ends with it and
+//     health says stopped: credentials refused (amqp091.ErrCredentials),
+//     the vhost refused at the Broker's first connection (530 NOT_ALLOWED:
+//     a wrong URL, or a user without access to it), access refused (403
+//     ACCESS_REFUSED on the queue or its declaration; one met on a
+//     channel whose connection then closes within a second is a vhost
+//     being deleted, and is retried), a declaration the broker rejects
+//     (406 PRECONDITION_FAILED: other arguments than the existing queue's),
+//     a TLS handshake that fails (a certificate not trusted or not for the
+//     host, amqps:// to a plaintext listener, amqp:// to a TLS one).
+//
+// A channel the broker closes for an ack timeout (406) wraps none of them:
+// it is reported as it is, and reopened. After a failure Fetch returns as
+// soon as a new channel consumes, so that the loop says it consumes again
+// even while the queue is empty.
+//
+// Dial fails fast (its errors wrap the same kinds), because the Broker is
+// also the publisher: a service that publishes finds a wrong URL or a
+// broker that is down when it starts. A consumer needs no connection to be
+// built, though, and WithLazyConnect makes Dial return without one: a
+// consumer of such a Broker built while RabbitMQ is down reports it
+// (health disconnected, consumer.ErrUnreachable) and starts consuming when
+// RabbitMQ comes up; what Dial would have refused ends its Run with
+// consumer.ErrRefused instead. (ferry.Open connects at once, as Dial does.)
+// A network that drops packets silently is noticed by the heartbeat
+// (WithHeartbeat), not within driver.ReportWithin.
+//
 // # Publishing
 //
 // A destination is an exchange, and Message.Key is the routing key. To
 // publish straight to a queue, use ToQueue(queue): the message goes through
 // the default exchange with the queue's name as routing key, and its Key
-// travels in the HeaderKey header, from which consumers read it. Messages
+// travels in the HeaderKey header, from which consumers read it. In traces
+// (consumer.TracePublisher) the destination is the exchange or the queue
+// as the user named it (Broker.DestinationName), never ToQueue's prefix. Messages
 // are persistent and carry the ID as message-id.
 //
 // Publishing is pipelined: a call sends its messages on a confirm-mode

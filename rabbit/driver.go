@@ -43,9 +43,10 @@ func Prefetch(n int) DriverOption {
 
 // Driver is the driver.Driver over one queue, for consumer.New or a loop of
 // your own; NewConsumer is the usual way to get one. It also implements
-// driver.Revoker, driver.Aser (target *amqp091.Delivery) and
-// driver.LagReporter. It consumes on a channel of the Broker's consuming
-// connection, and reopens it (and the connection) when it is lost.
+// driver.Connector, driver.Revoker, driver.Drainer, driver.Aser (target
+// *amqp091.Delivery) and driver.LagReporter. It consumes on a channel of
+// the Broker's consuming connection, and reopens it (and the connection)
+// when it is lost.
 type Driver struct {
 	b        *Broker
 	queue    string
@@ -62,11 +63,12 @@ type Driver struct {
 	closeOnce sync.Once
 	wg        sync.WaitGroup
 
-	mu      sync.Mutex
-	cur     *session
-	changed chan struct{} // closed and replaced when cur or err changes
-	err     error         // to report from Fetch, once
-	fatal   bool
+	mu       sync.Mutex
+	cur      *session
+	changed  chan struct{} // closed and replaced when cur or err changes
+	err      error         // to report from Fetch, once
+	fatal    bool
+	reported bool // Fetch returned an error and no session has answered since
 
 	delayMu       sync.Mutex
 	delayDeclared map[string]*amqp.Connection
@@ -76,16 +78,21 @@ type Driver struct {
 
 var (
 	_ driver.Driver      = (*Driver)(nil)
+	_ driver.Connector   = (*Driver)(nil)
 	_ driver.Revoker     = (*Driver)(nil)
+	_ driver.Drainer     = (*Driver)(nil)
 	_ driver.Aser        = (*Driver)(nil)
 	_ driver.LagReporter = (*Driver)(nil)
 )
 
 // session is one consuming channel: a generation of delivery tags.
 type session struct {
-	gen        uint64
-	tag        string
-	ch         *amqp.Channel
+	gen uint64
+	tag string
+	ch  *amqp.Channel
+	// deliveries holds what the broker pushed and Fetch has not taken, up
+	// to the prefetch: a pump moves them from the library as they come,
+	// so that Lag can count them.
 	deliveries <-chan amqp.Delivery
 	dead       chan struct{}
 	stopped    atomic.Bool // the consumer was cancelled by Fetch
@@ -166,14 +173,102 @@ func (b *Broker) NewConsumer(queue string, opts ...consumer.Option) (*consumer.L
 	return l, nil
 }
 
-// Capabilities names the system "rabbitmq" for traces, and reports that
-// the queue redelivers returned messages, except on a single-active-consumer
-// queue (ordered: Lane is the Key): a message returned with a delay goes
-// through a delay queue and comes back behind the rest of its key, so
-// there the loop retries a failed message in place, holding its key, as on
-// a Kafka partition.
+// Capabilities names the system "rabbitmq" and the queue as the source,
+// and reports that the queue redelivers returned messages, except on a
+// single-active-consumer queue (ordered: Lane is the Key): a message
+// returned with a delay goes through a delay queue and comes back behind
+// the rest of its key, so there the loop retries a failed message in
+// place, holding its key, as on a Kafka partition.
 func (d *Driver) Capabilities() driver.Capabilities {
-	return driver.Capabilities{Redelivers: !d.laneKey, System: "rabbitmq"}
+	return driver.Capabilities{Redelivers: !d.laneKey, System: "rabbitmq", Source: d.queue}
+}
+
+// Connect checks, within driver.ReportWithin (or ctx's deadline), that the
+// broker answers and the queue is there: it opens the consuming connection
+// (or takes the one open) and declares the queue on a channel of its own,
+// passively, or, for a queue of the Topology, as the topology says, with
+// its exchanges and bindings, so that a topology queue deleted meanwhile
+// comes back. Its errors wrap consumer.ErrUnreachable (the broker cannot
+// be reached: the error names its address) or consumer.ErrSourceNotFound
+// (no such queue: the loop tries again, and consumes once it is declared),
+// or are marked driver.Fatal and wrap consumer.ErrRefused (credentials,
+// the vhost, the TLS handshake, a declaration the broker rejects). That
+// the user may read the queue is known only when Fetch consumes: a 403
+// there ends Run the same way.
+func (d *Driver) Connect(ctx context.Context) error {
+	if d.stopped() || d.b.isClosed() {
+		return driver.Fatal(fmt.Errorf("rabbit: connect to %q: %w", d.queue, ErrClosed))
+	}
+	ctx, cancel := context.WithTimeout(ctx, driver.ReportWithin)
+	defer cancel()
+	conn, err := d.b.consConn.get(ctx)
+	if err == nil {
+		// The channel's methods take no context: bounded by ctx here, the
+		// declaration finishing (and its channel closing) on its own.
+		err = withContext(ctx, func() error {
+			ch, err := conn.Channel()
+			if err != nil {
+				return withKind(fmt.Errorf("open channel: %w", err), stageRunning, true)
+			}
+			defer closeChannel(ch)
+			return confirmRefusal(ctx, conn, d.declareOwn(ch, true))
+		})
+		if err != nil && linkKind(err) == nil && errors.Is(err, ctx.Err()) {
+			err = fmt.Errorf("declare queue %q: the broker did not answer: %w: %w", d.queue, consumer.ErrUnreachable, err)
+		}
+	}
+	if err == nil {
+		return nil
+	}
+	err = d.failure(err)
+	if isFatal(err) {
+		return driver.Fatal(err)
+	}
+	return err
+}
+
+// declareOwn declares on ch the queue, with its exchanges and bindings,
+// when it is in the topology; otherwise, when passive, checks that it
+// exists. Its errors carry their kind (see classify).
+func (d *Driver) declareOwn(ch *amqp.Channel, passive bool) error {
+	if !d.declared {
+		if !passive {
+			return nil
+		}
+		if _, err := ch.QueueDeclarePassive(d.queue, true, false, false, false, nil); err != nil {
+			return withKind(fmt.Errorf("queue %q: %w", d.queue, err), stageDeclare, true)
+		}
+		return nil
+	}
+	t := d.b.cfg.topology
+	for _, e := range t.exchangesOf(d.queue) {
+		kind := e.Kind
+		if kind == "" {
+			kind = "topic"
+		}
+		if err := ch.ExchangeDeclare(e.Name, kind, true, false, false, false, e.Args); err != nil {
+			return withKind(fmt.Errorf("declare exchange %q: %w", e.Name, err), stageDeclare, true)
+		}
+	}
+	if err := declareQueue(ch, d.q); err != nil {
+		return withKind(fmt.Errorf("declare %w", err), stageDeclare, true)
+	}
+	for _, bd := range t.bindingsOf(d.queue) {
+		if err := ch.QueueBind(bd.Queue, bd.Key, bd.Exchange, false, bd.Args); err != nil {
+			return withKind(fmt.Errorf("bind %q to %q: %w", bd.Queue, bd.Exchange, err), stageDeclare, true)
+		}
+	}
+	return nil
+}
+
+// failure is err as Fetch and Connect report it: naming the queue and the
+// broker (its URL without the password; a connection's error names it
+// already).
+func (d *Driver) failure(err error) error {
+	if strings.Contains(err.Error(), d.b.redacted) {
+		return fmt.Errorf("rabbit: consume %q: %w", d.queue, err)
+	}
+	return fmt.Errorf("rabbit: consume %q on %s: %w", d.queue, d.b.redacted, err)
 }
 
 // Revoked delivers a revocation whenever the channel closes: the broker
@@ -226,7 +321,8 @@ func (d *Driver) supervise() {
 			if ctx.Err() != nil {
 				return
 			}
-			fatal := isFatal(err, d.b.consConn.connectedBefore())
+			err = d.failure(err)
+			fatal := isFatal(err)
 			d.setState(nil, err, fatal)
 			if fatal {
 				d.log.Error("rabbit: cannot consume", "err", err)
@@ -234,7 +330,8 @@ func (d *Driver) supervise() {
 			}
 			wait := d.b.backoff(failures)
 			failures++
-			d.log.Warn("rabbit: cannot consume; retrying", "err", err, "in", wait)
+			// Fetch reports it, and the loop logs it, rate-limited.
+			d.log.Debug("rabbit: cannot consume; retrying", "err", err, "in", wait)
 			d.b.sleep(ctx, wait, d.stop)
 			continue
 		}
@@ -250,16 +347,16 @@ func (d *Driver) supervise() {
 				// error to report, only a channel to reopen.
 				d.log.Debug("rabbit: consuming channel closed by the client; reopening")
 			case e.Code == amqp.PreconditionFailed && strings.Contains(e.Reason, "acknowledgement"):
-				reason = e
+				reason = d.failure(fmt.Errorf("channel closed for an ack timeout: %w", e))
 				d.log.Warn("rabbit: the broker closed the channel because a delivery was not acked within its consumer_timeout; its handlers are cancelled and the channel reopened (raise consumer_timeout for longer work)", "err", e)
 			default:
-				reason = e
+				reason = d.failure(withKind(fmt.Errorf("consuming channel closed: %w", e), stageRunning, true))
 				if !d.b.isClosed() && !d.stopped() {
 					d.log.Warn("rabbit: consuming channel closed; reopening", "err", e)
 				}
 			}
 		case tag := <-cancels:
-			reason = fmt.Errorf("rabbit: consume %q (tag %s): %w (was the queue deleted?)", d.queue, tag, ErrConsumerCancelled)
+			reason = d.failure(fmt.Errorf("%w: %w (tag %s: was the queue deleted?)", consumer.ErrSourceNotFound, ErrConsumerCancelled, tag))
 			d.log.Warn("rabbit: the broker cancelled the consumer; resuming once the queue exists again", "err", reason)
 			go closeChannel(s.ch)
 		case <-ctx.Done():
@@ -323,36 +420,30 @@ func (d *Driver) revoke(ctx context.Context, s *session) {
 	}
 }
 
-func isFatal(err error, connectedBefore bool) bool {
-	// A vhost refused (530 NOT_ALLOWED, which amqp091 reports as ErrVhost)
-	// is fatal at the first connect: a wrong URL. On a reconnect it is
-	// what a restarting node answers before its vhosts are up: retried.
-	if errors.Is(err, amqp.ErrVhost) {
-		return !connectedBefore
-	}
-	var ae *amqp.Error
-	if errors.As(err, &ae) {
-		switch ae.Code {
-		case amqp.AccessRefused:
-			return true
-		case amqp.NotAllowed:
-			return !connectedBefore
-		}
-	}
-	return errors.Is(err, amqp.ErrCredentials) || errors.Is(err, ErrClosed)
+// isFatal reports whether err ends consuming: a refusal (see classify; a
+// vhost refused is one at the first connect only, a wrong URL, and on a
+// reconnect what a restarting node answers before its vhosts are up), or
+// a closed Broker or Driver.
+func isFatal(err error) bool {
+	return errors.Is(err, consumer.ErrRefused) || errors.Is(err, ErrClosed)
 }
 
 // open opens a consuming channel: the queue (and its exchanges and
 // bindings) declared again when it is in the topology, the prefetch set,
-// the consumer started.
+// the consumer started. Waiting for the connection is bounded by
+// driver.ReportWithin, so that Fetch reports a broker that does not answer
+// in time (the dial goes on, and the next open waits for it again). Its
+// errors carry their kind (see classify).
 func (d *Driver) open(ctx context.Context, gen uint64) (*session, chan *amqp.Error, chan string, error) {
-	conn, err := d.b.consConn.get(ctx)
+	gctx, cancel := context.WithTimeout(ctx, driver.ReportWithin)
+	conn, err := d.b.consConn.get(gctx)
+	cancel()
 	if err != nil {
 		return nil, nil, nil, err
 	}
 	ch, err := conn.Channel()
 	if err != nil {
-		return nil, nil, nil, fmt.Errorf("rabbit: open channel: %w", err)
+		return nil, nil, nil, withKind(fmt.Errorf("open channel: %w", err), stageRunning, true)
 	}
 	fail := func(err error) (*session, chan *amqp.Error, chan string, error) {
 		if !ch.IsClosed() {
@@ -360,51 +451,90 @@ func (d *Driver) open(ctx context.Context, gen uint64) (*session, chan *amqp.Err
 		}
 		return nil, nil, nil, err
 	}
+	// A queue of no topology is checked by Consume itself (404).
+	if err := d.declareOwn(ch, false); err != nil {
+		return fail(confirmRefusal(ctx, conn, err))
+	}
 	if d.declared {
-		t := d.b.cfg.topology
-		for _, e := range t.exchangesOf(d.queue) {
-			kind := e.Kind
-			if kind == "" {
-				kind = "topic"
-			}
-			if err := ch.ExchangeDeclare(e.Name, kind, true, false, false, false, e.Args); err != nil {
-				return fail(fmt.Errorf("rabbit: declare exchange %q: %w", e.Name, err))
-			}
-		}
-		if err := declareQueue(ch, d.q); err != nil {
-			return fail(fmt.Errorf("rabbit: declare %w", err))
-		}
 		d.b.warnDrops(d.q, conn)
-		for _, bd := range t.bindingsOf(d.queue) {
-			if err := ch.QueueBind(bd.Queue, bd.Key, bd.Exchange, false, bd.Args); err != nil {
-				return fail(fmt.Errorf("rabbit: bind %q to %q: %w", bd.Queue, bd.Exchange, err))
-			}
-		}
 	}
 	if err := ch.Qos(d.prefetch, 0, false); err != nil {
-		return fail(fmt.Errorf("rabbit: prefetch %d: %w", d.prefetch, err))
+		return fail(withKind(fmt.Errorf("prefetch %d: %w", d.prefetch, err), stageRunning, true))
 	}
 	closes := ch.NotifyClose(make(chan *amqp.Error, 1))
 	cancels := ch.NotifyCancel(make(chan string, 4))
 	tag := fmt.Sprintf("ferry-%s-%d", d.b.idPrefix, gen)
 	deliveries, err := ch.Consume(d.queue, tag, false, false, false, false, nil)
 	if err != nil {
-		return fail(fmt.Errorf("rabbit: consume %q: %w", d.queue, err))
+		return fail(confirmRefusal(ctx, conn, withKind(fmt.Errorf("consume: %w", err), stageRunning, true)))
 	}
-	return &session{
-		gen:        gen,
-		tag:        tag,
-		ch:         ch,
-		deliveries: deliveries,
-		dead:       make(chan struct{}),
-		lanes:      make(map[string]int),
-	}, closes, cancels, nil
+	s := &session{
+		gen:   gen,
+		tag:   tag,
+		ch:    ch,
+		dead:  make(chan struct{}),
+		lanes: make(map[string]int),
+	}
+	pushed := make(chan amqp.Delivery, d.prefetch)
+	s.deliveries = pushed
+	go pump(deliveries, pushed, s.dead)
+	return s, closes, cancels, nil
+}
+
+// refusalGrace is how long a refusal met on a channel waits for its
+// connection to close before it is taken for one.
+const refusalGrace = time.Second
+
+// confirmRefusal returns err, unless it is a refusal (403) met on a channel
+// of conn and conn closes within refusalGrace: a vhost being deleted loses
+// its permissions first, then its queues (the consumer is cancelled and
+// opens a new channel), and only then its connections. That 403 refused
+// nobody for good: it is reported as the connection lost, and retried.
+func confirmRefusal(ctx context.Context, conn *amqp.Connection, err error) error {
+	var ae *amqp.Error
+	if !errors.Is(err, consumer.ErrRefused) || !errors.As(err, &ae) {
+		return err
+	}
+	closed := conn.NotifyClose(make(chan *amqp.Error, 1))
+	t := time.NewTimer(refusalGrace)
+	defer t.Stop()
+	select {
+	case <-closed:
+		return fmt.Errorf("%w: the connection closed right after a refusal: %w", consumer.ErrUnreachable, ae)
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	return err
+}
+
+// pump moves the deliveries the library received into out, which the
+// prefetch bounds (the broker pushes no more unacked deliveries than it),
+// and closes out when the library closes in (the channel closed, or the
+// consumer was cancelled). Once dead (nobody takes them any more: the
+// broker requeues them with the channel) it drops them, so that the
+// library's reader never waits.
+func pump(in <-chan amqp.Delivery, out chan<- amqp.Delivery, dead <-chan struct{}) {
+	defer close(out)
+	for dv := range in {
+		select {
+		case out <- dv:
+		case <-dead:
+			for range in {
+			}
+			return
+		}
+	}
 }
 
 // Fetch appends up to max deliveries to dst, waiting for at least one. An
-// error the supervisor met since the last Fetch (a lost channel, a queue
-// that does not exist) is returned once, so the loop reports it; access
-// refused, and a closed Broker or Driver, are marked driver.Fatal.
+// error the supervisor met since the last Fetch (a lost connection or
+// channel, a queue that does not exist) is returned once, so the loop
+// reports it, wrapping consumer.ErrUnreachable or ErrSourceNotFound; a
+// refusal (wrapping consumer.ErrRefused: access refused, the vhost, the
+// credentials) and a closed Broker or Driver are marked driver.Fatal.
+// After an error, Fetch returns with no delivery as soon as a new channel
+// consumes, so that the loop knows the broker answers again even while the
+// queue is empty.
 func (d *Driver) Fetch(ctx context.Context, dst []driver.Message, max int) ([]driver.Message, error) {
 	d.startOnce.Do(func() {
 		d.wg.Add(1)
@@ -421,6 +551,11 @@ func (d *Driver) Fetch(ctx context.Context, dst []driver.Message, max int) ([]dr
 		s, changed, err, fatal := d.cur, d.changed, d.err, d.fatal
 		if err != nil && !fatal {
 			d.err = nil
+			d.reported = true
+		}
+		answered := false
+		if err == nil && d.reported && s != nil && !s.isDead() && !s.stopped.Load() {
+			d.reported, answered = false, true
 		}
 		d.mu.Unlock()
 		if err != nil {
@@ -428,6 +563,9 @@ func (d *Driver) Fetch(ctx context.Context, dst []driver.Message, max int) ([]dr
 				return dst, driver.Fatal(err)
 			}
 			return dst, err
+		}
+		if answered {
+			return dst, nil
 		}
 		if s != nil && s.stopped.Load() && !s.isDead() {
 			// Fetch cancelled the consumer when the loop stopped; fetching
@@ -1109,9 +1247,13 @@ func withContext(ctx context.Context, f func() error) error {
 const lagTimeout = 10 * time.Second
 
 // Lag reports the queue's ready messages (Messages, from a passive declare)
-// and this driver's deliveries not yet settled (InFlight). The broker's AMQP
-// interface tells neither the other consumers' unacked count nor the age of
-// the oldest message.
+// and this driver's deliveries not yet settled (InFlight): those the broker
+// pushed ahead that Fetch has not taken yet (the prefetch) and those the
+// loop holds (running, queued behind their key, waiting for their
+// settlement). Messages plus InFlight, the loop's Health.Lag, is what is
+// not yet done: the queue's ready and unacked messages when this is its
+// only consumer. The broker's AMQP interface tells neither the other
+// consumers' unacked count nor the age of the oldest message.
 func (d *Driver) Lag(ctx context.Context) (driver.Lag, error) {
 	ready, _, err := d.b.queueDepth(ctx, d.queue)
 	if err != nil {
@@ -1125,6 +1267,7 @@ func (d *Driver) Lag(ctx context.Context) (driver.Lag, error) {
 		s.mu.Lock()
 		l.InFlight = int64(s.open)
 		s.mu.Unlock()
+		l.InFlight += int64(len(s.deliveries))
 	}
 	return l, nil
 }

@@ -21,6 +21,20 @@ const QueuePrefix = "amq.default/"
 // ToQueue returns the destination that publishes straight to queue.
 func ToQueue(queue string) string { return QueuePrefix + queue }
 
+var _ consumer.DestinationNamer = (*Broker)(nil)
+
+// DestinationName returns the queue or exchange a destination names, as
+// the user named it: the queue of ToQueue(queue), else the exchange. It
+// makes consumer.TracePublisher's spans say "send orders" and
+// messaging.destination.name "orders" for ToQueue("orders"), not the
+// default exchange's prefix.
+func (b *Broker) DestinationName(destination string) string {
+	if q, ok := strings.CutPrefix(destination, QueuePrefix); ok && q != "" {
+		return q
+	}
+	return destination
+}
+
 // HeaderKey carries Message.Key where the routing key cannot: on messages
 // published straight to a queue (whose routing key is the queue's name) and
 // on retries that went through a delay queue. Consumers read Key from it

@@ -145,8 +145,9 @@ func TestRestrictedUserIsRefusedAnotherVhost(t *testing.T) {
 }
 
 // TestAccessRefusedIsFatal: a consumer whose user may not read the queue
-// ends its Run at once with the broker's 403, marked fatal, instead of
-// retrying for ever; the error holds no password.
+// ends its Run at once with the broker's 403, marked fatal and wrapping
+// consumer.ErrRefused, instead of retrying for ever; its health is
+// stopped; the error holds no password.
 func TestAccessRefusedIsFatal(t *testing.T) {
 	amqpURL(t)
 	user := testenv.UniqueName(t, "noread")
@@ -169,11 +170,14 @@ func TestAccessRefusedIsFatal(t *testing.T) {
 	defer cancel()
 	err = c.Run(ctx, consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }))
 	var ae *amqp.Error
-	if !errors.As(err, &ae) || ae.Code != amqp.AccessRefused || !driver.IsFatal(err) {
-		t.Fatalf("Run = %v, want a fatal *amqp091.Error 403", err)
+	if !errors.As(err, &ae) || ae.Code != amqp.AccessRefused || !driver.IsFatal(err) || !errors.Is(err, consumer.ErrRefused) {
+		t.Fatalf("Run = %v, want a fatal *amqp091.Error 403 wrapped with consumer.ErrRefused", err)
 	}
 	if ctx.Err() != nil {
 		t.Fatal("Run returned only when its context ended")
+	}
+	if h := c.Health(); h.State != consumer.HealthStopped || h.Live || !strings.Contains(h.Error, "ACCESS_REFUSED") || !strings.Contains(h.Error, q) {
+		t.Errorf("health %+v: want stopped, not live, with the refusal and the queue in Error", h)
 	}
 	if strings.Contains(err.Error(), pw) || strings.Contains(logs.String(), pw) {
 		t.Error("the password appears in the error or the logs")

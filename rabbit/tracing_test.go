@@ -2,6 +2,7 @@ package rabbit_test
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -20,7 +21,10 @@ import (
 // exchange and straight to a queue: the W3C trace context the producer span
 // writes into the message's headers comes back out of the AMQP headers, and
 // the consumer span of its handler run is the producer span's child, in the
-// trace of the span that published it.
+// trace of the span that published it. Both spans name the destination as
+// the user named it, the exchange or the queue: "send orders", never "send
+// amq.default/orders" (the prefix of rabbit.ToQueue), in the span's name
+// and in messaging.destination.name.
 func TestATraceFollowsAMessageAcrossRabbitMQ(t *testing.T) {
 	for _, direct := range []bool{false, true} {
 		name := "exchange"
@@ -80,7 +84,18 @@ func TestATraceFollowsAMessageAcrossRabbitMQ(t *testing.T) {
 			if err := <-done; err != nil {
 				t.Fatal(err)
 			}
-			tracecheck.OneTrace(t, rec.Ended(), "send "+dest, "process "+q, request.SpanContext(), inHandler, "rabbitmq")
+			spans := rec.Ended()
+			tracecheck.OneTrace(t, spans, "send "+q, "process "+q, request.SpanContext(), inHandler, "rabbitmq")
+			for _, s := range spans {
+				for _, kv := range s.Attributes() {
+					if kv.Key == "messaging.destination.name" && kv.Value.AsString() != q {
+						t.Errorf("span %q: messaging.destination.name = %q, want %q", s.Name(), kv.Value.AsString(), q)
+					}
+				}
+				if strings.Contains(s.Name(), rabbit.QueuePrefix) {
+					t.Errorf("span %q names the default exchange's prefix", s.Name())
+				}
+			}
 		})
 	}
 }
