@@ -19,7 +19,10 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/msgmetrics"
 	"github.com/ferrymq/ferry/internal/urlsecret"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
 )
 
 // Errors of the package. Match them with errors.Is; an error the broker sent
@@ -101,10 +104,27 @@ type config struct {
 	name        string
 	maxMessage  int  // 0: DefaultMaxMessageSize
 	lazy        bool // WithLazyConnect
+	meters      metric.MeterProvider
 }
 
 func fieldErr(field, format string, args ...any) error {
 	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
+}
+
+// WithMeterProvider sets where Publish reports its calls, as the
+// OpenTelemetry messaging conventions name them
+// (messaging.client.operation.duration and messaging.client.sent.messages,
+// with messaging.system "rabbitmq" and the destination as the user named
+// it). Default the global provider, a no-op until one is installed. The
+// consumers report through consumer.WithMeterProvider.
+func WithMeterProvider(mp metric.MeterProvider) Option {
+	return func(c *config) error {
+		if mp == nil {
+			return fieldErr("MeterProvider", "must not be nil")
+		}
+		c.meters = mp
+		return nil
+	}
 }
 
 // WithLogger sets the logger for reconnects, alarms and warnings. Default
@@ -253,6 +273,7 @@ type Broker struct {
 	pubConn  *connMgr
 	consConn *connMgr
 	pub      *publisher
+	metrics  *msgmetrics.Publisher
 
 	idPrefix string
 	idSeq    atomic.Uint64
@@ -328,9 +349,17 @@ func Dial(rawURL string, opts ...Option) (*Broker, error) {
 		}
 		return nil, fieldErr("URL", "%s is not an AMQP URL: %v", redacted, scrub(err, rawURL))
 	}
+	if c.meters == nil {
+		c.meters = otel.GetMeterProvider()
+	}
+	pm, err := msgmetrics.NewPublisher(c.meters, "rabbitmq")
+	if err != nil {
+		return nil, fmt.Errorf("rabbit: metrics: %w", err)
+	}
 	var p [4]byte
 	_, _ = crand.Read(p[:])
 	b := &Broker{
+		metrics:    pm,
 		cfg:        c,
 		uri:        uri,
 		redacted:   redacted,

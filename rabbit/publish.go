@@ -533,6 +533,15 @@ func (p *publisher) waitErr(ctx context.Context, dest string) error {
 // ends first, the messages not confirmed fail with an error matching both
 // ErrBlocked and ctx's error.
 func (b *Broker) Publish(ctx context.Context, destination string, msgs ...consumer.Message) error {
+	start := time.Now()
+	err := b.publish(ctx, destination, msgs)
+	if len(msgs) > 0 {
+		b.metrics.Record(ctx, b.DestinationName(destination), len(msgs), start, err)
+	}
+	return err
+}
+
+func (b *Broker) publish(ctx context.Context, destination string, msgs []consumer.Message) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
