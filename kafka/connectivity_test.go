@@ -552,6 +552,7 @@ func TestTLSMismatchIsRefusedAtOnce(t *testing.T) {
 			if !errors.Is(err, consumer.ErrRefused) || errors.Is(err, context.DeadlineExceeded) || err == nil || !strings.Contains(err.Error(), tc.says) {
 				t.Errorf("Publish = %v, want an error wrapping consumer.ErrRefused that says %q", err, tc.says)
 			}
+			t.Logf("Publish: %v", err)
 
 			w := watch(t, b, "ferry-tls-any")
 			start = time.Now()
@@ -595,6 +596,7 @@ func TestPublishAtItsDeadlineSaysWhatTheClientSaw(t *testing.T) {
 			if took > 5*time.Second {
 				t.Errorf("Publish took %s with a 3s deadline", took)
 			}
+			t.Logf("Publish after %s: %v", took.Round(time.Millisecond), err)
 		})
 	}
 }
@@ -670,4 +672,26 @@ func TestUntrustedCertificateIsRefused(t *testing.T) {
 	}
 	w := watch(t, b, "ferry-tls-any")
 	w.assertRefused(w.stopped(30*time.Second), []error{kafka.ErrAuthentication}, "certificate")
+}
+
+// TestMismatchWithADialerOfYourOwnIsUnreachable: with a kgo.Dialer of the
+// user's, the Broker does not dial and cannot tell a TLS listener from an
+// outage: Connect reports the listener unreachable, with franz-go's
+// diagnosis, and retries.
+func TestMismatchWithADialerOfYourOwnIsUnreachable(t *testing.T) {
+	seeds, _ := testenv.RequireKafkaSASL(t)
+	b, err := kafka.New(seeds, kafka.WithLogger(testLogger(t)), kafka.WithClientOpts(kgo.Dialer((&net.Dialer{}).DialContext)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = b.Close() })
+	d, err := b.Driver("ferry-tls-any", "ferry-tls-any-probe")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	err = d.(driver.Connector).Connect(ctxFor(t, 2*driver.ReportWithin))
+	if !errors.Is(err, consumer.ErrUnreachable) || driver.IsFatal(err) || !strings.Contains(err.Error(), "tls") {
+		t.Errorf("Connect = %v, want a retryable error wrapping consumer.ErrUnreachable with franz-go's diagnosis", err)
+	}
 }

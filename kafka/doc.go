@@ -116,8 +116,9 @@
 //     client saw, within driver.ReportWithin; Run retries, and franz-go
 //     reconnects by itself meanwhile. A broker that drops packets silently
 //     is seen once franz-go's dial or request times out (kgo.DialTimeout,
-//     10 s by default). While some broker of the cluster answers, franz-go
-//     moves partitions to the ones that do, and nothing is reported.
+//     10 s by default). While some broker of the cluster answers, nothing
+//     is reported: the cluster moves the leadership of partitions to the
+//     brokers that are up, and franz-go follows.
 //   - The cluster refuses the client, which no retry fixes: Run ends with
 //     an error marked driver.Fatal wrapping consumer.ErrRefused, within
 //     seconds: a failed authentication (also ErrAuthentication: a wrong
