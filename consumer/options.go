@@ -130,7 +130,8 @@ func defaultConfig() config {
 }
 
 // WithName names the consumer in logs, metrics, dead-letter headers and
-// idempotency keys. Default "ferry".
+// idempotency keys. Default "ferry", except on Kafka, where the name is the
+// consumer group id and kafka.Broker.NewConsumer requires it.
 func WithName(name string) Option {
 	return func(c *config) error {
 		if name == "" {

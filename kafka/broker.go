@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -30,9 +31,10 @@ var (
 
 	// ErrAuthentication is wrapped by the error of any call the broker
 	// refused because the client could not authenticate (a wrong SASL user
-	// or password, a TLS handshake that failed). A consumer's Run ends with
-	// it (it is marked driver.Fatal) instead of retrying for ever. The
-	// error never carries the password.
+	// or password, a TLS handshake that failed on a certificate), along
+	// with consumer.ErrRefused. A consumer's Run ends with it (it is marked
+	// driver.Fatal) instead of retrying for ever. The error never carries
+	// the password.
 	ErrAuthentication = errors.New("kafka: authentication failed")
 
 	// ErrPeekShort is wrapped by Peek's error when it could not read a
@@ -93,6 +95,8 @@ type config struct {
 	sessionTimeout  time.Duration
 	rebalanceTO     time.Duration
 	kgoRebalanceTO  time.Duration // kgo.RebalanceTimeout in kopts (franz-go's default when absent)
+	tls             *tls.Config   // WithTLS
+	dial            *dialer       // the Broker's own dialer; nil when kopts bring one
 	commitHook      func(CommitEvent)
 	rebalanceHook   func(RebalanceEvent)
 }
@@ -130,14 +134,18 @@ func WithClientOpts(opts ...kgo.Opt) Option {
 	}
 }
 
-// WithTLS dials the brokers over TLS with cfg (kgo.DialTLSConfig). Default:
-// plaintext.
+// WithTLS dials the brokers over TLS with cfg, as kgo.DialTLSConfig does
+// (cfg.ServerName, when empty, is the host dialed). A TLS client at a
+// plaintext listener, or a plaintext client at a TLS listener, is a
+// configuration error: Publish fails and Run returns within seconds with an
+// error wrapping consumer.ErrRefused that says which side speaks TLS.
+// Default: plaintext.
 func WithTLS(cfg *tls.Config) Option {
 	return func(c *config) error {
 		if cfg == nil {
 			return configErr("TLS", "must not be nil")
 		}
-		c.kopts = append(c.kopts, kgo.DialTLSConfig(cfg))
+		c.tls = cfg
 		return nil
 	}
 }
@@ -318,7 +326,8 @@ type Broker struct {
 	adm  *kadm.Client
 	admc *kgo.Client
 
-	authOK    atomic.Bool // the producer has authenticated once
+	authOK    atomic.Bool // the producer has got through once
+	plink     link        // what the producer saw of its connections
 	maxRecord int32       // the producer's batch limit: a larger record cannot be sent
 	maxWrite  int32       // the producer's request limit
 
@@ -366,7 +375,7 @@ func New(seeds []string, opts ...Option) (*Broker, error) {
 		drivers: make(map[*kafkaDriver]struct{}),
 		closed:  make(chan struct{}),
 	}
-	prod, err := kgo.NewClient(b.clientOpts(
+	prod, err := kgo.NewClient(b.clientOpts(&b.plink,
 		kgo.RequiredAcks(kgo.AllISRAcks()),
 		// Java's default partitioner: murmur2 of the key for keyed records,
 		// sticky batches for the others.
@@ -380,7 +389,7 @@ func New(seeds []string, opts ...Option) (*Broker, error) {
 	if err != nil {
 		return nil, fmt.Errorf("kafka: producer: %w", err)
 	}
-	admc, err := kgo.NewClient(b.clientOpts()...)
+	admc, err := kgo.NewClient(b.clientOpts(nil)...)
 	if err != nil {
 		prod.Close()
 		return nil, fmt.Errorf("kafka: admin client: %w", err)
@@ -391,10 +400,20 @@ func New(seeds []string, opts ...Option) (*Broker, error) {
 	return b, nil
 }
 
-// clientOpts is every client's base: seeds, the user's options, a logger,
-// and extra.
-func (b *Broker) clientOpts(extra ...kgo.Opt) []kgo.Opt {
+// clientOpts is every client's base: seeds, a logger, the Broker's dialer
+// (or WithTLS's config for a dialer of the user's), l as hooks, the user's
+// options, and extra.
+func (b *Broker) clientOpts(l *link, extra ...kgo.Opt) []kgo.Opt {
 	o := []kgo.Opt{kgo.SeedBrokers(b.seeds...), kgo.ClientID("ferry"), kgo.WithLogger(kgoLogger{b.log})}
+	switch {
+	case b.cfg.dial != nil:
+		o = append(o, kgo.Dialer(b.cfg.dial.dial))
+	case b.cfg.tls != nil:
+		o = append(o, kgo.DialTLSConfig(b.cfg.tls))
+	}
+	if l != nil {
+		o = append(o, kgo.WithHooks(l))
+	}
 	o = append(o, b.cfg.kopts...)
 	return append(o, extra...)
 }
@@ -403,9 +422,15 @@ func (b *Broker) clientOpts(extra ...kgo.Opt) []kgo.Opt {
 // contract. It reads them back from a client that never connects (a
 // franz-go client dials only when asked to do something).
 func checkClientOpts(seeds []string, c *config) error {
+	c.dial = &dialer{timeout: 10 * time.Second, tls: c.tls} // franz-go's default DialTimeout
 	opts := c.kopts
 	if len(opts) == 0 {
 		return nil
+	}
+	if c.tls != nil {
+		// franz-go refuses a kgo.Dialer of the user's along with it,
+		// as it should: the dialer would dial in plaintext.
+		opts = append([]kgo.Opt{kgo.DialTLSConfig(c.tls)}, opts...)
 	}
 	// A group of the probe's own, so that franz-go accepts group options
 	// (it refuses autocommit options without a group) and we can refuse
@@ -417,6 +442,11 @@ func checkClientOpts(seeds []string, c *config) error {
 	}
 	defer cl.Close()
 	refuse := func(name, why string) error { return configErr("ClientOpts", "%s is not allowed: %s", name, why) }
+	if t, _ := cl.OptValue(kgo.DialTLSConfig).(*tls.Config); t != c.tls {
+		c.dial = nil // a TLS config of the user's: franz-go dials
+	} else if d, ok := cl.OptValue(kgo.DialTimeout).(time.Duration); ok && d > 0 {
+		c.dial.timeout = d
+	}
 	if g, _ := cl.OptValue(kgo.ConsumerGroup).(string); g != probeGroup {
 		return refuse("kgo.ConsumerGroup", "a consumer's group is the consumer's name (consumer.WithName), or the group given to Driver")
 	}
@@ -532,7 +562,7 @@ func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Mes
 	if len(msgs) == 0 {
 		return nil
 	}
-	if err := b.checkAuth(ctx, b.prod); err != nil {
+	if err := b.checkAccess(ctx); err != nil {
 		return fmt.Errorf("kafka: publish to %q: %w", topic, err)
 	}
 	maxBytes := b.maxRecordFor(topic)
@@ -668,7 +698,7 @@ func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Mes
 				}
 			}
 			i := index[res.Record]
-			fail(i, publishErr(topic, res.Err))
+			fail(i, b.publishErr(topic, res.Err))
 			kill(msgs[i].Key)
 		}
 		wave = wave[:0]
@@ -688,38 +718,64 @@ func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Mes
 	sortFailed(failed)
 	if len(failed) == len(msgs) {
 		if err := ctx.Err(); err != nil {
-			return fmt.Errorf("kafka: publish to %q: %w", topic, err)
+			return b.deadlineErr(topic, err)
 		}
 	}
 	return &consumer.PublishError{Failed: failed}
 }
 
-// checkAuth makes sure cl can authenticate before records wait on a
-// connection that never comes: franz-go retries a refused SASL handshake
-// until the records' delivery timeout, so a wrong password would otherwise
-// look like a hang. Once the producer got in, it is not asked again.
-func (b *Broker) checkAuth(ctx context.Context, cl *kgo.Client) error {
-	if cl == b.prod && b.authOK.Load() {
+// checkAccess makes sure the producer gets through before records wait
+// on a connection that never comes: franz-go retries a refused SASL
+// handshake until the records' delivery timeout, and a TLS/plaintext
+// mismatch for as long as it is asked to, so a wrong password or a wrong
+// port would otherwise look like a hang. A cluster that does not answer
+// is no such refusal: Publish waits for it, up to its context. Once the
+// producer got through, it is not asked again.
+func (b *Broker) checkAccess(ctx context.Context) error {
+	if b.authOK.Load() {
 		return nil
 	}
 	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	err := cl.Ping(pctx)
+	err := b.prod.Ping(pctx)
 	switch {
 	case err == nil:
-		if cl == b.prod {
-			b.authOK.Store(true)
-		}
+		b.authOK.Store(true)
 		return nil
-	case isAuthErr(err):
-		return fmt.Errorf("%w: %w", ErrAuthentication, err)
+	case refusedBy(&b.plink, err):
+		addr, _ := b.plink.last()
+		return refused(b.addrOr(addr), err)
 	}
-	return nil // unreachable for now: the client keeps trying, as it should
+	return nil // not answering for now: the producer keeps trying, as it should
 }
 
-func publishErr(topic string, err error) error {
-	if isAuthErr(err) {
-		return fmt.Errorf("kafka: publish to %q: %w: %w", topic, ErrAuthentication, err)
+// addrOr is addr, or the seed addresses when addr is empty.
+func (b *Broker) addrOr(addr string) string {
+	if addr != "" {
+		return addr
+	}
+	return strings.Join(b.seeds, ",")
+}
+
+// deadlineErr is the error of a Publish to topic whose every record failed
+// as its context ended with ctxErr: that error, and what the producer
+// last saw of the cluster when it had not got through since.
+func (b *Broker) deadlineErr(topic string, ctxErr error) error {
+	addr, seen := b.plink.last()
+	if seen == nil {
+		return fmt.Errorf("kafka: publish to %q: %w", topic, ctxErr)
+	}
+	why := unreachable(addr, seen)
+	if refusedBy(&b.plink, seen) {
+		why = refused(addr, seen)
+	}
+	return fmt.Errorf("kafka: publish to %q: %w; the client last saw: %w", topic, ctxErr, why)
+}
+
+func (b *Broker) publishErr(topic string, err error) error {
+	if isRefusal(err) {
+		addr, _ := b.plink.last()
+		return fmt.Errorf("kafka: publish to %q: %w", topic, refused(b.addrOr(addr), err))
 	}
 	return fmt.Errorf("kafka: publish to %q: %w", topic, err)
 }
@@ -886,29 +942,44 @@ func (b *Broker) DeleteTopic(ctx context.Context, topic string) error {
 func (b *Broker) Admin() *kadm.Client { return b.adm }
 
 // NewConsumer returns a delivery loop over topic: consumer.New over a
-// Driver whose group is the loop's name (consumer.WithName, default
-// "ferry"), with opts. Every consumer of one topic and name is a member of
-// one group, and shares the topic's partitions with the others.
+// Driver whose group is the loop's name, with opts. The name is required
+// (consumer.WithName): without it NewConsumer fails with a
+// *consumer.ConfigError naming the field "Name", because on Kafka the name
+// is the group id, every consumer of one topic and name is a member of one
+// group and shares the topic's partitions with the others, and a default
+// would have two services that forgot it split each other's partitions.
+//
+// NewConsumer does not reach the cluster: Run does, and reports and
+// retries while it cannot (see the package doc).
 func (b *Broker) NewConsumer(topic string, opts ...consumer.Option) (*consumer.Loop, error) {
 	d, err := b.newDriver(topic)
 	if err != nil {
 		return nil, err
 	}
-	l, err := consumer.New(d, opts...)
-	if err != nil {
-		b.forget(d)
-		return nil, err
+	// A name nobody gives, ahead of the caller's options: still the
+	// loop's name after them, the caller named none. (The loop's own
+	// default cannot be told from a name the caller chose alike.)
+	l, err := consumer.New(d, append([]consumer.Option{consumer.WithName(noName)}, opts...)...)
+	if err == nil && l.Name() == noName {
+		err = configErr("Name", "must be set with consumer.WithName: on Kafka the consumer's name is its group id, "+
+			"and consumers of one topic with one name share its partitions")
 	}
-	if err := d.start(l.Name()); err != nil {
+	if err == nil {
+		err = d.start(l.Name())
+	}
+	if err != nil {
 		b.forget(d)
 		return nil, err
 	}
 	return l, nil
 }
 
+// noName stands for no consumer.WithName in NewConsumer's options.
+const noName = "\x00ferry/kafka: unnamed"
+
 // Driver returns the driver of one member of group over topic, for
-// consumer.New or a loop of your own. It implements driver.Revoker,
-// driver.LagReporter and driver.Aser (a handler reaches the *kgo.Record
+// consumer.New or a loop of your own. It implements driver.Connector,
+// driver.Revoker, driver.LagReporter and driver.Aser (a handler reaches the *kgo.Record
 // with Message.As, given a **kgo.Record or a *kgo.Record to copy into).
 func (b *Broker) Driver(topic, group string) (driver.Driver, error) {
 	if group == "" {

@@ -6,7 +6,10 @@
 // A consumer is one member of a consumer group: every consumer of one topic
 // with one name (consumer.WithName, the group id) shares the topic's
 // partitions with the others, and each partition belongs to one member at a
-// time. Records of a partition are handled in offset order by default
+// time. The name is therefore required: NewConsumer without
+// consumer.WithName fails with a *consumer.ConfigError for "Name", since a
+// default would have two services that forgot it split each other's
+// partitions. Records of a partition are handled in offset order by default
 // (consumer.OrderByLane, a lane is a partition); with consumer.OrderByKey,
 // records of different keys in one partition run at once while each key
 // keeps its order.
@@ -83,8 +86,51 @@
 //     handlers to return (at most a few seconds less than the rebalance
 //     timeout), commits what finished, and lets the partitions go.
 //   - Lag: per partition, the high watermark minus the group's committed
-//     offset, as kadm reports it; plus the records fetched and unfinished and
-//     the age of the oldest of them.
+//     offset, as kadm reports it and ferry lag prints it: what the group has
+//     not done. Of it, InFlight counts the records this member fetched past
+//     the committed offset (being handled, waiting in the driver, or done
+//     and waiting for the next commit) and Messages the rest, which no
+//     consumer took yet, so that the loop's Health adds them up to the same
+//     number; OldestAge is the age of the oldest unfinished record.
+//
+// # When it cannot consume
+//
+// A consumer never looks healthy while it cannot consume; NewConsumer and
+// New do not need the cluster (a consumer built while it is down starts
+// consuming when it comes up), and Run reports what stops it, as the
+// delivery loop's Health, its WARN lines, Stats.FetchErrors and the
+// ferry.consumer.health metric show it (see consumer/driver):
+//
+//   - The topic does not exist, or was deleted: an error wrapping
+//     consumer.ErrSourceNotFound, naming the topic and the cluster; Run
+//     retries, and consumes once the topic is made. (A topic deleted and
+//     made again is consumed again from the group's committed offsets,
+//     which Kafka keeps by the topic's name; franz-go alone would not
+//     follow the new topic.) Run asks the cluster when it starts, when a
+//     fetch says the topic is gone, and every few seconds while no record
+//     comes.
+//   - No broker answers: when Run starts, and when every connection has
+//     failed for a second with none answering since (a refused or failed
+//     dial, a lost connection, a host that does not resolve), an error
+//     wrapping consumer.ErrUnreachable with the address and what the
+//     client saw, within driver.ReportWithin; Run retries, and franz-go
+//     reconnects by itself meanwhile. A broker that drops packets silently
+//     is seen once franz-go's dial or request times out (kgo.DialTimeout,
+//     10 s by default). While some broker of the cluster answers, nothing
+//     is reported: the cluster moves the leadership of partitions to the
+//     brokers that are up, and franz-go follows.
+//   - The cluster refuses the client, which no retry fixes: Run ends with
+//     an error marked driver.Fatal wrapping consumer.ErrRefused, within
+//     seconds: a failed authentication (also ErrAuthentication: a wrong
+//     SASL user or password, a certificate refused), an authorization
+//     refused, or a TLS/plaintext mismatch (a TLS client at a plaintext
+//     listener, or the reverse), whose error says which side speaks TLS.
+//     The Broker dials the brokers itself to tell a mismatch from an
+//     outage; with a kgo.Dialer or kgo.DialTLSConfig of your own
+//     (WithClientOpts), a mismatch is reported as unreachable, with
+//     franz-go's diagnosis.
+//
+// No password appears in any error or log line.
 //
 // # Publishing
 //
@@ -109,6 +155,13 @@
 // out the linger once its records are buffered (after the first call to a
 // topic, which waits for the topic's partitions).
 //
+// Publish fails within seconds, with an error wrapping consumer.ErrRefused,
+// when the cluster refuses the client (a failed authentication, a
+// TLS/plaintext mismatch). While the cluster does not answer, it waits for
+// it up to its context, and then fails with an error that still matches
+// the context's (context.DeadlineExceeded) and says what the client last
+// saw: the address and the dial error (consumer.ErrUnreachable).
+//
 // # Configuration
 //
 // New takes the bootstrap addresses and options; franz-go options pass
@@ -116,8 +169,8 @@
 // would break the contract above (autocommit, a group or topics of their own,
 // rebalance callbacks), which New refuses with a *consumer.ConfigError. TLS
 // and SASL have options of their own (WithTLS, WithSASL); a wrong password
-// makes Publish fail and Run return within seconds with an error wrapping
-// ErrAuthentication, and no password appears in any log line or error.
+// or a TLS/plaintext mismatch makes Publish fail and Run return within
+// seconds (see above).
 //
 // CreateTopic and DeleteTopic manage topics for tests and for users' own
 // integration tests.

@@ -18,6 +18,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
+	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
 )
 
@@ -32,6 +33,14 @@ type kafkaDriver struct {
 	log   *slog.Logger
 
 	revC chan driver.Revocation
+
+	// link is what the group client saw of its connections. The rest
+	// is the fetcher's own (Connect and Fetch run on the loop's fetcher
+	// only).
+	link     link
+	failed   failure   // what the last Connect or Fetch told the loop failed
+	askedAt  time.Time // when Connect or Fetch last asked whether the topic exists
+	polledAt time.Time // when a poll last brought records
 
 	mu       sync.Mutex
 	cl       *kgo.Client
@@ -60,6 +69,26 @@ type kafkaDriver struct {
 	wg        sync.WaitGroup
 }
 
+// failure is what a Connect or Fetch told the loop failed, so that the
+// next Fetch looks again at what failed and returns as soon as it works.
+type failure uint8
+
+const (
+	failedNone  failure = iota
+	failedLink          // the client could not get through, or a fetch failed
+	failedTopic         // the topic does not exist
+)
+
+func failureOf(err error) failure {
+	switch {
+	case err == nil:
+		return failedNone
+	case errors.Is(err, consumer.ErrSourceNotFound):
+		return failedTopic
+	}
+	return failedLink
+}
+
 // errPartitionsLost is why a commit was not issued: partitions were lost
 // after it read its offsets.
 var errPartitionsLost = errors.New("partitions were lost since the offsets were read; not committing them")
@@ -69,6 +98,7 @@ var (
 	_ driver.Revoker     = (*kafkaDriver)(nil)
 	_ driver.LagReporter = (*kafkaDriver)(nil)
 	_ driver.Aser        = (*kafkaDriver)(nil)
+	_ driver.Connector   = (*kafkaDriver)(nil)
 )
 
 // handle is what the loop holds for one delivery: the record, and the
@@ -99,8 +129,8 @@ func (b *Broker) newDriver(topic string) (*kafkaDriver, error) {
 	return d, nil
 }
 
-// start names the group. The client is made on the first Fetch, once a
-// loop runs to hear of revocations.
+// start names the group. The client is made by Connect (or the first
+// Fetch), once a loop runs to hear of revocations.
 func (d *kafkaDriver) start(group string) error {
 	if group == "" {
 		return configErr("group", "must not be empty")
@@ -132,7 +162,7 @@ func (d *kafkaDriver) clientOpts() []kgo.Opt {
 	if c.rebalanceTO > 0 {
 		opts = append(opts, kgo.RebalanceTimeout(c.rebalanceTO))
 	}
-	return d.b.clientOpts(opts...)
+	return d.b.clientOpts(&d.link, opts...)
 }
 
 // revokeWait is how long a rebalance waits for the loop to let go of
@@ -150,8 +180,8 @@ func (d *kafkaDriver) revokeWait() time.Duration {
 	return w
 }
 
-// client returns the group client, making it on first use (only Fetch
-// calls it, never concurrently with itself).
+// client returns the group client, making it on first use (Connect and
+// Fetch call it, from the loop's fetcher: never concurrently).
 func (d *kafkaDriver) client() (*kgo.Client, error) {
 	d.mu.Lock()
 	cl := d.cl
@@ -167,13 +197,6 @@ func (d *kafkaDriver) client() (*kgo.Client, error) {
 	}
 	cl, err := kgo.NewClient(d.clientOpts()...)
 	if err != nil {
-		return nil, fmt.Errorf("kafka: consumer of %q: %w", d.topic, err)
-	}
-	// A refused login is retried by franz-go for ever, quietly: ask once,
-	// so that a wrong password ends Run instead of looking like an idle
-	// topic.
-	if err := d.b.checkAuth(context.Background(), cl); err != nil {
-		cl.Close()
 		return nil, fmt.Errorf("kafka: consumer of %q: %w", d.topic, err)
 	}
 	d.mu.Lock()
@@ -192,9 +215,100 @@ func (d *kafkaDriver) client() (*kgo.Client, error) {
 }
 
 // Capabilities reports a log: records cannot be taken back, so the loop
-// retries them in place.
+// retries them in place. The source is the topic.
 func (d *kafkaDriver) Capabilities() driver.Capabilities {
-	return driver.Capabilities{Redelivers: false, System: "kafka"}
+	return driver.Capabilities{Redelivers: false, Source: d.topic, System: "kafka"}
+}
+
+// connectWithin bounds Connect, so that it returns within
+// driver.ReportWithin.
+const connectWithin = driver.ReportWithin - 500*time.Millisecond
+
+// pollSlice is how long one poll of Fetch waits before Fetch looks at
+// what the client saw of its connections: a client that cannot get
+// through is reported within failGrace and a slice.
+const pollSlice = 500 * time.Millisecond
+
+// Connect makes the group client (which starts joining the group) and
+// asks the cluster for the topic's metadata. It returns nil once a broker
+// answered that the topic exists; otherwise, within driver.ReportWithin,
+// an error wrapping consumer.ErrSourceNotFound (the cluster answers and
+// has no such topic), consumer.ErrUnreachable (no broker answered: the
+// address and what the client saw), or, marked driver.Fatal,
+// consumer.ErrRefused (a TLS/plaintext mismatch, a failed authentication,
+// an authorization refused).
+func (d *kafkaDriver) Connect(ctx context.Context) error {
+	cl, err := d.client()
+	if err != nil {
+		return driver.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(ctx, connectWithin)
+	defer cancel()
+	d.askedAt = time.Now()
+	_, err = d.lookUp(ctx, cl)
+	d.failed = failureOf(err)
+	return err
+}
+
+// lookUp asks the cluster for the topic: nil, and its ID (where the
+// cluster tells it), when it exists.
+func (d *kafkaDriver) lookUp(ctx context.Context, cl *kgo.Client) (id [16]byte, err error) {
+	req := kmsg.NewPtrMetadataRequest()
+	rt := kmsg.NewMetadataRequestTopic()
+	rt.Topic = kmsg.StringPtr(d.topic)
+	req.Topics = append(req.Topics, rt)
+	resp, err := req.RequestWith(ctx, cl)
+	if err != nil {
+		return id, d.requestErr(err)
+	}
+	for _, t := range resp.Topics {
+		if t.Topic == nil || *t.Topic != d.topic {
+			continue
+		}
+		terr := kerr.ErrorForCode(t.ErrorCode)
+		switch {
+		case errors.Is(terr, kerr.UnknownTopicOrPartition):
+		case terr == nil, kerr.IsRetriable(terr):
+			return t.TopicID, nil // it exists (its leaders may be being elected)
+		case isRefusal(terr):
+			return id, driver.Fatal(fmt.Errorf("kafka: consumer of %q: %w", d.topic, refused(d.b.addrOr(""), terr)))
+		default:
+			return id, fmt.Errorf("kafka: consumer of %q: metadata of the topic: %w", d.topic, terr)
+		}
+	}
+	return id, fmt.Errorf("kafka: consumer of %q: %w: the cluster at %s has no topic %q", d.topic, consumer.ErrSourceNotFound, d.b.addrOr(""), d.topic)
+}
+
+// requestErr is the error of a request to the cluster that failed with
+// err: what the client saw (the dial error, the refusal) rather than the
+// context's end, and where.
+func (d *kafkaDriver) requestErr(err error) error {
+	addr, seen := d.link.last()
+	cause := err
+	if isContextErr(err) && seen != nil {
+		cause = seen
+	}
+	addr = d.b.addrOr(addr)
+	switch {
+	case refusedBy(&d.link, cause):
+		return driver.Fatal(fmt.Errorf("kafka: consumer of %q: %w", d.topic, refused(addr, cause)))
+	case isContextErr(cause):
+		return fmt.Errorf("kafka: consumer of %q: %w: %s: no broker answered within %s: %w", d.topic, consumer.ErrUnreachable, addr, connectWithin, cause)
+	}
+	return fmt.Errorf("kafka: consumer of %q: %w", d.topic, unreachable(addr, cause))
+}
+
+// linkErr is the error Fetch returns when the client cannot get through
+// (see link.down), nil while it can.
+func (d *kafkaDriver) linkErr() error {
+	addr, err := d.link.down()
+	switch {
+	case err == nil:
+		return nil
+	case refusedBy(&d.link, err):
+		return driver.Fatal(fmt.Errorf("kafka: consumer of %q: %w", d.topic, refused(addr, err)))
+	}
+	return fmt.Errorf("kafka: consumer of %q: %w", d.topic, unreachable(addr, err))
 }
 
 // Revoked delivers the partitions a rebalance takes away, as lanes.
@@ -242,7 +356,6 @@ func (d *kafkaDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 		poll = d.waitingUnpaused() < 2*d.maxAsked
 	}
 	d.mu.Unlock()
-	var ferr error
 	if cancel != nil && !poll {
 		t := time.NewTimer(StuckAfter) // then look for stuck partitions again
 		select {
@@ -258,29 +371,24 @@ func (d *kafkaDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 			return dst, err
 		}
 	}
+	var res pollResult
 	if cancel != nil && poll {
-		fs := cl.PollRecords(pctx, max)
+		res = d.poll(pctx, cl, max)
 		d.mu.Lock()
 		d.wakePoll = nil
 		d.mu.Unlock()
-		woken := pctx.Err() != nil
 		cancel()
 		if err := ctx.Err(); err != nil {
 			return dst, err
 		}
-		fs.EachError(func(topic string, p int32, err error) {
-			if woken && errors.Is(err, context.Canceled) {
-				return
-			}
-			if ferr == nil || isAuthErr(err) || errors.Is(err, kgo.ErrClientClosed) {
-				ferr = err
-			}
-		})
 		d.mu.Lock()
-		fs.EachRecord(func(r *kgo.Record) {
+		res.fs.EachRecord(func(r *kgo.Record) {
 			p := d.parts[r.Partition]
 			if p == nil || r.Topic != d.topic {
 				return
+			}
+			if r.Offset >= p.fetchedTo {
+				p.fetchedTo = r.Offset + 1
 			}
 			// A partition holds at most limit of the loop's room: the
 			// rest waits here, in order, until its records finish, so
@@ -298,15 +406,134 @@ func (d *kafkaDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 	d.mu.Lock()
 	d.adjustPauses(cl, limit, fixed)
 	d.mu.Unlock()
-	switch {
-	case ferr == nil:
-		return dst, nil
-	case errors.Is(ferr, kgo.ErrClientClosed):
+	ferr := res.err
+	if errors.Is(ferr, kgo.ErrClientClosed) {
 		return dst, driver.Fatal(fmt.Errorf("kafka: fetch %q: %w", d.topic, ErrClosed))
-	case isAuthErr(ferr):
-		return dst, driver.Fatal(fmt.Errorf("kafka: fetch %q: %w: %w", d.topic, ErrAuthentication, ferr))
 	}
-	return dst, fmt.Errorf("kafka: fetch %q: %w", d.topic, ferr)
+	// What the client saw of its connections comes first: a failed
+	// group session, say, is its consequence.
+	err = d.linkErr()
+	switch {
+	case err != nil:
+	case ferr != nil && refusedBy(&d.link, ferr):
+		addr, _ := d.link.last()
+		err = driver.Fatal(fmt.Errorf("kafka: consumer of %q: %w", d.topic, refused(d.b.addrOr(addr), ferr)))
+	case ferr != nil:
+		err = fmt.Errorf("kafka: fetch %q: %w", d.topic, ferr)
+	case res.ask:
+		err = d.lookAgain(ctx, cl, res.staleID)
+	}
+	d.failed = failureOf(err)
+	return dst, err
+}
+
+// askEvery is how often Fetch asks the cluster whether the topic exists
+// while polls say it does not; quietAsk, while no records come. franz-go
+// drops the records of a deleted topic without a word, so Fetch asks.
+const (
+	askEvery = time.Second
+	quietAsk = driver.ReportWithin - time.Second
+)
+
+// lookAgain asks the cluster for the topic after a poll said it is gone,
+// or none brought records for a while: a poll's error may be one
+// franz-go kept from before the topic was made, or say the topic was
+// deleted and made again (stale is the topic ID a fetch
+// was refused for), which franz-go does not follow by itself: it then
+// drops the topic from the group's subscription and adds it back, and the
+// new topic's partitions are assigned afresh.
+func (d *kafkaDriver) lookAgain(ctx context.Context, cl *kgo.Client, stale [16]byte) error {
+	d.askedAt = time.Now()
+	lctx, cancel := context.WithTimeout(ctx, connectWithin)
+	defer cancel()
+	id, err := d.lookUp(lctx, cl)
+	if err == nil && stale != ([16]byte{}) && id != ([16]byte{}) && id != stale {
+		d.log.Warn("ferry/kafka: the topic was deleted and made again; consuming the new one from its committed offsets")
+		cl.PurgeTopicsFromConsuming(d.topic)
+		cl.AddConsumeTopics(d.topic)
+	}
+	return err
+}
+
+// pollResult is what the polls of one Fetch brought.
+type pollResult struct {
+	fs      kgo.Fetches // the last poll's, with its records
+	err     error       // an error no retry inside franz-go fixes
+	ask     bool        // ask whether the topic exists: a poll said it is gone, or none brought records for quietAsk
+	staleID [16]byte    // the topic ID a fetch was refused for (UNKNOWN_TOPIC_ID)
+}
+
+// poll polls up to max records in slices of pollSlice, until a poll
+// brings records or an error franz-go does not retry, pctx ends (Settle
+// woke it, or ctx ended), it is time to ask whether the topic exists (a
+// poll, or the last Fetch, said it is gone: at most every askEvery; or
+// none brought records for quietAsk), the client cannot get through
+// (link.down), or, after the client could not get through, a broker
+// answers again: so that the loop hears of failures and recoveries
+// within seconds, whether records flow or not. A poll that brought
+// nothing but errors franz-go retries waits out its slice, rather than
+// spin while they come back at once.
+func (d *kafkaDriver) poll(pctx context.Context, cl *kgo.Client, max int) pollResult {
+	r := pollResult{ask: d.failed == failedTopic}
+	for {
+		began := time.Now()
+		sctx, cancel := context.WithTimeout(pctx, pollSlice)
+		fs := cl.PollRecords(sctx, max)
+		cancel()
+		d.scan(fs, &r)
+		if fs.NumRecords() > 0 {
+			d.polledAt = time.Now()
+		}
+		switch {
+		case pctx.Err() != nil, fs.NumRecords() > 0, r.err != nil:
+			r.fs = fs
+			return r
+		case r.ask && time.Since(d.askedAt) >= askEvery:
+			return r
+		case time.Since(d.polledAt) >= quietAsk && time.Since(d.askedAt) >= quietAsk:
+			r.ask = true
+			return r
+		}
+		if _, err := d.link.down(); err != nil {
+			return r
+		}
+		if d.failed == failedLink && !d.link.failing.Load() && d.link.everAnswered() {
+			return r
+		}
+		if rest := pollSlice - time.Since(began); rest > 0 {
+			t := time.NewTimer(rest)
+			select {
+			case <-pctx.Done():
+			case <-t.C:
+			}
+			t.Stop()
+		}
+	}
+}
+
+// scan records in r the errors of fs that Fetch acts on.
+func (d *kafkaDriver) scan(fs kgo.Fetches, r *pollResult) {
+	for i := range fs {
+		for j := range fs[i].Topics {
+			t := &fs[i].Topics[j]
+			for k := range t.Partitions {
+				err := t.Partitions[k].Err
+				switch {
+				case err == nil, isContextErr(err):
+					// the end of a poll's slice, or Settle woke it
+				case errors.Is(err, kerr.UnknownTopicOrPartition), errors.Is(err, kerr.UnknownTopicID):
+					r.ask = true
+					if errors.Is(err, kerr.UnknownTopicID) && t.TopicID != ([16]byte{}) {
+						r.staleID = t.TopicID
+					}
+				case kerr.IsRetriable(err):
+					// franz-go retries it
+				case r.err == nil || isRefusal(err) || errors.Is(err, kgo.ErrClientClosed):
+					r.err = err
+				}
+			}
+		}
+	}
 }
 
 // bufferLimit is how many unfinished records of one partition the loop may
@@ -800,13 +1027,17 @@ func (d *kafkaDriver) Close() error {
 	return nil
 }
 
-// Lag reports, per partition, the high watermark minus the group's
-// committed offset (the log start offset where the group committed nothing
-// yet), as kadm computes it; InFlight is how many fetched records are
-// unfinished here, and OldestAge the age of the oldest of them (by record
-// timestamp). It reads the coordinator's offsets directly rather than
-// through kadm.Client.Lag, which describes groups with the classic API only
-// and so cannot see a KIP-848 group.
+// Lag reports, per partition (Lanes), the high watermark minus the
+// group's committed offset (the log start offset where the group committed
+// nothing yet), as kadm computes it and ferry lag prints it: what the
+// group has not done yet. Of that, InFlight is what this member took: the
+// records it polled past the committed offset (being handled, waiting in
+// the driver, or finished and waiting for the next commit), and Messages
+// the rest, which no consumer has taken yet; the two add up to the sum of
+// Lanes. OldestAge is the age of the oldest unfinished record here (by
+// record timestamp). It reads the coordinator's offsets directly rather
+// than through kadm.Client.Lag, which describes groups with the classic
+// API only and so cannot see a KIP-848 group.
 func (d *kafkaDriver) Lag(ctx context.Context) (driver.Lag, error) {
 	adm := d.b.adm
 	fail := func(what string, err error) (driver.Lag, error) {
@@ -824,6 +1055,20 @@ func (d *kafkaDriver) Lag(ctx context.Context) (driver.Lag, error) {
 	if err != nil {
 		return fail("start offsets", err)
 	}
+	d.mu.Lock()
+	var oldest int64
+	taken := make(map[int32]int64, len(d.parts)) // partition -> the offset after the last record polled
+	for id, p := range d.parts {
+		taken[id] = p.fetchedTo
+		ts := p.oldest()
+		if ts == 0 && len(p.stash) > 0 {
+			ts = p.stash[0].Timestamp.UnixNano()
+		}
+		if ts > 0 && (oldest == 0 || ts < oldest) {
+			oldest = ts
+		}
+	}
+	d.mu.Unlock()
 	out := driver.Lag{Lanes: make(map[string]int64), Positions: make(map[string]int64)}
 	var ferr error
 	ends.Each(func(e kadm.ListedOffset) {
@@ -843,24 +1088,13 @@ func (d *kafkaDriver) Lag(ctx context.Context) (driver.Lag, error) {
 		}
 		lag := max(e.Offset-from, 0)
 		out.Lanes[strconv.Itoa(int(e.Partition))] = lag
-		out.Messages += lag
+		held := min(max(taken[e.Partition]-from, 0), lag)
+		out.InFlight += held
+		out.Messages += lag - held
 	})
 	if ferr != nil {
 		return fail("end offsets", ferr)
 	}
-	d.mu.Lock()
-	var oldest int64
-	for _, p := range d.parts {
-		out.InFlight += int64(p.outstanding + len(p.stash))
-		ts := p.oldest()
-		if ts == 0 && len(p.stash) > 0 {
-			ts = p.stash[0].Timestamp.UnixNano()
-		}
-		if ts > 0 && (oldest == 0 || ts < oldest) {
-			oldest = ts
-		}
-	}
-	d.mu.Unlock()
 	if oldest > 0 {
 		out.OldestAge = time.Since(time.Unix(0, oldest))
 	}
@@ -883,10 +1117,11 @@ func isAuthErr(err error) bool {
 		errors.As(err, &verify) || errors.As(err, &alert)
 }
 
-// wrapAuth marks authentication failures with ErrAuthentication.
+// wrapAuth marks authentication failures with consumer.ErrRefused and
+// ErrAuthentication.
 func wrapAuth(err error) error {
 	if err != nil && isAuthErr(err) && !errors.Is(err, ErrAuthentication) {
-		return fmt.Errorf("%w: %w", ErrAuthentication, err)
+		return fmt.Errorf("%w: %w: %w", consumer.ErrRefused, ErrAuthentication, err)
 	}
 	return err
 }

@@ -31,6 +31,7 @@ type partition struct {
 	committed int64 // the last offset this assignment committed; -1 none
 
 	stash       []*kgo.Record // polled beyond the partition's share of the loop, not yet handed out
+	fetchedTo   int64         // the offset after the last record polled; 0 none
 	outstanding int           // handed out and unfinished
 	paused      bool          // fetching paused because outstanding reached the buffer
 	progress    int64         // when a record last finished, or the partition was last handed a record with none unfinished (or was assigned), unix nanos

@@ -104,7 +104,7 @@ func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int
 	// the read reached its end. The options after them override the
 	// user's where the user's would stall or skip a read: a fetch that
 	// waits for more bytes than there are, a reset to the end.
-	cl, err := kgo.NewClient(b.clientOpts(
+	cl, err := kgo.NewClient(b.clientOpts(nil,
 		kgo.ConsumePartitions(map[string]map[int32]kgo.Offset{topic: from}),
 		kgo.KeepControlRecords(),
 		kgo.FetchMinBytes(1),

@@ -149,6 +149,79 @@ func TestLagOnKafkaPerPartitionWithoutJoining(t *testing.T) {
 	}
 }
 
+// On a partially consumed Kafka topic (10 of 20 records done and
+// committed, the other 10 fetched by a running consumer and unfinished),
+// ferry lag and the consumer's own Health say the same lag: the records
+// taken and not done are counted once.
+func TestLagOnKafkaAgreesWithTheConsumersHealth(t *testing.T) {
+	seeds := testenv.RequireKafka(t)
+	kb, err := kafka.New(seeds)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer kb.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	topic, group := testenv.UniqueName(t, "lag-health"), testenv.UniqueName(t, "billing")
+	if err := kb.CreateTopic(ctx, topic, kafka.TopicConfig{Partitions: 1}); err != nil {
+		t.Fatal(err)
+	}
+	defer kb.DeleteTopic(context.Background(), topic)
+	var ms []consumer.Message
+	for i := range 20 {
+		ms = append(ms, consumer.Message{Key: "k", Body: fmt.Appendf(nil, "%d", i)})
+	}
+	if err := kb.Publish(ctx, topic, ms...); err != nil {
+		t.Fatal(err)
+	}
+	l, err := kb.NewConsumer(topic, consumer.WithName(group), consumer.WithHealthWindow(200*time.Millisecond, 3),
+		consumer.WithShutdownGrace(100*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() {
+		done <- l.Run(runCtx, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+			if m.Offset < 10 {
+				return nil
+			}
+			<-ctx.Done() // the rest stay in flight
+			return ctx.Err()
+		}))
+	}()
+	defer func() { stop(); <-done }()
+	for {
+		os, err := kb.Admin().FetchOffsets(ctx, group)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if o, ok := os.Lookup(topic, 0); ok && o.At == 10 && l.Stats().Fetched == 20 {
+			break
+		}
+		if ctx.Err() != nil {
+			t.Fatal("offset 10 was not committed with every record fetched")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	url := "kafka://" + strings.Join(seeds, ",")
+	code, out, errOut := ferryLag(t, ctx, topic, "--group", group, "--broker", url, "--samples", "2", "--interval", "100ms", "--json")
+	if code != 0 && code != 1 {
+		t.Fatalf("exit %d: %s%s", code, out, errOut)
+	}
+	rs := reports(t, out)
+	if len(rs) != 1 || rs[0].Lag != 10 {
+		t.Fatalf("ferry lag: %s, want a lag of 10", out)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for l.Health().Lag != rs[0].Lag {
+		if time.Now().After(deadline) {
+			t.Fatalf("the consumer's Health says a lag of %d, ferry lag %d", l.Health().Lag, rs[0].Lag)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
 // A queue's lag is its depth, one lane; nobody taking messages while the
 // depth holds is STOP. On SQS and RabbitMQ, nothing is received.
 func TestLagOnQueues(t *testing.T) {
