@@ -56,8 +56,12 @@ func (s BreakerState) String() string {
 // run, is therefore one failure, not five: it spends its retry budget and
 // reaches the dead-letter destination while the breaker stays closed for
 // everyone else, and an outage, which fails every message, still opens the
-// breaker after Failures messages. It opens after Failures of them in a
-// row, or after Failures within its rolling window when they are at least
+// breaker after Failures messages. (Where a source holds a failed message
+// in place and keeps its lane behind it, as Kafka does ordered by
+// partition, each lane's head is the only message of the lane that can
+// fail: an outage gives as many distinct failures as there are lanes with
+// work. Keep Failures at most that, or order by key.) It opens after
+// Failures of them in a row, or after Failures within its rolling window when they are at least
 // FailureRatio of the calls counted there (an outage whose last slow calls
 // still succeed).
 //
