@@ -21,6 +21,9 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/msgmetrics"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
 )
 
 // Errors returned by the adapter. Match them with errors.Is.
@@ -99,6 +102,23 @@ type config struct {
 	dial            *dialer       // the Broker's own dialer; nil when kopts bring one
 	commitHook      func(CommitEvent)
 	rebalanceHook   func(RebalanceEvent)
+	meters          metric.MeterProvider
+}
+
+// WithMeterProvider sets where Publish reports its calls, as the
+// OpenTelemetry messaging conventions name them
+// (messaging.client.operation.duration and messaging.client.sent.messages,
+// with messaging.system "kafka"). Default the global provider, a no-op
+// until one is installed. The consumers report through
+// consumer.WithMeterProvider.
+func WithMeterProvider(mp metric.MeterProvider) Option {
+	return func(c *config) error {
+		if mp == nil {
+			return configErr("MeterProvider", "must not be nil")
+		}
+		c.meters = mp
+		return nil
+	}
 }
 
 // Option configures a Broker. An option given a bad value makes New fail
@@ -335,6 +355,8 @@ type Broker struct {
 	drivers   map[*kafkaDriver]struct{}
 	closed    chan struct{}
 	closeOnce sync.Once
+
+	metrics *msgmetrics.Publisher
 }
 
 var _ consumer.Publisher = (*Broker)(nil)
@@ -368,7 +390,15 @@ func New(seeds []string, opts ...Option) (*Broker, error) {
 	if err := checkClientOpts(seeds, &cfg); err != nil {
 		return nil, err
 	}
+	if cfg.meters == nil {
+		cfg.meters = otel.GetMeterProvider()
+	}
+	pm, err := msgmetrics.NewPublisher(cfg.meters, "kafka")
+	if err != nil {
+		return nil, fmt.Errorf("kafka: metrics: %w", err)
+	}
 	b := &Broker{
+		metrics: pm,
 		seeds:   append([]string(nil), seeds...),
 		cfg:     cfg,
 		log:     cfg.logger,
@@ -550,6 +580,15 @@ func (b *Broker) isClosed() bool {
 // producer's batch limit) or by the cluster, fails every later record of
 // its key in the call, without sending them.
 func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Message) error {
+	start := time.Now()
+	err := b.publish(ctx, topic, msgs)
+	if len(msgs) > 0 {
+		b.metrics.Record(ctx, topic, len(msgs), start, err)
+	}
+	return err
+}
+
+func (b *Broker) publish(ctx context.Context, topic string, msgs []consumer.Message) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
