@@ -126,7 +126,7 @@ type Health struct {
 	Window   string      `json:"window"` // the time the samples span
 	Samples  int         `json:"samples"`
 
-	Lag       int64   `json:"lag"`        // messages not yet done now, waiting or in flight (-1 where the broker does not say)
+	Lag       int64   `json:"lag"`        // messages not yet done now, waiting or in flight (see MetricLag; -1 where the broker does not say)
 	LagGrowth int64   `json:"lag_growth"` // lag now minus lag at the window's start
 	OldestAge float64 `json:"oldest_age_seconds"`
 
@@ -145,8 +145,7 @@ type Health struct {
 type healthSample struct {
 	at           time.Time
 	lagKnown     bool
-	lag          int64 // waiting plus taken and unsettled: not yet done
-	waiting      int64 // Lag.Messages: waiting at the broker
+	lag          int64 // not yet done: lagOf the driver's Lag
 	oldest       time.Duration
 	lanes        map[string]int64
 	positions    map[string]int64
@@ -258,20 +257,28 @@ func (l *Loop) takeSample(ctx context.Context) healthSample {
 		lag, err := l.Lag(lctx)
 		cancel()
 		if err == nil {
-			// Messages not yet done: waiting, and taken but not settled
-			// where the broker counts those apart (a queue); a log's lag
-			// already counts them.
-			s.lagKnown, s.lag, s.oldest, s.lanes, s.positions = true, lag.Messages+max(lag.InFlight, 0), lag.OldestAge, lag.Lanes, lag.Positions
-			s.waiting = lag.Messages
+			s.lagKnown, s.lag, s.oldest, s.lanes, s.positions = true, lagOf(lag), lag.OldestAge, lag.Lanes, lag.Positions
 		}
 	}
 	return s
 }
 
+// lagOf is the one number that Health.Lag, the lag metric and ferry lag
+// say: the messages not yet done. On a queue those are the ones waiting
+// and those taken and not yet settled, which the broker counts apart
+// (Lag.InFlight); a log's lag per lane (Lag.Lanes: the end offset minus
+// the committed one) already counts the records taken and not committed.
+func lagOf(lag driver.Lag) int64 {
+	if len(lag.Lanes) > 0 {
+		return lag.Messages
+	}
+	return lag.Messages + max(lag.InFlight, 0)
+}
+
 // lastLag returns the lag of the newest health sample, when Run took one
 // within the last two sampling intervals: readers of the lag between
 // samples (the metrics) need not ask the broker again.
-func (l *Loop) lastLag() (waiting int64, oldest time.Duration, ok bool) {
+func (l *Loop) lastLag() (lag int64, oldest time.Duration, ok bool) {
 	l.health.mu.Lock()
 	defer l.health.mu.Unlock()
 	n := len(l.health.samples)
@@ -282,7 +289,7 @@ func (l *Loop) lastLag() (waiting int64, oldest time.Duration, ok bool) {
 	if !s.lagKnown || time.Since(s.at) > 2*l.health.interval {
 		return 0, 0, false
 	}
-	return s.waiting, s.oldest, true
+	return s.lag, s.oldest, true
 }
 
 // Health returns the consumer's state and the figures behind it, judged

@@ -23,7 +23,7 @@ const (
 	MetricDropped   = "ferry.consumer.dropped"             // counter: at most once, messages acked before they ran whose run failed or was held
 	MetricInFlight  = "ferry.consumer.in_flight"           // gauge: deliveries held unsettled
 	MetricRunning   = "ferry.consumer.running"             // gauge: handlers running
-	MetricLag       = "ferry.consumer.lag"                 // gauge: messages waiting at the broker
+	MetricLag       = "ferry.consumer.lag"                 // gauge: messages not yet done, as Health.Lag and ferry lag count them
 	MetricOldestAge = "ferry.consumer.oldest_age"          // gauge, seconds: age of the oldest waiting message
 	MetricHealth    = "ferry.consumer.health"              // gauge: the Health state, 0 steady, 1 downstream slow, 2 retry storm, 3 backlog past retention, 4 protected, 5 dead-letter failing, 6 starting, 7 disconnected, 8 wedged, 9 stopped
 )
@@ -92,7 +92,7 @@ func (l *Loop) registerMetrics() (metric.Registration, error) {
 	dropped := counter(MetricDropped, "At most once: messages acked before they ran whose run failed or was held, and so lost.")
 	inFlight := gauge(MetricInFlight, "Messages held by the consumer and not yet settled.", "{message}")
 	running := gauge(MetricRunning, "Handlers running now.", "{handler}")
-	lag := gauge(MetricLag, "Messages waiting at the broker that no consumer has taken.", "{message}")
+	lag := gauge(MetricLag, "Messages not yet done: waiting at the broker, or taken and not yet settled (a log: past the committed offset).", "{message}")
 	oldest, err := m.Float64ObservableGauge(MetricOldestAge, metric.WithDescription("Age of the oldest waiting message."), metric.WithUnit("s"))
 	errs = append(errs, err)
 	health := gauge(MetricHealth, "The consumer's health state: 0 steady, 1 downstream slow, 2 retry storm, 3 backlog past retention, 4 protected, 5 dead-letter failing, 6 starting, 7 disconnected, 8 wedged, 9 stopped.", "{state}")
@@ -114,15 +114,15 @@ func (l *Loop) registerMetrics() (metric.Registration, error) {
 		// The health sampler asks the broker for the lag every interval
 		// while Run runs; a collection between samples reuses the last
 		// one rather than asking again.
-		if waiting, age, ok := l.lastLag(); ok {
-			o.ObserveInt64(lag, waiting, attrs)
+		if n, age, ok := l.lastLag(); ok {
+			o.ObserveInt64(lag, n, attrs)
 			o.ObserveFloat64(oldest, age.Seconds(), attrs)
 			return nil
 		}
 		lctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()
 		if lg, err := l.Lag(lctx); err == nil {
-			o.ObserveInt64(lag, lg.Messages, attrs)
+			o.ObserveInt64(lag, lagOf(lg), attrs)
 			o.ObserveFloat64(oldest, lg.OldestAge.Seconds(), attrs)
 		}
 		return nil
