@@ -166,7 +166,8 @@ func WithPublishConcurrency(n int) Option {
 // WithMaxReceivers bounds how many ReceiveMessage calls one consumer has
 // open at once. A consumer opens as many as it takes to fill its bound on
 // messages in flight (consumer.WithMaxInFlight), ten messages each, and no
-// more. Default 32.
+// more; on a FIFO queue, one at a time (see the package documentation).
+// Default 32.
 func WithMaxReceivers(n int) Option {
 	return func(c *config) error {
 		if n < 1 {

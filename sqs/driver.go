@@ -77,6 +77,9 @@ const (
 	roomWaits = 4
 	// batchCalls bounds the batch calls one Settle or Extend makes at once.
 	batchCalls = 16
+	// probeEvery is how often, on a FIFO queue, a consumer that holds
+	// messages probes for other groups when nothing says there are any.
+	probeEvery = time.Second
 )
 
 // MaxWaitTime is the longest a receive waits for messages to arrive
@@ -134,7 +137,14 @@ type sqsDriver struct {
 	maxSeen     int       // the most room a Fetch was given
 	roomWaits   int       // Fetches in a row that waited for room
 	allowance   int       // room the last Fetch left: what Drain may hand over
+	answers     uint64    // receives that answered (or failed), ever
 	notify      chan struct{}
+
+	// On a FIFO queue (see fillFIFO):
+	unsettled  int       // messages handed to the loop and not yet settled
+	fetchMax   int       // the max of the Fetch waiting for an answer; 0: none waits
+	probeOK    bool      // a probe may go now: the last one came back full, or a Settle left groups unlocked since
+	emptyProbe time.Time // when a probe last came back short
 
 	recvCtx    context.Context // of short receives
 	recvCancel context.CancelFunc
@@ -359,55 +369,116 @@ func (d *sqsDriver) fetch(ctx context.Context, dst []driver.Message, max int) ([
 			return dst, nil
 		}
 		d.roomWaits = 0
-		d.fill(max - d.outstanding)
-		wake := d.notify
+		gate := d.fill(max - d.outstanding)
+		wake, answers := d.notify, d.answers
+		d.fetchMax = max
 		d.mu.Unlock()
+		var gateC <-chan time.Time
+		var gateT *time.Timer
+		if gate > 0 {
+			gateT = time.NewTimer(gate)
+			gateC = gateT.C
+		}
+		empty := false
 		select {
 		case <-wake:
 			d.mu.Lock()
-			if len(d.buf) == 0 && d.recvErr == nil {
-				// A receive came back empty.
-				d.mu.Unlock()
-				return dst, nil
-			}
+			// A receive that came back empty: return, as for any answer.
+			empty = d.answers != answers && len(d.buf) == 0 && d.recvErr == nil
 			d.mu.Unlock()
+		case <-gateC:
 		case <-ctx.Done():
 		case <-d.done:
+		}
+		if gateT != nil {
+			gateT.Stop()
+		}
+		d.mu.Lock()
+		d.fetchMax = 0
+		d.mu.Unlock()
+		if empty {
+			return dst, nil
 		}
 	}
 }
 
 // fill opens receives for room messages: with a backlog, ten messages each
 // while ten fit (a smaller receive only when no other is open); without,
-// one long poll, unless one is open. Called with d.mu held.
-func (d *sqsDriver) fill(room int) {
+// one long poll, unless one is open. On a FIFO queue, fillFIFO decides.
+// It returns how long until a receive it held back may go (0: none is
+// held back). Called with d.mu held.
+func (d *sqsDriver) fill(room int) time.Duration {
+	q := d.qi.Load()
+	if d.stopped || d.closed() || d.b.isClosed() {
+		return 0
+	}
+	if q.fifo {
+		return d.fillFIFO(q, room)
+	}
 	backlog := d.backlog
 	if !backlog && d.receiving > 0 {
-		return
+		return 0
 	}
-	q := d.qi.Load()
-	for room > 0 && d.receiving < d.b.cfg.receivers && !d.stopped && !d.closed() && !d.b.isClosed() {
+	for room > 0 && d.receiving < d.b.cfg.receivers {
 		n := min(room, MaxBatch)
 		if n < MaxBatch && d.receiving > 0 {
-			return
+			return 0
 		}
-		d.outstanding += n
-		d.receiving++
 		room -= n
-		id := ""
-		if q.fifo {
-			id = d.takeAttemptID()
-		}
 		wait := d.wait
 		if backlog {
 			wait = 1
 		}
-		d.wg.Add(1)
-		go d.receive(q, int32(n), wait, id)
+		d.open(q, n, wait, "")
 		if !backlog {
-			return
+			return 0
 		}
 	}
+	return 0
+}
+
+// fillFIFO opens a receive on a FIFO queue: one at a time. SQS hands out
+// no message of a group while another of it is in flight, so while this
+// consumer holds messages, their groups are closed to every receive: one
+// that waits would mostly wait for this consumer's own acks, and does
+// nothing for the group meanwhile (on ElasticMQ it even slows the deletes
+// that open the group, and receives that wait side by side stall it).
+// So, holding nothing, the driver receives as on a standard queue (a
+// second's wait with a backlog, else a long poll); holding messages, it
+// probes for other groups with a receive that does not wait, and only
+// when more may be there: after a probe that came back full, after a
+// Settle that left others of the consumer's messages unsettled (the
+// settled ones' groups are open again), or probeEvery after a probe that
+// came back short. A group that is done is received again at once, the
+// way a loop of one receive and one delete does.
+func (d *sqsDriver) fillFIFO(q *queueInfo, room int) time.Duration {
+	if d.receiving > 0 || room <= 0 {
+		return 0
+	}
+	n := min(room, MaxBatch)
+	wait := d.wait
+	if d.backlog {
+		wait = 1
+	}
+	if d.unsettled > 0 || len(d.buf) > 0 {
+		if !d.probeOK {
+			if left := probeEvery - time.Since(d.emptyProbe); left > 0 {
+				return left
+			}
+		}
+		wait = 0
+	}
+	d.open(q, n, wait, d.takeAttemptID())
+	return 0
+}
+
+// open starts a receive of n messages that waits wait seconds. Called with
+// d.mu held.
+func (d *sqsDriver) open(q *queueInfo, n int, wait int32, attempt string) {
+	d.outstanding += n
+	d.receiving++
+	d.wg.Add(1)
+	go d.receive(q, int32(n), wait, attempt)
 }
 
 // takeAttemptID returns the ReceiveRequestAttemptId of a failed receive
@@ -504,6 +575,7 @@ func (d *sqsDriver) receive(q *queueInfo, n, wait int32, attempt string) {
 	d.mu.Lock()
 	d.outstanding -= int(n)
 	d.receiving--
+	d.answers++
 	release := d.cut || d.closed()
 	switch {
 	case err != nil:
@@ -527,7 +599,17 @@ func (d *sqsDriver) receive(q *queueInfo, n, wait int32, attempt string) {
 			// the loop hears of it as of a failed receive.
 			d.recvErr = leaseErr
 		}
-		d.backlog = int(n) > 0 && len(got) == int(n)
+		full := len(got) == int(n)
+		if wait == 0 {
+			// A FIFO probe: it says whether other groups are open, not
+			// whether the queue has a backlog.
+			d.probeOK = full
+			if !full {
+				d.emptyProbe = at
+			}
+		} else {
+			d.backlog = full
+		}
 		if len(got) > 0 {
 			oldest := got[0].m.PublishedAt
 			for _, p := range got[1:] {
@@ -604,6 +686,7 @@ func (d *sqsDriver) handOver(dst []driver.Message, max int) []driver.Message {
 		}
 		cancel()
 	}
+	handed := 0
 	for _, p := range taken {
 		if p.r.dead.Load() {
 			// Its visibility ran out in the buffer (another receive may
@@ -611,7 +694,11 @@ func (d *sqsDriver) handOver(dst []driver.Message, max int) []driver.Message {
 			continue
 		}
 		dst = append(dst, p.m)
+		handed++
 	}
+	d.mu.Lock()
+	d.unsettled += handed
+	d.mu.Unlock()
 	return dst
 }
 
@@ -796,7 +883,24 @@ func (d *sqsDriver) Settle(ctx context.Context, batch []driver.Settlement) error
 	d.settleMu.Lock()
 	d.lastSettle = time.Now()
 	d.settleMu.Unlock()
-	return d.settle(ctx, batch)
+	err := d.settle(ctx, batch)
+	d.mu.Lock()
+	// Settled or not (a failed one the loop leaves to come back after its
+	// lease), the loop holds these no more.
+	d.unsettled = max(d.unsettled-len(batch), 0)
+	if q := d.qi.Load(); q != nil && q.fifo {
+		if d.unsettled > 0 {
+			d.probeOK = true // the groups of these are open again
+		}
+		if d.fetchMax > 0 {
+			// The groups these held are open: the Fetch that waits
+			// receives again at once, without waking first.
+			d.fill(d.fetchMax - d.outstanding)
+		}
+		d.signal()
+	}
+	d.mu.Unlock()
+	return err
 }
 
 // visibility is the VisibilityTimeout, in seconds, that gives r a further
