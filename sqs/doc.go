@@ -112,8 +112,8 @@
 //     *http.Client with a Timeout, is not refused: receives get a copy of it
 //     whose timeout outlives the poll, other calls keep the client's own. (A
 //     poll the HTTP timeout cut would stay open in SQS and take the next
-//     messages.) Receives are opened only inside a Fetch, so an open
-//     breaker or a full consumer stops them.
+//     messages.) Receives are opened only for a Fetch that waits, so an
+//     open breaker or a full consumer stops them.
 //   - FIFO queues: SQS hands out no message of a group while another of it
 //     is in flight, so receives there go one at a time. While the consumer
 //     holds messages, their groups are closed to every receive: one that

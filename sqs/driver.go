@@ -99,8 +99,9 @@ const MaxWaitTime = driver.ReportWithin - recvSlack
 // messages in flight holds for the messages the driver holds too. Fetch
 // returns as soon as one receive answers, and the others go on: what they
 // bring waits in buf for the next Fetch, and the keeper goroutine extends
-// it should it wait a third of the lease. Receives are opened only inside
-// Fetch, so while the loop does not fetch (full, or paused by an open
+// it should it wait a third of the lease. Receives are opened only for a
+// Fetch that waits (by it, or by a Settle that opens a FIFO group), so
+// while the loop does not fetch (full, or paused by an open
 // breaker) no new one is; when the loop stops, Drain (or the last Fetch)
 // hands over what the open ones bring within a moment, and Close gives
 // back what comes later.
@@ -861,7 +862,9 @@ func (d *sqsDriver) As(handle, target any) bool {
 // first, so that under load the next batch gathers more. Entries SQS
 // refused are retried once when SQS was at fault, and the rest reported in
 // a *driver.SettleError by index. The loop may have up to settlers calls
-// out at once (see Capabilities).
+// out at once (see Capabilities). On a FIFO queue, a Fetch that waits
+// receives again as soon as a Settle is done: the settled messages'
+// groups are open again (see fillFIFO).
 func (d *sqsDriver) Settle(ctx context.Context, batch []driver.Settlement) error {
 	if len(batch) == 0 {
 		return nil
