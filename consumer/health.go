@@ -126,7 +126,7 @@ type Health struct {
 	Window  string    `json:"window"` // the time the samples span
 	Samples int       `json:"samples"`
 
-	Lag       int64   `json:"lag"`        // messages not yet done now, waiting or in flight (-1 where the broker does not say)
+	Lag       int64   `json:"lag"`        // messages not yet done now, waiting or in flight (see MetricLag; -1 where the broker does not say)
 	LagGrowth int64   `json:"lag_growth"` // lag now minus lag at the window's start
 	OldestAge float64 `json:"oldest_age_seconds"`
 
@@ -145,8 +145,7 @@ type Health struct {
 type healthSample struct {
 	at           time.Time
 	lagKnown     bool
-	lag          int64 // waiting plus taken and unsettled: not yet done
-	waiting      int64 // Lag.Messages: waiting at the broker
+	lag          int64 // not yet done: lagOf the driver's Lag
 	oldest       time.Duration
 	lanes        map[string]int64
 	positions    map[string]int64
@@ -258,14 +257,19 @@ func (l *Loop) takeSample(ctx context.Context) healthSample {
 		lag, err := l.Lag(lctx)
 		cancel()
 		if err == nil {
-			// Messages not yet done: waiting, and taken but not settled
-			// where the broker counts those apart (a queue); a log's lag
-			// already counts them.
-			s.lagKnown, s.lag, s.oldest, s.lanes, s.positions = true, lag.Messages+max(lag.InFlight, 0), lag.OldestAge, lag.Lanes, lag.Positions
-			s.waiting = lag.Messages
+			s.lagKnown, s.lag, s.oldest, s.lanes, s.positions = true, lagOf(lag), lag.OldestAge, lag.Lanes, lag.Positions
 		}
 	}
 	return s
+}
+
+// lagOf is the one number that Health.Lag, the lag metric and ferry lag
+// say: the messages not yet done, those waiting (Lag.Messages) and those
+// taken and not yet settled (Lag.InFlight). A log's driver counts the
+// records its member fetched in InFlight and not in Messages, so that the
+// sum is the end offsets minus the committed ones, as ferry lag reads it.
+func lagOf(lag driver.Lag) int64 {
+	return lag.Messages + max(lag.InFlight, 0)
 }
 
 // lastLag returns the lag of the newest health sample, when Run took one

@@ -98,7 +98,7 @@ func (l *Loop) registerMetrics(parts chainParts) (metric.Registration, error) {
 	fetchErrors := counter(MetricFetchErrors, "Failed attempts to reach the broker or the source (connect and fetch).")
 	inFlight := gauge(MetricInFlight, "Messages held by the consumer and not yet settled.", "{message}")
 	running := gauge(MetricRunning, "Handlers running now.", "{handler}")
-	lag := gauge(MetricLag, "Messages not yet done: waiting at the broker, and taken but not yet settled.", "{message}")
+	lag := gauge(MetricLag, "Messages not yet done: waiting at the broker, or taken and not yet settled (a log: past the committed offset).", "{message}")
 	oldest, err := m.Float64ObservableGauge(MetricOldestAge, metric.WithDescription("Age of the oldest waiting message."), metric.WithUnit("s"))
 	errs = append(errs, err)
 	health := gauge(MetricHealth, "The consumer's health state: 0 steady, 1 downstream slow, 2 retry storm, 3 backlog past retention, 4 protected, 5 dead-letter failing, 6 starting, 7 disconnected, 8 wedged, 9 stopped.", "{state}")
@@ -143,7 +143,7 @@ func (l *Loop) registerMetrics(parts chainParts) (metric.Registration, error) {
 		lctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		defer cancel()
 		if lg, err := l.Lag(lctx); err == nil {
-			o.ObserveInt64(lag, lg.Messages+max(lg.InFlight, 0), attrs)
+			o.ObserveInt64(lag, lagOf(lg), attrs)
 			o.ObserveFloat64(oldest, lg.OldestAge.Seconds(), attrs)
 		}
 		return nil

@@ -100,3 +100,55 @@ func TestMetricsReuseTheHealthSamplersLag(t *testing.T) {
 		t.Errorf("5 collections asked the driver for the lag %d more times, want 0", n)
 	}
 }
+
+// fixedLag is a driver that reports lag.
+type fixedLag struct {
+	*scriptLog
+	lag driver.Lag
+}
+
+func (d *fixedLag) Lag(context.Context) (driver.Lag, error) { return d.lag, nil }
+
+// Health.Lag and the lag metric are one number, the messages not yet done:
+// on a queue, those waiting plus those taken and not settled, which it
+// counts apart; on a log (lag per lane), its lag alone, which already
+// counts the records taken and not committed.
+func TestLagIsOneNumberForQueuesAndLogs(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		lag  driver.Lag
+		want int64
+	}{
+		{"queue", driver.Lag{Messages: 7, InFlight: 3}, 10},
+		{"queue, in flight unknown", driver.Lag{Messages: 7, InFlight: -1}, 7},
+		{"log", driver.Lag{Messages: 9, InFlight: 4, Lanes: map[string]int64{"0": 5, "1": 4}}, 9},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			reader := sdkmetric.NewManualReader()
+			mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+			defer mp.Shutdown(context.Background())
+			l, err := New(&fixedLag{scriptLog: newScriptLog(true), lag: tc.lag}, WithMeterProvider(mp), WithHealthWindow(time.Hour, 3))
+			if err != nil {
+				t.Fatal(err)
+			}
+			stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return nil }))
+			defer stop()
+			eventually(t, "the first health sample", func() bool { return l.Health().Samples == 1 })
+			var rm metricdata.ResourceMetrics
+			if err := reader.Collect(context.Background(), &rm); err != nil {
+				t.Fatal(err)
+			}
+			var metricLag int64 = -1
+			for _, sm := range rm.ScopeMetrics {
+				for _, m := range sm.Metrics {
+					if g, ok := m.Data.(metricdata.Gauge[int64]); ok && m.Name == MetricLag {
+						metricLag = g.DataPoints[0].Value
+					}
+				}
+			}
+			if h := l.Health(); h.Lag != tc.want || metricLag != tc.want {
+				t.Errorf("Health.Lag %d, %s %d; want both %d", h.Lag, MetricLag, metricLag, tc.want)
+			}
+		})
+	}
+}

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -281,4 +282,148 @@ func totalCalls(after, before map[string]int) int {
 		}
 	}
 	return n
+}
+
+// fifoSeq numbers the messages the FIFO benchmarks send, for their
+// deduplication ids: unique within SQS's five minutes on a queue that
+// serves several runs.
+var fifoSeq atomic.Int64
+
+// benchPublishGroup fills a FIFO queue with n messages of one message
+// group, ten a call, in order.
+func benchPublishGroup(b *testing.B, c *awssqs.Client, url string, n int) {
+	b.Helper()
+	entries := make([]types.SendMessageBatchRequestEntry, 0, 10)
+	for first := 0; first < n; first += 10 {
+		entries = entries[:0]
+		for i := first; i < min(first+10, n); i++ {
+			seq := strconv.FormatInt(fifoSeq.Add(1), 10)
+			entries = append(entries, types.SendMessageBatchRequestEntry{
+				Id: aws.String(strconv.Itoa(i - first)), MessageBody: aws.String(string(benchBody)),
+				MessageGroupId: aws.String("the-group"), MessageDeduplicationId: aws.String(seq),
+			})
+		}
+		out, err := c.SendMessageBatch(context.Background(), &awssqs.SendMessageBatchInput{QueueUrl: aws.String(url), Entries: entries})
+		if err == nil && len(out.Failed) > 0 {
+			err = fmt.Errorf("%d entries failed: %s", len(out.Failed), aws.ToString(out.Failed[0].Message))
+		}
+		if err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// benchQuiet waits until the queue at url holds n visible messages and
+// none in flight: a run does not inherit a receive of the run before it
+// (a consumer's long poll cut as it stopped takes the next messages for a
+// few seconds; see Stopping in the package documentation).
+func benchQuiet(b *testing.B, c *awssqs.Client, url string, n int) {
+	b.Helper()
+	waitFor(b, 30*time.Second, "the queue to be quiet", func() bool {
+		visible, inflight, _ := depth(b, c, url)
+		return visible == n && inflight == 0
+	})
+}
+
+// benchRounds is how many turns the raw loop and Ferry take in
+// BenchmarkFIFOOneGroup: turns, so that the drift of a shared broker's
+// speed over a run (as large as the difference measured) falls on both.
+const benchRounds = 6
+
+// BenchmarkFIFOOneGroup consumes b.N messages of one message group from a
+// FIFO queue filled beforehand (-benchtime=3000x or more), by turns, on
+// the same queue in the same run: a raw loop of one receiver
+// (ReceiveMessage of ten, then DeleteMessageBatch of what it got, one
+// after the other: the fastest one group can go, since SQS hands out none
+// of a group's messages while others of it are in flight), then a Ferry
+// consumer with a handler that does nothing, benchRounds times, each
+// consuming b.N/benchRounds. It reports Ferry's msgs/s and calls per
+// message, the raw loop's (raw-msgs/s, raw-calls/msg), both over all
+// rounds, and x-raw: the median over the rounds of Ferry's rate over the
+// raw loop's in the same round (issue 32 D7: Ferry held a receive's
+// messages until every concurrent receive had answered, about 18 msgs/s
+// on one group).
+func BenchmarkFIFOOneGroup(b *testing.B) {
+	c := newClient(b, nil)
+	_, url := createQueue(b, c, "bench-fifo", queueConfig{fifo: true, visibility: 30 * time.Second})
+	var rawCalls, ferryCalls calls
+	rc := newClient(b, &rawCalls)
+	br := newBroker(b, newClient(b, &ferryCalls))
+	per := max(b.N/benchRounds, 1)
+	var rawTook, ferryTook time.Duration
+	var rawN, ferryN int
+	var ratios []float64
+	b.ResetTimer()
+	for range benchRounds {
+		b.StopTimer()
+		benchPublishGroup(b, c, url, per)
+		benchQuiet(b, c, url, per)
+		b.StartTimer()
+		start := time.Now()
+		entries := make([]types.DeleteMessageBatchRequestEntry, 0, 10)
+		for done := 0; done < per; {
+			out, err := rc.ReceiveMessage(context.Background(), &awssqs.ReceiveMessageInput{
+				QueueUrl: aws.String(url), MaxNumberOfMessages: 10, WaitTimeSeconds: 1,
+				MessageSystemAttributeNames: []types.MessageSystemAttributeName{types.MessageSystemAttributeNameAll},
+				MessageAttributeNames:       []string{"All"},
+			})
+			if err != nil {
+				b.Fatal(err)
+			}
+			if len(out.Messages) == 0 {
+				continue
+			}
+			entries = entries[:0]
+			for i, m := range out.Messages {
+				entries = append(entries, types.DeleteMessageBatchRequestEntry{Id: aws.String(strconv.Itoa(i)), ReceiptHandle: m.ReceiptHandle})
+			}
+			if _, err := rc.DeleteMessageBatch(context.Background(), &awssqs.DeleteMessageBatchInput{QueueUrl: aws.String(url), Entries: entries}); err != nil {
+				b.Fatal(err)
+			}
+			done += len(out.Messages)
+		}
+		rawRound := time.Since(start)
+		rawTook += rawRound
+		rawN += per
+
+		b.StopTimer()
+		benchPublishGroup(b, c, url, per)
+		benchQuiet(b, c, url, per)
+		l, err := br.NewConsumer(context.Background(), url, consumer.WithLogger(slog.New(slog.DiscardHandler)))
+		if err != nil {
+			b.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		b.StartTimer()
+		start = time.Now()
+		done := make(chan error, 1)
+		go func() {
+			done <- l.Run(ctx, consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }))
+		}()
+		for l.Stats().Acked < int64(per) {
+			time.Sleep(time.Millisecond)
+		}
+		ferryRound := time.Since(start)
+		ferryTook += ferryRound
+		ferryN += per
+		ratios = append(ratios, rawRound.Seconds()/ferryRound.Seconds())
+		b.StopTimer()
+		cancel()
+		if err := <-done; err != nil {
+			b.Fatal(err)
+		}
+		if s := l.Stats(); s.Failed != 0 || s.Returned != 0 {
+			b.Fatalf("stats %+v", s)
+		}
+		b.StartTimer()
+	}
+	b.StopTimer()
+	rawRate, ferryRate := float64(rawN)/rawTook.Seconds(), float64(ferryN)/ferryTook.Seconds()
+	b.ReportMetric(ferryRate, "msgs/s")
+	b.ReportMetric(rawRate, "raw-msgs/s")
+	slices.Sort(ratios)
+	b.ReportMetric(ratios[len(ratios)/2], "x-raw")
+	b.ReportMetric(float64(totalCalls(ferryCalls.snapshot(), nil))/float64(ferryN), "calls/msg")
+	b.ReportMetric(float64(totalCalls(rawCalls.snapshot(), nil))/float64(rawN), "raw-calls/msg")
+	b.ReportMetric(0, "ns/op")
 }

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net/url"
 	"path"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -15,6 +16,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/aws"
 	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
+	"github.com/aws/smithy-go/middleware"
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
@@ -50,6 +52,9 @@ type Broker struct {
 	drivers map[*sqsDriver]struct{}
 	closed  chan struct{}
 	once    sync.Once
+
+	endpointOnce sync.Once
+	endpointName string
 
 	stats brokerStats
 }
@@ -114,12 +119,16 @@ func WithLogger(l *slog.Logger) Option {
 }
 
 // WithWaitTime sets how long one ReceiveMessage waits for messages to
-// arrive (long polling, WaitTimeSeconds), in whole seconds from 1 to 20.
-// Default 20s, the most SQS allows: the fewest empty receives.
+// arrive (long polling, WaitTimeSeconds), in whole seconds from 1 to
+// MaxWaitTime (3s). Default MaxWaitTime. SQS allows 20 s, which would save
+// empty receives on an idle queue (one every 3 s instead of every 20 s),
+// but a poll open when SQS stops answering would then tell the loop so
+// only after 20 s or more: Ferry reports an outage within
+// driver.ReportWithin.
 func WithWaitTime(d time.Duration) Option {
 	return func(c *config) error {
-		if d < time.Second || d > 20*time.Second || d%time.Second != 0 {
-			return configErr("sqs.WaitTime", "must be whole seconds from 1s to 20s, got %s", d)
+		if d < time.Second || d > MaxWaitTime || d%time.Second != 0 {
+			return configErr("sqs.WaitTime", "must be whole seconds from 1s to %s (a longer poll would hide an outage past %s), got %s", MaxWaitTime, driver.ReportWithin, d)
 		}
 		c.waitTime = d
 		return nil
@@ -157,7 +166,8 @@ func WithPublishConcurrency(n int) Option {
 // WithMaxReceivers bounds how many ReceiveMessage calls one consumer has
 // open at once. A consumer opens as many as it takes to fill its bound on
 // messages in flight (consumer.WithMaxInFlight), ten messages each, and no
-// more. Default 32.
+// more; on a FIFO queue, one at a time (see the package documentation).
+// Default 32.
 func WithMaxReceivers(n int) Option {
 	return func(c *config) error {
 		if n < 1 {
@@ -178,7 +188,7 @@ func New(client *awssqs.Client, opts ...Option) (*Broker, error) {
 	if client == nil {
 		return nil, configErr("sqs.Client", "must not be nil")
 	}
-	c := config{waitTime: 20 * time.Second, settleWindow: 10 * time.Millisecond, publishParallel: 8, receivers: 32}
+	c := config{waitTime: MaxWaitTime, settleWindow: 10 * time.Millisecond, publishParallel: 8, receivers: 32}
 	for _, o := range opts {
 		if o == nil {
 			continue
@@ -252,37 +262,89 @@ var queueAttributes = []types.QueueAttributeName{
 	types.QueueAttributeNameContentBasedDeduplication,
 }
 
-// resolve returns the queue named by queue, a name or a URL, from the
-// cache or from SQS (GetQueueUrl for a name, then GetQueueAttributes).
-func (b *Broker) resolve(ctx context.Context, queue string) (*queueInfo, error) {
+// queueName returns the name of the queue that queue, a name or a queue
+// URL, names, or a *consumer.ConfigError when it names none.
+func queueName(queue string) (string, error) {
 	if queue == "" {
-		return nil, configErr("sqs.Queue", "must not be empty")
+		return "", configErr("sqs.Queue", "must not be empty")
 	}
+	if strings.HasPrefix(queue, "https://") || strings.HasPrefix(queue, "http://") {
+		u, err := url.Parse(queue)
+		if err != nil || path.Base(u.Path) == "" || path.Base(u.Path) == "/" || path.Base(u.Path) == "." {
+			return "", configErr("sqs.Queue", "%q is not a queue URL", queue)
+		}
+		return path.Base(u.Path), nil
+	}
+	return queue, nil
+}
+
+// endpoint names where the client sends its requests, for errors: the
+// host of its BaseEndpoint, or of the endpoint the SDK resolves for its
+// region. Never a credential.
+func (b *Broker) endpoint() string {
+	b.endpointOnce.Do(func() {
+		o := b.client.Options()
+		b.endpointName = "SQS in region " + o.Region
+		if o.BaseEndpoint != nil {
+			if u, err := url.Parse(*o.BaseEndpoint); err == nil && u.Host != "" {
+				b.endpointName = u.Host
+			}
+			return
+		}
+		r := o.EndpointResolverV2
+		if r == nil {
+			r = awssqs.NewDefaultEndpointResolverV2()
+		}
+		ep, err := r.ResolveEndpoint(context.Background(), awssqs.EndpointParameters{
+			Region:       aws.String(o.Region),
+			UseFIPS:      aws.Bool(o.EndpointOptions.UseFIPSEndpoint == aws.FIPSEndpointStateEnabled),
+			UseDualStack: aws.Bool(o.EndpointOptions.UseDualStackEndpoint == aws.DualStackEndpointStateEnabled),
+		})
+		if err == nil && ep.URI.Host != "" {
+			b.endpointName = ep.URI.Host
+		}
+	})
+	return b.endpointName
+}
+
+// resolve returns the queue named by queue, a name or a URL, from the
+// cache or from SQS (see lookUp).
+func (b *Broker) resolve(ctx context.Context, queue string) (*queueInfo, error) {
 	b.mu.Lock()
 	q := b.queues[queue]
 	b.mu.Unlock()
 	if q != nil {
 		return q, nil
 	}
-	q = &queueInfo{}
-	if strings.HasPrefix(queue, "https://") || strings.HasPrefix(queue, "http://") {
-		u, err := url.Parse(queue)
-		if err != nil || path.Base(u.Path) == "" || path.Base(u.Path) == "/" {
-			return nil, configErr("sqs.Queue", "%q is not a queue URL", queue)
-		}
-		q.url, q.name = queue, path.Base(u.Path)
+	return b.lookUp(ctx, queue)
+}
+
+// lookUp asks SQS for the queue named by queue (GetQueueUrl for a name,
+// then GetQueueAttributes) and caches what it says. Its errors are
+// callErrors: a queue that does not exist wraps
+// consumer.ErrSourceNotFound, and so on.
+func (b *Broker) lookUp(ctx context.Context, queue string) (*queueInfo, error) {
+	name, err := queueName(queue)
+	if err != nil {
+		return nil, err
+	}
+	q := &queueInfo{name: name}
+	last := &lastAttempt{}
+	ctx = context.WithValue(ctx, lastAttemptKey{}, last)
+	if name != queue {
+		q.url = queue
 	} else {
-		out, err := b.client.GetQueueUrl(ctx, &awssqs.GetQueueUrlInput{QueueName: aws.String(queue)})
+		out, err := b.client.GetQueueUrl(ctx, &awssqs.GetQueueUrlInput{QueueName: aws.String(queue)}, recordAttempts)
 		if err != nil {
-			return nil, queueErr("GetQueueUrl", queue, err)
+			return nil, b.callErr("GetQueueUrl", name, err, last.get())
 		}
-		q.url, q.name = aws.ToString(out.QueueUrl), queue
+		q.url = aws.ToString(out.QueueUrl)
 	}
 	out, err := b.client.GetQueueAttributes(ctx, &awssqs.GetQueueAttributesInput{
 		QueueUrl: aws.String(q.url), AttributeNames: queueAttributes,
-	})
+	}, recordAttempts)
 	if err != nil {
-		return nil, queueErr("GetQueueAttributes", q.name, err)
+		return nil, b.callErr("GetQueueAttributes", q.name, err, last.get())
 	}
 	a := out.Attributes
 	q.fifo = a[string(types.QueueAttributeNameFifoQueue)] == "true" || strings.HasSuffix(q.name, ".fifo")
@@ -308,23 +370,59 @@ func (b *Broker) forget(queue string) {
 	b.mu.Unlock()
 }
 
-// queueErr wraps err from op on queue, marked driver.Fatal when consuming
-// cannot go on by itself (no such queue, bad credentials, access denied).
-func queueErr(op, queue string, err error) error {
-	err = fmt.Errorf("sqs: %s %q: %w", op, queue, err)
-	if isFatal(err) {
-		return driver.Fatal(err)
-	}
-	return err
+// callErr is callError for a call of this broker's client about queue.
+func (b *Broker) callErr(op, queue string, err, last error) error {
+	return callError(op, queue, b.endpoint(), err, last)
+}
+
+// lastAttemptKey is the context key of a call's lastAttempt.
+type lastAttemptKey struct{}
+
+// lastAttempt holds the error of the latest attempt of one SDK call: when
+// the call ends on its deadline while the SDK waits to try again, its own
+// error says only that, and this says what the client saw.
+type lastAttempt struct {
+	mu  sync.Mutex
+	err error
+}
+
+func (a *lastAttempt) get() error {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.err
+}
+
+// recordAttempts is a per-call option that adds, inside the SDK's retry
+// loop, a middleware keeping each failed attempt's error in the
+// lastAttempt of the call's context.
+func recordAttempts(o *awssqs.Options) {
+	o.APIOptions = append(slices.Clip(o.APIOptions), func(stack *middleware.Stack) error {
+		m := middleware.FinalizeMiddlewareFunc("FerryLastAttempt", func(ctx context.Context, in middleware.FinalizeInput, next middleware.FinalizeHandler) (middleware.FinalizeOutput, middleware.Metadata, error) {
+			out, md, err := next.HandleFinalize(ctx, in)
+			if a, ok := ctx.Value(lastAttemptKey{}).(*lastAttempt); ok && err != nil {
+				a.mu.Lock()
+				a.err = err
+				a.mu.Unlock()
+			}
+			return out, md, err
+		})
+		if err := stack.Finalize.Insert(m, "Retry", middleware.After); err != nil {
+			// A client without the SDK's retry middleware: every call
+			// is one attempt.
+			return stack.Finalize.Add(m, middleware.After)
+		}
+		return nil
+	})
 }
 
 // NewConsumer returns a delivery loop over the queue named by queue (a name
-// or a queue URL): consumer.New over Driver(ctx, queue) with opts. ctx
-// bounds the calls that look the queue up (GetQueueUrl,
-// GetQueueAttributes); a queue that does not exist, bad credentials or a
-// denied action fail here already, with an error matched by
-// driver.IsFatal. It fails with a *consumer.ConfigError when an option is
-// invalid or the queue's visibility timeout is below driver.MinLease.
+// or a queue URL): consumer.New over Driver(ctx, queue) with opts. It makes
+// no call to SQS: the consumer looks its queue up when Run starts, and
+// until then, and whenever SQS cannot be reached or the queue does not
+// exist, Run retries with backoff and says so (see Errors in the package
+// documentation). A consumer built while SQS is down, or before its queue
+// is created, starts consuming once both are there. It fails with a
+// *consumer.ConfigError when queue names no queue or an option is invalid.
 func (b *Broker) NewConsumer(ctx context.Context, queue string, opts ...consumer.Option) (*consumer.Loop, error) {
 	d, err := b.Driver(ctx, queue)
 	if err != nil {
@@ -339,23 +437,25 @@ func (b *Broker) NewConsumer(ctx context.Context, queue string, opts ...consumer
 }
 
 // Driver returns the raw driver over a queue, for consumer.New or a loop
-// of one's own. It implements driver.Extender (the lease is the queue's
-// visibility timeout), driver.LagReporter and driver.Aser (a
-// *types.Message target gets the message as ReceiveMessage returned it).
-// Each consumer needs its own; several drivers of one queue share its
-// messages as SQS shares them between receivers.
-func (b *Broker) Driver(ctx context.Context, queue string) (driver.Driver, error) {
+// of one's own. It makes no call to SQS (ctx is not used): the driver
+// looks the queue up in Connect (driver.Connector), or in the first Fetch
+// or Lag when nobody called Connect, and again after SQS said the queue
+// does not exist. It implements driver.Extender (the lease is the queue's
+// visibility timeout, once the queue was looked up), driver.LagReporter,
+// driver.Drainer and driver.Aser (a *types.Message target gets the message
+// as ReceiveMessage returned it). Each consumer needs its own; several
+// drivers of one queue share its messages as SQS shares them between
+// receivers. It fails with a *consumer.ConfigError when queue names no
+// queue, and with ErrClosed on a closed broker.
+func (b *Broker) Driver(_ context.Context, queue string) (driver.Driver, error) {
 	if b.isClosed() {
 		return nil, fmt.Errorf("sqs: driver for %q: %w", queue, ErrClosed)
 	}
-	q, err := b.resolve(ctx, queue)
+	name, err := queueName(queue)
 	if err != nil {
 		return nil, err
 	}
-	if q.visibility < driver.MinLease {
-		return nil, configErr("sqs.VisibilityTimeout", "of queue %q is %s; a consumer needs at least %s to keep its messages", q.name, q.visibility, driver.MinLease)
-	}
-	d := newDriver(b, q)
+	d := newDriver(b, queue, name)
 	b.mu.Lock()
 	if b.isClosed() {
 		b.mu.Unlock()

@@ -29,22 +29,60 @@
 // Cancelling a ReceiveMessage closes only the client's side of it: SQS
 // (and ElasticMQ) keeps the long poll open until its wait time ends and
 // hands it the next messages that arrive, which then stay invisible for the
-// visibility timeout the receive asked for. Waiting for a 20-second poll to
-// end would break Run's promise to return within its shutdown grace, so
-// the driver makes a cut poll cheap instead: a long poll asks for a
-// visibility of 3 seconds only, and the driver extends what it brings to
-// the queue's visibility timeout as soon as it answers (one
-// ChangeMessageVisibilityBatch per long poll that brings messages; while
-// there is a backlog, receives wait a second and ask for the whole
-// visibility at once). When Run's context ends, the driver opens no more
-// receives, gives the open ones half a second to answer and hands over
-// what they brought; its Close, at the end of Run, gives short receives up
-// to two seconds to end by themselves, makes what they bring visible at
-// once (counted in Broker.Stats.Released), and cuts a long poll. A message
-// that a cut poll takes afterwards, or one whose extension failed, is
-// received again by another consumer after 3 seconds, with one more
-// receive counted. A process that dies mid-poll strands messages for
+// visibility timeout the receive asked for. Waiting for every open poll to
+// end would make each stop take up to a wait time, so the driver makes a
+// cut poll cheap instead: a long poll asks for a visibility of 3 seconds
+// only, and the driver extends what it brings to the queue's visibility
+// timeout as soon as it answers (one ChangeMessageVisibilityBatch per long
+// poll that brings messages; while there is a backlog, receives wait a
+// second and ask for the whole visibility at once). When Run's context
+// ends, the driver opens no more receives, gives the open ones half a
+// second to answer and hands over what they and the earlier ones brought
+// (through the last Fetch, or Drain when the loop was not fetching then:
+// the loop runs it within its grace); its Close, at the end of Run, gives
+// short receives up to two seconds to end by themselves, makes what they
+// bring visible at once (counted in Broker.Stats.Released), and cuts a long
+// poll. A message that a cut poll takes afterwards, or one whose extension
+// failed, is received again by another consumer after 3 seconds, with one
+// more receive counted. A process that dies mid-poll strands messages for
 // those 3 seconds too, not for a visibility timeout.
+//
+// # When SQS cannot be reached
+//
+// NewConsumer makes no call to SQS: the consumer looks its queue up when
+// Run starts (GetQueueUrl, GetQueueAttributes: driver.Connector), so one
+// built while SQS is unreachable, or before its queue is created, starts
+// consuming once both are there. Until then, and whenever SQS stops
+// answering or the queue is deleted, the loop retries with backoff and says
+// so at once: its Health is "disconnected" with the error, a WARN line names
+// the queue, the endpoint and the cause, and Stats.FetchErrors counts the
+// failures. A receive waits at most 3 seconds (MaxWaitTime, rather than
+// SQS's 20) and is given up 2 seconds after that, so a consumer whose
+// network goes silent says so within driver.ReportWithin (5 s); an idle
+// consumer makes one receive every 3 seconds. The errors, each naming the
+// call, the queue and the endpoint (never a credential), say which case it
+// is with errors.Is, as on every broker:
+//
+//   - consumer.ErrSourceNotFound: the queue does not exist (yet, or any
+//     more). Retried; once a queue of that name exists, the consumer
+//     consumes from it.
+//   - consumer.ErrUnreachable: SQS did not answer (a refused or failed
+//     dial, a connection cut, no answer in time; the error says what the
+//     SDK's last attempt saw). Retried.
+//   - consumer.ErrRefused, marked driver.Fatal: SQS refused the client for
+//     good: credentials or signature not accepted (InvalidClientTokenId,
+//     UnrecognizedClientException, SignatureDoesNotMatch, ...), an action
+//     denied (AccessDenied, AccessDeniedException), the queue's KMS key or
+//     HTTPS policy refusing it. Run ends with it: no retry can fix it. A
+//     queue whose visibility timeout is below driver.MinLease ends Run too,
+//     with a *consumer.ConfigError.
+//
+// The AWS error inside is reached with errors.As (for example
+// *types.QueueDoesNotExist, or smithy.APIError and its code). Other
+// failures (throttling, SQS's own errors) are retried with backoff.
+// A consumer needs sqs:GetQueueUrl (for a queue named by name),
+// sqs:GetQueueAttributes, sqs:ReceiveMessage, sqs:DeleteMessage and
+// sqs:ChangeMessageVisibility on its queue.
 //
 // # How SQS maps onto the delivery loop
 //
@@ -52,26 +90,42 @@
 // on every broker; the driver here only moves messages:
 //
 //   - Fetch: ReceiveMessage with up to ten messages. While receives come
-//     back full (a backlog), the driver opens as many at once as fill the
-//     loop's room for messages in flight (consumer.WithMaxInFlight), ten
-//     messages each and no more (WithMaxReceivers bounds them), each waiting
-//     at most a second; with room for less than ten it waits a few
-//     milliseconds for acks to make more, so receives stay full. Once a
-//     receive comes back short, it keeps a single long poll open
-//     (WaitTimeSeconds 20, WithWaitTime), which answers as soon as a
-//     message arrives. Every receive asks for the visibility the driver
-//     counts with (VisibilityTimeout: the queue's visibility timeout when
-//     the Broker first looked the queue up, which is the driver's Lease;
-//     a long poll asks for 3 seconds and is extended to the Lease when it
-//     answers, see Stopping), so a later change of the queue's attribute
-//     does not shorten a lease the consumer relies on. The call's deadline is above the wait, and a
-//     client whose HTTP timeout is shorter, whether the SDK's
-//     BuildableClient or a plain *http.Client with a Timeout, is not
-//     refused: receives get a copy of it whose timeout outlives the poll
-//     (wait time plus ten seconds), other calls keep the client's own. (A
+//     back full (a backlog), the driver keeps as many open at once as fill
+//     the loop's room for messages in flight (consumer.WithMaxInFlight), ten
+//     messages each and no more (WithMaxReceivers bounds them), counting
+//     the ones still open and the messages received and not yet handed
+//     over, each waiting at most a second; with room for less than ten it
+//     waits a few milliseconds for acks to make more, so receives stay
+//     full. Once a receive comes back short, it keeps a single long poll
+//     open (WaitTimeSeconds 3, MaxWaitTime; WithWaitTime), which answers
+//     as soon as a message arrives. Fetch hands over a receive's messages
+//     as soon as that receive answers: the others go on polling, and what
+//     they bring waits for the next Fetch, its visibility extended should
+//     it wait a third of it. Every receive asks for the visibility the
+//     driver counts with (VisibilityTimeout: the queue's visibility timeout
+//     when the driver first looked the queue up, which is the driver's
+//     Lease; a long poll asks for 3 seconds and is extended to the Lease
+//     when it answers, see Stopping), so a later change of the queue's
+//     attribute does not shorten a lease the consumer relies on. The
+//     call's deadline is 2 seconds above the wait, and a client whose HTTP
+//     timeout is shorter, whether the SDK's BuildableClient or a plain
+//     *http.Client with a Timeout, is not refused: receives get a copy of it
+//     whose timeout outlives the poll, other calls keep the client's own. (A
 //     poll the HTTP timeout cut would stay open in SQS and take the next
-//     messages.) Receives run only inside a Fetch, so an open breaker or a
-//     full consumer stops them.
+//     messages.) Receives are opened only for a Fetch that waits, so an
+//     open breaker or a full consumer stops them.
+//   - FIFO queues: SQS hands out no message of a group while another of it
+//     is in flight, so receives there go one at a time. While the consumer
+//     holds messages, their groups are closed to every receive: one that
+//     waited would wait for the consumer's own acks (and, on ElasticMQ,
+//     slow the deletes that open the group again, while receives waiting
+//     side by side stall it). The driver then probes for other groups with
+//     a receive that does not wait, when more may be open: after a probe
+//     that came back full, after a Settle that left other messages held,
+//     or a second after a probe that came back short. Holding nothing, it
+//     receives as on a standard queue, and a group whose messages were just
+//     deleted is received again at once, as fast as a loop of one receive
+//     and one delete.
 //   - Message: ID is the MessageId; Deliveries is ApproximateReceiveCount
 //     (so Message.Attempt counts receives by other processes too);
 //     PublishedAt is SentTimestamp; Headers are the message attributes;
@@ -111,14 +165,12 @@
 //   - Lag: GetQueueAttributes ApproximateNumberOfMessages and
 //     ApproximateNumberOfMessagesDelayed (waiting),
 //     ApproximateNumberOfMessagesNotVisible (in flight, for every consumer
-//     of the queue); the age of the oldest waiting message is estimated
-//     from the SentTimestamp of the messages received last (CloudWatch's
+//     of the queue); the loop's Health.Lag, the ferry.consumer.lag metric
+//     and ferry lag all say their sum, the messages not yet deleted. The
+//     age of the oldest waiting message is estimated from the SentTimestamp
+//     of the messages received last (CloudWatch's
 //     ApproximateAgeOfOldestMessage is the exact figure).
-//   - Errors: a queue that does not exist, credentials SQS refuses and
-//     actions it denies end Run with an error marked driver.Fatal that
-//     names the queue; the AWS error inside is reached with errors.As (for
-//     example *types.QueueDoesNotExist, or smithy.APIError and its code).
-//     Other failures are retried by the loop with backoff.
+//   - Errors: see When SQS cannot be reached.
 //
 // # Publishing
 //
@@ -147,7 +199,7 @@
 // awssqs.NewFromConfig take the default credential chain, region and
 // endpoint), pass it to New, and use the Broker as the Publisher of
 // consumer.DeadLetter, the outbox relay or your own code, and NewConsumer
-// for each queue to consume. A consumer keeps up to
+// for each queue to consume (neither New nor NewConsumer calls SQS). A consumer keeps up to
 // consumer.WithMaxInFlight/10 receives and several batch calls open at
 // once: give the client's HTTP transport enough idle connections
 // (MaxIdleConnsPerHost; the SDK's default is 10). With too few, connections

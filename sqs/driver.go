@@ -46,9 +46,11 @@ type attemptID struct {
 
 // Times the driver keeps to.
 const (
-	// httpSlack is how much longer than the long-poll wait a receive may
-	// take before it is given up.
-	httpSlack = 10 * time.Second
+	// recvSlack is how much longer than its wait time a receive may take
+	// before it is given up as unanswered. With MaxWaitTime it makes
+	// driver.ReportWithin: a receive open when SQS stops answering fails
+	// within that, and the loop reports the outage.
+	recvSlack = 2 * time.Second
 	// stopWait is how long Fetch, when its context ends, waits for the
 	// receives it has open to answer before it cuts them.
 	stopWait = 500 * time.Millisecond
@@ -75,26 +77,47 @@ const (
 	roomWaits = 4
 	// batchCalls bounds the batch calls one Settle or Extend makes at once.
 	batchCalls = 16
+	// probeEvery is how often, on a FIFO queue, a consumer that holds
+	// messages probes for other groups when nothing says there are any.
+	probeEvery = time.Second
 )
+
+// MaxWaitTime is the longest a receive waits for messages to arrive
+// (WaitTimeSeconds), and the default of WithWaitTime: with the time it
+// allows the answer to take, it is driver.ReportWithin, so that a consumer
+// says within that time that SQS no longer answers, rather than after a
+// long poll of SQS's 20 seconds.
+const MaxWaitTime = driver.ReportWithin - recvSlack
 
 // sqsDriver is the driver.Driver over one queue.
 //
-// Fetch opens enough ReceiveMessage calls to fill the room the loop gives
-// it (max), ten messages each, and no more, so the loop's bound on messages
-// in flight holds for the messages the driver holds too. Receives run only
-// inside Fetch: while the loop does not fetch (full, or paused by an open
-// breaker), no receive runs, and none is left behind when the loop stops.
-// What the first receives bring waits in buf until the last one answered;
-// the keeper goroutine extends it should that take a third of the lease.
+// The driver makes no call until Connect, or the first Fetch or Lag,
+// looks the queue up; it looks it up again after SQS said that it does not
+// exist. Fetch opens enough ReceiveMessage calls to cover the room the
+// loop gives it (max), ten messages each, and no more, counting the
+// receives still open and the messages waiting in buf: the loop's bound on
+// messages in flight holds for the messages the driver holds too. Fetch
+// returns as soon as one receive answers, and the others go on: what they
+// bring waits in buf for the next Fetch, and the keeper goroutine extends
+// it should it wait a third of the lease. Receives are opened only for a
+// Fetch that waits (by it, or by a Settle that opens a FIFO group), so
+// while the loop does not fetch (full, or paused by an open
+// breaker) no new one is; when the loop stops, Drain (or the last Fetch)
+// hands over what the open ones bring within a moment, and Close gives
+// back what comes later.
 type sqsDriver struct {
 	b        *Broker
-	q        *queueInfo
-	lease    time.Duration
+	queue    string // as the caller named it: a name or a URL
+	name     string // the queue's name
 	maxVis   time.Duration
 	wait     int32
 	httpOpt  func(*awssqs.Options)
 	log      *slog.Logger
 	capacity int
+
+	qi    atomic.Pointer[queueInfo] // the latest look-up; nil before the first
+	stale atomic.Bool               // SQS said the queue does not exist: look it up again
+	lease atomic.Int64              // time.Duration: driver.MinLease until the first look-up, then the queue's visibility timeout
 
 	// keepMu is held by whoever extends buffered messages (the keeper, or
 	// Fetch before it hands them over), so that a message is never
@@ -102,6 +125,7 @@ type sqsDriver struct {
 	keepMu sync.Mutex
 
 	mu          sync.Mutex
+	leased      bool // lease is the queue's and the keeper runs
 	buf         []pending
 	outstanding int // messages the open receives asked for
 	receiving   int // open receives
@@ -113,7 +137,15 @@ type sqsDriver struct {
 	backlog     bool      // the latest receive came back full
 	maxSeen     int       // the most room a Fetch was given
 	roomWaits   int       // Fetches in a row that waited for room
+	allowance   int       // room the last Fetch left: what Drain may hand over
+	answers     uint64    // receives that answered (or failed), ever
 	notify      chan struct{}
+
+	// On a FIFO queue (see fillFIFO):
+	unsettled  int       // messages handed to the loop and not yet settled
+	fetchMax   int       // the max of the Fetch waiting for an answer; 0: none waits
+	probeOK    bool      // a probe may go now: the last one came back full, or a Settle left groups unlocked since
+	emptyProbe time.Time // when a probe last came back short
 
 	recvCtx    context.Context // of short receives
 	recvCancel context.CancelFunc
@@ -132,28 +164,29 @@ const settlers = 4
 
 var (
 	_ driver.Driver      = (*sqsDriver)(nil)
+	_ driver.Connector   = (*sqsDriver)(nil)
 	_ driver.Extender    = (*sqsDriver)(nil)
 	_ driver.LagReporter = (*sqsDriver)(nil)
+	_ driver.Drainer     = (*sqsDriver)(nil)
 	_ driver.Aser        = (*sqsDriver)(nil)
 )
 
-func newDriver(b *Broker, q *queueInfo) *sqsDriver {
+func newDriver(b *Broker, queue, name string) *sqsDriver {
 	d := &sqsDriver{
 		b:        b,
-		q:        q,
-		lease:    q.visibility,
+		queue:    queue,
+		name:     name,
 		maxVis:   MaxVisibility,
 		wait:     int32(b.cfg.waitTime / time.Second),
-		log:      b.cfg.logger.With("queue", q.name),
+		log:      b.cfg.logger.With("queue", name),
 		capacity: b.cfg.receivers * MaxBatch,
 		notify:   make(chan struct{}),
 		done:     make(chan struct{}),
 	}
+	d.lease.Store(int64(driver.MinLease))
 	d.recvCtx, d.recvCancel = context.WithCancel(context.Background())
 	d.pollCtx, d.pollCancel = context.WithCancel(context.Background())
-	d.httpOpt = longPollHTTP(b.client, b.cfg.waitTime+httpSlack)
-	d.wg.Add(1)
-	go d.keeper()
+	d.httpOpt = longPollHTTP(b.client, b.cfg.waitTime+recvSlack)
 	return d
 }
 
@@ -196,102 +229,257 @@ func (d *sqsDriver) signal() {
 	d.notify = make(chan struct{})
 }
 
+// leaseNow is the lease the driver counts with.
+func (d *sqsDriver) leaseNow() time.Duration { return time.Duration(d.lease.Load()) }
+
+// callErr is callError for a call about the driver's queue.
+func (d *sqsDriver) callErr(op string, err, last error) error {
+	return d.b.callErr(op, d.name, err, last)
+}
+
+// Connect looks the queue up (GetQueueUrl for a name, then
+// GetQueueAttributes), within driver.ReportWithin. A queue that does not
+// exist yet fails with an error wrapping consumer.ErrSourceNotFound, SQS
+// not answering with one wrapping consumer.ErrUnreachable (both retried
+// by the loop), and credentials or permissions SQS refuses with one
+// wrapping consumer.ErrRefused, marked driver.Fatal. So does a queue whose
+// visibility timeout is below driver.MinLease, with a
+// *consumer.ConfigError: its leases cannot be kept.
+func (d *sqsDriver) Connect(ctx context.Context) error {
+	if d.closed() || d.b.isClosed() {
+		return driver.Fatal(fmt.Errorf("sqs: connect to %q: %w", d.name, ErrClosed))
+	}
+	_, err := d.lookUp(ctx)
+	return err
+}
+
+// lookUp asks SQS for the queue and adopts what it says.
+func (d *sqsDriver) lookUp(ctx context.Context) (*queueInfo, error) {
+	ctx, cancel := context.WithTimeout(ctx, driver.ReportWithin)
+	defer cancel()
+	q, err := d.b.lookUp(ctx, d.queue)
+	if err != nil {
+		return nil, err
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if !d.leased {
+		// The lease is the visibility timeout of the first look-up: the
+		// loop has counted with it since, and every receive asks for it,
+		// whatever the queue's attribute says later.
+		if q.visibility < driver.MinLease {
+			return nil, driver.Fatal(configErr("sqs.VisibilityTimeout", "of queue %q is %s; a consumer needs at least %s to keep its messages", q.name, q.visibility, driver.MinLease))
+		}
+		d.lease.Store(int64(q.visibility))
+		d.leased = true
+		if !d.closed() {
+			d.wg.Add(1)
+			go d.keeper()
+		}
+	}
+	d.qi.Store(q)
+	d.stale.Store(false)
+	return q, nil
+}
+
+// info returns the queue as last looked up, looking it up first when it
+// never was or SQS said since that it does not exist.
+func (d *sqsDriver) info(ctx context.Context) (*queueInfo, error) {
+	if q := d.qi.Load(); q != nil && !d.stale.Load() {
+		return q, nil
+	}
+	return d.lookUp(ctx)
+}
+
+// url is the queue's URL, for calls about messages received from it.
+func (d *sqsDriver) url() string {
+	if q := d.qi.Load(); q != nil {
+		return q.url
+	}
+	return d.queue
+}
+
 // Fetch hands over up to max received messages. It opens receives for the
-// room it was given and returns once all of them have answered (so no
-// receive outlives the Fetch that opened it, and a consumer that stops
-// between two fetches leaves nothing received behind), ctx ends, or the
-// driver closes. While receives come back full the queue has a backlog:
-// Fetch opens as many as fill the room, each waiting at most a second. Once
-// one comes back short, it opens a single long poll (WithWaitTime), which
-// answers as soon as a message arrives.
+// room it was given that the receives already open and the messages
+// already received do not cover, and returns as soon as one receive
+// answers: with what it brought, with nothing when it brought nothing (so
+// that the loop can pause fetching, for an open breaker, before the next),
+// or with its error. The receives still open go on, and what they bring
+// waits for the next Fetch. While receives come back full the queue has a
+// backlog: Fetch opens as many as fill the room, each waiting at most a
+// second. Once one comes back short, it keeps a single long poll open
+// (WithWaitTime), which answers as soon as a message arrives. Fetch looks
+// the queue up first when Connect did not, or when SQS said since that it
+// does not exist.
 func (d *sqsDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([]driver.Message, error) {
 	max = min(max, d.capacity)
 	if max <= 0 {
 		max = 1
 	}
-	waited := false
+	n := len(dst)
+	dst, err := d.fetch(ctx, dst, max)
+	d.mu.Lock()
+	d.allowance = max - (len(dst) - n)
+	d.mu.Unlock()
+	return dst, err
+}
+
+func (d *sqsDriver) fetch(ctx context.Context, dst []driver.Message, max int) ([]driver.Message, error) {
 	for {
 		if d.closed() || d.b.isClosed() {
-			return dst, driver.Fatal(fmt.Errorf("sqs: fetch from %q: %w", d.q.name, ErrClosed))
+			return dst, driver.Fatal(fmt.Errorf("sqs: fetch from %q: %w", d.name, ErrClosed))
 		}
 		if err := ctx.Err(); err != nil {
 			return d.stop(dst, max, err)
 		}
 		d.mu.Lock()
-		if d.receiving == 0 {
-			if len(d.buf) > 0 {
-				d.mu.Unlock()
-				return d.handOver(dst, max), nil
-			}
-			if err := d.recvErr; err != nil {
-				d.recvErr = nil
-				d.mu.Unlock()
+		if len(d.buf) > 0 {
+			d.mu.Unlock()
+			return d.handOver(dst, max), nil
+		}
+		if err := d.recvErr; err != nil {
+			d.recvErr = nil
+			d.mu.Unlock()
+			return dst, err
+		}
+		if d.receiving == 0 && (d.qi.Load() == nil || d.stale.Load()) {
+			d.mu.Unlock()
+			if _, err := d.lookUp(ctx); err != nil {
+				if ctx.Err() != nil {
+					return d.stop(dst, max, ctx.Err())
+				}
 				return dst, err
 			}
-			if waited {
-				// The receives came back empty: return, so that the loop
-				// can pause fetching (an open breaker) before the next.
-				d.mu.Unlock()
-				return dst, nil
-			}
-			if max > d.maxSeen {
-				d.maxSeen = max
-			}
-			if d.backlog && max < MaxBatch && d.maxSeen >= MaxBatch && d.roomWaits < roomWaits {
-				// A backlog, and room for less than a full receive: let the
-				// acks in flight make room first, a few milliseconds.
-				d.roomWaits++
-				d.mu.Unlock()
-				t := time.NewTimer(roomWait)
-				select {
-				case <-t.C:
-				case <-ctx.Done():
-				case <-d.done:
-				}
-				t.Stop()
-				return dst, nil
-			}
-			d.roomWaits = 0
-			d.fill(max)
+			continue
 		}
-		wake := d.notify
+		if max > d.maxSeen {
+			d.maxSeen = max
+		}
+		if d.receiving == 0 && d.backlog && max < MaxBatch && d.maxSeen >= MaxBatch && d.roomWaits < roomWaits {
+			// A backlog, and room for less than a full receive: let the
+			// acks in flight make room first, a few milliseconds.
+			d.roomWaits++
+			d.mu.Unlock()
+			t := time.NewTimer(roomWait)
+			select {
+			case <-t.C:
+			case <-ctx.Done():
+			case <-d.done:
+			}
+			t.Stop()
+			return dst, nil
+		}
+		d.roomWaits = 0
+		gate := d.fill(max - d.outstanding)
+		wake, answers := d.notify, d.answers
+		d.fetchMax = max
 		d.mu.Unlock()
+		var gateC <-chan time.Time
+		var gateT *time.Timer
+		if gate > 0 {
+			gateT = time.NewTimer(gate)
+			gateC = gateT.C
+		}
+		empty := false
 		select {
 		case <-wake:
-			waited = true
+			d.mu.Lock()
+			// A receive that came back empty: return, as for any answer.
+			empty = d.answers != answers && len(d.buf) == 0 && d.recvErr == nil
+			d.mu.Unlock()
+		case <-gateC:
 		case <-ctx.Done():
 		case <-d.done:
+		}
+		if gateT != nil {
+			gateT.Stop()
+		}
+		d.mu.Lock()
+		d.fetchMax = 0
+		d.mu.Unlock()
+		if empty {
+			return dst, nil
 		}
 	}
 }
 
 // fill opens receives for room messages: with a backlog, ten messages each
-// while ten fit (one smaller receive only when ten do not); without, one.
-// Called with d.mu held and no receive open.
-func (d *sqsDriver) fill(room int) {
+// while ten fit (a smaller receive only when no other is open); without,
+// one long poll, unless one is open. On a FIFO queue, fillFIFO decides.
+// It returns how long until a receive it held back may go (0: none is
+// held back). Called with d.mu held.
+func (d *sqsDriver) fill(room int) time.Duration {
+	q := d.qi.Load()
+	if d.stopped || d.closed() || d.b.isClosed() {
+		return 0
+	}
+	if q.fifo {
+		return d.fillFIFO(q, room)
+	}
 	backlog := d.backlog
-	for room > 0 && d.receiving < d.b.cfg.receivers && !d.stopped && !d.closed() && !d.b.isClosed() {
+	if !backlog && d.receiving > 0 {
+		return 0
+	}
+	for room > 0 && d.receiving < d.b.cfg.receivers {
 		n := min(room, MaxBatch)
 		if n < MaxBatch && d.receiving > 0 {
-			return
+			return 0
 		}
-		d.outstanding += n
-		d.receiving++
 		room -= n
-		id := ""
-		if d.q.fifo {
-			id = d.takeAttemptID()
-		}
 		wait := d.wait
 		if backlog {
 			wait = 1
 		}
-		d.wg.Add(1)
-		go d.receive(int32(n), wait, id)
+		d.open(q, n, wait, "")
 		if !backlog {
-			return
+			return 0
 		}
 	}
+	return 0
+}
+
+// fillFIFO opens a receive on a FIFO queue: one at a time. SQS hands out
+// no message of a group while another of it is in flight, so while this
+// consumer holds messages, their groups are closed to every receive: one
+// that waits would mostly wait for this consumer's own acks, and does
+// nothing for the group meanwhile (on ElasticMQ it even slows the deletes
+// that open the group, and receives that wait side by side stall it).
+// So, holding nothing, the driver receives as on a standard queue (a
+// second's wait with a backlog, else a long poll); holding messages, it
+// probes for other groups with a receive that does not wait, and only
+// when more may be there: after a probe that came back full, after a
+// Settle that left others of the consumer's messages unsettled (the
+// settled ones' groups are open again), or probeEvery after a probe that
+// came back short. A group that is done is received again at once, the
+// way a loop of one receive and one delete does.
+func (d *sqsDriver) fillFIFO(q *queueInfo, room int) time.Duration {
+	if d.receiving > 0 || room <= 0 {
+		return 0
+	}
+	n := min(room, MaxBatch)
+	wait := d.wait
+	if d.backlog {
+		wait = 1
+	}
+	if d.unsettled > 0 || len(d.buf) > 0 {
+		if !d.probeOK {
+			if left := probeEvery - time.Since(d.emptyProbe); left > 0 {
+				return left
+			}
+		}
+		wait = 0
+	}
+	d.open(q, n, wait, d.takeAttemptID())
+	return 0
+}
+
+// open starts a receive of n messages that waits wait seconds. Called with
+// d.mu held.
+func (d *sqsDriver) open(q *queueInfo, n int, wait int32, attempt string) {
+	d.outstanding += n
+	d.receiving++
+	d.wg.Add(1)
+	go d.receive(q, int32(n), wait, attempt)
 }
 
 // takeAttemptID returns the ReceiveRequestAttemptId of a failed receive
@@ -312,20 +500,21 @@ var receiveAttributes = []types.MessageSystemAttributeName{types.MessageSystemAt
 
 var allMessageAttributes = []string{"All"}
 
-// receive makes one ReceiveMessage call for n messages and buffers what it
-// brings.
-func (d *sqsDriver) receive(n, wait int32, attempt string) {
+// receive makes one ReceiveMessage call on q for n messages and buffers
+// what it brings.
+func (d *sqsDriver) receive(q *queueInfo, n, wait int32, attempt string) {
 	defer d.wg.Done()
 	// Every receive asks for the visibility it relies on (not the queue's
 	// attribute, which may have changed since it was read): the Lease, or
 	// for a long poll pollVisibility, extended to the Lease on its answer.
-	vis, parent := d.lease, d.recvCtx
+	lease := d.leaseNow()
+	vis, parent := lease, d.recvCtx
 	if wait > 1 {
 		parent = d.pollCtx
-		vis = min(d.lease, pollVisibility)
+		vis = min(lease, pollVisibility)
 	}
 	in := &awssqs.ReceiveMessageInput{
-		QueueUrl:                    aws.String(d.q.url),
+		QueueUrl:                    aws.String(q.url),
 		MaxNumberOfMessages:         n,
 		WaitTimeSeconds:             wait,
 		VisibilityTimeout:           int32(vis / time.Second),
@@ -335,14 +524,22 @@ func (d *sqsDriver) receive(n, wait int32, attempt string) {
 	if attempt != "" {
 		in.ReceiveRequestAttemptId = aws.String(attempt)
 	}
-	ctx, cancel := context.WithTimeout(parent, time.Duration(wait)*time.Second+httpSlack)
+	// An answer later than the wait plus recvSlack is none: SQS stopped
+	// answering, and the loop must hear of it within driver.ReportWithin.
+	timeout := time.Duration(wait)*time.Second + recvSlack
+	ctx, cancel := context.WithTimeout(parent, timeout)
+	last := &lastAttempt{}
+	ctx = context.WithValue(ctx, lastAttemptKey{}, last)
 	sent := time.Now()
 	var out *awssqs.ReceiveMessageOutput
 	var err error
 	if d.httpOpt != nil {
-		out, err = d.b.client.ReceiveMessage(ctx, in, d.httpOpt)
+		out, err = d.b.client.ReceiveMessage(ctx, in, recordAttempts, d.httpOpt)
 	} else {
-		out, err = d.b.client.ReceiveMessage(ctx, in)
+		out, err = d.b.client.ReceiveMessage(ctx, in, recordAttempts)
+	}
+	if err != nil && parent.Err() == nil && errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		err = fmt.Errorf("no answer within %s: %w", timeout, err)
 	}
 	cancel()
 	// SQS starts the visibility when it hands the messages out, at the end
@@ -357,7 +554,7 @@ func (d *sqsDriver) receive(n, wait int32, attempt string) {
 			m := &out.Messages[i]
 			r := &receipt{handle: aws.ToString(m.ReceiptHandle), msg: *m, receivedAt: at, leaseStart: at}
 			p := pending{r: r, m: driver.Message{Handle: r}}
-			if derr := decode(d.q, m, &p.m); derr != nil {
+			if derr := decode(q, m, &p.m); derr != nil {
 				bad++
 			}
 			got = append(got, p)
@@ -366,18 +563,20 @@ func (d *sqsDriver) receive(n, wait int32, attempt string) {
 	if bad > 0 {
 		d.log.Warn("ferry/sqs: received messages whose "+MetaAttribute+" attribute is malformed; delivering their body and attributes as SQS gave them", "count", bad)
 	}
-	if len(got) > 0 && vis < d.lease {
+	var leaseErr error
+	if len(got) > 0 && vis < lease {
 		d.mu.Lock()
 		keep := !d.cut && !d.closed()
 		d.mu.Unlock()
 		if keep {
-			got = d.takeLease(got, at)
+			got, leaseErr = d.takeLease(got, at)
 		}
 	}
 
 	d.mu.Lock()
 	d.outstanding -= int(n)
 	d.receiving--
+	d.answers++
 	release := d.cut || d.closed()
 	switch {
 	case err != nil:
@@ -387,12 +586,31 @@ func (d *sqsDriver) receive(n, wait int32, attempt string) {
 			// instead of holding their groups until the visibility ends.
 			d.attemptIDs = append(d.attemptIDs, attemptID{attempt, sent})
 		}
-		if !d.closed() {
-			d.recvErr = queueErr("ReceiveMessage", d.q.name, err)
+		if !d.closed() && !errors.Is(err, context.Canceled) {
+			if isQueueGone(err) {
+				d.stale.Store(true)
+				d.b.forget(d.queue)
+			}
+			d.recvErr = d.callErr("ReceiveMessage", err, last.get())
 		}
 	case release:
 	default:
-		d.backlog = len(got) == int(n)
+		if leaseErr != nil && len(got) == 0 {
+			// SQS took the messages back from us, or stopped answering:
+			// the loop hears of it as of a failed receive.
+			d.recvErr = leaseErr
+		}
+		full := len(got) == int(n)
+		if wait == 0 {
+			// A FIFO probe: it says whether other groups are open, not
+			// whether the queue has a backlog.
+			d.probeOK = full
+			if !full {
+				d.emptyProbe = at
+			}
+		} else {
+			d.backlog = full
+		}
 		if len(got) > 0 {
 			oldest := got[0].m.PublishedAt
 			for _, p := range got[1:] {
@@ -414,14 +632,15 @@ func (d *sqsDriver) receive(n, wait int32, attempt string) {
 // takeLease extends what a long poll brought, received at at with
 // pollVisibility, to the Lease, and returns the messages it extended.
 // Those it could not extend are left to come back after pollVisibility
-// rather than handed to the loop, which would count a whole lease.
-func (d *sqsDriver) takeLease(got []pending, at time.Time) []pending {
+// rather than handed to the loop, which would count a whole lease; err
+// says why, when none could be.
+func (d *sqsDriver) takeLease(got []pending, at time.Time) ([]pending, error) {
 	rs := make([]*receipt, len(got))
 	for i, p := range got {
 		rs[i] = p.r
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), pollVisibility)
-	err := d.extend(ctx, rs, d.lease)
+	err := d.extend(ctx, rs, d.leaseNow())
 	cancel()
 	kept := got[:0]
 	for _, p := range got {
@@ -433,7 +652,7 @@ func (d *sqsDriver) takeLease(got []pending, at time.Time) []pending {
 		d.log.Warn("ferry/sqs: extending messages a long poll brought failed; they come back after a few seconds", "err", err, "count", n)
 	}
 	clear(got[len(kept):])
-	return kept
+	return kept, err
 }
 
 // handOver moves up to max buffered messages to dst. Messages that waited
@@ -455,18 +674,20 @@ func (d *sqsDriver) handOver(dst []driver.Message, max int) []driver.Message {
 	d.mu.Unlock()
 	var aged []*receipt
 	now := time.Now()
+	lease := d.leaseNow()
 	for _, p := range taken {
-		if now.Sub(p.r.leaseStart) > d.lease/12 {
+		if now.Sub(p.r.leaseStart) > lease/12 {
 			aged = append(aged, p.r)
 		}
 	}
 	if len(aged) > 0 {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		if err := d.extend(ctx, aged, d.lease); err != nil {
+		if err := d.extend(ctx, aged, lease); err != nil {
 			d.log.Warn("ferry/sqs: extending received messages before handing them over failed", "err", err, "count", len(aged))
 		}
 		cancel()
 	}
+	handed := 0
 	for _, p := range taken {
 		if p.r.dead.Load() {
 			// Its visibility ran out in the buffer (another receive may
@@ -474,7 +695,11 @@ func (d *sqsDriver) handOver(dst []driver.Message, max int) []driver.Message {
 			continue
 		}
 		dst = append(dst, p.m)
+		handed++
 	}
+	d.mu.Lock()
+	d.unsettled += handed
+	d.mu.Unlock()
 	return dst
 }
 
@@ -485,7 +710,19 @@ func (d *sqsDriver) handOver(dst []driver.Message, max int) []driver.Message {
 // visibility timeout): they end by themselves, and what they bring is
 // given back at once; Close waits for them.
 func (d *sqsDriver) stop(dst []driver.Message, max int, err error) ([]driver.Message, error) {
+	d.settleOpen(context.Background())
+	return d.handOver(dst, max), err
+}
+
+// settleOpen marks the driver stopped, waits up to stopWait (or ctx) for
+// the receives still open to answer, and marks it cut: what comes later is
+// given back at once.
+func (d *sqsDriver) settleOpen(ctx context.Context) {
 	d.mu.Lock()
+	if d.cut {
+		d.mu.Unlock()
+		return
+	}
 	d.stopped = true
 	timer := time.NewTimer(stopWait)
 wait:
@@ -497,6 +734,9 @@ wait:
 		case <-timer.C:
 			d.mu.Lock()
 			break wait
+		case <-ctx.Done():
+			d.mu.Lock()
+			break wait
 		case <-d.done:
 		}
 		d.mu.Lock()
@@ -504,7 +744,23 @@ wait:
 	timer.Stop()
 	d.cut = true
 	d.mu.Unlock()
-	return d.handOver(dst, max), err
+}
+
+// Drain ends fetching when the loop stops: no receive is opened any more,
+// the receives still open get a moment to answer (as when the last Fetch
+// saw its context end), and what they and the earlier ones brought is
+// handed over, as much as the room the last Fetch left. The loop runs it
+// within its shutdown grace. What does not fit, and what receives bring
+// later, is made visible again at once by Close.
+func (d *sqsDriver) Drain(ctx context.Context, dst []driver.Message) ([]driver.Message, error) {
+	d.settleOpen(ctx)
+	d.mu.Lock()
+	room := d.allowance
+	d.mu.Unlock()
+	if room <= 0 {
+		return dst, nil
+	}
+	return d.handOver(dst, room), nil
 }
 
 // keeper extends the visibility of messages that wait in the buffer (the
@@ -512,7 +768,8 @@ wait:
 // of it is left.
 func (d *sqsDriver) keeper() {
 	defer d.wg.Done()
-	t := time.NewTicker(max(d.lease/6, 50*time.Millisecond))
+	lease := d.leaseNow()
+	t := time.NewTicker(max(lease/6, 50*time.Millisecond))
 	defer t.Stop()
 	for {
 		select {
@@ -525,14 +782,14 @@ func (d *sqsDriver) keeper() {
 		var due []*receipt
 		now := time.Now()
 		for _, p := range d.buf {
-			if now.Sub(p.r.leaseStart) >= d.lease/3 && !p.r.dead.Load() {
+			if now.Sub(p.r.leaseStart) >= lease/3 && !p.r.dead.Load() {
 				due = append(due, p.r)
 			}
 		}
 		d.mu.Unlock()
 		if len(due) > 0 {
 			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			if err := d.extend(ctx, due, d.lease); err != nil {
+			if err := d.extend(ctx, due, lease); err != nil {
 				d.log.Warn("ferry/sqs: extending received messages failed", "err", err, "count", len(due))
 			}
 			cancel()
@@ -571,11 +828,14 @@ func (d *sqsDriver) release(ps []pending) {
 func (d *sqsDriver) Capabilities() driver.Capabilities {
 	// Deletes and returns of different messages are independent calls:
 	// acks decided while a call is out go in another, once they fill one.
-	return driver.Capabilities{Redelivers: true, System: "aws_sqs", Settlers: settlers, SettleBatch: MaxBatch}
+	return driver.Capabilities{Redelivers: true, Source: d.name, System: "aws_sqs", Settlers: settlers, SettleBatch: MaxBatch}
 }
 
-// Lease is the queue's visibility timeout.
-func (d *sqsDriver) Lease() time.Duration { return d.lease }
+// Lease is the queue's visibility timeout, as the driver's first look-up
+// of the queue found it; before that, driver.MinLease, the shortest the
+// loop keeps: a loop that reads it before its consumer reached SQS checks
+// its leases often enough for any queue.
+func (d *sqsDriver) Lease() time.Duration { return d.leaseNow() }
 
 // As serves consumer.Message.As: a *types.Message target gets the message
 // as ReceiveMessage returned it.
@@ -602,7 +862,9 @@ func (d *sqsDriver) As(handle, target any) bool {
 // first, so that under load the next batch gathers more. Entries SQS
 // refused are retried once when SQS was at fault, and the rest reported in
 // a *driver.SettleError by index. The loop may have up to settlers calls
-// out at once (see Capabilities).
+// out at once (see Capabilities). On a FIFO queue, a Fetch that waits
+// receives again as soon as a Settle is done: the settled messages'
+// groups are open again (see fillFIFO).
 func (d *sqsDriver) Settle(ctx context.Context, batch []driver.Settlement) error {
 	if len(batch) == 0 {
 		return nil
@@ -624,7 +886,24 @@ func (d *sqsDriver) Settle(ctx context.Context, batch []driver.Settlement) error
 	d.settleMu.Lock()
 	d.lastSettle = time.Now()
 	d.settleMu.Unlock()
-	return d.settle(ctx, batch)
+	err := d.settle(ctx, batch)
+	d.mu.Lock()
+	// Settled or not (a failed one the loop leaves to come back after its
+	// lease), the loop holds these no more.
+	d.unsettled = max(d.unsettled-len(batch), 0)
+	if q := d.qi.Load(); q != nil && q.fifo {
+		if d.unsettled > 0 {
+			d.probeOK = true // the groups of these are open again
+		}
+		if d.fetchMax > 0 {
+			// The groups these held are open: the Fetch that waits
+			// receives again at once, without waking first.
+			d.fill(d.fetchMax - d.outstanding)
+		}
+		d.signal()
+	}
+	d.mu.Unlock()
+	return err
 }
 
 // visibility is the VisibilityTimeout, in seconds, that gives r a further
@@ -702,7 +981,7 @@ func (d *sqsDriver) deleteChunk(ctx context.Context, batch []driver.Settlement, 
 		for j, i := range todo {
 			r, _ := batch[i].Handle.(*receipt)
 			if r == nil {
-				fail([]int{i}, fmt.Errorf("sqs: %s on %q: handle %T is not an SQS receipt", op, d.q.name, batch[i].Handle))
+				fail([]int{i}, fmt.Errorf("sqs: %s on %q: handle %T is not an SQS receipt", op, d.name, batch[i].Handle))
 				continue
 			}
 			entries[j] = types.DeleteMessageBatchRequestEntry{Id: aws.String(strconv.Itoa(i)), ReceiptHandle: aws.String(r.handle)}
@@ -711,9 +990,9 @@ func (d *sqsDriver) deleteChunk(ctx context.Context, batch []driver.Settlement, 
 		if len(entries) == 0 {
 			return
 		}
-		out, err := d.b.client.DeleteMessageBatch(ctx, &awssqs.DeleteMessageBatchInput{QueueUrl: aws.String(d.q.url), Entries: entries})
+		out, err := d.b.client.DeleteMessageBatch(ctx, &awssqs.DeleteMessageBatchInput{QueueUrl: aws.String(d.url()), Entries: entries})
 		if err != nil {
-			fail(ids(entries, func(e types.DeleteMessageBatchRequestEntry) *string { return e.Id }), queueErr(op, d.q.name, err))
+			fail(ids(entries, func(e types.DeleteMessageBatchRequestEntry) *string { return e.Id }), d.callErr(op, err, nil))
 			return
 		}
 		todo = d.entryFailures(op, out.Failed, try, fail)
@@ -729,7 +1008,7 @@ func (d *sqsDriver) returnChunk(ctx context.Context, batch []driver.Settlement, 
 			s := &batch[i]
 			r, _ := s.Handle.(*receipt)
 			if r == nil {
-				fail([]int{i}, fmt.Errorf("sqs: %s on %q: handle %T is not an SQS receipt", op, d.q.name, s.Handle))
+				fail([]int{i}, fmt.Errorf("sqs: %s on %q: handle %T is not an SQS receipt", op, d.name, s.Handle))
 				continue
 			}
 			secs, ok := d.visibility(r, s.Delay)
@@ -749,9 +1028,9 @@ func (d *sqsDriver) returnChunk(ctx context.Context, batch []driver.Settlement, 
 		if len(entries) == 0 {
 			return
 		}
-		out, err := d.b.client.ChangeMessageVisibilityBatch(ctx, &awssqs.ChangeMessageVisibilityBatchInput{QueueUrl: aws.String(d.q.url), Entries: entries})
+		out, err := d.b.client.ChangeMessageVisibilityBatch(ctx, &awssqs.ChangeMessageVisibilityBatchInput{QueueUrl: aws.String(d.url()), Entries: entries})
 		if err != nil {
-			fail(ids(entries, func(e types.ChangeMessageVisibilityBatchRequestEntry) *string { return e.Id }), queueErr(op, d.q.name, err))
+			fail(ids(entries, func(e types.ChangeMessageVisibilityBatchRequestEntry) *string { return e.Id }), d.callErr(op, err, nil))
 			return
 		}
 		todo = d.entryFailures(op, out.Failed, try, fail)
@@ -768,7 +1047,7 @@ func (d *sqsDriver) entryFailures(op string, failed []types.BatchResultErrorEntr
 		if err != nil {
 			continue
 		}
-		e := entryError(op, d.q.name, f)
+		e := entryError(op, d.name, f)
 		if !e.SenderFault && try == 0 {
 			again = append(again, i)
 			continue
@@ -851,10 +1130,10 @@ func (d *sqsDriver) extend(ctx context.Context, rs []*receipt, dur time.Duration
 					Id: aws.String(strconv.Itoa(j)), ReceiptHandle: aws.String(e.r.handle), VisibilityTimeout: e.secs,
 				}
 			}
-			out, err := d.b.client.ChangeMessageVisibilityBatch(ctx, &awssqs.ChangeMessageVisibilityBatchInput{QueueUrl: aws.String(d.q.url), Entries: entries})
+			out, err := d.b.client.ChangeMessageVisibilityBatch(ctx, &awssqs.ChangeMessageVisibilityBatchInput{QueueUrl: aws.String(d.url()), Entries: entries})
 			if err != nil {
 				mu.Lock()
-				errs = append(errs, queueErr(op, d.q.name, err))
+				errs = append(errs, d.callErr(op, err, nil))
 				mu.Unlock()
 				return
 			}
@@ -865,7 +1144,7 @@ func (d *sqsDriver) extend(ctx context.Context, rs []*receipt, dur time.Duration
 					continue
 				}
 				failed[j] = true
-				e := entryError(op, d.q.name, f)
+				e := entryError(op, d.name, f)
 				if e.visibilityLimit() {
 					if chunk[j].r.capped.CompareAndSwap(false, true) {
 						d.b.stats.visibilityCapped.Add(1)
@@ -904,16 +1183,25 @@ func (d *sqsDriver) extend(ctx context.Context, rs []*receipt, dur time.Duration
 // the oldest of them was sent, while the queue still has visible messages;
 // zero once it has none, or before anything was received.
 func (d *sqsDriver) Lag(ctx context.Context) (driver.Lag, error) {
-	out, err := d.b.client.GetQueueAttributes(ctx, &awssqs.GetQueueAttributesInput{
-		QueueUrl: aws.String(d.q.url),
+	q, err := d.info(ctx)
+	if err != nil {
+		return driver.Lag{}, err
+	}
+	last := &lastAttempt{}
+	out, err := d.b.client.GetQueueAttributes(context.WithValue(ctx, lastAttemptKey{}, last), &awssqs.GetQueueAttributesInput{
+		QueueUrl: aws.String(q.url),
 		AttributeNames: []types.QueueAttributeName{
 			types.QueueAttributeNameApproximateNumberOfMessages,
 			types.QueueAttributeNameApproximateNumberOfMessagesNotVisible,
 			types.QueueAttributeNameApproximateNumberOfMessagesDelayed,
 		},
-	})
+	}, recordAttempts)
 	if err != nil {
-		return driver.Lag{}, queueErr("GetQueueAttributes", d.q.name, err)
+		if isQueueGone(err) {
+			d.stale.Store(true)
+			d.b.forget(d.queue)
+		}
+		return driver.Lag{}, d.callErr("GetQueueAttributes", err, last.get())
 	}
 	num := func(n types.QueueAttributeName) int64 {
 		v, _ := strconv.ParseInt(out.Attributes[string(n)], 10, 64)

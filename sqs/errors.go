@@ -4,10 +4,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"strings"
 
+	awshttp "github.com/aws/aws-sdk-go-v2/aws/transport/http"
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 	"github.com/aws/smithy-go"
+	smithyhttp "github.com/aws/smithy-go/transport/http"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/driver"
 )
 
 var (
@@ -88,47 +95,126 @@ func (e *EntryError) expiredHandle() bool {
 	return false
 }
 
-// fatalCodes are the error codes after which consuming cannot go on by
-// itself: the queue is gone, the credentials are wrong, or the caller may not
-// act on the queue. Retrying them only hides the problem.
-var fatalCodes = map[string]bool{
-	"AWS.SimpleQueueService.NonExistentQueue": true,
-	"QueueDoesNotExist":                       true,
-	"InvalidClientTokenId":                    true,
-	"UnrecognizedClientException":             true,
-	"SignatureDoesNotMatch":                   true,
-	"IncompleteSignature":                     true,
-	"MissingAuthenticationToken":              true,
-	"InvalidAccessKeyId":                      true,
-	"AccessDenied":                            true,
-	"AccessDeniedException":                   true,
-	"KMS.AccessDeniedException":               true,
-	"KMS.DisabledException":                   true,
-	"KMS.NotFoundException":                   true,
-	"OptInRequired":                           true,
-	"InvalidSecurity":                         true,
+// refusalCodes are the error codes of a request SQS refused for good: the
+// credentials or the signature are not accepted, the caller may not act on
+// the queue, or the queue's configuration (its KMS key, HTTPS only) refuses
+// this client. No retry makes them succeed; only a change of configuration
+// does. An expired session token (ExpiredToken) is not one: the SDK's
+// credential cache fetches fresh credentials once the expiry it was told
+// passes, and consuming resumes by itself.
+var refusalCodes = map[string]bool{
+	"InvalidClientTokenId":         true,
+	"UnrecognizedClientException":  true,
+	"SignatureDoesNotMatch":        true,
+	"InvalidSignatureException":    true,
+	"IncompleteSignature":          true,
+	"MissingAuthenticationToken":   true,
+	"InvalidAccessKeyId":           true,
+	"AccessDenied":                 true,
+	"AccessDeniedException":        true,
+	"NotAuthorized":                true,
+	"OptInRequired":                true,
+	"InvalidSecurity":              true,
+	"KMS.AccessDeniedException":    true,
+	"KMS.DisabledException":        true,
+	"KMS.NotFoundException":        true,
+	"KMS.InvalidKeyUsageException": true,
+	"KMS.InvalidStateException":    true,
+	"KMS.OptInRequired":            true,
 }
 
-// isFatal reports whether err says that the queue, the credentials or the
-// permissions are wrong, as opposed to a failure worth retrying. Typed
-// errors are matched with errors.As, the rest by their API error code.
-func isFatal(err error) bool {
+// isRefusal reports whether err says that the credentials, the permissions
+// or the queue's configuration refuse this client. Typed errors are matched
+// with errors.As, the rest by their API error code.
+func isRefusal(err error) bool {
 	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		return false
 	}
 	var (
-		noQueue  *types.QueueDoesNotExist
 		kms      *types.KmsAccessDenied
 		kmsOff   *types.KmsDisabled
 		kmsGone  *types.KmsNotFound
+		kmsUsage *types.KmsInvalidKeyUsage
+		kmsState *types.KmsInvalidState
+		kmsOptIn *types.KmsOptInRequired
 		security *types.InvalidSecurity
 	)
-	if errors.As(err, &noQueue) || errors.As(err, &kms) || errors.As(err, &kmsOff) ||
-		errors.As(err, &kmsGone) || errors.As(err, &security) {
+	if errors.As(err, &kms) || errors.As(err, &kmsOff) || errors.As(err, &kmsGone) ||
+		errors.As(err, &kmsUsage) || errors.As(err, &kmsState) || errors.As(err, &kmsOptIn) ||
+		errors.As(err, &security) {
 		return true
 	}
 	var api smithy.APIError
-	return errors.As(err, &api) && fatalCodes[api.ErrorCode()]
+	return errors.As(err, &api) && refusalCodes[api.ErrorCode()]
+}
+
+// isUnreachable reports whether err says that SQS did not answer: the
+// request could not be sent (a refused or failed dial, a DNS failure), the
+// connection broke before the answer, or no answer came in time. An error
+// SQS answered with (an API error, a 5xx) is not one: SQS was reached.
+func isUnreachable(err error) bool {
+	if err == nil || errors.Is(err, context.Canceled) {
+		return false
+	}
+	var api smithy.APIError
+	if errors.As(err, &api) {
+		return false
+	}
+	var (
+		send    *smithyhttp.RequestSendError
+		timeout *awshttp.ResponseTimeoutError
+		netErr  net.Error
+	)
+	return errors.As(err, &send) || errors.As(err, &timeout) || errors.As(err, &netErr) ||
+		errors.Is(err, context.DeadlineExceeded) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF)
+}
+
+// kindOf returns the consumer error that a failed call to SQS stands for
+// (consumer.ErrSourceNotFound, ErrRefused or ErrUnreachable), or nil for a
+// failure of another kind (throttling, a 5xx, a bad request).
+func kindOf(err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case isQueueGone(err):
+		return consumer.ErrSourceNotFound
+	case isRefusal(err):
+		return consumer.ErrRefused
+	case isUnreachable(err):
+		return consumer.ErrUnreachable
+	}
+	return nil
+}
+
+// callError is the error of a call to SQS about one queue, naming the
+// call, the queue and the endpoint it was sent to (never a credential), and
+// wrapping both the consumer error it stands for (see kindOf), so that
+// errors.Is tells the cases apart as on every broker, and the SDK's error,
+// so that errors.As reaches the AWS error inside. A refusal is marked
+// driver.Fatal: a consumer cannot go on until someone changes its
+// configuration. last is what the SDK's last attempt saw, when the call
+// ended on its deadline while the SDK waited to try again.
+func callError(op, queue, endpoint string, err, last error) error {
+	if err == nil {
+		return nil
+	}
+	at := ""
+	if endpoint != "" {
+		at = " at " + endpoint
+	}
+	if last != nil && last != err && errors.Is(err, context.DeadlineExceeded) &&
+		!errors.Is(last, context.DeadlineExceeded) && !errors.Is(last, context.Canceled) {
+		err = fmt.Errorf("%w (last attempt: %w)", err, last)
+	}
+	kind := kindOf(err)
+	if kind == nil {
+		return fmt.Errorf("sqs: %s %q%s: %w", op, queue, at, err)
+	}
+	err = fmt.Errorf("sqs: %s %q%s: %w: %w", op, queue, at, kind, err)
+	if kind == consumer.ErrRefused {
+		return driver.Fatal(err)
+	}
+	return err
 }
 
 // isQueueGone reports whether err says the queue does not exist.

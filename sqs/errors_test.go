@@ -22,54 +22,41 @@ import (
 	ferrysqs "github.com/ferrymq/ferry/sqs"
 )
 
-// TestMissingQueueIsFatal: a consumer of a queue that does not exist fails
-// at construction with an error marked fatal, naming the queue, that
-// errors.As matches with SQS's typed error.
-func TestMissingQueueIsFatal(t *testing.T) {
+// TestPublishToAMissingQueueFails: Publish to a queue that does not exist
+// fails with an error naming the queue that errors.As matches with SQS's
+// typed error.
+func TestPublishToAMissingQueueFails(t *testing.T) {
 	c := newClient(t, nil)
 	b := newBroker(t, c)
 	const name = "ferry-no-such-queue-7d1f"
-	_, err := b.NewConsumer(context.Background(), name)
+	err := b.Publish(context.Background(), name, consumer.Message{Body: []byte("x")})
 	var noQueue *types.QueueDoesNotExist
-	if !driver.IsFatal(err) || !errors.As(err, &noQueue) || !strings.Contains(err.Error(), name) {
-		t.Fatalf("NewConsumer of a missing queue = %v, want a fatal error naming it that matches *types.QueueDoesNotExist", err)
-	}
-	err = b.Publish(context.Background(), name, consumer.Message{Body: []byte("x")})
-	if !errors.As(err, &noQueue) {
-		t.Errorf("Publish to a missing queue = %v, want an error matching *types.QueueDoesNotExist", err)
+	if !errors.As(err, &noQueue) || !strings.Contains(err.Error(), name) {
+		t.Errorf("Publish to a missing queue = %v, want an error naming it that matches *types.QueueDoesNotExist", err)
 	}
 }
 
-// TestQueueDeletedWhileRunningEndsRun: when the queue is deleted under a
-// running consumer, Run ends with a fatal error that names the queue.
-func TestQueueDeletedWhileRunningEndsRun(t *testing.T) {
+// TestQueueDeletedWhileRunningIsReportedUntilRecreated: when the queue is
+// deleted under a running consumer, the consumer says that its source
+// does not exist (health disconnected with an error wrapping
+// consumer.ErrSourceNotFound, a WARN naming the queue) and retries; Run
+// does not end. Once a queue of that name is created again, it consumes
+// from it by itself.
+func TestQueueDeletedWhileRunningIsReportedUntilRecreated(t *testing.T) {
 	c := newClient(t, nil)
-	b := newBroker(t, c, ferrysqs.WithWaitTime(time.Second)) // ElasticMQ answers a long poll on a deleted queue only when it ends
+	// ElasticMQ answers a long poll on a deleted queue only when its wait
+	// ends: a short one keeps the test short.
+	b := newBroker(t, c, ferrysqs.WithWaitTime(time.Second))
 	name, url := createQueue(t, c, "deleted", queueConfig{})
-	l, err := b.NewConsumer(context.Background(), name, consumer.WithFetchBackoff(100*time.Millisecond))
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() {
-		done <- l.Run(context.Background(), consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }))
-	}()
-	time.Sleep(300 * time.Millisecond)
+	w := watch(t, b, name)
+	w.consumes(t, c, url, 20*time.Second, false)
 	if _, err := c.DeleteQueue(context.Background(), &awssqs.DeleteQueueInput{QueueUrl: aws.String(url)}); err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case err := <-done:
-		if !driver.IsFatal(err) || !strings.Contains(err.Error(), name) {
-			t.Fatalf("Run = %v, want a fatal error naming %s", err, name)
-		}
-		var noQueue *types.QueueDoesNotExist
-		if !errors.As(err, &noQueue) {
-			t.Logf("Run's error %v is not typed QueueDoesNotExist (matched by its code)", err)
-		}
-	case <-time.After(40 * time.Second):
-		t.Fatal("Run did not end after its queue was deleted")
-	}
+	w.disconnected(t, 10*time.Second, name, consumer.ErrSourceNotFound.Error())
+	w.warned(t, 10*time.Second, name, consumer.ErrSourceNotFound.Error())
+	_, url = createNamedQueue(t, c, name, queueConfig{})
+	w.consumes(t, c, url, 20*time.Second, true)
 }
 
 // refusingProxy passes requests to the test server, except the actions in
@@ -98,22 +85,26 @@ func refusingProxy(t *testing.T, refuse map[string]bool, status int, errType, ms
 }
 
 // TestRefusedCredentialsAndDeniedActionsAreFatal: SQS refusing the
-// consumer's credentials, or denying it ReceiveMessage, ends Run with a
-// fatal error naming the queue and the cause, matched by its API error
-// code. The refusal comes from a proxy in front of ElasticMQ, which checks
-// no credentials and no permissions itself; the queue is real.
+// consumer's credentials or signature, or denying it an action it needs,
+// ends Run with a fatal error wrapping consumer.ErrRefused, naming the
+// queue and the cause, matched by its API error code; the health then
+// says stopped, with that error. The refusal comes from a proxy in front
+// of ElasticMQ, which checks no credentials and no permissions itself; the
+// queue is real. (TestRefusalCodesAreFatal checks every code.)
 func TestRefusedCredentialsAndDeniedActionsAreFatal(t *testing.T) {
 	for _, tc := range []struct {
-		name, code, msg string
-		status          int
+		name, action, code, msg string
+		status                  int
 	}{
-		{"BadCredentials", "UnrecognizedClientException", "The security token included in the request is invalid.", 400},
-		{"AccessDenied", "AccessDeniedException", "User is not authorized to perform: sqs:receivemessage", 403},
+		{"BadCredentials", "ReceiveMessage", "UnrecognizedClientException", "The security token included in the request is invalid.", 400},
+		{"BadKeyID", "GetQueueUrl", "InvalidClientTokenId", "The security token included in the request is invalid.", 403},
+		{"BadSignature", "GetQueueAttributes", "SignatureDoesNotMatch", "The request signature we calculated does not match the signature you provided.", 403},
+		{"AccessDenied", "ReceiveMessage", "AccessDeniedException", "User is not authorized to perform: sqs:receivemessage", 403},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := newClient(t, nil)
 			name, _ := createQueue(t, c, "refused", queueConfig{})
-			proxy := refusingProxy(t, map[string]bool{"ReceiveMessage": true}, tc.status, tc.code, tc.msg)
+			proxy := refusingProxy(t, map[string]bool{tc.action: true}, tc.status, tc.code, tc.msg)
 			pc := newClient(t, nil, func(o *awssqs.Options) { o.BaseEndpoint = aws.String(proxy) })
 			b := newBroker(t, pc)
 			l, err := b.NewConsumer(context.Background(), name)
@@ -124,11 +115,14 @@ func TestRefusedCredentialsAndDeniedActionsAreFatal(t *testing.T) {
 			defer cancel()
 			err = l.Run(ctx, consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }))
 			var api smithy.APIError
-			if !driver.IsFatal(err) || !errors.As(err, &api) || api.ErrorCode() != tc.code || !strings.Contains(err.Error(), name) {
-				t.Fatalf("Run = %v, want a fatal error naming %s with code %s", err, name, tc.code)
+			if !driver.IsFatal(err) || !errors.Is(err, consumer.ErrRefused) || !errors.As(err, &api) || api.ErrorCode() != tc.code || !strings.Contains(err.Error(), name) {
+				t.Fatalf("Run = %v, want a fatal error wrapping consumer.ErrRefused naming %s with code %s", err, name, tc.code)
 			}
 			if ctx.Err() != nil {
 				t.Error("Run ended only when its context did")
+			}
+			if h := l.Health(); h.State != consumer.HealthStopped || h.Error != err.Error() || h.Live {
+				t.Errorf("health after the refusal: %+v, want stopped with Run's error, not live", h)
 			}
 		})
 	}

@@ -1,6 +1,7 @@
 package sqs
 
 import (
+	"context"
 	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
@@ -15,16 +16,22 @@ import (
 func SetMaxVisibility(d driver.Driver, v time.Duration) { d.(*sqsDriver).maxVis = v }
 
 // Buffer puts messages into a driver's buffer of received messages, as if
-// a receive had brought them age ago, for the next Fetch to hand over.
-func Buffer(d driver.Driver, msgs []types.Message, age time.Duration) {
+// a receive had brought them age ago, for the next Fetch to hand over. It
+// looks the queue up first.
+func Buffer(ctx context.Context, d driver.Driver, msgs []types.Message, age time.Duration) error {
 	sd := d.(*sqsDriver)
+	q, err := sd.info(ctx)
+	if err != nil {
+		return err
+	}
 	at := time.Now().Add(-age)
 	sd.mu.Lock()
 	defer sd.mu.Unlock()
 	for _, m := range msgs {
 		r := &receipt{handle: aws.ToString(m.ReceiptHandle), msg: m, receivedAt: at, leaseStart: at}
 		p := pending{r: r, m: driver.Message{Handle: r}}
-		_ = decode(sd.q, &m, &p.m)
+		_ = decode(q, &m, &p.m)
 		sd.buf = append(sd.buf, p)
 	}
+	return nil
 }

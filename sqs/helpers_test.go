@@ -115,7 +115,14 @@ type queueConfig struct {
 // test ends; it returns the name and the URL.
 func createQueue(t testing.TB, c *awssqs.Client, prefix string, cfg queueConfig) (string, string) {
 	t.Helper()
-	name := testenv.UniqueName(t, prefix)
+	return createNamedQueue(t, c, testenv.UniqueName(t, prefix), cfg)
+}
+
+// createNamedQueue creates the queue name (with ".fifo" added for a FIFO
+// queue) and deletes it when the test ends; it returns the name and the
+// URL.
+func createNamedQueue(t testing.TB, c *awssqs.Client, name string, cfg queueConfig) (string, string) {
+	t.Helper()
 	attrs := map[string]string{}
 	if cfg.fifo {
 		name += ".fifo"

@@ -388,7 +388,9 @@ func TestHandOverDropsMessagesWhoseExtensionExpired(t *testing.T) {
 	}
 	defer d.Close()
 	// Both waited in the buffer for half the lease.
-	ferrysqs.Buffer(d, []types.Message{out.Messages[0], stale}, 15*time.Second)
+	if err := ferrysqs.Buffer(ctx, d, []types.Message{out.Messages[0], stale}, 15*time.Second); err != nil {
+		t.Fatal(err)
+	}
 	got, err := d.Fetch(ctx, nil, 10)
 	if err != nil {
 		t.Fatal(err)

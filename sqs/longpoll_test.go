@@ -21,14 +21,14 @@ import (
 // the stop is received by the next consumer at once (found by review).
 func TestStopStrandsNoMessageInOpenLongPolls(t *testing.T) {
 	c := newClient(t, nil)
-	b := newBroker(t, c, ferrysqs.WithWaitTime(20*time.Second))
+	b := newBroker(t, c, ferrysqs.WithWaitTime(ferrysqs.MaxWaitTime))
 	name, url := createQueue(t, c, "rv-cutpoll", queueConfig{visibility: 60 * time.Second})
 	l, err := b.NewConsumer(context.Background(), name, consumer.WithMaxInFlight(10))
 	if err != nil {
 		t.Fatal(err)
 	}
 	r := start(t, l, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error { return nil }))
-	time.Sleep(time.Second) // its long poll (20 s) is open on the empty queue
+	time.Sleep(time.Second) // its long poll (3 s) is open on the empty queue
 	r.stop(t)               // graceful stop: Run returns
 	// Right after the stop, a producer publishes.
 	if err := b.Publish(context.Background(), name, consumer.Message{Body: []byte("after the stop")}); err != nil {
@@ -54,15 +54,15 @@ func TestStopStrandsNoMessageInOpenLongPolls(t *testing.T) {
 }
 
 // TestLongPollOutlivesPlainHTTPClientTimeout: a client configured with an
-// ordinary *http.Client whose Timeout (5 s) is shorter than the long poll
-// (20 s) does not cut the poll: receives get a per-request client whose
+// ordinary *http.Client whose Timeout (2 s) is shorter than the long poll
+// (3 s) does not cut the poll: receives get a per-request client whose
 // timeout outlives it, and a message sent to an idle consumer is handled at
 // once, on its first receive (found by review).
 func TestLongPollOutlivesPlainHTTPClientTimeout(t *testing.T) {
 	c := newClient(t, nil, func(o *awssqs.Options) {
-		o.HTTPClient = &http.Client{Timeout: 5 * time.Second}
+		o.HTTPClient = &http.Client{Timeout: 2 * time.Second}
 	})
-	b := newBroker(t, c, ferrysqs.WithWaitTime(20*time.Second))
+	b := newBroker(t, c, ferrysqs.WithWaitTime(ferrysqs.MaxWaitTime))
 	name, url := createQueue(t, c, "rv-httptimeout", queueConfig{visibility: 60 * time.Second})
 	l, err := b.NewConsumer(context.Background(), name, consumer.WithMaxInFlight(10))
 	if err != nil {
@@ -80,7 +80,7 @@ func TestLongPollOutlivesPlainHTTPClientTimeout(t *testing.T) {
 		}
 		return nil
 	}))
-	time.Sleep(6 * time.Second) // the first long poll has been cut at 5 s
+	time.Sleep(2500 * time.Millisecond) // a long poll cut by the HTTP timeout would have been cut at 2 s, and be open in SQS for another second
 	sent := time.Now()
 	if err := b.Publish(context.Background(), name, consumer.Message{Body: []byte("m")}); err != nil {
 		t.Fatal(err)
@@ -91,11 +91,11 @@ func TestLongPollOutlivesPlainHTTPClientTimeout(t *testing.T) {
 		// A poll cut by the HTTP timeout would have taken it first:
 		// handled only after pollVisibility, on a later receive.
 		if d := h.at.Sub(sent); d > 2*time.Second || h.attempt != 1 {
-			t.Errorf("handled %s after it was sent on attempt %d, want at once on attempt 1: a long poll cut by the 5 s HTTP timeout took it first", d, h.attempt)
+			t.Errorf("handled %s after it was sent on attempt %d, want at once on attempt 1: a long poll cut by the 2 s HTTP timeout took it first", d, h.attempt)
 		}
 	case <-time.After(8 * time.Second):
 		visible, inflight, _ := depth(t, c, url)
-		t.Errorf("a message sent to an idle consumer was not handled within 8 s (queue: %d visible, %d in flight): a long poll cut by the 5 s HTTP timeout took it", visible, inflight)
+		t.Errorf("a message sent to an idle consumer was not handled within 8 s (queue: %d visible, %d in flight): a long poll cut by the 2 s HTTP timeout took it", visible, inflight)
 	}
 	r.stop(t)
 }

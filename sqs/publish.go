@@ -193,7 +193,7 @@ func (p *publish) sendBatch(ctx context.Context, b *batch) {
 		if isQueueGone(err) {
 			p.b.forget(p.dest)
 		}
-		err = fmt.Errorf("sqs: %s to %q: %w", op, p.q.name, err)
+		err = p.b.callErr(op, p.q.name, err, nil)
 		for _, e := range entries {
 			o := byID[*e.Id]
 			p.fail(o.index, o.key, err)

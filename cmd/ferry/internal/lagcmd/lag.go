@@ -40,8 +40,10 @@ Nothing joins the group or moves its position. What lag means per broker:
   kafka     per partition: the end offset minus the group's committed offset;
             the position is the committed offset; the backlog's age is
             that of the first record past it
-  sqs       the queue's approximate visible and delayed messages (one lane);
-            SQS tells no position: a sample in which consumers hold messages
+  sqs       the queue's approximate visible, delayed and in-flight (not
+            visible) messages: every message not yet deleted (one lane), as
+            the consumers' /healthz and ferry.consumer.lag count it; SQS
+            tells no position: a sample in which consumers hold messages
             (ApproximateNumberOfMessagesNotVisible > 0) counts as progress;
             the backlog's age is in CloudWatch only, as the metric
             ApproximateAgeOfOldestMessage

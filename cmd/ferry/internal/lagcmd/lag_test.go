@@ -5,8 +5,10 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net/http/httptest"
 	"net/url"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -15,6 +17,8 @@ import (
 	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/twmb/franz-go/pkg/kadm"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/ferrymq/ferry"
 	"github.com/ferrymq/ferry/cmd/ferry/internal/cli"
@@ -377,5 +381,95 @@ func TestLagBadUsageExitsTwo(t *testing.T) {
 	}
 	if code, _, errOut := ferryLag(t, context.Background(), "--help"); code != 0 || !strings.Contains(errOut, "Burrow") || !strings.Contains(errOut, "-broker") {
 		t.Errorf("--help: exit %d, %q", code, errOut)
+	}
+}
+
+// On SQS, the lag the consumer's /healthz shows, its ferry.consumer.lag
+// metric and ferry lag are one number, on a queue with messages both
+// waiting and in flight: the messages not yet done (visible, delayed and
+// in flight), those in flight also told apart (ferry lag's in flight).
+func TestLagIsOneNumberOnSQS(t *testing.T) {
+	url, queue := sqsQueue(t)
+	publish(t, url, queue, 10)
+	b, err := ferry.Open(context.Background(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer mp.Shutdown(context.Background())
+	const held = 3
+	l, err := b.NewConsumer(context.Background(), queue, consumer.WithName("billing"), consumer.WithConcurrency(held),
+		consumer.WithMaxInFlight(held), consumer.WithHealthWindow(100*time.Millisecond, 3), consumer.WithMeterProvider(mp))
+	if err != nil {
+		t.Fatal(err)
+	}
+	release := make(chan struct{})
+	var running atomic.Int32
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		done <- l.Run(ctx, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+			running.Add(1)
+			select {
+			case <-release:
+			case <-ctx.Done():
+			}
+			return nil
+		}))
+	}()
+	defer func() {
+		close(release)
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("Run = %v", err)
+		}
+	}()
+	deadline := time.Now().Add(30 * time.Second)
+	for running.Load() < held || l.Health().Samples < 2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d handlers running, health %+v; want %d holding their messages", running.Load(), l.Health(), held)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+
+	rec := httptest.NewRecorder()
+	consumer.HealthHandler(l).ServeHTTP(rec, httptest.NewRequest("GET", "/healthz", nil))
+	var healthz struct {
+		Consumers []consumer.Health `json:"consumers"`
+	}
+	if err := json.Unmarshal(rec.Body.Bytes(), &healthz); err != nil || len(healthz.Consumers) != 1 {
+		t.Fatalf("/healthz %s: %v", rec.Body, err)
+	}
+
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	metricLag := int64(-1)
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if g, ok := m.Data.(metricdata.Gauge[int64]); ok && m.Name == consumer.MetricLag {
+				metricLag = g.DataPoints[0].Value
+			}
+		}
+	}
+
+	lctx, lcancel := context.WithTimeout(context.Background(), time.Minute)
+	defer lcancel()
+	code, out, errOut := ferryLag(t, lctx, queue, "--broker", url, "--samples", "2", "--interval", "100ms", "--json")
+	if code != 0 && code != 1 {
+		t.Fatalf("ferry lag exit %d: %s%s", code, out, errOut)
+	}
+	r := reports(t, out)[0]
+
+	const want = 10
+	if got := healthz.Consumers[0].Lag; got != want || metricLag != want || r.Lag != want {
+		t.Errorf("lag: /healthz %d, %s %d, ferry lag %d; want all %d (the messages not yet done: %d waiting, %d in flight)",
+			got, consumer.MetricLag, metricLag, r.Lag, want, 10-held, held)
+	}
+	if r.InFlight != held {
+		t.Errorf("ferry lag: in flight %d, want the %d held by the consumer", r.InFlight, held)
 	}
 }

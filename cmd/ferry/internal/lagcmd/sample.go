@@ -65,7 +65,10 @@ func (s *sampler) sample(ctx context.Context) (Sample, error) {
 	} else if lag.InFlight > 0 {
 		s.progress++
 	}
-	out.Lanes = map[string]int64{"": lag.Messages}
+	// Not yet done, as a consumer's Health.Lag and its lag metric count:
+	// waiting, and taken by consumers and not yet settled where the broker
+	// tells it (SQS).
+	out.Lanes = map[string]int64{"": lag.Messages + max(out.InFlight, 0)}
 	out.Positions = map[string]int64{"": s.progress}
 	return out, nil
 }
