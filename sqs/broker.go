@@ -20,6 +20,9 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/msgmetrics"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
 )
 
 // Limits of Amazon SQS that Ferry works within.
@@ -56,7 +59,8 @@ type Broker struct {
 	endpointOnce sync.Once
 	endpointName string
 
-	stats brokerStats
+	stats   brokerStats
+	metrics *msgmetrics.Publisher
 }
 
 type brokerStats struct {
@@ -96,6 +100,23 @@ type config struct {
 	settleWindow    time.Duration
 	publishParallel int
 	receivers       int
+	meters          metric.MeterProvider
+}
+
+// WithMeterProvider sets where Publish reports its calls, as the
+// OpenTelemetry messaging conventions name them
+// (messaging.client.operation.duration and messaging.client.sent.messages,
+// with messaging.system "aws_sqs"). Default the global provider, a no-op
+// until one is installed. The consumers report through
+// consumer.WithMeterProvider.
+func WithMeterProvider(mp metric.MeterProvider) Option {
+	return func(c *config) error {
+		if mp == nil {
+			return configErr("MeterProvider", "must not be nil")
+		}
+		c.meters = mp
+		return nil
+	}
 }
 
 // Option configures New. An option given a bad value makes New fail with a
@@ -200,7 +221,15 @@ func New(client *awssqs.Client, opts ...Option) (*Broker, error) {
 	if c.logger == nil {
 		c.logger = slog.Default()
 	}
+	if c.meters == nil {
+		c.meters = otel.GetMeterProvider()
+	}
+	pm, err := msgmetrics.NewPublisher(c.meters, "aws_sqs")
+	if err != nil {
+		return nil, fmt.Errorf("sqs: metrics: %w", err)
+	}
 	return &Broker{
+		metrics: pm,
 		client:  client,
 		cfg:     c,
 		queues:  make(map[string]*queueInfo),

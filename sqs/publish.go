@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"time"
 
 	"github.com/aws/aws-sdk-go-v2/aws"
 	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
@@ -35,6 +36,15 @@ import (
 // *EntryError for an entry SQS refused, or the call's error; errors.As
 // reaches the typed AWS errors inside.
 func (b *Broker) Publish(ctx context.Context, destination string, msgs ...consumer.Message) error {
+	start := time.Now()
+	err := b.publish(ctx, destination, msgs)
+	if len(msgs) > 0 {
+		b.metrics.Record(ctx, destination, len(msgs), start, err)
+	}
+	return err
+}
+
+func (b *Broker) publish(ctx context.Context, destination string, msgs []consumer.Message) error {
 	if b.isClosed() {
 		return fmt.Errorf("sqs: publish to %q: %w", destination, ErrClosed)
 	}
