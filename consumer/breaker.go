@@ -56,12 +56,16 @@ func (s BreakerState) String() string {
 // run, is therefore one failure, not five: it spends its retry budget and
 // reaches the dead-letter destination while the breaker stays closed for
 // everyone else, and an outage, which fails every message, still opens the
-// breaker after Failures messages. (Where a source holds a failed message
-// in place and keeps its lane behind it, as Kafka does ordered by
-// partition, each lane's head is the only message of the lane that can
-// fail: an outage gives as many distinct failures as there are lanes with
-// work. Keep Failures at most that, or order by key.) It opens after
-// Failures of them in a row, or after Failures within its rolling window when they are at least
+// breaker after Failures messages. One case is told apart: where the loop
+// holds a failed message in place and its lane waits behind it (a Kafka
+// partition), a re-run that fails with nothing succeeded through the
+// breaker since the message's last failure counts after all. Every lane
+// is then stuck, as in an outage on a topic of fewer partitions than
+// Failures, which must still open the breaker; a poison message among
+// flowing lanes never makes it so. (When every lane of a Kafka topic is
+// held by a poison message at once, that counts too, and the breaker's
+// trials then move them on one at a time.) It opens after Failures of them
+// in a row, or after Failures within its rolling window when they are at least
 // FailureRatio of the calls counted there (an outage whose last slow calls
 // still succeed).
 //
@@ -97,6 +101,7 @@ type Breaker struct {
 	changesMu sync.Mutex
 	changes   []breakerChange
 
+	successes  atomic.Int64 // calls that succeeded (for breakerMark)
 	openedAt   atomic.Int64 // unix nanoseconds of the last opening
 	halfOpenAt atomic.Int64 // monotonic nanoseconds (monoNow) of the last turn to half-open
 	registered atomic.Bool  // its metrics were registered by hand (Stack.RegisterMetrics)
@@ -341,10 +346,11 @@ type breakerHandler struct {
 }
 
 func (h *breakerHandler) Handle(ctx context.Context, m *Message) error {
+	ctx, rec := withRecord(ctx)
 	call, reserved := takeReservation(ctx, h.b) // taken before an at-most-once ack
 	if !reserved {
 		var hold error
-		if call, hold = h.b.allow(m); hold != nil {
+		if call, hold = h.b.allow(m, rec); hold != nil {
 			h.b.logChanges(ctx, nil)
 			return hold
 		}
@@ -357,9 +363,21 @@ func (h *breakerHandler) Handle(ctx context.Context, m *Message) error {
 	}()
 	err := h.next.Handle(ctx, m)
 	finished = true
-	call.report(err)
+	h.b.report(call, rec, err)
 	h.b.logChanges(ctx, err)
 	return err
+}
+
+// report reports the outcome of call, and notes it in rec: a success
+// counts, a failure marks the message with the successes so far.
+func (b *Breaker) report(call breakerCall, rec *record, err error) {
+	switch {
+	case err == nil:
+		b.successes.Add(1)
+	case b.counts(err) && !errors.Is(err, ErrHeld):
+		rec.failMark = breakerMark{b: b, successes: b.successes.Load()}
+	}
+	call.report(err)
 }
 
 // logChanges logs the changes of state not yet logged; cause is the result
@@ -423,10 +441,19 @@ func (c breakerCall) report(err error) {
 	c.done(err)
 }
 
-// allow asks for one call for m's run. While the breaker does not let calls
-// through, it returns the Hold instead.
-func (b *Breaker) allow(m *Message) (breakerCall, error) {
+// allow asks for one call for m's run, whose delivery's record is rec.
+// While the breaker does not let calls through, it returns the Hold
+// instead.
+func (b *Breaker) allow(m *Message, rec *record) (breakerCall, error) {
 	rerun := m != nil && m.Attempt > 1
+	// A re-run is evidence after all when its lane waits for it (the loop
+	// holds it in place) and nothing has succeeded through the breaker
+	// since its last failure: every lane is stuck, which a poison message
+	// among flowing traffic never makes, and an outage on a topic of few
+	// partitions always does.
+	if rerun && rec != nil && rec.inPlace && rec.failMark.b == b && rec.failMark.successes == b.successes.Load() {
+		rerun = false
+	}
 	state := b.cb.State()
 	if rerun && state == gobreaker.StateHalfOpen && monoNow()-time.Duration(b.halfOpenAt.Load()) < b.halfHold {
 		// Keep the trial for a message that has not failed yet.

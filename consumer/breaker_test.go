@@ -3,7 +3,9 @@ package consumer
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -320,5 +322,55 @@ func TestBreakerStaysClosedForARareFailureAmongSuccesses(t *testing.T) {
 	}
 	if _, err := NewBreaker(BreakerWindow(0)); err == nil {
 		t.Fatal("a window of 0 was accepted")
+	}
+}
+
+// On a log (a broker that cannot redeliver), a failed message is held in
+// place and its lane waits behind it: an outage on a topic of a single
+// partition gives one distinct failing message, yet its re-runs, with
+// nothing succeeding meanwhile, open the breaker.
+func TestBreakerOpensOnAStuckLaneOfALog(t *testing.T) {
+	drv := newScriptLog(false)
+	drv.add("0", 20)
+	b := mustBreaker(t, BreakerFailures(3), BreakerOpenFor(time.Hour))
+	l, err := New(drv, WithRedeliveryBackoff(time.Millisecond, time.Millisecond), WithLogger(slog.New(slog.DiscardHandler)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := runLoop(t, l, b.Wrap(HandlerFunc(func(context.Context, *Message) error { return errDown })))
+	waitFor(t, "the breaker to open", func() bool { return b.State() == BreakerOpen })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A poison message held in place on one lane of a log, while the other
+// lanes flow: its re-runs are no evidence (others succeed between them),
+// and the breaker stays closed.
+func TestBreakerStaysClosedForAPoisonOnOneLaneOfALog(t *testing.T) {
+	drv := newScriptLog(false)
+	drv.add("poisoned", 1)
+	drv.add("flowing", 2000)
+	b := mustBreaker(t, BreakerFailures(3), BreakerOpenFor(time.Hour))
+	l, err := New(drv, WithConcurrency(2), WithRedeliveryBackoff(time.Millisecond, 2*time.Millisecond),
+		WithLogger(slog.New(slog.DiscardHandler)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var poisonRuns atomic.Int32
+	stop := runLoop(t, l, b.Wrap(HandlerFunc(func(_ context.Context, m *Message) error {
+		if m.Lane == "poisoned" {
+			poisonRuns.Add(1)
+			return errDown
+		}
+		time.Sleep(100 * time.Microsecond)
+		return nil
+	})))
+	waitFor(t, "the flowing lane to be done", func() bool { return l.Stats().Acked == 2000 })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if poisonRuns.Load() < 5 || b.Opened() != 0 {
+		t.Fatalf("the poison ran %d times and the breaker opened %d times; want several runs and none", poisonRuns.Load(), b.Opened())
 	}
 }

@@ -114,7 +114,7 @@ type reservation struct {
 // one would hold it, it gives back the calls taken and returns the hold.
 func (r *run) reserveGates(d *delivery) error {
 	for _, b := range r.breakers {
-		call, hold := b.allow(&d.msg)
+		call, hold := b.allow(&d.msg, &d.rec)
 		if hold != nil {
 			r.releaseReservations(d)
 			return hold

@@ -491,6 +491,7 @@ func (r *run) fail(d *delivery, err error) {
 		return
 	}
 	l.stats.retried.Add(1)
+	d.rec.inPlace = true
 	r.wait(d, time.Now().Add(delay))
 }
 

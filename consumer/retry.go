@@ -296,6 +296,19 @@ type record struct {
 	// means "settled", and an outer Timeout must not turn it into a failure.
 	deadLettered bool
 	first, last  time.Time
+	// inPlace is set by the loop when it holds the message in place after a
+	// failure (a broker that cannot redeliver, such as a Kafka partition):
+	// its lane waits for it, and its next runs are made by the loop.
+	inPlace bool
+	// failMark is what a Breaker noted when a run of the message failed
+	// through it: the breaker, and its count of successes then.
+	failMark breakerMark
+}
+
+// breakerMark is a Breaker and its count of successful calls at a moment.
+type breakerMark struct {
+	b         *Breaker
+	successes int64
 }
 
 type recordKey struct{}

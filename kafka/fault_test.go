@@ -468,11 +468,9 @@ func testBreakerOpen(t *testing.T, proto kafka.GroupProtocol) {
 
 	var isDown atomic.Bool
 	isDown.Store(true)
-	// The breaker's evidence is the failures of distinct messages, and on a
-	// topic ordered by partition each partition's head is the only record
-	// of it that can fail: the 30 keys fill two of the three partitions, so
-	// two failing heads are all the evidence an outage can give here.
-	br, err := consumer.NewBreaker(consumer.BreakerFailures(2), consumer.BreakerOpenFor(time.Second))
+	// The 30 keys fill two of the three partitions: two failing heads, whose
+	// re-runs in place count once nothing else succeeds, open it.
+	br, err := consumer.NewBreaker(consumer.BreakerFailures(3), consumer.BreakerOpenFor(time.Second))
 	if err != nil {
 		t.Fatal(err)
 	}
