@@ -96,8 +96,9 @@
 //	amqp://USER:PASSWORD@HOST[:PORT]/VHOST
 //	amqps://USER:PASSWORD@HOST[:PORT]/VHOST[?ca_file=FILE]
 //
-// RabbitMQ over AMQP 0-9-1 (package rabbit, through rabbit.Dial, which
-// connects at once): amqps:// over TLS. The path is the vhost ("/" or
+// RabbitMQ over AMQP 0-9-1 (package rabbit, through rabbit.Dial with
+// rabbit.WithLazyConnect: it connects on first use, as Kafka and SQS do):
+// amqps:// over TLS. The path is the vhost ("/" or
 // none is the default vhost; %2F escapes a "/" in a vhost's name). A
 // NewConsumer source is a queue; a Publish destination is an exchange, or
 // rabbit.ToQueue(queue) for the queue itself. Query parameters:
@@ -223,9 +224,11 @@ func schemeForms() string {
 // query parameter it takes.
 //
 // A URL that is wrong fails with a *URLError (errors.Is ErrBadURL) naming
-// the part that is wrong. Open dials at once only for RabbitMQ; Kafka and
-// SQS connect on first use. No error Open returns holds the URL's
-// password, in any spelling of it.
+// the part that is wrong. Open needs no broker to be up: every broker
+// connects on first use, so that a consumer started while its broker is
+// down says so (its Health, a WARN line) and consumes once the broker
+// comes, and a Publish fails saying why it cannot get through. No error
+// Open returns holds the URL's password, in any spelling of it.
 func Open(ctx context.Context, rawURL string) (Broker, error) {
 	b, err := open(ctx, rawURL)
 	if err != nil {

@@ -194,9 +194,12 @@ func newSQS(ctx context.Context, shown, region, endpoint string, user *url.Useri
 type sqsBroker struct{ *sqs.Broker }
 
 // openRabbit opens amqp:// and amqps:// URLs with rabbit.Dial (the package
-// doc's section RabbitMQ).
+// doc's section RabbitMQ). Like Kafka's and SQS's, the Broker needs no
+// broker to be built (rabbit.WithLazyConnect): a consumer started while
+// RabbitMQ is down says so and consumes when it comes up, and a Publish
+// connects, or fails saying why.
 func openRabbit(_ context.Context, u *url.URL, q url.Values, shown string) (Broker, error) {
-	var opts []rabbit.Option
+	opts := []rabbit.Option{rabbit.WithLazyConnect()}
 	if q.Get("ca_file") != "" {
 		if strings.ToLower(u.Scheme) != "amqps" {
 			return nil, &URLError{URL: shown, Part: "query parameter ca_file", Reason: "needs amqps://"}

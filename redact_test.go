@@ -7,9 +7,11 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 	"unicode/utf8"
 
 	"github.com/ferrymq/ferry"
+	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/rabbit"
 )
 
@@ -117,7 +119,17 @@ func openError(t *testing.T, raw string) string {
 	t.Helper()
 	b, err := ferry.Open(context.Background(), raw)
 	if err == nil {
-		b.Close()
+		defer b.Close()
+		if !strings.Contains(raw, "127.0.0.1:1/") {
+			return ""
+		}
+		// Open needs no broker: a broker that refuses is met at the first
+		// Publish, whose error must hide the password as well.
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := b.Publish(ctx, "x", consumer.Message{Body: []byte("x")}); err != nil {
+			return err.Error()
+		}
 		return ""
 	}
 	return err.Error()

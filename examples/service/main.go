@@ -188,11 +188,8 @@ func run(ctx context.Context, cfg config, log *slog.Logger) (err error) {
 	if err != nil {
 		return err
 	}
-	metrics, err := stack.RegisterMetrics(tel.meters, cfg.Consumer)
-	if err != nil {
-		return err
-	}
-	defer metrics.Unregister()
+	// The loop registers the stack's metrics, and the inbox's, on its own
+	// MeterProvider (consumer.WithMeterProvider below).
 	bill := newBilling(st, cfg.PaymentsURL, log)
 	record, err := st.inbox(cfg.Consumer, bill.record)
 	if err != nil {
