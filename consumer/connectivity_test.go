@@ -257,3 +257,78 @@ func TestDeadLetterPublishFailingShowsInHealth(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// failingExtendLog is a scriptLog with a lease whose extensions and
+// settlements all fail.
+type failingExtendLog struct{ *scriptLog }
+
+func (f *failingExtendLog) Lease() time.Duration { return time.Second }
+
+func (f *failingExtendLog) Extend(context.Context, []any, time.Duration) error {
+	return errors.New("visibility change refused")
+}
+
+func (f *failingExtendLog) Settle(context.Context, []driver.Settlement) error {
+	return errors.New("delete refused")
+}
+
+// Extensions and settlements that keep failing (every tick, every batch)
+// are each logged at WARN, a few times a minute, naming the error.
+func TestFailingExtensionsAndSettlementsAreLoggedRateLimited(t *testing.T) {
+	drv := &failingExtendLog{scriptLog: newScriptLog(true)}
+	drv.add("", 200)
+	var logs lockedBuffer
+	l, err := New(drv, WithConcurrency(4), WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	release := make(chan struct{})
+	var slow atomic.Int32
+	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error {
+		if slow.Add(1) <= 4 {
+			<-release // long enough for the lease to need extending
+		}
+		return nil
+	}))
+	waitFor(t, "extensions to fail", func() bool { return strings.Count(logs.String(), "extending leases failed") >= 1 })
+	time.Sleep(2 * time.Second) // more ticks, more failures
+	close(release)
+	waitFor(t, "settlements to fail", func() bool { return l.Stats().SettleErrors >= 10 })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	out := logs.String()
+	for line, most := range map[string]int{"extending leases failed": 5, "settling failed": 5} {
+		if n := strings.Count(out, line); n < 1 || n > most {
+			t.Errorf("%q: %d lines for %d failed calls, want 1 to %d", line, n, l.Stats().SettleErrors, most)
+		}
+	}
+	if !strings.Contains(out, "visibility change refused") || !strings.Contains(out, "delete refused") {
+		t.Errorf("the lines do not name the errors:\n%s", out)
+	}
+}
+
+// A revocation (a rebalance, a lost channel) is said at INFO, naming the
+// lanes, once per revocation and a bounded number of times a minute.
+func TestRevocationsAreLoggedAtInfo(t *testing.T) {
+	drv := newScriptLog(false)
+	var logs lockedBuffer
+	l, err := New(drv, WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return nil }))
+	for range 30 {
+		done := make(chan struct{})
+		drv.revCh <- driver.Revocation{Lanes: []string{"3"}, Done: done}
+		<-done
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	out := logs.String()
+	n := strings.Count(out, "the broker took lanes away")
+	if n < 1 || n > 5 || !strings.Contains(out, "level=INFO") || !strings.Contains(out, "lanes=[3]") {
+		t.Fatalf("%d revocation lines for 30 revocations, want 1 to 5 at INFO naming the lane:\n%s", n, out)
+	}
+}
