@@ -13,6 +13,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/ferrymq/ferry/internal/msgmetrics"
 	"github.com/ferrymq/ferry/internal/ratelog"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/propagation"
@@ -398,23 +399,7 @@ func errorKind(err error) string {
 
 // errorType returns the Go type of the innermost error of err's chain,
 // following the first branch of a joined error.
-func errorType(err error) string {
-	for {
-		var next error
-		switch u := err.(type) {
-		case interface{ Unwrap() error }:
-			next = u.Unwrap()
-		case interface{ Unwrap() []error }:
-			if errs := u.Unwrap(); len(errs) > 0 {
-				next = errs[0]
-			}
-		}
-		if next == nil {
-			return fmt.Sprintf("%T", err)
-		}
-		err = next
-	}
-}
+func errorType(err error) string { return msgmetrics.InnermostType(err) }
 
 func truncateUTF8(s string, n int) string {
 	if len(s) <= n {

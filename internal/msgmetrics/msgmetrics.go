@@ -85,8 +85,8 @@ func (p *Publisher) Record(ctx context.Context, destination string, n int, start
 }
 
 // ErrorType is the error.type of err: "timeout" for a deadline, "canceled"
-// for a cancelled context, else the Go type of the innermost error of its
-// chain (a bounded set: the types the code returns).
+// for a cancelled context, else InnermostType (a bounded set: the types the
+// code returns).
 func ErrorType(err error) string {
 	switch {
 	case errors.Is(err, context.DeadlineExceeded):
@@ -94,6 +94,12 @@ func ErrorType(err error) string {
 	case errors.Is(err, context.Canceled):
 		return "canceled"
 	}
+	return InnermostType(err)
+}
+
+// InnermostType returns the Go type of the innermost error of err's chain,
+// following the first branch of a joined error.
+func InnermostType(err error) string {
 	for {
 		var next error
 		switch u := err.(type) {

@@ -1,5 +1,6 @@
-// Package tracecheck holds the check the adapters' trace tests share: one
-// trace from a publish across a real broker to its handler.
+// Package tracecheck holds the checks the adapters' telemetry tests share:
+// one trace from a publish across a real broker to its handler, and what a
+// publish records in the messaging metrics.
 package tracecheck
 
 import (
