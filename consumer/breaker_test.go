@@ -3,6 +3,7 @@ package consumer
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"sync"
 	"sync/atomic"
@@ -20,12 +21,18 @@ func mustBreaker(t *testing.T, opts ...BreakerOption) *Breaker {
 }
 
 // waitFor polls cond for up to 20s.
-func waitFor(t *testing.T, what string, cond func() bool) {
+// waitFor waits up to 20 s for cond; on a timeout, the failure says what
+// each of state says then.
+func waitFor(t *testing.T, what string, cond func() bool, state ...func() string) {
 	t.Helper()
 	deadline := time.Now().Add(20 * time.Second)
 	for !cond() {
 		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
+			var seen []string
+			for _, s := range state {
+				seen = append(seen, s())
+			}
+			t.Fatalf("timed out waiting for %s %v", what, seen)
 		}
 		time.Sleep(2 * time.Millisecond)
 	}
@@ -366,7 +373,10 @@ func TestBreakerStaysClosedForAPoisonOnOneLaneOfALog(t *testing.T) {
 		time.Sleep(100 * time.Microsecond)
 		return nil
 	})))
-	waitFor(t, "the flowing lane to be done", func() bool { return l.Stats().Acked == 2000 })
+	waitFor(t, "the flowing lane to be done", func() bool { return l.Stats().Acked == 2000 },
+		func() string {
+			return fmt.Sprintf("stats %+v, breaker %s opened %d times", l.Stats(), b.State(), b.Opened())
+		})
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}

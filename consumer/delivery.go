@@ -57,28 +57,58 @@ type delivery struct {
 	cut     []*delivery // set by the worker
 	passKey bool
 
-	gen   uint64         // the lane generation it was fetched under (driver.Message.Generation)
-	known driver.History // what the broker carried of the runs before this delivery
-	prior int            // handler runs known before this delivery
-	runs  int            // handler runs known, this delivery's included
-	err   error          // the handler's result, written by the worker
+	gen   uint64 // the lane generation it was fetched under (driver.Message.Generation)
+	prior int    // handler runs known before this delivery
+	runs  int    // handler runs known, this delivery's included
+	err   error  // the handler's result, written by the worker
 
 	leaseAt   time.Time // when its lease runs out (drivers with leases)
 	extending bool      // in an extension that is being made now
-	due       time.Time // when a waiting delivery runs again
-	heapIdx   int
 
 	settleSent bool          // the settlement is with the driver now
 	ackWait    chan error    // at most once: the worker waiting for this delivery's ack
 	reserved   []reservation // at most once: breaker calls taken before the ack
 
-	awaited []*revocationWait // revocations waiting for this delivery
+	x *deliveryRare // what few deliveries need; nil until one does
 
 	prev, next *delivery // the in-flight list
 }
 
-func newDelivery(m *driver.Message, aser driver.Aser) *delivery {
-	d := &delivery{known: m.Known, gen: m.Generation, heapIdx: -1}
+// deliveryRare is the part of a delivery that few need: a history the broker
+// carried, a time to wait until, revocations waiting for it. Kept apart, so
+// that the deliveries that need none of it (most) are that much smaller;
+// only their owner (the fetcher while it builds them, then the dispatcher)
+// makes or touches it, never a worker.
+type deliveryRare struct {
+	known   driver.History    // what the broker carried of the runs before this delivery
+	due     time.Time         // when a waiting delivery runs again
+	heapIdx int               // its index in run.waiting, or -1
+	awaited []*revocationWait // revocations waiting for this delivery
+}
+
+// rare returns d's rare part, making it on first use.
+func (d *delivery) rare() *deliveryRare {
+	if d.x == nil {
+		d.x = &deliveryRare{heapIdx: -1}
+	}
+	return d.x
+}
+
+// waitingIdx is d's index in run.waiting, or -1 if it is not there.
+func (d *delivery) waitingIdx() int {
+	if d.x == nil {
+		return -1
+	}
+	return d.x.heapIdx
+}
+
+// newDelivery makes m a delivery, taken from slab.
+func newDelivery(slab *deliverySlab, m *driver.Message, aser driver.Aser) *delivery {
+	d := slab.next()
+	d.gen = m.Generation
+	if m.Known != (driver.History{}) {
+		d.rare().known = m.Known
+	}
 	d.msg = Message{
 		ID: m.ID, Key: m.Key, Body: m.Body, Headers: m.Headers, Source: m.Source,
 		Lane: m.Lane, Offset: m.Offset, Deliveries: max(m.Deliveries, 1), PublishedAt: m.PublishedAt,
@@ -86,6 +116,34 @@ func newDelivery(m *driver.Message, aser driver.Aser) *delivery {
 	}
 	d.ctx.d = d
 	return d
+}
+
+// slabSize is how many deliveries one allocation makes. Fetched together,
+// they mostly leave together; a slab lives while any of its deliveries is
+// referenced, which is why a delivery lets go of its body, headers and
+// handle as it leaves (see forget): a delivery held for long, such as a
+// poison message retried in place, keeps only its neighbours' small parts.
+const slabSize = 16
+
+// deliverySlab hands out deliveries slabSize to an allocation. Only the
+// fetcher uses one.
+type deliverySlab []delivery
+
+func (s *deliverySlab) next() *delivery {
+	if len(*s) == 0 {
+		*s = make([]delivery, slabSize)
+	}
+	d := &(*s)[0]
+	*s = (*s)[1:]
+	return d
+}
+
+// forget drops d's references to what may be large (the body, the headers,
+// the driver's handle) once d has left the loop, so that its slab does not
+// keep them alive. The handler has returned: it must not keep the Message.
+func (d *delivery) forget() {
+	d.msg.Body, d.msg.Headers, d.msg.handle = nil, nil, nil
+	d.run, d.cut, d.reserved = nil, nil, nil
 }
 
 // ackRequest is a worker asking for an at-most-once delivery's ack before

@@ -42,7 +42,9 @@ type run struct {
 	cancelHandler context.CancelFunc
 
 	work    chan *delivery
-	done    chan *delivery
+	boxes   []doneBox       // one a worker: what it finished, for the dispatcher to take
+	doneSig chan struct{}   // a box that was empty got a delivery
+	taken   []*delivery     // the dispatcher's buffer, swapped with a box's
 	ackReq  chan ackRequest // at most once: a worker asks for the ack before it runs
 	fetched chan []*delivery
 	back    chan []*delivery
@@ -85,10 +87,11 @@ func newRun(ctx context.Context, l *Loop, h Handler, breakers []*Breaker) *run {
 		log:      l.cfg.logger.With("consumer", l.cfg.name),
 		breakers: breakers,
 		work:     work,
-		done:     make(chan *delivery, l.cfg.concurrency),
+		boxes:    make([]doneBox, l.cfg.concurrency),
+		doneSig:  make(chan struct{}, 1),
 		ackReq:   make(chan ackRequest),
 		fetched:  make(chan []*delivery),
-		back:     make(chan []*delivery),
+		back:     make(chan []*delivery, 2), // the fetcher's two batches (see fetchLoop)
 		fatal:    make(chan error, 1),
 		abandon:  make(chan struct{}),
 		keys:     make(map[orderKey][]*delivery),
@@ -164,9 +167,7 @@ func (r *run) dispatch(ctx context.Context, stopFetch context.CancelFunc, fetche
 			r.started(next)
 			r.sendReady()
 
-		case d := <-r.done:
-			r.running--
-			r.finish(d)
+		case <-r.doneSig:
 			r.takeDone()
 
 		case req := <-r.ackReq:
@@ -310,14 +311,22 @@ func (r *run) requeueCut(d *delivery) {
 	}
 }
 
+// takeDone applies the outcomes in every worker's box, in the order each
+// worker finished them, until the boxes are empty.
 func (r *run) takeDone() {
-	for {
-		select {
-		case d := <-r.done:
-			r.running--
-			r.finish(d)
-		default:
-			return
+	for more := true; more; {
+		more = false
+		for i := range r.boxes {
+			b := &r.boxes[i]
+			b.mu.Lock()
+			r.taken, b.ds = b.ds, r.taken[:0]
+			b.mu.Unlock()
+			for _, d := range r.taken {
+				r.running--
+				r.finish(d)
+			}
+			more = more || len(r.taken) > 0
+			clear(r.taken)
 		}
 	}
 }
@@ -381,7 +390,10 @@ func (r *run) admit(d *delivery) {
 // returned the message, whichever covers more deliveries; each earlier
 // delivery that neither covers counts as one run.
 func (r *run) countPriorRuns(d *delivery) {
-	prior := d.known
+	var prior driver.History
+	if d.x != nil {
+		prior = d.x.known
+	}
 	if r.ledger != nil {
 		// An entry counts only for a later delivery of the message it
 		// recorded: a fresh message that reuses an id inherits nothing.

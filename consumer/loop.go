@@ -219,9 +219,9 @@ func (l *Loop) Run(ctx context.Context, h Handler) (err error) {
 	fetcherDone := make(chan struct{})
 	go func() { defer close(fetcherDone); r.fetchLoop(fetchCtx) }()
 	var workers, io sync.WaitGroup
-	for i := 0; i < l.cfg.concurrency; i++ {
+	for i := range r.boxes {
 		workers.Add(1)
-		go func() { defer workers.Done(); r.worker() }()
+		go func() { defer workers.Done(); r.worker(&r.boxes[i]) }()
 	}
 	for range r.io.settlers {
 		io.Add(1)

@@ -169,19 +169,24 @@ func (l *Loop) registerMetrics(parts chainParts) (metric.Registration, error) {
 // attribute sets made once.
 type loopInstruments struct {
 	process, operation                     metric.Float64Histogram
-	processOK                              metric.RecordOption
-	processErr                             map[string]metric.RecordOption // by error.type
-	receive, receiveErr, settle, settleErr metric.RecordOption
+	processOK                              recordOpts
+	processErr                             map[string]recordOpts // by error.type
+	receive, receiveErr, settle, settleErr recordOpts
 }
 
+// recordOpts are the options of a Record call, made once: passed as
+// opts..., they cost no allocation a call, as one option would (its
+// variadic slice escapes).
+type recordOpts []metric.RecordOption
+
 func newLoopInstruments(process, operation metric.Float64Histogram, base []attribute.KeyValue) *loopInstruments {
-	with := func(kv ...attribute.KeyValue) metric.RecordOption {
-		return metric.WithAttributeSet(attribute.NewSet(append(append([]attribute.KeyValue(nil), base...), kv...)...))
+	with := func(kv ...attribute.KeyValue) recordOpts {
+		return recordOpts{metric.WithAttributeSet(attribute.NewSet(append(append([]attribute.KeyValue(nil), base...), kv...)...))}
 	}
 	li := &loopInstruments{
 		process: process, operation: operation,
 		processOK:  with(msgmetrics.KeyOperationName.String("process"), msgmetrics.KeyOperationType.String("process")),
-		processErr: map[string]metric.RecordOption{},
+		processErr: map[string]recordOpts{},
 		receive:    with(msgmetrics.KeyOperationName.String("receive"), msgmetrics.KeyOperationType.String("receive")),
 		receiveErr: with(msgmetrics.KeyOperationName.String("receive"), msgmetrics.KeyOperationType.String("receive"),
 			msgmetrics.KeyErrorType.String("error")),
@@ -210,14 +215,14 @@ func (li *loopInstruments) recordProcess(d time.Duration, err error) {
 			opt = li.processErr[errorKind(err)]
 		}
 	}
-	li.process.Record(context.Background(), d.Seconds(), opt)
+	li.process.Record(context.Background(), d.Seconds(), opt...)
 }
 
 // recordOp records a receive or settle call.
-func (li *loopInstruments) recordOp(ok, failed metric.RecordOption, d time.Duration, err error) {
+func (li *loopInstruments) recordOp(ok, failed recordOpts, d time.Duration, err error) {
 	opt := ok
 	if err != nil && !errors.Is(err, context.Canceled) {
 		opt = failed
 	}
-	li.operation.Record(context.Background(), d.Seconds(), opt)
+	li.operation.Record(context.Background(), d.Seconds(), opt...)
 }

@@ -59,10 +59,10 @@ func (r *run) revoke(rev driver.Revocation) {
 				// Perhaps revoked already by an earlier revocation; this
 				// one waits for it too.
 				d.revoked = true
-				d.awaited = append(d.awaited, rw)
+				d.rare().awaited = append(d.rare().awaited, rw)
 				rw.pending++
 			case stateSettling:
-				d.awaited = append(d.awaited, rw)
+				d.rare().awaited = append(d.rare().awaited, rw)
 				rw.pending++
 			}
 		}

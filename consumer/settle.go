@@ -293,6 +293,10 @@ func (r *run) settled(job settleJob) {
 				"err", job.err, "failed", failed.count(len(job.batch)), "count", len(job.batch), "unlogged", left)
 		}
 	}
+	var (
+		acked, returned, left int64
+		awaited               bool
+	)
 	for i, d := range job.ds {
 		d.settleSent = false
 		ok := !failed.has(i)
@@ -300,9 +304,9 @@ func (r *run) settled(job settleJob) {
 			// Counted once made: a broker refusing every ack must not look
 			// healthy in the counters.
 			if job.batch[i].Action == driver.Ack {
-				r.l.stats.acked.Add(1)
+				acked++
 			} else {
-				r.l.stats.returned.Add(1)
+				returned++
 			}
 		}
 		if d.ackWait != nil {
@@ -315,7 +319,15 @@ func (r *run) settled(job settleJob) {
 			d.ackWait = nil
 			continue
 		}
-		r.leave(d)
+		awaited = r.release(d) || awaited
+		left++
+	}
+	// The counters and the fetcher's wake-up once a job, not once a delivery.
+	r.l.stats.acked.Add(acked)
+	r.l.stats.returned.Add(returned)
+	r.freed(left)
+	if awaited {
+		r.checkRevocations()
 	}
 	clear(job.batch)
 	clear(job.ds)
@@ -355,19 +367,41 @@ func (f failedSet) count(n int) int {
 // leave lets d go: out of the in-flight list, its slot freed, and the
 // revocations waiting for it told.
 func (r *run) leave(d *delivery) {
+	awaited := r.release(d)
+	r.freed(1)
+	if awaited {
+		r.checkRevocations()
+	}
+}
+
+// freed frees n slots in flight, of deliveries released, and wakes the
+// fetcher if it waits for room.
+func (r *run) freed(n int64) {
+	if n == 0 {
+		return
+	}
+	r.l.inflight.Add(-n)
+	r.l.signalSpace()
+}
+
+// release takes d out of the loop (see leave) but for its slot in flight,
+// which the caller frees before it checks the revocations (release reports
+// whether any waited for d): a revocation is done only once its deliveries
+// are out of the count in flight.
+func (r *run) release(d *delivery) (awaited bool) {
 	r.listRemove(d)
+	d.forget()
 	if d.deferred {
 		r.undefer(d)
 	}
-	r.l.inflight.Add(-1)
-	r.l.signalSpace()
-	if len(d.awaited) > 0 {
-		for _, rw := range d.awaited {
-			rw.pending--
-		}
-		d.awaited = nil
-		r.checkRevocations()
+	if d.x == nil || len(d.x.awaited) == 0 {
+		return false
 	}
+	for _, rw := range d.x.awaited {
+		rw.pending--
+	}
+	d.x.awaited = nil
+	return true
 }
 
 // extendLeases collects, for the next extension, every delivery whose lease

@@ -183,7 +183,7 @@ func TestExtensionRacingAnAtMostOnceAckRequestLeavesNothingBlocked(t *testing.T)
 	r := newRun(context.Background(), l, HandlerFunc(func(context.Context, *Message) error { return nil }), nil)
 	defer r.cancelHandler()
 	defer r.io.cancel()
-	d := newDelivery(&driver.Message{ID: "m", Deliveries: 1, Handle: "m"}, nil)
+	d := newDelivery(new(deliverySlab), &driver.Message{ID: "m", Deliveries: 1, Handle: "m"}, nil)
 	r.l.inflight.Add(1)
 	r.admit(d)
 	// The dispatcher hands it to a worker.

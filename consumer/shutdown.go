@@ -50,8 +50,8 @@ func (r *run) beginShutdown(s *shutdown) {
 	r.waiting = nil
 	r.timer.Stop()
 	for _, d := range waiting {
-		d.heapIdx = -1
-		r.settle(d, driver.Return, max(time.Until(d.due), 0))
+		d.x.heapIdx = -1
+		r.settle(d, driver.Return, max(time.Until(d.x.due), 0))
 	}
 	s.grace = time.NewTimer(r.l.cfg.grace)
 	s.graceC = s.grace.C

@@ -303,7 +303,7 @@ func TestHandlerThatFinishedBeforeTheGraceIsAcked(t *testing.T) {
 	defer r.io.cancel()
 	var sd shutdown
 	defer sd.stop()
-	d := newDelivery(&driver.Message{ID: "m", Deliveries: 1, Handle: "m"}, nil)
+	d := newDelivery(new(deliverySlab), &driver.Message{ID: "m", Deliveries: 1, Handle: "m"}, nil)
 	r.l.inflight.Add(1)
 	r.admit(d)
 	r.ready = r.ready[1:]

@@ -17,30 +17,30 @@ import (
 type dueHeap []*delivery
 
 func (h dueHeap) Len() int           { return len(h) }
-func (h dueHeap) Less(i, j int) bool { return h[i].due.Before(h[j].due) }
-func (h dueHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i]; h[i].heapIdx = i; h[j].heapIdx = j }
-func (h *dueHeap) Push(x any)        { d := x.(*delivery); d.heapIdx = len(*h); *h = append(*h, d) }
+func (h dueHeap) Less(i, j int) bool { return h[i].x.due.Before(h[j].x.due) }
+func (h dueHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i]; h[i].x.heapIdx = i; h[j].x.heapIdx = j }
+func (h *dueHeap) Push(x any)        { d := x.(*delivery); d.x.heapIdx = len(*h); *h = append(*h, d) }
 func (h *dueHeap) Pop() any {
 	old := *h
 	d := old[len(old)-1]
 	old[len(old)-1] = nil
 	*h = old[:len(old)-1]
-	d.heapIdx = -1
+	d.x.heapIdx = -1
 	return d
 }
 
 // wait parks a delivery until 'until', keeping its key busy.
 func (r *run) wait(d *delivery, until time.Time) {
 	d.state = stateWaiting
-	d.due = until
+	d.rare().due = until
 	heap.Push(&r.waiting, d)
 	r.resetTimer()
 }
 
 // unwait takes a delivery out of the waiting heap.
 func (r *run) unwait(d *delivery) {
-	if d.heapIdx >= 0 {
-		heap.Remove(&r.waiting, d.heapIdx)
+	if i := d.waitingIdx(); i >= 0 {
+		heap.Remove(&r.waiting, i)
 	}
 	r.resetTimer()
 }
@@ -50,14 +50,14 @@ func (r *run) resetTimer() {
 		r.timer.Stop()
 		return
 	}
-	r.timer.Reset(max(time.Until(r.waiting[0].due), 0))
+	r.timer.Reset(max(time.Until(r.waiting[0].x.due), 0))
 }
 
 // wakeDue moves every waiting delivery whose time has come to the ready
 // queue.
 func (r *run) wakeDue() {
 	now := time.Now()
-	for len(r.waiting) > 0 && !r.waiting[0].due.After(now) {
+	for len(r.waiting) > 0 && !r.waiting[0].x.due.After(now) {
 		d := heap.Pop(&r.waiting).(*delivery)
 		if d.deferred {
 			r.undefer(d)
