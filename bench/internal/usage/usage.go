@@ -6,6 +6,9 @@
 // machine whose cores the brokers share, a broker is one of those other
 // processes: for a consume of Kafka, SQS or RabbitMQ the share holds the
 // broker's own work (which the run causes) as well as whatever else ran.
+// The kernel counts the machine's busy time in ticks of 10 ms on each core,
+// so over a span of well under a second the share is coarse; this
+// process's own CPU time is exact.
 package usage
 
 import (
