@@ -17,6 +17,7 @@ package bench
 import (
 	"context"
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -25,6 +26,8 @@ import (
 	"strings"
 	"sync/atomic"
 	"time"
+
+	"github.com/ferrymq/ferry/bench/internal/usage"
 )
 
 // Impl is who does the work: Ferry, the broker's raw client, or Watermill.
@@ -236,6 +239,12 @@ type Sample struct {
 	Calls int64
 	// Mallocs is heap allocations in the whole process during the run.
 	Mallocs uint64
+	// Usage is what the timed part cost: this process's CPU time, its
+	// allocations and their bytes, and the CPU the other processes took
+	// on the machine's cores meanwhile (the broker's among them: the
+	// brokers share the cores). Nil for the Backlog op, and in samples
+	// saved before it was measured.
+	Usage *usage.Span `json:",omitempty"`
 	// Consumed is the distinct messages handled (consume ops).
 	Consumed int
 	// HeapBytes is the live heap a backlog of N messages added (Backlog).
@@ -244,6 +253,34 @@ type Sample struct {
 
 // Rate is messages per second.
 func (s Sample) Rate() float64 { return float64(s.N) / s.Elapsed.Seconds() }
+
+// CPUPerMsg is this process's CPU time a message in the timed part, in
+// microseconds (NaN when not measured).
+func (s Sample) CPUPerMsg() float64 {
+	if s.Usage == nil {
+		return math.NaN()
+	}
+	return s.Usage.CPUPerMsg(s.N)
+}
+
+// BytesPerMsg is the heap bytes the process allocated a message in the
+// timed part (NaN when not measured).
+func (s Sample) BytesPerMsg() float64 {
+	if s.Usage == nil || s.N <= 0 {
+		return math.NaN()
+	}
+	return float64(s.Usage.Bytes) / float64(s.N)
+}
+
+// OthersShare is the share of the machine's cores (0 to 1) that other
+// processes, the broker among them, took during the timed part (NaN when
+// not measured).
+func (s Sample) OthersShare() float64 {
+	if s.Usage == nil {
+		return math.NaN()
+	}
+	return s.Usage.OthersShare()
+}
 
 // ProfileDir is where, when set, a CPU profile of each variant's timed
 // part is written, named broker_op_impl_round.pprof.
@@ -271,21 +308,22 @@ func profiled(path string, f func() error) error {
 	return f()
 }
 
-// measure runs f timed, counting allocations and API calls. With tr set
-// (a consume), the time is until tr saw the last message: the consumer's
-// shutdown is not timed, nor are the allocations and calls made after.
-func measure(v Variant, tr *Tracker, f func() error) (time.Duration, uint64, int64, error) {
-	var before, after runtime.MemStats
+// measure runs f timed, counting API calls and what the run cost (CPU,
+// allocations, the other processes' CPU). With tr set (a consume), the
+// time is until tr saw the last message: the consumer's shutdown is not
+// timed, nor are the CPU, allocations and calls spent after.
+func measure(v Variant, tr *Tracker, f func() error) (time.Duration, usage.Span, int64, error) {
 	calls := int64(-1)
 	var c0 int64
 	if v.Calls != nil {
 		c0 = v.Calls()
 	}
 	runtime.GC()
-	runtime.ReadMemStats(&before)
+	meter := usage.Start()
 	start := time.Now()
 	var snap, stop chan struct{}
 	var c1 int64
+	var span usage.Span
 	if tr != nil {
 		stop = make(chan struct{})
 		// Read the counters as soon as the last message is handled.
@@ -297,7 +335,7 @@ func measure(v Variant, tr *Tracker, f func() error) (time.Duration, uint64, int
 			case <-stop:
 				return
 			}
-			runtime.ReadMemStats(&after)
+			span = meter.Stop()
 			if v.Calls != nil {
 				c1 = v.Calls()
 			}
@@ -313,7 +351,7 @@ func measure(v Variant, tr *Tracker, f func() error) (time.Duration, uint64, int
 			close(stop)
 			<-snap
 		}
-		runtime.ReadMemStats(&after)
+		span = meter.Stop()
 		if v.Calls != nil {
 			c1 = v.Calls()
 		}
@@ -321,7 +359,7 @@ func measure(v Variant, tr *Tracker, f func() error) (time.Duration, uint64, int
 	if v.Calls != nil {
 		calls = c1 - c0
 	}
-	return elapsed, after.Mallocs - before.Mallocs, calls, err
+	return elapsed, span, calls, err
 }
 
 // Run runs every variant of s rounds times, interleaved, each on n
@@ -354,7 +392,9 @@ func Run(ctx context.Context, s *Suite, n, rounds int, timeout time.Duration, lo
 				smp.N = src.N
 				tr := NewTracker(src.N)
 				cctx, cancel := context.WithTimeout(ctx, timeout)
-				smp.Elapsed, smp.Mallocs, smp.Calls, err = measure(v, tr, func() error { return profiled(prof, func() error { return v.Consume(cctx, src, tr) }) })
+				var span usage.Span
+				smp.Elapsed, span, smp.Calls, err = measure(v, tr, func() error { return profiled(prof, func() error { return v.Consume(cctx, src, tr) }) })
+				smp.Mallocs, smp.Usage = span.Mallocs, &span
 				cancel()
 				smp.Consumed = tr.Distinct()
 				if err == nil && smp.Consumed != src.N {
@@ -384,7 +424,9 @@ func Run(ctx context.Context, s *Suite, n, rounds int, timeout time.Duration, lo
 					return out, fmt.Errorf("%s %s %s: prepare: %w", s.Broker, v.Op, v.Impl, err)
 				}
 				pctx, cancel := context.WithTimeout(ctx, timeout)
-				smp.Elapsed, smp.Mallocs, smp.Calls, err = measure(v, nil, func() error { return profiled(prof, func() error { return run(pctx) }) })
+				var span usage.Span
+				smp.Elapsed, span, smp.Calls, err = measure(v, nil, func() error { return profiled(prof, func() error { return run(pctx) }) })
+				smp.Mallocs, smp.Usage = span.Mallocs, &span
 				cancel()
 				done()
 			}
@@ -394,7 +436,8 @@ func Run(ctx context.Context, s *Suite, n, rounds int, timeout time.Duration, lo
 			if logf != nil && v.Hold != nil {
 				logf("%-8s %-48s %-9s round %d: %8.1f MiB heap for %d messages", s.Broker, v.Op, v.Impl, r+1, float64(smp.HeapBytes)/(1<<20), smp.N)
 			} else if logf != nil {
-				logf("%-8s %-48s %-9s round %d: %8.0f msgs/s (%d in %s)", s.Broker, v.Op, v.Impl, r+1, smp.Rate(), smp.N, smp.Elapsed.Round(time.Millisecond))
+				logf("%-8s %-48s %-9s round %d: %8.0f msgs/s (%d in %s), CPU %s µs/msg, others took %s of the cores",
+					s.Broker, v.Op, v.Impl, r+1, smp.Rate(), smp.N, smp.Elapsed.Round(time.Millisecond), fmtMicros(smp.CPUPerMsg()), fmtShare(smp.OthersShare()))
 			}
 			out = append(out, smp)
 		}

@@ -13,6 +13,7 @@ require (
 	github.com/aws/aws-sdk-go-v2/credentials v1.21.0
 	github.com/aws/aws-sdk-go-v2/service/sqs v1.53.0
 	github.com/ferrymq/ferry v0.0.0-00010101000000-000000000000
+	github.com/google/pprof v0.0.0-20261016150608-1facf8f91b50
 	github.com/rabbitmq/amqp091-go v1.16.0
 	github.com/sony/gobreaker v1.0.0
 	github.com/twmb/franz-go v1.22.3

@@ -29,8 +29,19 @@ type Row struct {
 	// AllocsPerMsg is the median of heap allocations per message, in the
 	// whole process (the broker client's and, for memory, the broker's).
 	AllocsPerMsg float64
+	// BytesPerMsg is the median of heap bytes allocated per message, in
+	// the whole process (NaN: not measured).
+	BytesPerMsg float64
+	// CPUPerMsg is the median of this process's CPU time per message, in
+	// microseconds (NaN: not measured).
+	CPUPerMsg float64
+	// Others, OthersMin and OthersMax are the median, least and greatest
+	// share of the machine's cores (0 to 1) that other processes, the
+	// broker among them, took during a run (NaN: not measured).
+	Others, OthersMin, OthersMax float64
 }
 
+// median is the median of xs (NaN when there are none).
 func median(xs []float64) float64 {
 	if len(xs) == 0 {
 		return math.NaN()
@@ -53,6 +64,14 @@ func Summarize(samples []Sample) []Row {
 	}
 	var order []key
 	rates, calls, allocs, heap := map[key][]float64{}, map[key][]float64{}, map[key][]float64{}, map[key][]float64{}
+	// Samples saved before CPU and bytes were measured have none: those
+	// stay out, and a row with none says "-".
+	cpu, bytes, others := map[key][]float64{}, map[key][]float64{}, map[key][]float64{}
+	measured := func(m map[key][]float64, k key, v float64) {
+		if !math.IsNaN(v) {
+			m[k] = append(m[k], v)
+		}
+	}
 	ns := map[key]int{}
 	for _, s := range samples {
 		k := key{s.Broker, s.Op, s.Impl}
@@ -66,12 +85,20 @@ func Summarize(samples []Sample) []Row {
 		}
 		allocs[k] = append(allocs[k], float64(s.Mallocs)/float64(s.N))
 		heap[k] = append(heap[k], float64(s.HeapBytes)/float64(s.N))
+		measured(cpu, k, s.CPUPerMsg())
+		measured(bytes, k, s.BytesPerMsg())
+		measured(others, k, s.OthersShare())
 	}
 	var rows []Row
 	for _, k := range order {
 		r := Row{Broker: k.b, Op: k.op, Impl: k.im, N: ns[k], Runs: len(rates[k]),
 			Median: median(rates[k]), Min: slices.Min(rates[k]), Max: slices.Max(rates[k]),
-			CallsPerMsg: -1, AllocsPerMsg: median(allocs[k]), HeapPerMsg: median(heap[k])}
+			CallsPerMsg: -1, AllocsPerMsg: median(allocs[k]), HeapPerMsg: median(heap[k]),
+			BytesPerMsg: median(bytes[k]), CPUPerMsg: median(cpu[k]),
+			Others: median(others[k]), OthersMin: math.NaN(), OthersMax: math.NaN()}
+		if len(others[k]) > 0 {
+			r.OthersMin, r.OthersMax = slices.Min(others[k]), slices.Max(others[k])
+		}
 		if len(calls[k]) > 0 {
 			r.CallsPerMsg = median(calls[k])
 		}
@@ -98,6 +125,11 @@ type Ratio struct {
 	// the full stack, OverRaw is over the raw loop with a no-op handler
 	// (the raw client has no stack).
 	OverRaw, OverWatermill float64
+	// FerryCPU and RawCPU are the medians of CPU µs per message of Ferry
+	// and of the raw row OverRaw is over; FerryOthers and RawOthers the
+	// medians of the share of the cores the other processes took during
+	// their runs (NaN where not measured or no such row).
+	FerryCPU, RawCPU, FerryOthers, RawOthers float64
 }
 
 // Ratios returns Ferry's ratios for each broker and op it has rows for.
@@ -107,13 +139,15 @@ func Ratios(rows []Row) []Ratio {
 		if r.Impl != Ferry || r.Op == ByPartition || r.Op == ByKey || r.Op == Backlog {
 			continue
 		}
-		rt := Ratio{Broker: r.Broker, Op: r.Op, OverRaw: math.NaN(), OverWatermill: math.NaN()}
+		rt := Ratio{Broker: r.Broker, Op: r.Op, OverRaw: math.NaN(), OverWatermill: math.NaN(),
+			FerryCPU: r.CPUPerMsg, RawCPU: math.NaN(), FerryOthers: r.Others, RawOthers: math.NaN()}
 		rawOp := r.Op
 		if rawOp == ConsumeFull {
 			rawOp = ConsumeNoop
 		}
 		if raw, ok := find(rows, r.Broker, rawOp, Raw); ok {
 			rt.OverRaw = r.Median / raw.Median
+			rt.RawCPU, rt.RawOthers = raw.CPUPerMsg, raw.Others
 		}
 		if wm, ok := find(rows, r.Broker, r.Op, Watermill); ok {
 			rt.OverWatermill = r.Median / wm.Median
@@ -192,6 +226,38 @@ func fmtRate(v float64) string {
 	}
 }
 
+// fmtMicros formats a CPU time a message in µs ("-" for NaN).
+func fmtMicros(v float64) string {
+	if math.IsNaN(v) {
+		return "-"
+	}
+	return fmt.Sprintf("%.2f", v)
+}
+
+// fmtShare formats a share of the cores as a percentage ("-" for NaN).
+func fmtShare(v float64) string {
+	if math.IsNaN(v) {
+		return "-"
+	}
+	return fmt.Sprintf("%.0f%%", 100*v)
+}
+
+// fmtSpread formats a median share with its range, as "31% (18–44%)".
+func fmtSpread(med, lo, hi float64) string {
+	if math.IsNaN(med) {
+		return "-"
+	}
+	return fmt.Sprintf("%s (%.0f–%s)", fmtShare(med), 100*lo, fmtShare(hi))
+}
+
+// fmtBytes formats bytes a message ("-" for NaN).
+func fmtBytes(v float64) string {
+	if math.IsNaN(v) {
+		return "-"
+	}
+	return fmt.Sprintf("%.0f", v)
+}
+
 func fmtRatio(v float64) string {
 	if math.IsNaN(v) || math.IsInf(v, 0) {
 		return "-"
@@ -225,7 +291,14 @@ func WriteMarkdown(w io.Writer, m Meta, rows []Row, notes []string) error {
 	p("  numbered messages. The key-order rows handle %d records. Rates are medians over the runs, with the slowest and\n", m.KeyRecords)
 	p("  fastest run. A consume is timed from the consumer's start until its handler has seen every one of the messages\n")
 	p("  (counted by sequence number; a variant that loses one fails the run); shutdown is not timed.\n")
-	p("- Allocations per message count every heap allocation in the process during the timed part (the client's too).\n\n")
+	p("- Allocations and bytes per message count every heap allocation in the process during the timed part (the client's too).\n")
+	p("- CPU µs/msg is this process's CPU time (user and system, every thread, the GC's too) during the timed part, over the\n")
+	p("  messages: Ferry's or Watermill's and the client's, and for memory the in-process broker's. Others' share is the CPU\n")
+	p("  every other process took on the machine's cores during the timed part (from /proc/stat, less this process's), over\n")
+	p("  all the cores: the brokers share the cores, so for Kafka, SQS and RabbitMQ it holds the broker's own work, which the\n")
+	p("  run causes, as well as any other load. Within a row, runs with a much larger share than the others were loaded.\n")
+	p("  The kernel counts it in 10 ms ticks, so for a run of well under a second it is coarse.\n")
+	p("  The figures of each run are in the samples saved with `-data` (`docs/benchmarks.json`: `Usage`, times in ns).\n\n")
 	if m.Chart != "" {
 		p("![Ferry, raw client and Watermill, msgs/s per broker](%s)\n\n", m.Chart)
 	}
@@ -233,17 +306,23 @@ func WriteMarkdown(w io.Writer, m Meta, rows []Row, notes []string) error {
 	p("## Ratios\n\n")
 	p("Ferry's median rate over the raw client's and over Watermill's (> 1 means Ferry is faster). For the full\n")
 	p("stack, the raw client is its loop with a no-op handler (it has no stack).\n\n")
-	p("| broker | operation | Ferry / raw | Ferry / Watermill |\n|---|---|---:|---:|\n")
+	p("CPU µs/msg and others' share of the cores are medians over the runs, of Ferry's row and of the raw row of its ratio.\n\n")
+	p("| broker | operation | Ferry / raw | Ferry / Watermill | CPU µs/msg Ferry | CPU µs/msg raw | others' share Ferry / raw |\n|---|---|---:|---:|---:|---:|---:|\n")
 	for _, r := range Ratios(rows) {
 		raw := fmtRatio(r.OverRaw)
 		if r.Broker == "memory" && raw != "-" {
 			raw += " (driver alone†)"
 		}
-		p("| %s | %s | %s | %s |\n", r.Broker, r.Op, raw, fmtRatio(r.OverWatermill))
+		others := fmtShare(r.FerryOthers) + " / " + fmtShare(r.RawOthers)
+		if math.IsNaN(r.FerryOthers) && math.IsNaN(r.RawOthers) {
+			others = "-"
+		}
+		p("| %s | %s | %s | %s | %s | %s | %s |\n", r.Broker, r.Op, raw, fmtRatio(r.OverWatermill),
+			fmtMicros(r.FerryCPU), fmtMicros(r.RawCPU), others)
 	}
 	if lane, ok := find(rows, "kafka", ByPartition, Ferry); ok {
 		if key, ok := find(rows, "kafka", ByKey, Ferry); ok {
-			p("| kafka | key order over partition order (1 partition, 100 keys, 5 ms handler) | %s | |\n", fmtRatio(key.Median/lane.Median))
+			p("| kafka | key order over partition order (1 partition, 100 keys, 5 ms handler) | %s | | | | |\n", fmtRatio(key.Median/lane.Median))
 		}
 	}
 
@@ -270,8 +349,8 @@ func WriteMarkdown(w io.Writer, m Meta, rows []Row, notes []string) error {
 		}
 	}
 	p("\n## All rows\n\n")
-	p("| broker | operation | implementation | msgs | runs | median msgs/s | min | max | API calls/msg | allocs/msg |\n")
-	p("|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
+	p("| broker | operation | implementation | msgs | runs | median msgs/s | min | max | API calls/msg | allocs/msg | bytes/msg | CPU µs/msg | others' share (min–max) |\n")
+	p("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, r := range rows {
 		if r.Op == Backlog {
 			continue
@@ -280,8 +359,9 @@ func WriteMarkdown(w io.Writer, m Meta, rows []Row, notes []string) error {
 		if r.CallsPerMsg >= 0 {
 			calls = fmt.Sprintf("%.3f", r.CallsPerMsg)
 		}
-		p("| %s | %s | %s | %d | %d | %s | %s | %s | %s | %.1f |\n", r.Broker, r.Op, r.Impl, r.N, r.Runs,
-			fmtRate(r.Median), fmtRate(r.Min), fmtRate(r.Max), calls, r.AllocsPerMsg)
+		p("| %s | %s | %s | %d | %d | %s | %s | %s | %s | %.1f | %s | %s | %s |\n", r.Broker, r.Op, r.Impl, r.N, r.Runs,
+			fmtRate(r.Median), fmtRate(r.Min), fmtRate(r.Max), calls, r.AllocsPerMsg,
+			fmtBytes(r.BytesPerMsg), fmtMicros(r.CPUPerMsg), fmtSpread(r.Others, r.OthersMin, r.OthersMax))
 	}
 	p("\n## How each side is set up\n\n")
 	p("- Ferry's full stack is `consumer.Standard` (dead letter, retry, breaker, timeout, recover) around `idempotency`\n")
