@@ -54,6 +54,12 @@
 //
 // # Bounds, leases and shutdown
 //
+// A handler's result is acted on as soon as it returns: its worker hands the
+// message back at once, not in a batch that waits to fill, and the loop
+// sends the settlement with its next settle call (with one call out at a
+// time, while the one before it is made; acks decided meanwhile go together
+// in the next). No ack waits for another handler to finish.
+//
 // The loop holds at most [WithMaxInFlight] unsettled messages (running, queued
 // behind their key, or waiting for a retry) and stops fetching while it is
 // full, so slow handlers slow the fetch instead of growing memory. While it

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"runtime"
 	"slices"
 	"strconv"
@@ -587,5 +588,38 @@ func TestRunsTakeTurnsWithOtherLanes(t *testing.T) {
 	at := slices.Index(order, "b")
 	if at < 0 || at > 100 {
 		t.Errorf("lane b's only message ran after %d of lane a's 300 (a whole run of %d): runs do not take turns", at, maxRun)
+	}
+}
+
+// A finished message is settled while the other workers' handlers still
+// run: workers hand their results back at once, so no ack waits for a
+// batch to fill or for a slow handler elsewhere (see the package doc).
+func TestAnAckDoesNotWaitForOtherHandlers(t *testing.T) {
+	drv := newScriptLog(true)
+	drv.add("", 3) // unlaned: the three run in parallel
+	l, err := New(drv, WithConcurrency(3), WithLogger(slog.New(slog.DiscardHandler)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	release := make(chan struct{})
+	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
+		if m.ID != "/1" {
+			select { // the two slow ones wait until the quick one is acked
+			case <-release:
+			case <-ctx.Done():
+			}
+		}
+		return nil
+	}))
+	eventually(t, "the quick message is acked while the others run", func() bool {
+		return slices.Equal(drv.outcomes()["/1"], []driver.Action{driver.Ack})
+	})
+	if got := l.Stats(); got.Running != 2 {
+		t.Errorf("Running = %d when the quick message was acked, want the two slow ones", got.Running)
+	}
+	close(release)
+	eventually(t, "every message is acked", func() bool { return len(drv.outcomes()) == 3 })
+	if err := stop(); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -311,8 +311,8 @@ func TestHandlerThatFinishedBeforeTheGraceIsAcked(t *testing.T) {
 	r.running++
 	r.beginShutdown(&sd)
 	// The worker ran the handler (as worker() does), which returned nil
-	// with its context still live, and put d on r.done ...
-	d.err = r.call(d)
+	// with its context still live, and put d in its box ...
+	_, d.err = r.call(d, monoNow())
 	// ... but the dispatcher served the grace timer first.
 	r.endGrace(&sd)
 	r.running--

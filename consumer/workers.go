@@ -57,7 +57,10 @@ func (r *run) worker(box *doneBox) {
 		// d, then its run in order while each succeeds (see delivery.run);
 		// each goes back as it finishes, so that its ack is not held.
 		run, next := d.run, 0
+		// One clock reading a delivery: the end of one run is the start
+		// of the next, for the process-duration metric and the run slice.
 		began := monoNow()
+		now := began
 		for {
 			switch {
 			case r.graceOver.Load():
@@ -67,16 +70,16 @@ func (r *run) worker(box *doneBox) {
 				// Its lane was revoked while it queued: do not start it.
 				d.err = errNotStarted
 			case atMostOnce:
-				d.err = r.runAtMostOnce(d, ack)
+				now, d.err = r.runAtMostOnce(d, ack)
 			default:
-				d.err = r.call(d)
+				now, d.err = r.call(d, now)
 			}
 			if !d.called {
 				// Calls reserved at a breaker that no run will take.
 				r.releaseReservations(d)
 			}
 			more := next < len(run)
-			if more && (d.err != nil || d.late || r.yieldRun(began)) {
+			if more && (d.err != nil || d.late || r.yieldRun(began, now)) {
 				// What follows must not overtake it (or others wait for a
 				// worker): hand the rest back, to the head of its key.
 				d.cut, more = run[next:], false
@@ -96,36 +99,40 @@ func (r *run) worker(box *doneBox) {
 // turns with other lanes as single deliveries do.
 const runSlice = 5 * time.Millisecond
 
-// yieldRun reports whether a run begun at began should end here, for
-// other deliveries waiting in the work queue.
-func (r *run) yieldRun(began time.Duration) bool {
-	return len(r.work) > 0 && monoNow()-began > runSlice
+// yieldRun reports whether a run begun at began should end now, for other
+// deliveries waiting in the work queue.
+func (r *run) yieldRun(began, now time.Duration) bool {
+	return len(r.work) > 0 && now-began > runSlice
 }
 
 // runAtMostOnce asks the breakers in the chain first, so that a message they
 // would hold is kept rather than acked and dropped; then it has the message
 // acked, waits until the ack is made, and only then runs the handler.
-func (r *run) runAtMostOnce(d *delivery, ack chan error) error {
+// It returns the clock as it returned, and the run's outcome.
+func (r *run) runAtMostOnce(d *delivery, ack chan error) (time.Duration, error) {
 	if hold := r.reserveGates(d); hold != nil {
-		return hold
+		return monoNow(), hold
 	}
 	select {
 	case r.ackReq <- ackRequest{d, ack}:
 	case <-r.abandon:
-		return errAckFailed
+		return monoNow(), errAckFailed
 	}
 	select {
 	case err := <-ack:
 		if err != nil {
-			return err
+			return monoNow(), err
 		}
 	case <-r.abandon:
-		return errAckFailed
+		return monoNow(), errAckFailed
 	}
-	return r.call(d)
+	// Timed from here: the wait for the ack is not the handler's.
+	return r.call(d, monoNow())
 }
 
-func (r *run) call(d *delivery) (err error) {
+// call runs the handler chain on d, begun at start (monoNow), and returns
+// the clock as it returned and its outcome (a panic made a PanicError).
+func (r *run) call(d *delivery, start time.Duration) (end time.Duration, err error) {
 	var span trace.Span
 	if r.l.tracer != nil {
 		// Deferred first, so it runs last: after a panic became err.
@@ -133,18 +140,14 @@ func (r *run) call(d *delivery) (err error) {
 	}
 	s := &r.l.stats
 	s.running.Add(1)
-	li := r.l.instruments
-	var start time.Duration
-	if li != nil {
-		start = monoNow()
-	}
 	defer func() {
 		s.running.Add(-1)
 		if v := recover(); v != nil {
 			err = &PanicError{Value: v, Stack: debug.Stack()}
 		}
-		if li != nil {
-			li.recordProcess(monoNow()-start, err)
+		end = monoNow()
+		if li := r.l.instruments; li != nil {
+			li.recordProcess(end-start, err)
 		}
 	}()
 	d.msg.Attempt = d.runs + 1
@@ -158,9 +161,9 @@ func (r *run) call(d *delivery) (err error) {
 	if r.l.tracer != nil {
 		var ctx context.Context
 		ctx, span = r.startRun(&d.ctx, &d.msg)
-		return r.h.Handle(ctx, &d.msg)
+		return 0, r.h.Handle(ctx, &d.msg)
 	}
-	return r.h.Handle(&d.ctx, &d.msg)
+	return 0, r.h.Handle(&d.ctx, &d.msg)
 }
 
 // fetchLoop takes batches from the driver whenever there is room in flight
