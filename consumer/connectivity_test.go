@@ -249,6 +249,20 @@ func TestDeadLetterPublishFailingShowsInHealth(t *testing.T) {
 		t.Fatal(err)
 	}
 	stop := runLoop(t, l, dl.Wrap(HandlerFunc(func(context.Context, *Message) error { return Permanent(errors.New("bad input")) })))
+	// More keep coming: the state is of the health window, and failures
+	// that all came before its first sample would show in none.
+	feeding := make(chan struct{})
+	defer close(feeding)
+	go func() {
+		for {
+			select {
+			case <-feeding:
+				return
+			case <-time.After(10 * time.Millisecond):
+				drv.add("", 1)
+			}
+		}
+	}()
 	h := waitHealth(t, l, HealthDeadLetterFailing)
 	if h.Ready || !h.Live {
 		t.Fatalf("dead-letter failing: %+v, want not ready, live", h)

@@ -56,6 +56,7 @@ type delivery struct {
 	run     []*delivery
 	cut     []*delivery // set by the worker
 	passKey bool
+	loose   *looseRun // d.run as a run of unordered deliveries, which idle workers may take over
 
 	gen   uint64 // the lane generation it was fetched under (driver.Message.Generation)
 	prior int    // handler runs known before this delivery

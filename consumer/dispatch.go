@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -41,15 +42,20 @@ type run struct {
 	handlerCtx    context.Context // parent of every handler's context
 	cancelHandler context.CancelFunc
 
-	work    chan *delivery
-	boxes   []doneBox       // one a worker: what it finished, for the dispatcher to take
-	doneSig chan struct{}   // a box that was empty got a delivery
-	taken   []*delivery     // the dispatcher's buffer, swapped with a box's
-	ackReq  chan ackRequest // at most once: a worker asks for the ack before it runs
-	fetched chan []*delivery
-	back    chan []*delivery
-	fatal   chan error
-	abandon chan struct{} // closed when Run stops listening
+	work chan *delivery
+	idle atomic.Int32 // workers waiting for work, or about to
+	// Runs of unordered deliveries with workers (see looseRun), and the
+	// next one, made for the delivery offered to the workers now.
+	looseRuns []*looseRun
+	nextLoose *looseRun
+	boxes     []doneBox       // one a worker: what it finished, for the dispatcher to take
+	doneSig   chan struct{}   // a box that was empty got a delivery
+	taken     []*delivery     // the dispatcher's buffer, swapped with a box's
+	ackReq    chan ackRequest // at most once: a worker asks for the ack before it runs
+	fetched   chan []*delivery
+	back      chan []*delivery
+	fatal     chan error
+	abandon   chan struct{} // closed when Run stops listening
 
 	io ioQueue
 
@@ -98,6 +104,7 @@ func newRun(ctx context.Context, l *Loop, h Handler, breakers []*Breaker) *run {
 		timer:    time.NewTimer(time.Hour),
 	}
 	r.timer.Stop()
+	r.idle.Store(int32(l.cfg.concurrency))
 	r.head.next, r.head.prev = &r.head, &r.head
 	r.io.init(ctx, l)
 	info := &loopInfo{name: l.cfg.name, log: r.log}
@@ -248,15 +255,41 @@ func (r *run) sendReady() {
 // with the one ahead of them.
 const maxRun = 256
 
+// maxLooseRun bounds a run of unordered deliveries (see peekRun).
+const maxLooseRun = 64
+
 // peekRun sets d.run to what waits behind d's key, up to maxRun, before d
 // is offered to the workers: a worker that takes d runs them after it
 // without a round trip through the dispatcher for each, which is what
 // bounds the rate of an ordered lane. Only the first deliveries of the key
-// queue are viewed; started takes them out of it once d was taken. At most
-// once takes no runs: each of its deliveries is acked just before it runs.
+// queue are viewed; started takes them out of it once d was taken. An
+// unordered d (the head of r.ready) takes the unordered deliveries ready
+// behind it instead, a share of them for each worker and at most
+// maxLooseRun: one hand-off for many, where each would otherwise cost the
+// dispatcher a send; the worker hands the rest back as soon as one is slow
+// (see looseRun). At most once takes no runs: each of its deliveries is
+// acked just before it runs.
 func (r *run) peekRun(d *delivery) {
-	d.run = nil
-	if !d.ordered || r.l.cfg.mode == AtMostOnce {
+	d.run, d.loose = nil, nil
+	if r.l.cfg.mode == AtMostOnce {
+		return
+	}
+	if !d.ordered {
+		n := min((len(r.ready)-1)/r.l.cfg.concurrency, maxLooseRun)
+		for i := 1; i <= n; i++ {
+			if r.ready[i].ordered {
+				n = i - 1
+				break
+			}
+		}
+		if n > 0 {
+			d.run = r.ready[1 : 1+n : 1+n]
+			if r.nextLoose == nil {
+				r.nextLoose = new(looseRun)
+			}
+			r.nextLoose.run = d.run
+			d.loose = r.nextLoose
+		}
 		return
 	}
 	q := r.keys[r.orderKey(d)]
@@ -264,13 +297,31 @@ func (r *run) peekRun(d *delivery) {
 	d.run = q[:n:n]
 }
 
-// started notes that a worker took d, and with it d.run.
+// started notes that a worker took d (already out of r.ready), and with it
+// d.run.
 func (r *run) started(d *delivery) {
 	d.state = stateRunning
 	r.running++
 	n := len(d.run)
-	d.passKey = n > 0
+	d.passKey = n > 0 && d.ordered
 	if n == 0 {
+		return
+	}
+	if !d.ordered {
+		r.looseRuns = append(r.looseRuns, d.loose)
+		r.nextLoose = nil
+		if len(r.looseRuns) > 4*r.l.cfg.concurrency {
+			r.looseRuns = slices.DeleteFunc(r.looseRuns, (*looseRun).claimed)
+		}
+		// The run is what was ready behind d, now at the head of r.ready.
+		// d.run views those slots, and the worker reads it: they are left
+		// as they are (r.ready never writes below its start), as a key
+		// queue's are.
+		r.ready = r.ready[n:]
+		r.running += n
+		for _, f := range d.run {
+			f.state = stateRunning
+		}
 		return
 	}
 	k := r.orderKey(d)
@@ -292,6 +343,10 @@ func (r *run) requeueCut(d *delivery) {
 	cut := d.cut
 	d.cut, d.passKey = nil, false
 	r.running -= len(cut)
+	if !d.ordered {
+		r.readyAgain(cut)
+		return
+	}
 	var live []*delivery // a new array: cut views the key queue's old one
 	for _, c := range cut {
 		c.passKey = false
@@ -314,6 +369,7 @@ func (r *run) requeueCut(d *delivery) {
 // takeDone applies the outcomes in every worker's box, in the order each
 // worker finished them, until the boxes are empty.
 func (r *run) takeDone() {
+	defer r.rebalance()
 	for more := true; more; {
 		more = false
 		for i := range r.boxes {
@@ -637,4 +693,67 @@ func (r *run) takeFollowers(d *delivery) []*delivery {
 	delete(r.keys, k)
 	r.queued -= len(q)
 	return q
+}
+
+// looseRun is a run of unordered deliveries given to one worker with the
+// delivery ahead of them (see peekRun). The worker claims them one at a
+// time as it goes; when another worker is idle with nothing ready, the
+// dispatcher takes back what is unclaimed (rebalance), so that a slow
+// handler at the head of a run keeps no other delivery waiting for it.
+type looseRun struct {
+	run   []*delivery
+	taken atomic.Int32 // deliveries of run claimed (by the worker, or taken back); may pass len(run)
+}
+
+// claim returns the next delivery of the run for the worker to run, or nil
+// when none is left to it.
+func (lr *looseRun) claim() *delivery {
+	if i := int(lr.taken.Add(1)) - 1; i < len(lr.run) {
+		return lr.run[i]
+	}
+	return nil
+}
+
+// rest claims every delivery of the run not yet claimed, and returns them.
+func (lr *looseRun) rest() []*delivery {
+	if i := int(lr.taken.Swap(int32(len(lr.run)))); i < len(lr.run) {
+		return lr.run[i:]
+	}
+	return nil
+}
+
+// claimed reports whether nothing of the run is left to claim.
+func (lr *looseRun) claimed() bool { return int(lr.taken.Load()) >= len(lr.run) }
+
+// rebalance takes back the unclaimed rest of every run of unordered
+// deliveries when a worker waits with nothing ready or queued for it: a
+// run that a slow handler holds up goes to the workers that are free.
+func (r *run) rebalance() {
+	if len(r.looseRuns) == 0 || len(r.ready) > 0 || int(r.idle.Load()) <= len(r.work) {
+		return
+	}
+	for _, lr := range r.looseRuns {
+		if rest := lr.rest(); len(rest) > 0 {
+			r.running -= len(rest)
+			r.readyAgain(rest)
+		}
+	}
+	clear(r.looseRuns)
+	r.looseRuns = r.looseRuns[:0]
+}
+
+// readyAgain puts unordered deliveries taken back from a worker unrun at
+// the head of the ready queue, in order, but those whose lane was revoked
+// meanwhile, which go.
+func (r *run) readyAgain(ds []*delivery) {
+	live := make([]*delivery, 0, len(ds)+len(r.ready))
+	for _, c := range ds {
+		if c.revoked {
+			r.drop(c)
+			continue
+		}
+		c.state = stateReady
+		live = append(live, c)
+	}
+	r.ready = append(live, r.ready...)
 }

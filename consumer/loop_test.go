@@ -623,3 +623,31 @@ func TestAnAckDoesNotWaitForOtherHandlers(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// Unordered deliveries go to a worker in runs (one hand-off for many), but
+// a slow handler does not keep the rest of its run from idle workers: the
+// worker hands them back as soon as one is slow.
+func TestASlowHandlerHandsBackTheRestOfItsRun(t *testing.T) {
+	drv := newScriptLog(true)
+	drv.add("", 40) // unlaned: runs of about 19 for each of the 2 workers
+	l, err := New(drv, WithConcurrency(2), WithLogger(slog.New(slog.DiscardHandler)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	release := make(chan struct{})
+	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
+		if m.ID == "/0" { // the head of the first run
+			select {
+			case <-release:
+			case <-ctx.Done():
+			}
+		}
+		return nil
+	}))
+	eventually(t, "the other 39 are acked while the first runs", func() bool { return len(drv.outcomes()) == 39 })
+	close(release)
+	eventually(t, "every message is acked", func() bool { return len(drv.outcomes()) == 40 })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+}

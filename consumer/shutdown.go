@@ -86,6 +86,9 @@ func (r *run) endGrace(s *shutdown) {
 	for reclaimed := true; reclaimed; {
 		select {
 		case d := <-r.work:
+			if d.loose != nil {
+				d.loose.rest() // taken back here, not by rebalance
+			}
 			for _, d := range append([]*delivery{d}, d.run...) {
 				r.running--
 				d.passKey = false

@@ -54,14 +54,19 @@ func (r *run) worker(box *doneBox) {
 		ack = make(chan error, 1)
 	}
 	for d := range r.work {
+		r.idle.Add(-1)
 		// d, then its run in order while each succeeds (see delivery.run);
-		// each goes back as it finishes, so that its ack is not held.
-		run, next := d.run, 0
+		// each goes back as it finishes, so that its ack is not held. A
+		// run of unordered deliveries is claimed one at a time (the
+		// dispatcher may take back what is unclaimed), and handed back
+		// as soon as one of it is slow.
+		run, next, loose := d.run, 0, d.loose
 		// One clock reading a delivery: the end of one run is the start
 		// of the next, for the process-duration metric and the run slice.
 		began := monoNow()
 		now := began
 		for {
+			ran := now // when d's run began
 			switch {
 			case r.graceOver.Load():
 				// The shutdown grace ended while it sat in the work queue.
@@ -78,17 +83,28 @@ func (r *run) worker(box *doneBox) {
 				// Calls reserved at a breaker that no run will take.
 				r.releaseReservations(d)
 			}
-			more := next < len(run)
-			if more && (d.err != nil || d.late || r.yieldRun(began, now)) {
+			var follow *delivery
+			stop := d.err != nil || d.late || r.yieldRun(began, now)
+			switch {
+			case loose != nil && (stop || now-ran > looseRunSlow):
+				d.cut = loose.rest()
+			case loose != nil:
+				follow = loose.claim()
+			case next < len(run) && stop:
 				// What follows must not overtake it (or others wait for a
 				// worker): hand the rest back, to the head of its key.
-				d.cut, more = run[next:], false
+				d.cut = run[next:]
+			case next < len(run):
+				follow, next = run[next], next+1
+			}
+			if follow == nil {
+				r.idle.Add(1) // before the hand-back, which the dispatcher rebalances after
 			}
 			r.handBack(box, d)
-			if !more {
+			if follow == nil {
 				break
 			}
-			d, next = run[next], next+1
+			d = follow
 		}
 	}
 }
@@ -98,6 +114,12 @@ func (r *run) worker(box *doneBox) {
 // trip through the dispatcher would cost more than they do; slow ones take
 // turns with other lanes as single deliveries do.
 const runSlice = 5 * time.Millisecond
+
+// looseRunSlow is how long a handler of a run of unordered deliveries may
+// take before the worker hands the rest of the run back, for other workers
+// to take: runs of them are for handlers quick enough that a hand-off each
+// would cost more than they do, and must not keep work from idle workers.
+const looseRunSlow = 20 * time.Microsecond
 
 // yieldRun reports whether a run begun at began should end now, for other
 // deliveries waiting in the work queue.
