@@ -65,8 +65,9 @@ type memShard struct {
 	shift   uint      // 64 - log2(len(slots)): a hash's home slot is h.a >> shift
 	used    int       // slots taken, expired entries included
 	limit   int       // the most slots taken before the table grows
-	toks    string    // a block of unused owner tokens, tokenLen bytes each
-	nextTok uint64    // the number of the first token in toks
+	nextNum uint64    // the next claim number of the block the shard holds
+	endNum  uint64    // the end of that block
+	toks    string    // the tokens of the block, tokenLen bytes each, once one was asked for
 	_       [64]byte
 }
 
@@ -162,11 +163,26 @@ func (t *memTable) hash(id string) keyHash {
 
 func (t *memTable) shard(h keyHash) *memShard { return &t.shards[h.a%memShards] }
 
-// token returns a fresh owner token, unique in the store, and its number
-// (never 0). Call with sh.mu held.
-func (t *memTable) token(sh *memShard) (string, uint64) {
+// number returns a fresh claim number, unique in the store and never 0.
+// Numbers are reserved from the store in blocks of tokensPerBlock, one
+// atomic addition per block. Call with sh.mu held.
+func (t *memTable) number(sh *memShard) uint64 {
+	if sh.nextNum == sh.endNum {
+		sh.endNum = t.store.seq.Add(tokensPerBlock) + 1
+		sh.nextNum = sh.endNum - tokensPerBlock
+		sh.toks = ""
+	}
+	sh.nextNum++
+	return sh.nextNum - 1
+}
+
+// token returns the owner token of num, a number of the block sh holds:
+// num in hex. The tokens of a block are made together, one string
+// allocation per block, and only when a caller of Claim asks for one: the
+// middleware keeps the number and needs no token. Call with sh.mu held.
+func (t *memTable) token(sh *memShard, num uint64) string {
+	first := sh.endNum - tokensPerBlock
 	if sh.toks == "" {
-		first := t.store.seq.Add(tokensPerBlock) - tokensPerBlock + 1
 		buf := make([]byte, tokensPerBlock*tokenLen)
 		var n [8]byte
 		for i := range uint64(tokensPerBlock) {
@@ -174,12 +190,9 @@ func (t *memTable) token(sh *memShard) (string, uint64) {
 			hex.Encode(buf[i*tokenLen:], n[:])
 		}
 		sh.toks = string(buf)
-		sh.nextTok = first
 	}
-	tok, num := sh.toks[:tokenLen], sh.nextTok
-	sh.toks = sh.toks[tokenLen:]
-	sh.nextTok++
-	return tok, num
+	i := (num - first) * tokenLen
+	return sh.toks[i : i+tokenLen]
 }
 
 // tokenNumber returns the number of a token this store handed out, or 0.
@@ -331,8 +344,9 @@ func memSlotsFor(used int) int {
 	return n
 }
 
-// claim claims h at now for lease. Call with sh.mu held.
-func (sh *memShard) claim(t *memTable, h keyHash, now int64, lease time.Duration) (Claim, memRef) {
+// claim claims h at now for lease; the Claim has its Token only when
+// withToken. Call with sh.mu held.
+func (sh *memShard) claim(t *memTable, h keyHash, now int64, lease time.Duration, withToken bool) (Claim, memRef) {
 	if sh.used >= sh.limit {
 		sh.resize(max(2*len(sh.slots), memMinSlots))
 	}
@@ -348,9 +362,13 @@ func (sh *memShard) claim(t *memTable, h keyHash, now int64, lease time.Duration
 		s.h = h
 		sh.used++
 	}
-	tok, num := t.token(sh)
+	num := t.number(sh)
 	s.token, s.expires = num, expiry(now, lease)
-	return Claim{Status: Claimed, Token: tok}, memRef{h: h, num: num}
+	cl := Claim{Status: Claimed}
+	if withToken {
+		cl.Token = t.token(sh, num)
+	}
+	return cl, memRef{h: h, num: num}
 }
 
 // complete records the claim ref done at now for retention. Call with sh.mu
@@ -381,13 +399,14 @@ func (sh *memShard) release(ref memRef) error {
 // ends the process), so the lock is released without a defer: a defer
 // here made a duplicate's claim a third slower.
 
-// claimID claims id for lease.
-func (t *memTable) claimID(id string, lease time.Duration) (Claim, memRef) {
+// claimID claims id for lease; the Claim has its Token only when
+// withToken.
+func (t *memTable) claimID(id string, lease time.Duration, withToken bool) (Claim, memRef) {
 	h := t.hash(id)
 	sh := t.shard(h)
 	now := t.store.clock()
 	sh.mu.Lock()
-	cl, ref := sh.claim(t, h, now, lease)
+	cl, ref := sh.claim(t, h, now, lease, withToken)
 	sh.mu.Unlock()
 	return cl, ref
 }
@@ -422,7 +441,7 @@ func (s *MemoryStore) Claim(ctx context.Context, key string, lease time.Duration
 		return Claim{}, err
 	}
 	t, id := s.locate(key)
-	cl, _ := t.claimID(id, lease)
+	cl, _ := t.claimID(id, lease, true)
 	return cl, nil
 }
 

@@ -89,7 +89,7 @@ func TestMemoryShardAgreesWithAModel(t *testing.T) {
 			switch op := r.IntN(10); {
 			case op < 4: // claim
 				lease := time.Duration(r.IntN(50))
-				cl, ref := sh.claim(tab, h, now, lease)
+				cl, ref := sh.claim(tab, h, now, lease, true)
 				e, ok := model[h]
 				switch {
 				case ok && now < e.expires && e.num == 0:
@@ -150,15 +150,25 @@ func TestMemoryShardAgreesWithAModel(t *testing.T) {
 }
 
 // A table grows as keys come and shrinks once a cleanup has removed most
-// of them, so the memory a burst took is given back.
+// of them, so the memory a burst took is given back; its claims' numbers
+// stay unique whether or not a token string was made for them.
 func TestMemoryShardGrowsAndShrinks(t *testing.T) {
 	tab := NewMemoryStore().newTable()
 	sh := &tab.shards[0]
 	r := rand.New(rand.NewPCG(1, 2))
+	seen := map[uint64]bool{}
 	for i := range 10000 {
 		h := keyHash{r.Uint64() | 1, uint64(i)}
-		if cl, _ := sh.claim(tab, h, 0, time.Duration(1+i%2)); cl.Status != Claimed {
-			t.Fatalf("claim %d = %v", i, cl.Status)
+		// Claims with and without a token string share the shard's
+		// blocks of numbers: each token names its own claim's number.
+		withToken := i%3 == 0
+		cl, ref := sh.claim(tab, h, 0, time.Duration(1+i%2), withToken)
+		if cl.Status != Claimed || seen[ref.num] {
+			t.Fatalf("claim %d = %v, number %d (seen before: %v)", i, cl.Status, ref.num, seen[ref.num])
+		}
+		seen[ref.num] = true
+		if withToken && tokenNumber(cl.Token) != ref.num || !withToken && cl.Token != "" {
+			t.Fatalf("claim %d: token %q for number %d (token asked: %v)", i, cl.Token, ref.num, withToken)
 		}
 	}
 	if n := len(sh.slots); n < 10000*100/memMaxLoadPct || n > 4*10000*100/memMaxLoadPct {

@@ -342,13 +342,14 @@ func (h *handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 // claim claims the namespaced key of k. The memory store is called
 // directly: it takes the namespace and k apart, so the key is never built,
 // and the reference it returns spares complete and release hashing k again
-// and parsing the token.
+// and parsing the token, which it therefore does not make (cl.Token is
+// empty).
 func (d *Dedup) claim(ctx context.Context, k string) (Claim, memRef, error) {
 	if d.mem != nil {
 		if err := ctx.Err(); err != nil {
 			return Claim{}, memRef{}, err
 		}
-		cl, ref := d.mem.claimID(k, d.cfg.lease)
+		cl, ref := d.mem.claimID(k, d.cfg.lease, false)
 		return cl, ref, nil
 	}
 	cl, err := d.store.Claim(ctx, d.prefix+k, d.cfg.lease)
