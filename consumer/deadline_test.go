@@ -171,7 +171,7 @@ func TestLazyDeadlineEndsWithoutAWaiterKeepTheirFirstError(t *testing.T) {
 	default:
 		t.Fatal("Done asked after release is not closed")
 	}
-	if released.Done() != released.Done() {
+	if first, again := released.Done(), released.Done(); first != again {
 		t.Fatal("successive calls to Done return different channels")
 	}
 
