@@ -28,7 +28,12 @@ const (
 
 // settleTimeout bounds Complete and Release, which run even when the
 // handler's context has ended (a shutdown must not leave claims behind).
-const settleTimeout = 10 * time.Second
+// The memory store, which never blocks, is called without it; the other
+// stores wait on the network, and their clients wait on the context's Done,
+// so a lazy deadline (as consumer.Timeout's) would arm its timer all the
+// same: context.WithTimeout costs them nothing they would notice. A
+// variable for the tests.
+var settleTimeout = 10 * time.Second
 
 // KeyFunc derives the idempotency key of a message. Returning "" (or an
 // error) makes the message a permanent failure: it cannot be deduplicated.
