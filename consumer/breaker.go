@@ -86,7 +86,13 @@ func (s BreakerState) String() string {
 // One Breaker guards one dependency: share it between the consumers that
 // call it. Build one with NewBreaker; its Wrap method is a Middleware.
 type Breaker struct {
-	name     string
+	name string
+	// cb is gobreaker's two-step breaker, not CircuitBreaker.Execute: in
+	// at-most-once mode the loop takes the call before the ack and the run
+	// reports it later, which only the two steps allow, and both kinds of
+	// call must count on one breaker. A closed breaker's call is therefore
+	// gobreaker's floor for two steps: its lock and a time.Now in each step,
+	// and the 48-byte closure Allow returns (Execute would save only that).
 	cb       *gobreaker.TwoStepCircuitBreaker[struct{}]
 	openFor  time.Duration
 	halfHold time.Duration
