@@ -86,7 +86,13 @@ func (s BreakerState) String() string {
 // One Breaker guards one dependency: share it between the consumers that
 // call it. Build one with NewBreaker; its Wrap method is a Middleware.
 type Breaker struct {
-	name     string
+	name string
+	// cb is gobreaker's two-step breaker, not CircuitBreaker.Execute: in
+	// at-most-once mode the loop takes the call before the ack and the run
+	// reports it later, which only the two steps allow, and both kinds of
+	// call must count on one breaker. A closed breaker's call is therefore
+	// gobreaker's floor for two steps: its lock and a time.Now in each step,
+	// and the 48-byte closure Allow returns (Execute would save only that).
 	cb       *gobreaker.TwoStepCircuitBreaker[struct{}]
 	openFor  time.Duration
 	halfHold time.Duration
@@ -98,8 +104,11 @@ type Breaker struct {
 
 	// changes are the state changes not yet logged: gobreaker reports them
 	// under its lock, and they are logged after the call, with its context.
+	// pending says there are some, so that a call that made none (almost
+	// every call) does not take changesMu to find out.
 	changesMu sync.Mutex
 	changes   []breakerChange
+	pending   atomic.Bool
 
 	successes  atomic.Int64 // calls that succeeded (for breakerMark)
 	openedAt   atomic.Int64 // unix nanoseconds of the last opening
@@ -302,6 +311,7 @@ func NewBreaker(opts ...BreakerOption) (*Breaker, error) {
 			b.changesMu.Lock()
 			if len(b.changes) < 16 {
 				b.changes = append(b.changes, breakerChange{from: fromGobreaker(from), to: fromGobreaker(to), at: time.Now()})
+				b.pending.Store(true)
 			}
 			b.changesMu.Unlock()
 			if b.onChange != nil {
@@ -383,9 +393,13 @@ func (b *Breaker) report(call breakerCall, rec *record, err error) {
 // logChanges logs the changes of state not yet logged; cause is the result
 // of the call that made them, if a call did.
 func (b *Breaker) logChanges(ctx context.Context, cause error) {
+	if !b.pending.Load() {
+		return
+	}
 	b.changesMu.Lock()
 	changes := b.changes
 	b.changes = nil
+	b.pending.Store(false)
 	b.changesMu.Unlock()
 	if len(changes) == 0 {
 		return
@@ -454,11 +468,18 @@ func (b *Breaker) allow(m *Message, rec *record) (breakerCall, error) {
 	if rerun && rec != nil && rec.inPlace && rec.failMark.b == b && rec.failMark.successes == b.successes.Load() {
 		rerun = false
 	}
-	state := b.cb.State()
-	if rerun && state == gobreaker.StateHalfOpen && monoNow()-time.Duration(b.halfOpenAt.Load()) < b.halfHold {
-		// Keep the trial for a message that has not failed yet.
-		b.held.Add(1)
-		return breakerCall{}, Hold(b.errOpen, b.halfHold)
+	// Only a re-run needs the state before its call (a first run is
+	// evidence in any state), so a first run costs gobreaker's two steps
+	// and nothing more: State takes gobreaker's lock and reads the wall
+	// clock, which was a quarter of a closed breaker's cost.
+	state := gobreaker.StateClosed
+	if rerun {
+		state = b.cb.State()
+		if state == gobreaker.StateHalfOpen && monoNow()-time.Duration(b.halfOpenAt.Load()) < b.halfHold {
+			// Keep the trial for a message that has not failed yet.
+			b.held.Add(1)
+			return breakerCall{}, Hold(b.errOpen, b.halfHold)
+		}
 	}
 	done, err := b.cb.Allow()
 	switch {

@@ -4,20 +4,34 @@ import (
 	"context"
 	"math"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
-// deadlineCtx is a context with a deadline that costs one allocation until
-// somebody waits on it. context.WithTimeout starts a timer and links into
-// its parent for every message (about 600ns and four allocations), although
-// most handlers never select on Done: they finish, and only Err is asked.
-// deadlineCtx answers Err from the clock and builds the channel, the timer
-// and the link to its parent only when Done is first called.
+// deadlineCtx is a context with a deadline that costs one small allocation
+// and no lock until somebody waits on it. context.WithTimeout starts a timer
+// and links into its parent for every message (about 600ns and four
+// allocations), although most handlers never select on Done: they finish,
+// and only Err is asked. deadlineCtx answers Err from the clock and builds
+// the channel, the timer and the link to its parent only when Done is first
+// called.
+//
+// Its state is one pointer: nil while it is live and nobody waits on it;
+// one of the end sentinels once it ended without a channel (released, or
+// its deadline or its parent's end seen by Err); an armed, with the
+// channel, the timer and the link, once Done was called. A live context
+// leaves nil only by a compare-and-swap, so the common path (created, maybe
+// asked Err, released) takes no lock; an armed one keeps to its lock.
 type deadlineCtx struct {
 	context.Context               // the parent
-	at              time.Duration // the deadline on the monotonic clock (see monoNow)
+	start           time.Duration // when it was made, on the monotonic clock (see monoNow)
+	at              time.Duration // the deadline on the monotonic clock
 	parentFirst     bool          // the parent's deadline comes before this one's own
+	state           atomic.Pointer[armed]
+}
 
+// armed is the part of a deadlineCtx that somebody waits on.
+type armed struct {
 	mu    sync.Mutex
 	done  chan struct{}
 	err   error
@@ -25,13 +39,26 @@ type deadlineCtx struct {
 	stop  func() bool // unlinks from the parent's cancellation
 }
 
+// The ends of a deadlineCtx nobody waited on: released (Canceled), its own
+// deadline passed, or its parent ended (the parent's Err, which stays the
+// same once set). They are compared by address only.
+var (
+	endReleased = new(armed)
+	endDeadline = new(armed)
+	endParent   = new(armed)
+)
+
+// closedDone is the Done channel of a deadlineCtx that ended before anybody
+// waited on it.
+var closedDone = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+
 // withLazyDeadline returns a child of parent that ends at the earlier of
 // parent's deadline and now+d. Its release method must be called when the
 // work is done. (It returns no release func: a method value would cost an
 // allocation of its own.)
 func withLazyDeadline(parent context.Context, d time.Duration) *deadlineCtx {
 	now := monoNow()
-	c := &deadlineCtx{Context: parent, at: addSat(now, d)}
+	c := &deadlineCtx{Context: parent, start: now, at: addSat(now, d)}
 	if pd, ok := parent.Deadline(); ok {
 		if pat := monoOffset(pd, now); pat < c.at {
 			c.at, c.parentFirst = pat, true
@@ -86,37 +113,73 @@ func (c *deadlineCtx) Deadline() (time.Time, bool) {
 }
 
 func (c *deadlineCtx) Done() <-chan struct{} {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.done != nil {
-		return c.done
+	for {
+		switch st := c.state.Load(); st {
+		case endReleased, endDeadline, endParent:
+			return closedDone
+		case nil:
+			a := &armed{done: make(chan struct{})}
+			// Locked before it is published, so that nobody sees it half
+			// armed: a release racing with this waits, and then stops the
+			// timer and the link this starts.
+			a.mu.Lock()
+			if !c.state.CompareAndSwap(nil, a) {
+				a.mu.Unlock()
+				continue // ended (or armed) meanwhile
+			}
+			if a.err = c.currentErr(); a.err != nil {
+				close(a.done)
+			} else {
+				a.timer = time.AfterFunc(c.at-monoNow(), func() { a.end(context.DeadlineExceeded) })
+				a.stop = context.AfterFunc(c.Context, func() { a.end(c.Context.Err()) })
+			}
+			a.mu.Unlock()
+			return a.done
+		default:
+			return st.done
+		}
 	}
-	c.done = make(chan struct{})
-	if c.err == nil {
-		c.err = c.currentErrLocked()
-	}
-	if c.err != nil {
-		close(c.done)
-		return c.done
-	}
-	c.timer = time.AfterFunc(c.at-monoNow(), func() { c.end(context.DeadlineExceeded) })
-	c.stop = context.AfterFunc(c.Context, func() { c.end(c.Context.Err()) })
-	return c.done
 }
 
 func (c *deadlineCtx) Err() error {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.err == nil {
-		c.err = c.currentErrLocked()
-		if c.err != nil && c.done != nil {
-			close(c.done)
+	for {
+		switch st := c.state.Load(); st {
+		case endReleased:
+			return context.Canceled
+		case endDeadline:
+			return context.DeadlineExceeded
+		case endParent:
+			return c.Context.Err()
+		case nil:
+			err := c.currentErr()
+			if err == nil {
+				return nil
+			}
+			end := endDeadline
+			if err != context.DeadlineExceeded {
+				end = endParent
+			}
+			if c.state.CompareAndSwap(nil, end) {
+				return err
+			}
+			// Ended (or armed) meanwhile: answer as that says.
+		default:
+			st.mu.Lock()
+			if st.err == nil {
+				if st.err = c.currentErr(); st.err != nil {
+					close(st.done)
+				}
+			}
+			err := st.err
+			st.mu.Unlock()
+			return err
 		}
 	}
-	return c.err
 }
 
-func (c *deadlineCtx) currentErrLocked() error {
+// currentErr is the parent's error, else DeadlineExceeded once the deadline
+// has passed, else nil.
+func (c *deadlineCtx) currentErr() error {
 	if err := c.Context.Err(); err != nil {
 		return err
 	}
@@ -126,35 +189,45 @@ func (c *deadlineCtx) currentErrLocked() error {
 	return nil
 }
 
-func (c *deadlineCtx) end(err error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.err != nil {
+func (a *armed) end(err error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.err != nil {
 		return
 	}
-	c.err = err
-	if c.done != nil {
-		close(c.done)
-	}
+	a.err = err
+	close(a.done)
 }
 
 // release stops the timer and unlinks from the parent. The context counts
-// as cancelled afterwards, as after context.WithTimeout's cancel. It ends
-// the context in the same critical section, so a Done racing with it sees
-// the end and starts no timer.
+// as cancelled afterwards, as after context.WithTimeout's cancel. A context
+// nobody waited on ends with one compare-and-swap; an armed one ends in the
+// critical section in which its timer stops, so a Done racing with release
+// either sees the end and starts nothing, or armed first and is stopped
+// here.
 func (c *deadlineCtx) release() {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.timer != nil {
-		c.timer.Stop()
-	}
-	if c.stop != nil {
-		c.stop() // never waits for the callback, which would need c.mu
-	}
-	if c.err == nil {
-		c.err = context.Canceled
-		if c.done != nil {
-			close(c.done)
+	for {
+		switch st := c.state.Load(); st {
+		case endReleased, endDeadline, endParent:
+			return
+		case nil:
+			if c.state.CompareAndSwap(nil, endReleased) {
+				return
+			}
+		default:
+			st.mu.Lock()
+			if st.timer != nil {
+				st.timer.Stop()
+			}
+			if st.stop != nil {
+				st.stop() // never waits for the callback, which would need st.mu
+			}
+			if st.err == nil {
+				st.err = context.Canceled
+				close(st.done)
+			}
+			st.mu.Unlock()
+			return
 		}
 	}
 }

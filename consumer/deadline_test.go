@@ -115,14 +115,18 @@ func TestLazyDeadlineReleaseRacingDoneLeaksNothing(t *testing.T) {
 		go func() { defer wg.Done(); release() }()
 		go func() { defer wg.Done(); <-c.Done() }()
 		wg.Wait()
-		c.mu.Lock()
-		if c.timer != nil && c.timer.Stop() { // still pending: release never stopped it
+		a := c.state.Load()
+		if a == nil {
+			t.Fatal("neither armed nor ended after Done and release")
+		}
+		a.mu.Lock()
+		if a.timer != nil && a.timer.Stop() { // still pending: release never stopped it
 			leakedTimers++
 		}
-		if c.stop != nil && c.stop() { // still linked into the parent
+		if a.stop != nil && a.stop() { // still linked into the parent
 			leakedLinks++
 		}
-		c.mu.Unlock()
+		a.mu.Unlock()
 	}
 	if leakedTimers+leakedLinks > 0 {
 		t.Errorf("after release: %d timers still pending, %d AfterFunc registrations still on the parent", leakedTimers, leakedLinks)
@@ -149,5 +153,97 @@ func TestLazyDeadlineDoesNotClaimTheParentsDeadline(t *testing.T) {
 	}
 	if wrong > 0 {
 		t.Errorf("%d of 2000: expired() true though only the parent's (outer) deadline passed", wrong)
+	}
+}
+
+// A context nobody waited on ends without its lock: released, it says
+// Canceled and its Done (asked only now) is closed; whichever end it saw
+// first it keeps, as a context must, release and a parent's later end
+// included.
+func TestLazyDeadlineEndsWithoutAWaiterKeepTheirFirstError(t *testing.T) {
+	released := withLazyDeadline(context.Background(), time.Hour)
+	released.release()
+	if !errors.Is(released.Err(), context.Canceled) {
+		t.Fatalf("released, never waited on: Err = %v, want Canceled", released.Err())
+	}
+	select {
+	case <-released.Done():
+	default:
+		t.Fatal("Done asked after release is not closed")
+	}
+	if first, again := released.Done(), released.Done(); first != again {
+		t.Fatal("successive calls to Done return different channels")
+	}
+
+	expired := withLazyDeadline(context.Background(), time.Millisecond)
+	time.Sleep(3 * time.Millisecond)
+	if !errors.Is(expired.Err(), context.DeadlineExceeded) {
+		t.Fatalf("past its deadline: Err = %v", expired.Err())
+	}
+	expired.release()
+	if !errors.Is(expired.Err(), context.DeadlineExceeded) {
+		t.Fatalf("released after it said DeadlineExceeded: Err = %v, want it to stay DeadlineExceeded", expired.Err())
+	}
+
+	parent, cancel := context.WithCancelCause(context.Background())
+	child := withLazyDeadline(parent, time.Hour)
+	cancel(errors.New("lane revoked"))
+	if !errors.Is(child.Err(), context.Canceled) {
+		t.Fatalf("parent cancelled: Err = %v, want the parent's Canceled", child.Err())
+	}
+	child.release()
+	select {
+	case <-child.Done():
+	default:
+		t.Fatal("Done of a context whose parent ended is not closed")
+	}
+	if !errors.Is(child.Err(), context.Canceled) || child.expired() {
+		t.Fatalf("after release: Err = %v, expired %v", child.Err(), child.expired())
+	}
+}
+
+// Err, Done and release racing from many goroutines agree: every Err that
+// is not nil is the same error, the Done channel is one and closed after
+// release, and nothing is left running.
+func TestLazyDeadlineRacingCallersAgree(t *testing.T) {
+	for i := range 2000 {
+		d := time.Hour
+		if i%2 == 1 {
+			d = time.Duration(i%50) * time.Microsecond // some end by their deadline mid-race
+		}
+		c := withLazyDeadline(context.Background(), d)
+		var wg sync.WaitGroup
+		errs := make([]error, 4)
+		dones := make([]<-chan struct{}, 4)
+		for g := range 4 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				switch g {
+				case 0:
+					c.release()
+				case 1, 2:
+					dones[g] = c.Done()
+				default:
+					errs[g] = c.Err()
+				}
+			}()
+		}
+		wg.Wait()
+		final := c.Err()
+		if final == nil {
+			t.Fatalf("round %d: Err = nil after release", i)
+		}
+		if e := errs[3]; e != nil && e != final {
+			t.Fatalf("round %d: Err said %v, then %v", i, e, final)
+		}
+		if dones[1] != dones[2] || dones[1] != c.Done() {
+			t.Fatalf("round %d: Done returned different channels", i)
+		}
+		select {
+		case <-dones[1]:
+		default:
+			t.Fatalf("round %d: Done not closed after release", i)
+		}
 	}
 }

@@ -191,16 +191,38 @@ func NewRetry(opts ...RetryOption) (*Retry, error) {
 
 // Wrap returns next wrapped in the retry behaviour. r.Wrap is a Middleware.
 func (r *Retry) Wrap(next Handler) Handler {
-	return &retryHandler{r: r, next: next}
+	return &retryHandler{r: r, next: next, timed: timedBelow(next)}
 }
 
 type retryHandler struct {
 	r    *Retry
 	next Handler
+	// timed says a Timeout runs every run of next, with nothing but
+	// breakers before it: the time it reads as a run begins is when the run
+	// began for MaxElapsed too, and Retry need not read the clock itself.
+	timed bool
+}
+
+// timedBelow reports whether next is a Timeout, or breakers around one.
+// A breaker only asks gobreaker before it runs next, so the Timeout's
+// reading of the clock is the run's start to within microseconds; any other
+// layer might wait (a rate limiter) and is not counted on.
+func timedBelow(next Handler) bool {
+	for range maxChainDepth {
+		switch h := next.(type) {
+		case *timeoutHandler:
+			return true
+		case *breakerHandler:
+			next = h.next
+		default:
+			return false
+		}
+	}
+	return false
 }
 
 func (h *retryHandler) Handle(ctx context.Context, m *Message) error {
-	return h.r.handle(ctx, m, h.next)
+	return h.r.handle(ctx, m, h.next, h.timed)
 }
 
 // Unwrap returns the handler Retry runs.
@@ -208,12 +230,21 @@ func (h *retryHandler) Unwrap() Handler { return h.next }
 
 func (h *retryHandler) retrier() *Retry { return h.r }
 
-func (r *Retry) handle(ctx context.Context, m *Message, next Handler) error {
+// handle runs next until it succeeds or the budget is spent. timed says
+// a Timeout below notes when each run began (see retryHandler), so that a
+// delivery whose first run succeeds, nearly all of them, reads no clock
+// here.
+func (r *Retry) handle(ctx context.Context, m *Message, next Handler, timed bool) error {
 	ctx, rec := withRecord(ctx)
 	if m.Attempt < 1 {
 		m.Attempt = 1
 	}
-	start := monoNow()
+	var start time.Duration // when the first run began
+	if timed {
+		rec.runStart = 0
+	} else {
+		start = monoNow()
+	}
 	for run := 1; ; run++ {
 		err := next.Handle(ctx, m)
 		if err == nil {
@@ -221,6 +252,11 @@ func (r *Retry) handle(ctx context.Context, m *Message, next Handler) error {
 		}
 		if stopsRetry(ctx, err) {
 			return err
+		}
+		if run == 1 && timed {
+			if start = rec.runStart; start == 0 {
+				start = monoNow() // returned before its Timeout ran: it took no time
+			}
 		}
 		rec.failed(time.Now())
 		if run >= r.attempts || rec.spent(m) {
@@ -303,6 +339,10 @@ type record struct {
 	// failMark is what a Breaker noted when a run of the message failed
 	// through it: the breaker, and its count of successes then.
 	failMark breakerMark
+	// runStart is when the latest run under a Timeout began (monoNow), as
+	// the Timeout read it for its deadline; Retry above it takes its
+	// MaxElapsed from there instead of reading the clock again.
+	runStart time.Duration
 }
 
 // breakerMark is a Breaker and its count of successful calls at a moment.

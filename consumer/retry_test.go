@@ -157,6 +157,49 @@ func TestRetryMaxElapsedBoundsTheTimeInProcess(t *testing.T) {
 	}
 }
 
+// MaxElapsed counts from when the first run began, its own duration
+// included, whether Retry reads the clock itself or, with a Timeout below
+// (Standard's order: breakers between), takes the run's start from it.
+func TestRetryMaxElapsedCountsTheFirstRunsDuration(t *testing.T) {
+	br, err := NewBreaker()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name  string
+		below []Middleware
+		timed bool
+	}{
+		{"bare", nil, false},
+		{"timeout-below", []Middleware{Timeout(time.Hour)}, true},
+		{"breaker-and-timeout-below", []Middleware{br.Wrap, Timeout(time.Hour)}, true},
+		{"recover-then-timeout", []Middleware{Recover(), Timeout(time.Hour)}, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			r := mustRetry(t, RetryAttempts(10), RetryInitial(time.Millisecond), RetryMaxInterval(time.Millisecond), RetryMaxElapsed(30*time.Millisecond), RetryJitter(false))
+			var slept []time.Duration
+			noSleep(r, &slept)
+			runs := 0
+			h := Chain(HandlerFunc(func(context.Context, *Message) error {
+				runs++
+				time.Sleep(40 * time.Millisecond) // the first run alone outlasts MaxElapsed
+				return errDown
+			}), append([]Middleware{r.Wrap}, c.below...)...)
+			if got := h.(*retryHandler).timed; got != c.timed {
+				t.Fatalf("timed = %v, want %v", got, c.timed)
+			}
+			err := h.Handle(context.Background(), &Message{Attempt: 1})
+			var ra *RetryAfterError
+			if !errors.As(err, &ra) {
+				t.Fatalf("Handle = %v, want RetryAfter", err)
+			}
+			if runs != 1 {
+				t.Errorf("runs = %d, want 1: a run of 40ms leaves no room in a 30ms bound", runs)
+			}
+		})
+	}
+}
+
 func TestRetryPassesPanicsAndTimeoutsToAnotherRun(t *testing.T) {
 	r := mustRetry(t)
 	var slept []time.Duration

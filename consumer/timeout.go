@@ -55,6 +55,7 @@ type timeoutHandler struct {
 func (h *timeoutHandler) Handle(ctx context.Context, m *Message) error {
 	ctx, rec := withRecord(ctx)
 	tctx := withLazyDeadline(ctx, h.d)
+	rec.runStart = tctx.start
 	err := h.next.Handle(tctx, m)
 	expired := tctx.expired()
 	tctx.release()

@@ -74,7 +74,8 @@
 //
 // A key is any bytes: NUL, invalid UTF-8 and any length are kept as they are,
 // and keys that differ in any byte never meet (the SQL stores keep the
-// SHA-256 of the namespaced key, Redis and memory the key itself).
+// SHA-256 of the namespaced key, Redis the key itself, and the memory store
+// a 128-bit hash of it: see [MemoryStore]).
 //
 // Keys are namespaced by the consumer's name: two different consumers of one
 // event (billing and shipping, say) each handle it once, because each looks up

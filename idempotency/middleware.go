@@ -28,7 +28,12 @@ const (
 
 // settleTimeout bounds Complete and Release, which run even when the
 // handler's context has ended (a shutdown must not leave claims behind).
-const settleTimeout = 10 * time.Second
+// The memory store, which never blocks, is called without it; the other
+// stores wait on the network, and their clients wait on the context's Done,
+// so a lazy deadline (as consumer.Timeout's) would arm its timer all the
+// same: context.WithTimeout costs them nothing they would notice. A
+// variable for the tests.
+var settleTimeout = 10 * time.Second
 
 // KeyFunc derives the idempotency key of a message. Returning "" (or an
 // error) makes the message a permanent failure: it cannot be deduplicated.
@@ -284,7 +289,7 @@ func (h *handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 		d.noKey.Add(1)
 		return consumer.Permanent(fmt.Errorf("%w (message %q from %q)", ErrNoKey, m.ID, m.Source))
 	}
-	cl, err := d.claim(ctx, k)
+	cl, ref, err := d.claim(ctx, k)
 	if err != nil {
 		d.storeErrors.Add(1)
 		if ctx.Err() == nil {
@@ -314,16 +319,16 @@ func (h *handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 	settled := false
 	defer func() {
 		if !settled {
-			d.release(ctx, k, cl.Token)
+			d.release(ctx, k, cl.Token, ref)
 		}
 	}()
 	if herr := h.next.Handle(ctx, m); herr != nil {
 		settled = true
-		d.release(ctx, k, cl.Token)
+		d.release(ctx, k, cl.Token, ref)
 		return herr
 	}
 	settled = true
-	if cerr := d.complete(ctx, k, cl.Token); cerr != nil {
+	if cerr := d.complete(ctx, k, cl.Token, ref); cerr != nil {
 		if errors.Is(cerr, ErrNotOwner) {
 			d.claimsLost.Add(1)
 			d.warn(ctx, "lost", "idempotency: lease expired before the handler finished; the effect may have happened twice, raise the lease",
@@ -340,23 +345,28 @@ func (h *handler) Handle(ctx context.Context, m *consumer.Message) (err error) {
 }
 
 // claim claims the namespaced key of k. The memory store is called
-// directly: it takes the namespace and k apart, so the key is never built.
-func (d *Dedup) claim(ctx context.Context, k string) (Claim, error) {
+// directly: it takes the namespace and k apart, so the key is never built,
+// and the reference it returns spares complete and release hashing k again
+// and parsing the token, which it therefore does not make (cl.Token is
+// empty).
+func (d *Dedup) claim(ctx context.Context, k string) (Claim, memRef, error) {
 	if d.mem != nil {
 		if err := ctx.Err(); err != nil {
-			return Claim{}, err
+			return Claim{}, memRef{}, err
 		}
-		return d.mem.claim(k, d.cfg.lease), nil
+		cl, ref := d.mem.claimID(k, d.cfg.lease, false)
+		return cl, ref, nil
 	}
-	return d.store.Claim(ctx, d.prefix+k, d.cfg.lease)
+	cl, err := d.store.Claim(ctx, d.prefix+k, d.cfg.lease)
+	return cl, memRef{}, err
 }
 
 // complete records k done. It runs even when the handler's context has
 // ended (a shutdown must not leave claims behind), bounded by settleTimeout;
 // the memory store answers without blocking and needs neither.
-func (d *Dedup) complete(ctx context.Context, k, token string) error {
+func (d *Dedup) complete(ctx context.Context, k, token string, ref memRef) error {
 	if d.mem != nil {
-		return d.mem.complete(k, token, d.cfg.retention)
+		return d.mem.complete(ref, d.cfg.retention)
 	}
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
 	defer cancel()
@@ -365,10 +375,10 @@ func (d *Dedup) complete(ctx context.Context, k, token string) error {
 
 // release releases the claim on k after the handler failed, as complete
 // runs, and logs a failure: the claim then stays until its lease ends.
-func (d *Dedup) release(ctx context.Context, k, token string) {
+func (d *Dedup) release(ctx context.Context, k, token string, ref memRef) {
 	var err error
 	if d.mem != nil {
-		err = d.mem.release(k, token)
+		err = d.mem.release(ref)
 	} else {
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), settleTimeout)
 		err = d.store.Release(sctx, d.prefix+k, token)

@@ -210,6 +210,66 @@ func TestCompleteFailureIsNotAcked(t *testing.T) {
 	}
 }
 
+// hungSettle is a store whose Complete and Release hang until their
+// context ends, as a store behind a network partition does.
+type hungSettle struct{ *idempotency.MemoryStore }
+
+func (hungSettle) Complete(ctx context.Context, _, _ string, _ time.Duration) error {
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+func (hungSettle) Release(ctx context.Context, _, _ string) error {
+	<-ctx.Done()
+	return ctx.Err()
+}
+
+// A completion or release that hangs is bounded by the settle timeout,
+// even when the handler's own context has already ended (a shutdown): the
+// message is not acked, the error says which call timed out and for which
+// key, and the failure is counted and logged.
+func TestHungStoreCallIsBoundedAndSaysSo(t *testing.T) {
+	idempotency.SetSettleTimeout(t, 50*time.Millisecond)
+	var logs strings.Builder // written by the handler's goroutine only
+	dedup, err := idempotency.New(hungSettle{idempotency.NewMemoryStore()}, "billing",
+		idempotency.WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fails := errors.New("handler failed")
+	for _, c := range []struct {
+		name   string
+		result error
+	}{{"complete", nil}, {"release", fails}} {
+		t.Run(c.name, func(t *testing.T) {
+			ctx, cancel := context.WithCancel(context.Background())
+			h := dedup.Wrap(consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
+				cancel() // the consumer shuts down while the handler runs
+				return c.result
+			}))
+			before := dedup.StoreErrors()
+			start := time.Now()
+			err := h.Handle(ctx, msg("m", "ev-"+c.name))
+			if took := time.Since(start); took > 5*time.Second {
+				t.Fatalf("Handle took %v with a hung store, want about the 50ms settle timeout", took)
+			}
+			if c.result != nil {
+				if !errors.Is(err, fails) {
+					t.Fatalf("err = %v, want the handler's own error", err)
+				}
+			} else if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), `complete "billing:ev-complete"`) {
+				t.Fatalf("err = %v, want the completion's deadline, naming the call and the key", err)
+			}
+			if got := dedup.StoreErrors() - before; got != 1 {
+				t.Fatalf("StoreErrors grew by %d, want 1", got)
+			}
+			if !strings.Contains(logs.String(), "ev-"+c.name) || !strings.Contains(logs.String(), "deadline exceeded") {
+				t.Fatalf("no WARN line names the key and the deadline:\n%s", logs.String())
+			}
+		})
+	}
+}
+
 func TestPanicReleasesTheClaim(t *testing.T) {
 	ctx := context.Background()
 	store := idempotency.NewMemoryStore()
