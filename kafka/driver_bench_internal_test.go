@@ -30,17 +30,30 @@ func driverBenchRecords(b *testing.B) int {
 	return 300_000
 }
 
-// heap is what the process allocated so far: objects and bytes.
-type heap struct{ objects, bytes uint64 }
-
-func readHeap() heap {
-	var ms runtime.MemStats
-	runtime.ReadMemStats(&ms)
-	return heap{ms.Mallocs, ms.TotalAlloc}
+// usage is what the process used so far: objects and bytes allocated,
+// CPU time, and wall time.
+type usage struct {
+	objects, bytes uint64
+	cpu, wall      time.Duration
 }
 
-func (h heap) since(before heap) heap {
-	return heap{h.objects - before.objects, h.bytes - before.bytes}
+// readUsage is usage now. ReadMemStats stops the world, once at each end of a
+// read: it costs nothing per record.
+func readUsage() usage {
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return usage{objects: ms.Mallocs, bytes: ms.TotalAlloc, cpu: cpuTime(), wall: time.Duration(time.Now().UnixNano())}
+}
+
+func (u usage) since(before usage) usage {
+	return usage{u.objects - before.objects, u.bytes - before.bytes, u.cpu - before.cpu, u.wall - before.wall}
+}
+
+func (u *usage) add(v usage) {
+	u.objects += v.objects
+	u.bytes += v.bytes
+	u.cpu += v.cpu
+	u.wall += v.wall
 }
 
 // BenchmarkDriverFetchSettle measures the driver alone, without the
@@ -52,8 +65,10 @@ func (h heap) since(before heap) heap {
 // loop does for no-op handlers; commits on their timer). It reports what
 // the driver adds per record beyond franz-go's own: allocations
 // (driver-allocs/record) and bytes (driver-B/record), from the process's
-// allocation counters around each read, and both rates. Allocations and
-// bytes are near-deterministic; the rates are not on a shared machine.
+// allocation counters around each read, and CPU time
+// (driver-cpu-ns/record), with franz-go's own and both rates. Allocations
+// and bytes are near-deterministic; CPU time less so, and the rates not at
+// all on a shared machine.
 //
 //	go test -run '^$' -bench BenchmarkDriverFetchSettle -benchtime 3x ./kafka/
 func BenchmarkDriverFetchSettle(b *testing.B) {
@@ -73,18 +88,11 @@ func BenchmarkDriverFetchSettle(b *testing.B) {
 	defer func() { _ = br.DeleteTopic(context.Background(), topic) }()
 	produceBench(b, seeds, topic, n)
 
-	var raw, drv heap
-	var rawTook, drvTook time.Duration
+	var raw, drv usage
 	b.ResetTimer()
 	for range b.N {
-		h, took := readRaw(b, seeds, topic, n)
-		raw.objects += h.objects
-		raw.bytes += h.bytes
-		rawTook += took
-		h, took = readDriver(b, br, topic, n)
-		drv.objects += h.objects
-		drv.bytes += h.bytes
-		drvTook += took
+		raw.add(readRaw(b, seeds, topic, n))
+		drv.add(readDriver(b, br, topic, n))
 	}
 	b.StopTimer()
 	records := float64(n) * float64(b.N)
@@ -92,8 +100,10 @@ func BenchmarkDriverFetchSettle(b *testing.B) {
 	b.ReportMetric(float64(raw.bytes)/records, "raw-B/record")
 	b.ReportMetric((float64(drv.objects)-float64(raw.objects))/records, "driver-allocs/record")
 	b.ReportMetric((float64(drv.bytes)-float64(raw.bytes))/records, "driver-B/record")
-	b.ReportMetric(records/rawTook.Seconds(), "raw-msgs/s")
-	b.ReportMetric(records/drvTook.Seconds(), "driver-msgs/s")
+	b.ReportMetric(float64(raw.cpu.Nanoseconds())/records, "raw-cpu-ns/record")
+	b.ReportMetric(float64((drv.cpu-raw.cpu).Nanoseconds())/records, "driver-cpu-ns/record")
+	b.ReportMetric(records/raw.wall.Seconds(), "raw-msgs/s")
+	b.ReportMetric(records/drv.wall.Seconds(), "driver-msgs/s")
 }
 
 // produceBench writes n records of 100 bytes over 1000 keys to topic.
@@ -127,8 +137,8 @@ func produceBench(b *testing.B, seeds []string, topic string, n int) {
 }
 
 // readRaw reads topic to the end as a fresh group member with franz-go
-// alone, and returns what the process allocated meanwhile.
-func readRaw(b *testing.B, seeds []string, topic string, n int) (heap, time.Duration) {
+// alone, and returns what the process used meanwhile.
+func readRaw(b *testing.B, seeds []string, topic string, n int) usage {
 	b.Helper()
 	cl, err := kgo.NewClient(kgo.SeedBrokers(seeds...), kgo.ConsumeTopics(topic),
 		kgo.ConsumerGroup(testenv.UniqueName(b, "raw")), kgo.DisableAutoCommit(),
@@ -138,7 +148,7 @@ func readRaw(b *testing.B, seeds []string, topic string, n int) (heap, time.Dura
 	}
 	defer cl.Close()
 	ctx := context.Background()
-	before, start := readHeap(), time.Now()
+	before := readUsage()
 	for got := 0; got < n; {
 		fs := cl.PollRecords(ctx, 5000)
 		if err := fs.Err0(); err != nil {
@@ -146,13 +156,12 @@ func readRaw(b *testing.B, seeds []string, topic string, n int) (heap, time.Dura
 		}
 		got += fs.NumRecords()
 	}
-	took := time.Since(start)
-	return readHeap().since(before), took
+	return readUsage().since(before)
 }
 
 // readDriver reads topic to the end through a fresh driver, acking every
-// record fetched, and returns what the process allocated meanwhile.
-func readDriver(b *testing.B, br *Broker, topic string, n int) (heap, time.Duration) {
+// record fetched, and returns what the process used meanwhile.
+func readDriver(b *testing.B, br *Broker, topic string, n int) usage {
 	b.Helper()
 	d, err := br.newDriver(topic)
 	if err != nil {
@@ -178,7 +187,7 @@ func readDriver(b *testing.B, br *Broker, topic string, n int) (heap, time.Durat
 	}
 	msgs := make([]driver.Message, 0, 5000)
 	acks := make([]driver.Settlement, 0, 5000)
-	before, start := readHeap(), time.Now()
+	before := readUsage()
 	for got := 0; got < n; {
 		msgs, err = d.Fetch(ctx, msgs[:0], 5000)
 		if err != nil {
@@ -193,7 +202,7 @@ func readDriver(b *testing.B, br *Broker, topic string, n int) (heap, time.Durat
 		}
 		got += len(msgs)
 	}
-	took := time.Since(start)
+	used := readUsage().since(before)
 	clear(msgs[:cap(msgs)])
-	return readHeap().since(before), took
+	return used
 }
