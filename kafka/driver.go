@@ -101,11 +101,13 @@ var (
 	_ driver.Connector   = (*kafkaDriver)(nil)
 )
 
-// handle is what the loop holds for one delivery: the record, and the
-// assignment of its partition it was fetched under.
+// handle is what the loop holds for one delivery: the record, the
+// assignment of its partition it was fetched under, and its sequence
+// number there (see partition).
 type handle struct {
 	rec *kgo.Record
 	p   *partition
+	seq int64
 }
 
 func (b *Broker) newDriver(topic string) (*kafkaDriver, error) {
@@ -398,7 +400,6 @@ func (d *kafkaDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 				p.stash = append(p.stash, r)
 				return
 			}
-			p.add(r)
 			dst = append(dst, d.message(r, p))
 		})
 		d.mu.Unlock()
@@ -557,7 +558,6 @@ func (d *kafkaDriver) drainStashes(dst []driver.Message, max, limit int) []drive
 			r := p.stash[0]
 			p.stash[0] = nil
 			p.stash = p.stash[1:]
-			p.add(r)
 			dst = append(dst, d.message(r, p))
 			n++
 		}
@@ -643,7 +643,7 @@ func (d *kafkaDriver) newHandle(r *kgo.Record, p *partition) *handle {
 	}
 	h := &d.handles[0]
 	d.handles = d.handles[1:]
-	h.rec, h.p = r, p
+	h.rec, h.p, h.seq = r, p, p.add(r)
 	return h
 }
 
@@ -678,6 +678,10 @@ func (d *kafkaDriver) message(r *kgo.Record, p *partition) driver.Message {
 // since it was fetched is left alone: its offset belongs to the next owner.
 // Return is a no-op: the record stays unfinished, so no commit passes it,
 // and whoever owns the partition next reads it again.
+//
+// The loop settles a lane's records mostly together and in order: each
+// run of acks of one partition is marked first, through the handles, and
+// its commit point then moves once over all it finished.
 func (d *kafkaDriver) Settle(ctx context.Context, batch []driver.Settlement) error {
 	var (
 		wake     bool
@@ -685,30 +689,46 @@ func (d *kafkaDriver) Settle(ctx context.Context, batch []driver.Settlement) err
 		amoParts []int32 // their partitions
 		gone     []int   // at-most-once acks of partitions no longer ours
 		now      int64   // read once a record finishes: its partition's progress
+		run      *partition
+		finished bool // a record of run finished
 	)
 	d.mu.Lock()
 	limit, fixed := d.bufferLimit()
+	endRun := func() {
+		if run == nil {
+			return
+		}
+		run.advance()
+		if finished {
+			if now == 0 {
+				now = time.Now().UnixNano()
+			}
+			run.progress = now
+		}
+		if len(run.stash) > 0 && run.outstanding < limit {
+			wake = true
+		}
+		run, finished = nil, false
+	}
 	for i := range batch {
 		s := &batch[i]
 		h, ok := s.Handle.(*handle)
-		if !ok || h == nil {
-			continue
-		}
-		if s.Action != driver.Ack {
+		if !ok || h == nil || s.Action != driver.Ack {
 			continue
 		}
 		p := h.p
-		if d.parts[p.id] != p {
+		if p.gone {
 			if s.BeforeRun {
 				gone = append(gone, i) // its handler must not run: nothing of it can be committed
 			}
 			continue // revoked since: not ours to commit
 		}
-		if p.ack(h.rec.Offset) {
-			if now == 0 {
-				now = time.Now().UnixNano()
-			}
-			p.progress = now
+		if p != run {
+			endRun()
+			run = p
+		}
+		if p.finish(h.seq) {
+			finished = true
 		}
 		if s.BeforeRun {
 			amo = append(amo, i)
@@ -716,10 +736,8 @@ func (d *kafkaDriver) Settle(ctx context.Context, batch []driver.Settlement) err
 				amoParts = append(amoParts, p.id)
 			}
 		}
-		if len(p.stash) > 0 && p.outstanding < limit {
-			wake = true
-		}
 	}
+	endRun()
 	if wake && d.wakePoll != nil {
 		d.wakePoll() // a partition's waiting records may go out now
 	}
@@ -874,7 +892,10 @@ func (d *kafkaDriver) handOver(ps []int32) {
 func (d *kafkaDriver) forgetPartitions(cl *kgo.Client, ps []int32) {
 	d.mu.Lock()
 	for _, id := range ps {
-		delete(d.parts, id)
+		if p := d.parts[id]; p != nil {
+			p.gone = true // its records in the loop are no longer ours to commit
+			delete(d.parts, id)
+		}
 	}
 	cl.ResumeFetchPartitions(map[string][]int32{d.topic: ps}) // under d.mu: see adjustPauses
 	d.mu.Unlock()
