@@ -46,7 +46,8 @@ type kafkaDriver struct {
 	cl       *kgo.Client
 	maxAsked int                  // the largest batch the loop asked Fetch for
 	wakePoll context.CancelFunc   // ends Fetch's poll, for records waiting here
-	handles  []handle             // the rest of the slab newHandle hands out
+	strBuf   []byte               // messages' scratch: a group's strings before they are one
+	spans    []span               // messages' scratch: where each is
 	parts    map[int32]*partition // owned now; a new assignment gets a new *partition
 	member   string
 	gen      uint64 // counts assignments: a partition assigned anew gets the next
@@ -324,11 +325,6 @@ func (d *kafkaDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 	if err != nil {
 		return dst, driver.Fatal(err)
 	}
-	defer func() {
-		d.mu.Lock()
-		d.handles = nil // what is left of the slab: see handleSlab
-		d.mu.Unlock()
-	}()
 	if max <= 0 {
 		max = 1
 	}
@@ -384,23 +380,27 @@ func (d *kafkaDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 			return dst, err
 		}
 		d.mu.Lock()
-		res.fs.EachRecord(func(r *kgo.Record) {
-			p := d.parts[r.Partition]
-			if p == nil || r.Topic != d.topic {
+		res.fs.EachPartition(func(fp kgo.FetchTopicPartition) {
+			p := d.parts[fp.Partition]
+			recs := fp.Records
+			if p == nil || fp.Topic != d.topic || len(recs) == 0 {
 				return
 			}
-			if r.Offset >= p.fetchedTo {
-				p.fetchedTo = r.Offset + 1
+			if last := recs[len(recs)-1].Offset; last >= p.fetchedTo {
+				p.fetchedTo = last + 1 // a partition's records come in offset order
 			}
 			// A partition holds at most limit of the loop's room: the
 			// rest waits here, in order, until its records finish, so
 			// that a partition whose oldest record does not progress
 			// cannot fill the loop.
-			if len(p.stash) > 0 || p.outstanding >= limit {
-				p.stash = append(p.stash, r)
-				return
+			n := 0
+			if room := limit - p.outstanding; len(p.stash) == 0 && room > 0 {
+				n = min(len(recs), room)
 			}
-			dst = append(dst, d.message(r, p))
+			dst = d.messages(dst, p, recs[:n])
+			if n < len(recs) {
+				p.stash = append(p.stash, recs[n:]...)
+			}
 		})
 		d.mu.Unlock()
 	}
@@ -554,12 +554,11 @@ func (d *kafkaDriver) bufferLimit() (limit int, fixed bool) {
 func (d *kafkaDriver) drainStashes(dst []driver.Message, max, limit int) []driver.Message {
 	n := 0
 	for _, p := range d.parts {
-		for len(p.stash) > 0 && p.outstanding < limit && n < max {
-			r := p.stash[0]
-			p.stash[0] = nil
-			p.stash = p.stash[1:]
-			dst = append(dst, d.message(r, p))
-			n++
+		if k := min(len(p.stash), limit-p.outstanding, max-n); k > 0 {
+			dst = d.messages(dst, p, p.stash[:k])
+			clear(p.stash[:k])
+			p.stash = p.stash[k:]
+			n += k
 		}
 		if len(p.stash) == 0 {
 			p.stash = nil
@@ -628,50 +627,147 @@ func (d *kafkaDriver) adjustPauses(cl *kgo.Client, limit int, fixed bool) {
 	}
 }
 
-// handleSlab is how many handles are allocated at once. A slab lives
-// while any of its handles does, and a handle keeps its record (and
-// franz-go's batch behind it) alive: so slabs are small, and each Fetch
-// drops what is left of its last one (see Fetch), so that only handles the
-// loop holds keep a slab.
+// handleSlab is how many records are handed out together: the handles of
+// up to handleSlab consecutive records of one partition, handed out by one
+// Fetch, share one array, and their small strings (keys, IDs, header
+// values) one string, so that a record costs the loop a share of two
+// allocations rather than one for each handle and string. Either lives
+// while any record's part of it does, and a handle keeps its record (and
+// franz-go's batch behind it) alive: so groups are small, of one
+// partition's consecutive records (which mostly share a batch anyway, and
+// of which, in partition order, the later ones are still in the loop while
+// an earlier one is), sized to what is handed out, and never kept by the
+// driver.
 const handleSlab = 16
 
-// newHandle returns a handle of r fetched under p, from the driver's slab.
-// d.mu is held.
-func (d *kafkaDriver) newHandle(r *kgo.Record, p *partition) *handle {
-	if len(d.handles) == 0 {
-		d.handles = make([]handle, handleSlab)
-	}
-	h := &d.handles[0]
-	d.handles = d.handles[1:]
-	h.rec, h.p, h.seq = r, p, p.add(r)
-	return h
+// smallStrings is how many bytes of a record's key, HeaderMessageID and
+// other header values may go into its group's string: what does not fit
+// is a string of its own, so that a record whose string outlives it (a
+// key kept in a map) keeps at most a few kilobytes of its neighbours'
+// alive. An ID made of topic/partition/offset (at most some 280 bytes)
+// always goes in.
+const smallStrings = 256
+
+// recordStrings is what layOut found of a record: its spans start at
+// spans[span]; its ID is the value of r.Headers[id] (-1: the ID is made of
+// topic/partition/offset); others counts its headers other than
+// HeaderMessageID.
+type recordStrings struct {
+	span   int
+	id     int
+	others int
 }
 
-// message is r as the loop takes it. d.mu is held.
-func (d *kafkaDriver) message(r *kgo.Record, p *partition) driver.Message {
-	m := driver.Message{
-		Key:         string(r.Key),
-		Body:        r.Value,
-		Source:      r.Topic,
-		Lane:        p.lane,
-		Offset:      r.Offset,
-		PublishedAt: r.Timestamp,
-		Deliveries:  1,
-		Handle:      d.newHandle(r, p),
-		Generation:  p.gen,
+// span is one string of a record in its group's string, from < 0 when it
+// is a string of its own.
+type span struct{ from, to int32 }
+
+// messages appends recs, polled in order from p, to dst as the loop takes
+// them, and enters them in p. d.mu is held.
+func (d *kafkaDriver) messages(dst []driver.Message, p *partition, recs []*kgo.Record) []driver.Message {
+	for len(recs) > 0 {
+		group := recs[:min(len(recs), handleSlab)]
+		recs = recs[len(group):]
+		var rs [handleSlab]recordStrings
+		buf, spans := d.strBuf[:0], d.spans[:0]
+		for i, r := range group {
+			rs[i].span = len(spans)
+			buf, spans = d.layOut(buf, spans, &rs[i], r, p)
+		}
+		d.strBuf, d.spans = buf, spans
+		str := string(buf) // the group's small strings, in one allocation
+		cut := func(b []byte, sp span) string {
+			switch {
+			case sp.from < 0:
+				return string(b)
+			case sp.from == sp.to:
+				return ""
+			}
+			return str[sp.from:sp.to]
+		}
+		hs := make([]handle, len(group))
+		for i, r := range group {
+			h := &hs[i]
+			h.rec, h.p, h.seq = r, p, p.add(r)
+			at := rs[i].span
+			m := driver.Message{
+				Key:         cut(r.Key, spans[at]),
+				Body:        r.Value,
+				Source:      d.topic,
+				Lane:        p.lane,
+				Offset:      r.Offset,
+				PublishedAt: r.Timestamp,
+				Deliveries:  1,
+				Handle:      h,
+				Generation:  p.gen,
+			}
+			var id []byte
+			if rs[i].id >= 0 {
+				id = r.Headers[rs[i].id].Value
+			}
+			m.ID = cut(id, spans[at+1])
+			if rs[i].others > 0 {
+				at += 2
+				m.Headers = make(map[string]string, rs[i].others)
+				for _, hd := range r.Headers {
+					if hd.Key != HeaderMessageID {
+						m.Headers[hd.Key] = cut(hd.Value, spans[at])
+						at++
+					}
+				}
+			}
+			dst = append(dst, m)
+		}
 	}
-	m.ID, m.Headers = readHeaders(r)
-	if m.ID == "" {
-		// topic/partition/offset, in one allocation.
-		var buf [64]byte
-		b := append(buf[:0], r.Topic...)
-		b = append(b, '/')
-		b = append(b, p.lane...)
-		b = append(b, '/')
-		b = strconv.AppendInt(b, r.Offset, 10)
-		m.ID = string(b)
+	return dst
+}
+
+// layOut appends r's small strings to buf (the group's string) and their
+// spans to spans, in the order messages reads them: the key, the ID, the
+// values of headers other than HeaderMessageID. It reads the headers as
+// readHeaders does: the ID is the last HeaderMessageID, and a record
+// without one, or with an empty one, gets the ID topic/partition/offset.
+func (d *kafkaDriver) layOut(buf []byte, spans []span, rs *recordStrings, r *kgo.Record, p *partition) ([]byte, []span) {
+	room := smallStrings
+	put := func(b []byte) {
+		if len(b) > room {
+			spans = append(spans, span{-1, -1})
+			return
+		}
+		room -= len(b)
+		from := len(buf)
+		buf = append(buf, b...)
+		spans = append(spans, span{int32(from), int32(len(buf))})
 	}
-	return m
+	rs.id, rs.others = -1, 0
+	for i := range r.Headers {
+		if r.Headers[i].Key == HeaderMessageID {
+			rs.id = i
+		} else {
+			rs.others++
+		}
+	}
+	put(r.Key)
+	if rs.id >= 0 && len(r.Headers[rs.id].Value) > 0 {
+		put(r.Headers[rs.id].Value)
+	} else {
+		rs.id = -1
+		from := len(buf)
+		buf = append(buf, d.topic...)
+		buf = append(buf, '/')
+		buf = append(buf, p.lane...)
+		buf = append(buf, '/')
+		buf = strconv.AppendInt(buf, r.Offset, 10)
+		spans = append(spans, span{int32(from), int32(len(buf))})
+	}
+	if rs.others > 0 {
+		for i := range r.Headers {
+			if r.Headers[i].Key != HeaderMessageID {
+				put(r.Headers[i].Value)
+			}
+		}
+	}
+	return buf, spans
 }
 
 // Settle marks acked records done. A record whose partition was revoked
@@ -897,7 +993,9 @@ func (d *kafkaDriver) forgetPartitions(cl *kgo.Client, ps []int32) {
 			delete(d.parts, id)
 		}
 	}
-	cl.ResumeFetchPartitions(map[string][]int32{d.topic: ps}) // under d.mu: see adjustPauses
+	if cl != nil { // nil in unit tests
+		cl.ResumeFetchPartitions(map[string][]int32{d.topic: ps}) // under d.mu: see adjustPauses
+	}
 	d.mu.Unlock()
 }
 
