@@ -44,13 +44,17 @@ type kafkaDriver struct {
 
 	mu       sync.Mutex
 	cl       *kgo.Client
-	maxAsked int                  // the largest batch the loop asked Fetch for
-	wakePoll context.CancelFunc   // ends Fetch's poll, for records waiting here
-	strBuf   []byte               // messages' scratch: a group's strings before they are one
-	spans    []span               // messages' scratch: where each is
-	parts    map[int32]*partition // owned now; a new assignment gets a new *partition
-	member   string
-	gen      uint64 // counts assignments: a partition assigned anew gets the next
+	maxAsked int                // the largest batch the loop asked Fetch for
+	wakePoll context.CancelFunc // ends Fetch's poll, for records waiting here
+	strBuf   []byte             // messages' scratch: a group's strings before they are one
+	spans    []span             // messages' scratch: where each is
+	// lastDigits is lastOffset, the offset appendOffset wrote last, in
+	// decimal.
+	lastDigits []byte
+	lastOffset int64
+	parts      map[int32]*partition // owned now; a new assignment gets a new *partition
+	member     string
+	gen        uint64 // counts assignments: a partition assigned anew gets the next
 	// losses counts the times franz-go reported partitions lost. A commit
 	// is issued only if none was lost since it read what to commit; see
 	// commit.
@@ -690,17 +694,20 @@ func (d *kafkaDriver) messages(dst []driver.Message, p *partition, recs []*kgo.R
 			h := &hs[i]
 			h.rec, h.p, h.seq = r, p, p.add(r)
 			at := rs[i].span
-			m := driver.Message{
-				Key:         cut(r.Key, spans[at]),
-				Body:        r.Value,
-				Source:      d.topic,
-				Lane:        p.lane,
-				Offset:      r.Offset,
-				PublishedAt: r.Timestamp,
-				Deliveries:  1,
-				Handle:      h,
-				Generation:  p.gen,
-			}
+			// Built in place: a message built aside and appended is
+			// copied again, with a write barrier over the whole of it
+			// while the collector runs.
+			dst = append(dst, driver.Message{})
+			m := &dst[len(dst)-1]
+			m.Key = cut(r.Key, spans[at])
+			m.Body = r.Value
+			m.Source = d.topic
+			m.Lane = p.lane
+			m.Offset = r.Offset
+			m.PublishedAt = r.Timestamp
+			m.Deliveries = 1
+			m.Handle = h
+			m.Generation = p.gen
 			var id []byte
 			if rs[i].id >= 0 {
 				id = r.Headers[rs[i].id].Value
@@ -716,7 +723,6 @@ func (d *kafkaDriver) messages(dst []driver.Message, p *partition, recs []*kgo.R
 					}
 				}
 			}
-			dst = append(dst, m)
 		}
 	}
 	return dst
@@ -757,7 +763,7 @@ func (d *kafkaDriver) layOut(buf []byte, spans []span, rs *recordStrings, r *kgo
 		buf = append(buf, '/')
 		buf = append(buf, p.lane...)
 		buf = append(buf, '/')
-		buf = strconv.AppendInt(buf, r.Offset, 10)
+		buf = d.appendOffset(buf, r.Offset)
 		spans = append(spans, span{int32(from), int32(len(buf))})
 	}
 	if rs.others > 0 {
@@ -768,6 +774,31 @@ func (d *kafkaDriver) layOut(buf []byte, spans []span, rs *recordStrings, r *kgo
 		}
 	}
 	return buf, spans
+}
+
+// appendOffset appends off in decimal to buf. A partition's records come
+// mostly one offset after the other, so the digits of the last offset
+// written are kept and counted up by one rather than formatted afresh.
+func (d *kafkaDriver) appendOffset(buf []byte, off int64) []byte {
+	digits := d.lastDigits
+	switch {
+	case len(digits) > 0 && off > 0 && off == d.lastOffset+1:
+		i := len(digits) - 1
+		for i >= 0 && digits[i] == '9' {
+			digits[i] = '0'
+			i--
+		}
+		if i >= 0 {
+			digits[i]++
+		} else { // all nines, now all zeros: one digit more
+			digits = append(digits, '0')
+			digits[0] = '1'
+		}
+	case len(digits) == 0 || off != d.lastOffset:
+		digits = strconv.AppendInt(digits[:0], off, 10)
+	}
+	d.lastDigits, d.lastOffset = digits, off
+	return append(buf, digits...)
 }
 
 // Settle marks acked records done. A record whose partition was revoked
