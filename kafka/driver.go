@@ -48,9 +48,10 @@ type kafkaDriver struct {
 	wakePoll context.CancelFunc // ends Fetch's poll, for records waiting here
 	strBuf   []byte             // messages' scratch: a group's strings before they are one
 	spans    []span             // messages' scratch: where each is
-	// lastDigits is lastOffset, the offset appendOffset wrote last, in
-	// decimal.
-	lastDigits []byte
+	// lastDigits ends with the last lastLen decimal digits of lastOffset,
+	// the offset appendOffset wrote last.
+	lastDigits [20]byte
+	lastLen    int
 	lastOffset int64
 	parts      map[int32]*partition // owned now; a new assignment gets a new *partition
 	member     string
@@ -780,25 +781,37 @@ func (d *kafkaDriver) layOut(buf []byte, spans []span, rs *recordStrings, r *kgo
 // mostly one offset after the other, so the digits of the last offset
 // written are kept and counted up by one rather than formatted afresh.
 func (d *kafkaDriver) appendOffset(buf []byte, off int64) []byte {
-	digits := d.lastDigits
+	if off < 0 { // never fetched; kept out of the digits counted up
+		d.lastLen = 0
+		return strconv.AppendInt(buf, off, 10)
+	}
+	digits := &d.lastDigits
+	from := len(digits) - d.lastLen
 	switch {
-	case len(digits) > 0 && off > 0 && off == d.lastOffset+1:
+	case d.lastLen > 0 && off == d.lastOffset+1:
 		i := len(digits) - 1
-		for i >= 0 && digits[i] == '9' {
+		for i >= from && digits[i] == '9' {
 			digits[i] = '0'
 			i--
 		}
-		if i >= 0 {
-			digits[i]++
-		} else { // all nines, now all zeros: one digit more
-			digits = append(digits, '0')
-			digits[0] = '1'
+		if i < from { // all nines, now all zeros: one digit more
+			from--
+			i = from
+			digits[i] = '0'
 		}
-	case len(digits) == 0 || off != d.lastOffset:
-		digits = strconv.AppendInt(digits[:0], off, 10)
+		digits[i]++
+	case d.lastLen == 0 || off != d.lastOffset:
+		from = len(digits)
+		for v := uint64(off); ; v /= 10 {
+			from--
+			digits[from] = byte('0' + v%10)
+			if v < 10 {
+				break
+			}
+		}
 	}
-	d.lastDigits, d.lastOffset = digits, off
-	return append(buf, digits...)
+	d.lastLen, d.lastOffset = len(digits)-from, off
+	return append(buf, digits[from:]...)
 }
 
 // Settle marks acked records done. A record whose partition was revoked

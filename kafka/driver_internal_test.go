@@ -383,18 +383,20 @@ func TestScrambledAcksCommitOnlyContiguousOffsets(t *testing.T) {
 
 // TestAppendOffsetCountsAsStrconvFormats: the digits appendOffset counts
 // up from one offset to the next are those strconv formats, over carries,
-// an extra digit, jumps either way and an offset written twice.
+// an extra digit, jumps either way, an offset written twice and negative
+// ones (never fetched).
 func TestAppendOffsetCountsAsStrconvFormats(t *testing.T) {
 	d := unitDriver("t")
 	var offs []int64
 	for o := int64(0); o <= 1100; o++ {
 		offs = append(offs, o)
 	}
-	offs = append(offs, 5, 5, 6, 99_999, 100_000, 100_001, 1<<40, 1<<40+1, 9, 10, 0, 1, 999_999_999, 1_000_000_000, 42)
+	offs = append(offs, 5, 5, 6, -1, 0, -2, -1, 99_999, 100_000, 100_001, 1<<40, 1<<40+1, 9, 10, 0, 1, 999_999_999, 1_000_000_000, 42)
 	for _, o := range offs {
+		last := d.lastOffset
 		got := string(d.appendOffset([]byte("x/"), o))
 		if want := "x/" + strconv.FormatInt(o, 10); got != want {
-			t.Fatalf("after %d: appendOffset wrote %q, want %q", d.lastOffset, got, want)
+			t.Fatalf("after %d: appendOffset wrote %q, want %q", last, got, want)
 		}
 	}
 }
