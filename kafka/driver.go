@@ -554,18 +554,26 @@ func (d *kafkaDriver) bufferLimit() (limit int, fixed bool) {
 	return max(d.maxAsked/2, 1), false
 }
 
+// keptStash is the most room for waiting records a partition keeps once
+// none wait: a partition whose polls bring more than its limit stashes
+// again and again, and its stash is not made anew each time.
+const keptStash = 8192
+
 // drainStashes appends, up to max in all, the records partitions polled
 // beyond their limit, as far as their limit now allows. d.mu is held.
 func (d *kafkaDriver) drainStashes(dst []driver.Message, max, limit int) []driver.Message {
 	n := 0
 	for _, p := range d.parts {
-		if k := min(len(p.stash), limit-p.outstanding, max-n); k > 0 {
-			dst = d.messages(dst, p, p.stash[:k])
-			clear(p.stash[:k])
-			p.stash = p.stash[k:]
-			n += k
+		k := min(len(p.stash), limit-p.outstanding, max-n)
+		if k <= 0 {
+			continue
 		}
-		if len(p.stash) == 0 {
+		dst = d.messages(dst, p, p.stash[:k])
+		n += k
+		rest := copy(p.stash, p.stash[k:]) // the rest to the front: the stash's room is used again
+		clear(p.stash[rest:])
+		p.stash = p.stash[:rest]
+		if rest == 0 && cap(p.stash) > keptStash {
 			p.stash = nil
 		}
 	}
