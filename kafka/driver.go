@@ -656,9 +656,8 @@ const handleSlab = 16
 // smallStrings is how many bytes of a record's key, HeaderMessageID and
 // other header values may go into its group's string: what does not fit
 // is a string of its own, so that a record whose string outlives it (a
-// key kept in a map) keeps at most a few kilobytes of its neighbours'
-// alive. An ID made of topic/partition/offset (at most some 280 bytes)
-// always goes in.
+// key kept in a map) keeps at most some 8 KiB of its group's alive. An ID
+// made of topic/partition/offset (at most some 280 bytes) always goes in.
 const smallStrings = 256
 
 // recordStrings is what layOut found of a record: its spans start at
@@ -677,6 +676,12 @@ type span struct{ from, to int32 }
 
 // messages appends recs, polled in order from p, to dst as the loop takes
 // them, and enters them in p. d.mu is held.
+//
+// The strings are copies of the record's bytes, never the bytes themselves
+// seen as a string (unsafe.String): a handler may write a record's bytes
+// through As, as a []byte allows, and a decompression pool given to
+// franz-go (kgo.WithPools, through WithClientOpts) zeroes and reuses them
+// once the record is recycled; a string must never change.
 func (d *kafkaDriver) messages(dst []driver.Message, p *partition, recs []*kgo.Record) []driver.Message {
 	for len(recs) > 0 {
 		group := recs[:min(len(recs), handleSlab)]
