@@ -44,12 +44,18 @@ type kafkaDriver struct {
 
 	mu       sync.Mutex
 	cl       *kgo.Client
-	maxAsked int                  // the largest batch the loop asked Fetch for
-	wakePoll context.CancelFunc   // ends Fetch's poll, for records waiting here
-	handles  []handle             // the rest of the slab newHandle hands out
-	parts    map[int32]*partition // owned now; a new assignment gets a new *partition
-	member   string
-	gen      uint64 // counts assignments: a partition assigned anew gets the next
+	maxAsked int                // the largest batch the loop asked Fetch for
+	wakePoll context.CancelFunc // ends Fetch's poll, for records waiting here
+	strBuf   []byte             // messages' scratch: a group's strings before they are one
+	spans    []span             // messages' scratch: where each is
+	// lastDigits ends with the last lastLen decimal digits of lastOffset,
+	// the offset appendOffset wrote last.
+	lastDigits [20]byte
+	lastLen    int
+	lastOffset int64
+	parts      map[int32]*partition // owned now; a new assignment gets a new *partition
+	member     string
+	gen        uint64 // counts assignments: a partition assigned anew gets the next
 	// losses counts the times franz-go reported partitions lost. A commit
 	// is issued only if none was lost since it read what to commit; see
 	// commit.
@@ -101,11 +107,13 @@ var (
 	_ driver.Connector   = (*kafkaDriver)(nil)
 )
 
-// handle is what the loop holds for one delivery: the record, and the
-// assignment of its partition it was fetched under.
+// handle is what the loop holds for one delivery: the record, the
+// assignment of its partition it was fetched under, and its sequence
+// number there (see partition).
 type handle struct {
 	rec *kgo.Record
 	p   *partition
+	seq int64
 }
 
 func (b *Broker) newDriver(topic string) (*kafkaDriver, error) {
@@ -322,11 +330,6 @@ func (d *kafkaDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 	if err != nil {
 		return dst, driver.Fatal(err)
 	}
-	defer func() {
-		d.mu.Lock()
-		d.handles = nil // what is left of the slab: see handleSlab
-		d.mu.Unlock()
-	}()
 	if max <= 0 {
 		max = 1
 	}
@@ -382,24 +385,27 @@ func (d *kafkaDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 			return dst, err
 		}
 		d.mu.Lock()
-		res.fs.EachRecord(func(r *kgo.Record) {
-			p := d.parts[r.Partition]
-			if p == nil || r.Topic != d.topic {
+		res.fs.EachPartition(func(fp kgo.FetchTopicPartition) {
+			p := d.parts[fp.Partition]
+			recs := fp.Records
+			if p == nil || fp.Topic != d.topic || len(recs) == 0 {
 				return
 			}
-			if r.Offset >= p.fetchedTo {
-				p.fetchedTo = r.Offset + 1
+			if last := recs[len(recs)-1].Offset; last >= p.fetchedTo {
+				p.fetchedTo = last + 1 // a partition's records come in offset order
 			}
 			// A partition holds at most limit of the loop's room: the
 			// rest waits here, in order, until its records finish, so
 			// that a partition whose oldest record does not progress
 			// cannot fill the loop.
-			if len(p.stash) > 0 || p.outstanding >= limit {
-				p.stash = append(p.stash, r)
-				return
+			n := 0
+			if room := limit - p.outstanding; len(p.stash) == 0 && room > 0 {
+				n = min(len(recs), room)
 			}
-			p.add(r)
-			dst = append(dst, d.message(r, p))
+			dst = d.messages(dst, p, recs[:n])
+			if n < len(recs) {
+				p.stash = append(p.stash, recs[n:]...)
+			}
 		})
 		d.mu.Unlock()
 	}
@@ -548,20 +554,26 @@ func (d *kafkaDriver) bufferLimit() (limit int, fixed bool) {
 	return max(d.maxAsked/2, 1), false
 }
 
+// keptStash is the most room for waiting records a partition keeps once
+// none wait: a partition whose polls bring more than its limit stashes
+// again and again, and its stash is not made anew each time.
+const keptStash = 8192
+
 // drainStashes appends, up to max in all, the records partitions polled
 // beyond their limit, as far as their limit now allows. d.mu is held.
 func (d *kafkaDriver) drainStashes(dst []driver.Message, max, limit int) []driver.Message {
 	n := 0
 	for _, p := range d.parts {
-		for len(p.stash) > 0 && p.outstanding < limit && n < max {
-			r := p.stash[0]
-			p.stash[0] = nil
-			p.stash = p.stash[1:]
-			p.add(r)
-			dst = append(dst, d.message(r, p))
-			n++
+		k := min(len(p.stash), limit-p.outstanding, max-n)
+		if k <= 0 {
+			continue
 		}
-		if len(p.stash) == 0 {
+		dst = d.messages(dst, p, p.stash[:k])
+		n += k
+		rest := copy(p.stash, p.stash[k:]) // the rest to the front: the stash's room is used again
+		clear(p.stash[rest:])
+		p.stash = p.stash[:rest]
+		if rest == 0 && cap(p.stash) > keptStash {
 			p.stash = nil
 		}
 	}
@@ -628,56 +640,201 @@ func (d *kafkaDriver) adjustPauses(cl *kgo.Client, limit int, fixed bool) {
 	}
 }
 
-// handleSlab is how many handles are allocated at once. A slab lives
-// while any of its handles does, and a handle keeps its record (and
-// franz-go's batch behind it) alive: so slabs are small, and each Fetch
-// drops what is left of its last one (see Fetch), so that only handles the
-// loop holds keep a slab.
+// handleSlab is how many records are handed out together: the handles of
+// up to handleSlab consecutive records of one partition, handed out by one
+// Fetch, share one array, and their small strings (keys, IDs, header
+// values) one string, so that a record costs the loop a share of two
+// allocations rather than one for each handle and string. Either lives
+// while any record's part of it does, and a handle keeps its record (and
+// franz-go's batch behind it) alive: so groups are small, of one
+// partition's consecutive records (which mostly share a batch anyway, and
+// of which, in partition order, the later ones are still in the loop while
+// an earlier one is), sized to what is handed out, and never kept by the
+// driver.
 const handleSlab = 16
 
-// newHandle returns a handle of r fetched under p, from the driver's slab.
-// d.mu is held.
-func (d *kafkaDriver) newHandle(r *kgo.Record, p *partition) *handle {
-	if len(d.handles) == 0 {
-		d.handles = make([]handle, handleSlab)
-	}
-	h := &d.handles[0]
-	d.handles = d.handles[1:]
-	h.rec, h.p = r, p
-	return h
+// smallStrings is how many bytes of a record's key, HeaderMessageID and
+// other header values may go into its group's string: what does not fit
+// is a string of its own, so that a record whose string outlives it (a
+// key kept in a map) keeps at most some 8 KiB of its group's alive. An ID
+// made of topic/partition/offset (at most some 280 bytes) always goes in.
+const smallStrings = 256
+
+// recordStrings is what layOut found of a record: its spans start at
+// spans[span]; its ID is the value of r.Headers[id] (-1: the ID is made of
+// topic/partition/offset); others counts its headers other than
+// HeaderMessageID.
+type recordStrings struct {
+	span   int
+	id     int
+	others int
 }
 
-// message is r as the loop takes it. d.mu is held.
-func (d *kafkaDriver) message(r *kgo.Record, p *partition) driver.Message {
-	m := driver.Message{
-		Key:         string(r.Key),
-		Body:        r.Value,
-		Source:      r.Topic,
-		Lane:        p.lane,
-		Offset:      r.Offset,
-		PublishedAt: r.Timestamp,
-		Deliveries:  1,
-		Handle:      d.newHandle(r, p),
-		Generation:  p.gen,
+// span is one string of a record in its group's string, from < 0 when it
+// is a string of its own.
+type span struct{ from, to int32 }
+
+// messages appends recs, polled in order from p, to dst as the loop takes
+// them, and enters them in p. d.mu is held.
+//
+// The strings are copies of the record's bytes, never the bytes themselves
+// seen as a string (unsafe.String): a handler may write a record's bytes
+// through As, as a []byte allows, and a decompression pool given to
+// franz-go (kgo.WithPools, through WithClientOpts) zeroes and reuses them
+// once the record is recycled; a string must never change.
+func (d *kafkaDriver) messages(dst []driver.Message, p *partition, recs []*kgo.Record) []driver.Message {
+	for len(recs) > 0 {
+		group := recs[:min(len(recs), handleSlab)]
+		recs = recs[len(group):]
+		var rs [handleSlab]recordStrings
+		buf, spans := d.strBuf[:0], d.spans[:0]
+		for i, r := range group {
+			rs[i].span = len(spans)
+			buf, spans = d.layOut(buf, spans, &rs[i], r, p)
+		}
+		d.strBuf, d.spans = buf, spans
+		str := string(buf) // the group's small strings, in one allocation
+		cut := func(b []byte, sp span) string {
+			switch {
+			case sp.from < 0:
+				return string(b)
+			case sp.from == sp.to:
+				return ""
+			}
+			return str[sp.from:sp.to]
+		}
+		hs := make([]handle, len(group))
+		for i, r := range group {
+			h := &hs[i]
+			h.rec, h.p, h.seq = r, p, p.add(r)
+			at := rs[i].span
+			// Built in place: a message built aside and appended is
+			// copied again, with a write barrier over the whole of it
+			// while the collector runs.
+			dst = append(dst, driver.Message{})
+			m := &dst[len(dst)-1]
+			m.Key = cut(r.Key, spans[at])
+			m.Body = r.Value
+			m.Source = d.topic
+			m.Lane = p.lane
+			m.Offset = r.Offset
+			m.PublishedAt = r.Timestamp
+			m.Deliveries = 1
+			m.Handle = h
+			m.Generation = p.gen
+			var id []byte
+			if rs[i].id >= 0 {
+				id = r.Headers[rs[i].id].Value
+			}
+			m.ID = cut(id, spans[at+1])
+			if rs[i].others > 0 {
+				at += 2
+				m.Headers = make(map[string]string, rs[i].others)
+				for _, hd := range r.Headers {
+					if hd.Key != HeaderMessageID {
+						m.Headers[hd.Key] = cut(hd.Value, spans[at])
+						at++
+					}
+				}
+			}
+		}
 	}
-	m.ID, m.Headers = readHeaders(r)
-	if m.ID == "" {
-		// topic/partition/offset, in one allocation.
-		var buf [64]byte
-		b := append(buf[:0], r.Topic...)
-		b = append(b, '/')
-		b = append(b, p.lane...)
-		b = append(b, '/')
-		b = strconv.AppendInt(b, r.Offset, 10)
-		m.ID = string(b)
+	return dst
+}
+
+// layOut appends r's small strings to buf (the group's string) and their
+// spans to spans, in the order messages reads them: the key, the ID, the
+// values of headers other than HeaderMessageID. It reads the headers as
+// readHeaders does: the ID is the last HeaderMessageID, and a record
+// without one, or with an empty one, gets the ID topic/partition/offset.
+func (d *kafkaDriver) layOut(buf []byte, spans []span, rs *recordStrings, r *kgo.Record, p *partition) ([]byte, []span) {
+	room := smallStrings
+	put := func(b []byte) {
+		if len(b) > room {
+			spans = append(spans, span{-1, -1})
+			return
+		}
+		room -= len(b)
+		from := len(buf)
+		buf = append(buf, b...)
+		spans = append(spans, span{int32(from), int32(len(buf))})
 	}
-	return m
+	rs.id, rs.others = -1, 0
+	for i := range r.Headers {
+		if r.Headers[i].Key == HeaderMessageID {
+			rs.id = i
+		} else {
+			rs.others++
+		}
+	}
+	put(r.Key)
+	if rs.id >= 0 && len(r.Headers[rs.id].Value) > 0 {
+		put(r.Headers[rs.id].Value)
+	} else {
+		rs.id = -1
+		from := len(buf)
+		buf = append(buf, d.topic...)
+		buf = append(buf, '/')
+		buf = append(buf, p.lane...)
+		buf = append(buf, '/')
+		buf = d.appendOffset(buf, r.Offset)
+		spans = append(spans, span{int32(from), int32(len(buf))})
+	}
+	if rs.others > 0 {
+		for i := range r.Headers {
+			if r.Headers[i].Key != HeaderMessageID {
+				put(r.Headers[i].Value)
+			}
+		}
+	}
+	return buf, spans
+}
+
+// appendOffset appends off in decimal to buf. A partition's records come
+// mostly one offset after the other, so the digits of the last offset
+// written are kept and counted up by one rather than formatted afresh.
+func (d *kafkaDriver) appendOffset(buf []byte, off int64) []byte {
+	if off < 0 { // never fetched; kept out of the digits counted up
+		d.lastLen = 0
+		return strconv.AppendInt(buf, off, 10)
+	}
+	digits := &d.lastDigits
+	from := len(digits) - d.lastLen
+	switch {
+	case d.lastLen > 0 && off == d.lastOffset+1:
+		i := len(digits) - 1
+		for i >= from && digits[i] == '9' {
+			digits[i] = '0'
+			i--
+		}
+		if i < from { // all nines, now all zeros: one digit more
+			from--
+			i = from
+			digits[i] = '0'
+		}
+		digits[i]++
+	case d.lastLen == 0 || off != d.lastOffset:
+		from = len(digits)
+		for v := uint64(off); ; v /= 10 {
+			from--
+			digits[from] = byte('0' + v%10)
+			if v < 10 {
+				break
+			}
+		}
+	}
+	d.lastLen, d.lastOffset = len(digits)-from, off
+	return append(buf, digits[from:]...)
 }
 
 // Settle marks acked records done. A record whose partition was revoked
 // since it was fetched is left alone: its offset belongs to the next owner.
 // Return is a no-op: the record stays unfinished, so no commit passes it,
 // and whoever owns the partition next reads it again.
+//
+// The loop settles a lane's records mostly together and in order: each
+// run of acks of one partition is marked first, through the handles, and
+// its commit point then moves once over all it finished.
 func (d *kafkaDriver) Settle(ctx context.Context, batch []driver.Settlement) error {
 	var (
 		wake     bool
@@ -685,30 +842,46 @@ func (d *kafkaDriver) Settle(ctx context.Context, batch []driver.Settlement) err
 		amoParts []int32 // their partitions
 		gone     []int   // at-most-once acks of partitions no longer ours
 		now      int64   // read once a record finishes: its partition's progress
+		run      *partition
+		finished bool // a record of run finished
 	)
 	d.mu.Lock()
 	limit, fixed := d.bufferLimit()
+	endRun := func() {
+		if run == nil {
+			return
+		}
+		run.advance()
+		if finished {
+			if now == 0 {
+				now = time.Now().UnixNano()
+			}
+			run.progress = now
+		}
+		if len(run.stash) > 0 && run.outstanding < limit {
+			wake = true
+		}
+		run, finished = nil, false
+	}
 	for i := range batch {
 		s := &batch[i]
 		h, ok := s.Handle.(*handle)
-		if !ok || h == nil {
-			continue
-		}
-		if s.Action != driver.Ack {
+		if !ok || h == nil || s.Action != driver.Ack {
 			continue
 		}
 		p := h.p
-		if d.parts[p.id] != p {
+		if p.gone {
 			if s.BeforeRun {
 				gone = append(gone, i) // its handler must not run: nothing of it can be committed
 			}
 			continue // revoked since: not ours to commit
 		}
-		if p.ack(h.rec.Offset) {
-			if now == 0 {
-				now = time.Now().UnixNano()
-			}
-			p.progress = now
+		if p != run {
+			endRun()
+			run = p
+		}
+		if p.finish(h.seq) {
+			finished = true
 		}
 		if s.BeforeRun {
 			amo = append(amo, i)
@@ -716,10 +889,8 @@ func (d *kafkaDriver) Settle(ctx context.Context, batch []driver.Settlement) err
 				amoParts = append(amoParts, p.id)
 			}
 		}
-		if len(p.stash) > 0 && p.outstanding < limit {
-			wake = true
-		}
 	}
+	endRun()
 	if wake && d.wakePoll != nil {
 		d.wakePoll() // a partition's waiting records may go out now
 	}
@@ -874,9 +1045,14 @@ func (d *kafkaDriver) handOver(ps []int32) {
 func (d *kafkaDriver) forgetPartitions(cl *kgo.Client, ps []int32) {
 	d.mu.Lock()
 	for _, id := range ps {
-		delete(d.parts, id)
+		if p := d.parts[id]; p != nil {
+			p.gone = true // its records in the loop are no longer ours to commit
+			delete(d.parts, id)
+		}
 	}
-	cl.ResumeFetchPartitions(map[string][]int32{d.topic: ps}) // under d.mu: see adjustPauses
+	if cl != nil { // nil in unit tests
+		cl.ResumeFetchPartitions(map[string][]int32{d.topic: ps}) // under d.mu: see adjustPauses
+	}
 	d.mu.Unlock()
 }
 

@@ -3,7 +3,6 @@ package kafka
 import (
 	"context"
 	"log/slog"
-	"sort"
 	"strconv"
 	"time"
 
@@ -17,14 +16,24 @@ import (
 // commit point is the offset of the first unfinished record, or the offset
 // after the last record when all are finished: never past a gap, whatever
 // finished after it. Offsets need not be contiguous (compaction,
-// transaction markers), so only fetched offsets count.
+// transaction markers), so only fetched records count.
+//
+// Each fetched record gets a sequence number, its place in the
+// partition's table for good (base counts what the table dropped from its
+// front), which its handle keeps: a record is found in its table without
+// a search, and a run of records finished in order is marked and then
+// passed by the commit point in one sweep (see finish and advance).
 type partition struct {
 	id   int32
 	lane string
 	gen  uint64 // the assignment it was made for (kafkaDriver.gen): driver.Message.Generation
+	// gone is set once the partition is revoked or lost: its records are
+	// not ours to commit. A new assignment gets a new *partition. d.mu.
+	gone bool
 
 	ents []entry // fetched records from ents[head] on; before head all finished
 	head int
+	base int64 // the sequence number of ents[0]
 
 	next      int64 // the commit point: every fetched record below it is finished; -1 none yet
 	nextEpoch int32 // leader epoch of the last finished record before next
@@ -58,42 +67,57 @@ func newPartition(id int32) *partition {
 	return &partition{id: id, lane: strconv.Itoa(int(id)), next: -1, committed: -1, progress: now, winStart: now, lastWinAcks: -1}
 }
 
-func (p *partition) add(r *kgo.Record) {
+// add enters r, fetched and about to be handed out, and returns its
+// sequence number.
+func (p *partition) add(r *kgo.Record) (seq int64) {
 	if p.outstanding == 0 {
 		// Busy from now: a spell with nothing to finish (waiting for a
 		// fetch) is not a spell without progress.
 		p.progress = time.Now().UnixNano()
 	}
+	seq = p.base + int64(len(p.ents))
 	p.ents = append(p.ents, entry{off: r.Offset, ts: r.Timestamp.UnixNano(), epoch: r.LeaderEpoch})
 	p.outstanding++
+	return seq
 }
 
-// ack marks the record at off finished and moves the commit point over
-// every finished record at the head. It reports false for an offset it
-// does not hold unfinished. The caller sets progress (one clock reading
-// for a settled batch).
-func (p *partition) ack(off int64) bool {
-	live := p.ents[p.head:]
-	i := sort.Search(len(live), func(i int) bool { return live[i].off >= off })
-	if i == len(live) || live[i].off != off || live[i].done {
-		return false
+// finish marks the record of sequence number seq finished. It reports
+// false for one it does not hold unfinished. The commit point moves only
+// on advance, once for a run of records finished together; the caller sets
+// progress (one clock reading for a settled batch).
+func (p *partition) finish(seq int64) bool {
+	i := seq - p.base
+	if i < int64(p.head) || i >= int64(len(p.ents)) || p.ents[i].done {
+		return false // before head, or compacted away: finished already
 	}
-	live[i].done = true
+	p.ents[i].done = true
 	p.outstanding--
 	p.winAcks++
-	for p.head < len(p.ents) && p.ents[p.head].done {
-		e := &p.ents[p.head]
-		p.next, p.nextEpoch = e.off+1, e.epoch
-		p.head++
+	return true
+}
+
+// advance moves the commit point over every finished record at the head,
+// and drops them from the table when it is cheap to.
+func (p *partition) advance() {
+	h := p.head
+	for h < len(p.ents) && p.ents[h].done {
+		h++
 	}
+	if h == p.head {
+		return
+	}
+	e := &p.ents[h-1]
+	p.next, p.nextEpoch = e.off+1, e.epoch
+	p.head = h
 	switch {
 	case p.head == len(p.ents):
+		p.base += int64(len(p.ents))
 		p.ents, p.head = p.ents[:0], 0
 	case p.head >= 1024 && p.head*2 >= len(p.ents):
 		n := copy(p.ents, p.ents[p.head:])
+		p.base += int64(p.head)
 		p.ents, p.head = p.ents[:n], 0
 	}
-	return true
 }
 
 // oldest is the timestamp of the oldest unfinished record, 0 for none.
