@@ -86,25 +86,45 @@ func (r *run) endGrace(s *shutdown) {
 	for reclaimed := true; reclaimed; {
 		select {
 		case d := <-r.work:
+			unstarted := d.run
 			if d.loose != nil {
-				d.loose.rest() // taken back here, not by rebalance
+				// Taken back here, not by rebalance; what rebalance took
+				// back already is no longer this run's.
+				unstarted = d.loose.rest()
 			}
-			for _, d := range append([]*delivery{d}, d.run...) {
-				r.running--
-				d.passKey = false
-				if d.revoked {
-					// Its lane was taken away: nothing of it is settled.
-					r.drop(d)
-					continue
-				}
-				r.settle(d, driver.Return, 0)
+			r.returnUnstarted(d)
+			for _, f := range unstarted {
+				r.returnUnstarted(f)
 			}
 		default:
 			reclaimed = false
 		}
 	}
+	// And the unclaimed rest of every run of unordered deliveries that a
+	// worker has: a worker stuck in a handler would never start them, and
+	// one that returns claims nothing more.
+	for _, lr := range r.looseRuns {
+		for _, d := range lr.rest() {
+			r.returnUnstarted(d)
+		}
+	}
+	clear(r.looseRuns)
+	r.looseRuns = r.looseRuns[:0]
 	s.abandon = time.NewTimer(abandonAfter)
 	s.abandonC = s.abandon.C
+}
+
+// returnUnstarted gives back a delivery taken from a worker before it
+// started (see endGrace).
+func (r *run) returnUnstarted(d *delivery) {
+	r.running--
+	d.passKey = false
+	if d.revoked {
+		// Its lane was taken away: nothing of it is settled.
+		r.drop(d)
+		return
+	}
+	r.settle(d, driver.Return, 0)
 }
 
 // drained reports whether nothing is left to run or settle.
