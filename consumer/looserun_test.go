@@ -157,3 +157,58 @@ func TestGraceEndSettlesATakenBackRunOnce(t *testing.T) {
 		t.Errorf("running = %d after the grace ended, want 1 (%s, with its worker)", r.running, taken.msg.ID)
 	}
 }
+
+// A revocation waits for the running handlers of its lanes, not for
+// deliveries of them that never started: those in a run of unordered
+// deliveries behind a slow handler of another lane are let go at once, as
+// they are from the ready queue, so that a handler elsewhere (here one that
+// does not return until the test ends) does not hold the broker's
+// rebalance up.
+func TestRevocationDoesNotWaitForTheUnstartedRestOfARun(t *testing.T) {
+	drv := newScriptLog(false)
+	// Keyless, so unordered: "slow" takes the rest as its run. (Without
+	// runs, "other" would wait in the work queue and lane 1 in the ready
+	// queue.)
+	msgs := []driver.Message{
+		{ID: "slow", Lane: "0", Deliveries: 1, Handle: "slow"},
+		{ID: "other", Lane: "0", Deliveries: 1, Handle: "other"},
+	}
+	for i := range 5 {
+		id := "1/" + strconv.Itoa(i)
+		msgs = append(msgs, driver.Message{ID: id, Lane: "1", Deliveries: 1, Handle: id})
+	}
+	drv.push(msgs...)
+	l, err := New(drv, WithConcurrency(1), WithMaxInFlight(16), WithOrdering(OrderByKey),
+		WithShutdownGrace(50*time.Millisecond), WithLogger(slog.New(slog.DiscardHandler)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := make(chan string, 7)
+	release := make(chan struct{})
+	defer close(release)
+	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
+		started <- m.ID
+		if m.ID == "slow" {
+			<-release // lane 0 is not revoked: it keeps running
+		}
+		return nil
+	}))
+	if id := <-started; id != "slow" {
+		t.Fatalf("%s ran first, want slow", id)
+	}
+	eventually(t, "all seven to be fetched", func() bool { return l.Stats().Fetched == 7 })
+	time.Sleep(20 * time.Millisecond)
+	done := make(chan struct{})
+	drv.revCh <- driver.Revocation{Lanes: []string{"1"}, Done: done}
+	select {
+	case <-done:
+	case <-time.After(2 * time.Second):
+		t.Errorf("the revocation of lane 1, none of whose messages started, was not done 2s later: it waits for lane 0's handler")
+	}
+	if got := l.Stats().Revoked; got != 5 {
+		t.Errorf("Revoked = %d, want the 5 messages of lane 1", got)
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+}
