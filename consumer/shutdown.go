@@ -77,6 +77,10 @@ func (r *run) endGrace(s *shutdown) {
 			r.settle(d, driver.Return, 0)
 		}
 	}
+	// With what is ready, the unclaimed rest of every run of unordered
+	// deliveries: a worker stuck in a handler would never start them, and
+	// one that returns claims nothing more.
+	r.takeBackLoose()
 	for _, d := range r.ready {
 		r.settle(d, driver.Return, 0)
 	}
@@ -88,8 +92,9 @@ func (r *run) endGrace(s *shutdown) {
 		case d := <-r.work:
 			unstarted := d.run
 			if d.loose != nil {
-				// Taken back here, not by rebalance; what rebalance took
-				// back already is no longer this run's.
+				// An unordered run: what of it was unclaimed went back
+				// above (takeBackLoose), or before (rebalance), so d.run
+				// is no longer all its own.
 				unstarted = d.loose.rest()
 			}
 			r.returnUnstarted(d)
@@ -100,16 +105,6 @@ func (r *run) endGrace(s *shutdown) {
 			reclaimed = false
 		}
 	}
-	// And the unclaimed rest of every run of unordered deliveries that a
-	// worker has: a worker stuck in a handler would never start them, and
-	// one that returns claims nothing more.
-	for _, lr := range r.looseRuns {
-		for _, d := range lr.rest() {
-			r.returnUnstarted(d)
-		}
-	}
-	clear(r.looseRuns)
-	r.looseRuns = r.looseRuns[:0]
 	s.abandon = time.NewTimer(abandonAfter)
 	s.abandonC = s.abandon.C
 }
