@@ -108,12 +108,10 @@ func TestALongHeldDeliveryDoesNotKeepLaterDeliveriesAlive(t *testing.T) {
 }
 
 // When the grace ends, a delivery still in the work queue goes back with
-// what of its run of unordered deliveries is still its own: the part that
-// rebalance took back is in the ready queue (or with another worker) and
-// is settled from there, once. The state is the dispatcher's own, built by
-// its own steps: a revocation empties the ready queue behind three runs in
-// the work queue, a worker has taken the first and not yet counted itself
-// busy, and a takeDone (another worker's hand-back) rebalances.
+// what of its run of unordered deliveries is still its own: the part taken
+// back from it (by a revocation, as here, or by rebalance) is in the ready
+// queue, or with another worker, and is settled from there, once. The
+// state is the dispatcher's own, built by its own steps.
 func TestGraceEndSettlesATakenBackRunOnce(t *testing.T) {
 	drv := newScriptLog(true)
 	l, err := New(drv, WithConcurrency(3), WithOrdering(OrderByKey), WithLogger(slog.New(slog.DiscardHandler)))
@@ -136,9 +134,12 @@ func TestGraceEndSettlesATakenBackRunOnce(t *testing.T) {
 	if len(r.work) != 3 || len(r.ready) != 2 {
 		t.Fatalf("work queue %d, ready %d: not the state this test builds", len(r.work), len(r.ready))
 	}
+	// Lane b goes; the runs' unclaimed rests come back to the ready
+	// queue (revoke takes them back; before it did, a takeDone's
+	// rebalance did, with a worker idle).
 	r.revoke(driver.Revocation{Lanes: []string{"b"}, Done: make(chan struct{})})
-	taken := <-r.work // a worker took 0 and its run
-	r.takeDone()      // rebalance: the unclaimed rests of all three runs come back
+	taken := <-r.work // a worker takes 0
+	r.takeDone()
 	var sd shutdown
 	defer sd.stop()
 	r.endGrace(&sd)
