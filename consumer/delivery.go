@@ -142,9 +142,12 @@ func (s *deliverySlab) next() *delivery {
 // forget drops d's references to what may be large (the body, the headers,
 // the driver's handle) once d has left the loop, so that its slab does not
 // keep them alive. The handler has returned: it must not keep the Message.
+// Its run goes too, loose or not: a run views a ready queue's array, whose
+// deliveries' runs view later arrays, so one delivery held for long (and its
+// slab's neighbours) would otherwise keep every later delivery reachable.
 func (d *delivery) forget() {
 	d.msg.Body, d.msg.Headers, d.msg.handle = nil, nil, nil
-	d.run, d.cut, d.reserved = nil, nil, nil
+	d.run, d.cut, d.reserved, d.loose = nil, nil, nil, nil
 }
 
 // ackRequest is a worker asking for an at-most-once delivery's ack before

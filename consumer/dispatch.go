@@ -732,6 +732,12 @@ func (r *run) rebalance() {
 	if len(r.looseRuns) == 0 || len(r.ready) > 0 || int(r.idle.Load()) <= len(r.work) {
 		return
 	}
+	r.takeBackLoose()
+}
+
+// takeBackLoose takes back the unclaimed rest of every run of unordered
+// deliveries, to the head of the ready queue.
+func (r *run) takeBackLoose() {
 	for _, lr := range r.looseRuns {
 		if rest := lr.rest(); len(rest) > 0 {
 			r.running -= len(rest)

@@ -43,6 +43,11 @@ func (r *run) revoke(rev driver.Revocation) {
 			delete(r.lanes, lane)
 		}
 	}
+	// What no worker has started of a run of unordered deliveries comes
+	// back first, to be let go (or offered again) like what is ready: a
+	// revocation waits only for handlers that run, not for a slow handler
+	// of another lane ahead of them in a run.
+	r.takeBackLoose()
 	dropped := false
 	for d := r.head.next; d != &r.head; {
 		next := d.next

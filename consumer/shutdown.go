@@ -77,6 +77,10 @@ func (r *run) endGrace(s *shutdown) {
 			r.settle(d, driver.Return, 0)
 		}
 	}
+	// With what is ready, the unclaimed rest of every run of unordered
+	// deliveries: a worker stuck in a handler would never start them, and
+	// one that returns claims nothing more.
+	r.takeBackLoose()
 	for _, d := range r.ready {
 		r.settle(d, driver.Return, 0)
 	}
@@ -86,18 +90,16 @@ func (r *run) endGrace(s *shutdown) {
 	for reclaimed := true; reclaimed; {
 		select {
 		case d := <-r.work:
+			unstarted := d.run
 			if d.loose != nil {
-				d.loose.rest() // taken back here, not by rebalance
+				// An unordered run: what of it was unclaimed went back
+				// above (takeBackLoose), or before (rebalance), so d.run
+				// is no longer all its own.
+				unstarted = d.loose.rest()
 			}
-			for _, d := range append([]*delivery{d}, d.run...) {
-				r.running--
-				d.passKey = false
-				if d.revoked {
-					// Its lane was taken away: nothing of it is settled.
-					r.drop(d)
-					continue
-				}
-				r.settle(d, driver.Return, 0)
+			r.returnUnstarted(d)
+			for _, f := range unstarted {
+				r.returnUnstarted(f)
 			}
 		default:
 			reclaimed = false
@@ -105,6 +107,19 @@ func (r *run) endGrace(s *shutdown) {
 	}
 	s.abandon = time.NewTimer(abandonAfter)
 	s.abandonC = s.abandon.C
+}
+
+// returnUnstarted gives back a delivery taken from a worker before it
+// started (see endGrace).
+func (r *run) returnUnstarted(d *delivery) {
+	r.running--
+	d.passKey = false
+	if d.revoked {
+		// Its lane was taken away: nothing of it is settled.
+		r.drop(d)
+		return
+	}
+	r.settle(d, driver.Return, 0)
 }
 
 // drained reports whether nothing is left to run or settle.
