@@ -371,10 +371,12 @@ func judge(cfg config, samples []healthSample, parts chainParts) Health {
 	}
 	h.Lanes = laneVerdicts(samples)
 
-	open := ""
-	for _, b := range parts.breakers {
-		if b.State() != BreakerClosed {
-			open = b.Name()
+	// From h.Breakers, read once above: a breaker that changes state
+	// meanwhile must not make the state disagree with the list.
+	open, openState := "", ""
+	for _, b := range h.Breakers {
+		if b.State != BreakerClosed.String() {
+			open, openState = b.Name, b.State
 			break
 		}
 	}
@@ -387,7 +389,7 @@ func judge(cfg config, samples []healthSample, parts chainParts) Health {
 	case open != "" || h.Held > 0:
 		h.State = HealthProtected
 		if open != "" {
-			h.Reason = fmt.Sprintf("breaker %q is %s", open, breakerStateOf(parts.breakers, open))
+			h.Reason = fmt.Sprintf("breaker %q is %s", open, openState)
 		} else {
 			h.Reason = fmt.Sprintf("%d runs held by a breaker in %s", h.Held, h.Window)
 		}
@@ -426,15 +428,6 @@ func deadLetterFailing(samples []healthSample) bool {
 // minStorm is the fewest failed runs and retries in a window that make a
 // retry storm: a handful of failures among few messages is not one.
 const minStorm = 10
-
-func breakerStateOf(bs []*Breaker, name string) string {
-	for _, b := range bs {
-		if b.Name() == name {
-			return b.State().String()
-		}
-	}
-	return ""
-}
 
 // climbing reports whether the lag grew over the window without reaching
 // zero (the consumer never caught up), shrinking at no more than a quarter
