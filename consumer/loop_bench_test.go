@@ -54,24 +54,7 @@ func BenchmarkLoopOverhead(b *testing.B) {
 	for i := range g.msgs {
 		g.msgs[i] = driver.Message{ID: "m", Body: body, Deliveries: 1, Handle: &handles[i]}
 	}
-	l, err := New(g, WithConcurrency(8), WithLogger(benchLogger))
-	if err != nil {
-		b.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	b.ReportAllocs()
-	b.ResetTimer()
-	start := time.Now()
-	errc := make(chan error, 1)
-	go func() { errc <- l.Run(ctx, HandlerFunc(func(context.Context, *Message) error { return nil })) }()
-	<-g.all
-	elapsed := time.Since(start)
-	b.StopTimer()
-	cancel()
-	if err := <-errc; err != nil {
-		b.Fatal(err)
-	}
-	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "msgs/s")
+	benchLoop(b, g, WithConcurrency(8))
 }
 
 // BenchmarkLoopKeyed is BenchmarkLoopOverhead at the Kafka comparison's
@@ -90,8 +73,13 @@ func BenchmarkLoopKeyed(b *testing.B) {
 		g.msgs[i] = driver.Message{ID: "m", Key: keys[i%len(keys)], Body: body, Lane: lanes[i%len(lanes)], Source: "t",
 			Offset: int64(i), Deliveries: 1, Handle: i}
 	}
-	l, err := New(g, WithConcurrency(8), WithMaxInFlight(20_000), WithFetchBatch(5_000), WithOrdering(OrderByKey),
-		WithLogger(benchLogger))
+	benchLoop(b, g, WithConcurrency(8), WithMaxInFlight(20_000), WithFetchBatch(5_000), WithOrdering(OrderByKey))
+}
+
+// benchLoop runs a loop with opts over g's messages and a no-op handler,
+// timed until every message is acked, and reports the rate.
+func benchLoop(b *testing.B, g *genDriver, opts ...Option) {
+	l, err := New(g, append(opts, WithLogger(benchLogger))...)
 	if err != nil {
 		b.Fatal(err)
 	}
