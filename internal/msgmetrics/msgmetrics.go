@@ -9,6 +9,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -48,7 +50,22 @@ type Publisher struct {
 	dur    metric.Float64Histogram
 	sent   metric.Int64Counter
 	system attribute.KeyValue
+	ok     sync.Map // destination → *sentOpts: the attributes of a success, made once
+	oks    atomic.Int32
 }
+
+// sentOpts are a success's attributes for one destination, as options of
+// both instruments. Made once: building an attribute set (copy, sort,
+// dedupe) on every call cost more than the call's recording, and passing
+// prepared slices to Record and Add costs no allocation.
+type sentOpts struct {
+	rec []metric.RecordOption
+	add []metric.AddOption
+}
+
+// maxCachedDestinations bounds how many destinations' attributes a
+// Publisher keeps; beyond it, they are built per call.
+const maxCachedDestinations = 1024
 
 // NewPublisher returns a Publisher recording through mp for the broker
 // named system (OpenTelemetry's messaging.system: "kafka", "aws_sqs",
@@ -74,14 +91,31 @@ func (p *Publisher) Record(ctx context.Context, destination string, n int, start
 	if p == nil {
 		return
 	}
+	o := p.opts(destination, err)
+	p.dur.Record(ctx, time.Since(start).Seconds(), o.rec...)
+	p.sent.Add(ctx, int64(n), o.add...)
+}
+
+// opts returns the options of a call to destination that ended with err.
+func (p *Publisher) opts(destination string, err error) *sentOpts {
+	if err == nil {
+		if o, ok := p.ok.Load(destination); ok {
+			return o.(*sentOpts)
+		}
+	}
 	attrs := []attribute.KeyValue{p.system, KeyOperationName.String("send"), KeyOperationType.String("send"),
 		KeyDestination.String(destination)}
 	if err != nil {
 		attrs = append(attrs, KeyErrorType.String(ErrorType(err)))
 	}
-	set := metric.WithAttributes(attrs...)
-	p.dur.Record(ctx, time.Since(start).Seconds(), set)
-	p.sent.Add(ctx, int64(n), set)
+	set := metric.WithAttributeSet(attribute.NewSet(attrs...))
+	o := &sentOpts{rec: []metric.RecordOption{set}, add: []metric.AddOption{set}}
+	if err == nil && p.oks.Load() < maxCachedDestinations {
+		if _, loaded := p.ok.LoadOrStore(destination, o); !loaded {
+			p.oks.Add(1)
+		}
+	}
+	return o
 }
 
 // ErrorType is the error.type of err: "timeout" for a deadline, "canceled"
