@@ -13,7 +13,8 @@ import (
 
 // This file holds the goroutines around the dispatcher: the fetcher and the
 // workers. None of them touches a delivery's state while the dispatcher owns
-// it; they hand deliveries over on channels.
+// it; they hand deliveries over on channels, and workers hand them back
+// through their boxes.
 
 // doneBox is where a worker puts the deliveries it has finished, for the
 // dispatcher. A worker hands back each delivery as it finishes, under a lock
@@ -21,8 +22,8 @@ import (
 // only when its box was empty: while the dispatcher is busy, deliveries
 // gather there and it takes them all at its next wake-up. So the hand-back
 // costs an uncontended lock a delivery and a wake-up a batch, and adds no
-// wait: a finished delivery is taken the next time the dispatcher looks, as
-// soon as it was with a channel a delivery.
+// wait: a finished delivery is taken the next time the dispatcher looks,
+// exactly as soon as when each took a channel send of its own.
 type doneBox struct {
 	mu sync.Mutex
 	ds []*delivery
