@@ -40,24 +40,8 @@ func TestNoCommitOfOffsetsReadBeforeALoss(t *testing.T) {
 		}
 	}
 
-	d, err := b.newDriver(topic)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := d.start(group); err != nil {
-		t.Fatal(err)
-	}
+	d := startGroupDriver(t, b, topic, group)
 	defer d.Close()
-	go func() { // the loop's part of a revocation: let go at once
-		for {
-			select {
-			case rev := <-d.Revoked():
-				close(rev.Done)
-			case <-d.stop:
-				return
-			}
-		}
-	}()
 	// Fetch and finish all n, as the loop would (a partition holds only
 	// so many unfinished records).
 	for done := 0; done < n; {
@@ -90,4 +74,29 @@ func TestNoCommitOfOffsetsReadBeforeALoss(t *testing.T) {
 	if o, ok := offs.Lookup(topic, 0); ok && o.At >= 0 {
 		t.Errorf("the group committed partition 0 at %d with offsets read before the partition was lost", o.At)
 	}
+}
+
+// startGroupDriver starts a driver of topic in group, as a Loop would,
+// and plays the loop's part of a revocation: letting go at once. The
+// caller closes it.
+func startGroupDriver(tb testing.TB, b *Broker, topic, group string) *kafkaDriver {
+	tb.Helper()
+	d, err := b.newDriver(topic)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if err := d.start(group); err != nil {
+		tb.Fatal(err)
+	}
+	go func() {
+		for {
+			select {
+			case rev := <-d.Revoked():
+				close(rev.Done)
+			case <-d.stop:
+				return
+			}
+		}
+	}()
+	return d
 }

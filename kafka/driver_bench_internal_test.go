@@ -163,24 +163,8 @@ func readRaw(b *testing.B, seeds []string, topic string, n int) usage {
 // record fetched, and returns what the process used meanwhile.
 func readDriver(b *testing.B, br *Broker, topic string, n int) usage {
 	b.Helper()
-	d, err := br.newDriver(topic)
-	if err != nil {
-		b.Fatal(err)
-	}
-	if err := d.start(testenv.UniqueName(b, "driver")); err != nil {
-		b.Fatal(err)
-	}
+	d := startGroupDriver(b, br, topic, testenv.UniqueName(b, "driver"))
 	defer d.Close()
-	go func() { // the loop's part of a revocation: let go at once
-		for {
-			select {
-			case rev := <-d.Revoked():
-				close(rev.Done)
-			case <-d.stop:
-				return
-			}
-		}
-	}()
 	ctx := context.Background()
 	if err := d.Connect(ctx); err != nil { // makes the client, as raw's is made before it reads
 		b.Fatal(err)
@@ -188,6 +172,7 @@ func readDriver(b *testing.B, br *Broker, topic string, n int) usage {
 	msgs := make([]driver.Message, 0, 5000)
 	acks := make([]driver.Settlement, 0, 5000)
 	before := readUsage()
+	var err error
 	for got := 0; got < n; {
 		msgs, err = d.Fetch(ctx, msgs[:0], 5000)
 		if err != nil {

@@ -291,24 +291,8 @@ func TestScrambledAcksCommitOnlyContiguousOffsets(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	d, err := b.newDriver(topic)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := d.start(group); err != nil {
-		t.Fatal(err)
-	}
+	d := startGroupDriver(t, b, topic, group)
 	defer d.Close()
-	go func() { // the loop's part of a revocation: let go at once
-		for {
-			select {
-			case rev := <-d.Revoked():
-				close(rev.Done)
-			case <-d.stop:
-				return
-			}
-		}
-	}()
 	handles := map[[2]int64]any{}
 	for len(handles) < 2*perPartition {
 		got, err := d.Fetch(ctx, nil, 2*perPartition)
