@@ -424,6 +424,12 @@ func (d *kafkaDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 	case ferr != nil && refusedBy(&d.link, ferr):
 		addr, _ := d.link.last()
 		err = driver.Fatal(fmt.Errorf("kafka: consumer of %q: %w", d.topic, refused(d.b.addrOr(addr), ferr)))
+	case ferr != nil && isDialErr(ferr):
+		// franz-go gave up on something (the group session, say) because
+		// it could not dial a broker: the link's grace has not run out
+		// yet, but the cause is the same.
+		addr, _ := d.link.last()
+		err = fmt.Errorf("kafka: consumer of %q: %w", d.topic, unreachable(d.b.addrOr(addr), ferr))
 	case ferr != nil:
 		err = fmt.Errorf("kafka: fetch %q: %w", d.topic, ferr)
 	case res.ask:

@@ -170,6 +170,12 @@ func unreachable(addr string, err error) error {
 	return fmt.Errorf("%w: %s: %w", consumer.ErrUnreachable, addr, err)
 }
 
+// isDialErr reports whether err is, or wraps, a failed dial.
+func isDialErr(err error) bool {
+	var op *net.OpError
+	return errors.As(err, &op) && op.Op == "dial"
+}
+
 func isContextErr(err error) bool {
 	return errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)
 }
