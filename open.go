@@ -138,16 +138,12 @@ import (
 	"github.com/ferrymq/ferry/memory"
 )
 
-// Broker is what Open returns: a Publisher, and a source of consumers. The
-// source of NewConsumer is a queue (memory, SQS, RabbitMQ) or a topic
-// (Kafka).
-type Broker interface {
-	consumer.Publisher
-	// NewConsumer returns a consumer loop over source.
-	NewConsumer(ctx context.Context, source string, opts ...consumer.Option) (*consumer.Loop, error)
-	// Close releases the broker's connections.
-	Close() error
-}
+// Broker is what Open returns: consumer.Broker, the contract every
+// adapter's *Broker keeps (a Publisher, and a source of delivery loops).
+// What a broker does beyond it is found by type assertion: see
+// consumer.Broker. The source of NewConsumer is a queue (memory, SQS,
+// RabbitMQ) or a topic (Kafka).
+type Broker = consumer.Broker
 
 // ErrBadURL matches every *URLError through errors.Is.
 var ErrBadURL = errors.New("ferry: bad broker URL")
@@ -339,7 +335,7 @@ func openMem(_ context.Context, u *url.URL, q url.Values, shown string) (Broker,
 		if err != nil {
 			return nil, &URLError{URL: shown, Part: "query", Reason: "is invalid", Err: err}
 		}
-		return memBroker{Broker: b}, nil
+		return b, nil
 	}
 	sharedMemMu.Lock()
 	defer sharedMemMu.Unlock()
@@ -353,19 +349,12 @@ func openMem(_ context.Context, u *url.URL, q url.Values, shown string) (Broker,
 		sharedMem[name] = s
 	}
 	s.users++
-	return &memShared{memBroker: memBroker{Broker: s.b}, name: name, s: s}, nil
-}
-
-// memBroker is a memory.Broker as a Broker.
-type memBroker struct{ *memory.Broker }
-
-func (m memBroker) NewConsumer(_ context.Context, queue string, opts ...consumer.Option) (*consumer.Loop, error) {
-	return m.Broker.NewConsumer(queue, opts...)
+	return &memShared{Broker: s.b, name: name, s: s}, nil
 }
 
 // memShared is one Open of a named memory broker.
 type memShared struct {
-	memBroker
+	*memory.Broker
 	name   string
 	s      *sharedMemBroker
 	closed sync.Once
@@ -390,8 +379,8 @@ func (m *memShared) Close() error {
 // what only the memory broker has (CreateQueue, Stats, Messages).
 func Memory(b Broker) (*memory.Broker, bool) {
 	switch m := b.(type) {
-	case memBroker:
-		return m.Broker, true
+	case *memory.Broker:
+		return m, true
 	case *memShared:
 		return m.Broker, true
 	}

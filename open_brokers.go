@@ -15,12 +15,13 @@ import (
 	"github.com/aws/aws-sdk-go-v2/config"
 	"github.com/aws/aws-sdk-go-v2/credentials"
 	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
+	"github.com/twmb/franz-go/pkg/sasl/plain"
+	"github.com/twmb/franz-go/pkg/sasl/scram"
+
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/kafka"
 	"github.com/ferrymq/ferry/rabbit"
 	"github.com/ferrymq/ferry/sqs"
-	"github.com/twmb/franz-go/pkg/sasl/plain"
-	"github.com/twmb/franz-go/pkg/sasl/scram"
 )
 
 // This file opens the real brokers: Kafka, SQS and RabbitMQ.
@@ -89,13 +90,7 @@ func openKafka(_ context.Context, u *url.URL, q url.Values, shown string) (Broke
 	if err != nil {
 		return nil, &URLError{URL: shown, Part: "URL", Reason: "names a Kafka Ferry cannot use", Err: err}
 	}
-	return kafkaBroker{b}, nil
-}
-
-type kafkaBroker struct{ *kafka.Broker }
-
-func (k kafkaBroker) NewConsumer(_ context.Context, topic string, opts ...consumer.Option) (*consumer.Loop, error) {
-	return k.Broker.NewConsumer(topic, opts...)
+	return b, nil
 }
 
 // tlsFrom builds the TLS configuration of tls=true and ca_file=FILE.
@@ -188,10 +183,8 @@ func newSQS(ctx context.Context, shown, region, endpoint string, user *url.Useri
 	if err != nil {
 		return nil, &URLError{URL: shown, Part: "URL", Reason: "names an SQS Ferry cannot use", Err: err}
 	}
-	return sqsBroker{b}, nil
+	return b, nil
 }
-
-type sqsBroker struct{ *sqs.Broker }
 
 // openRabbit opens amqp:// and amqps:// URLs with rabbit.Dial (the package
 // doc's section RabbitMQ). Like Kafka's and SQS's, the Broker needs no
@@ -221,11 +214,5 @@ func openRabbit(_ context.Context, u *url.URL, q url.Values, shown string) (Brok
 		}
 		return nil, err
 	}
-	return rabbitBroker{b}, nil
-}
-
-type rabbitBroker struct{ *rabbit.Broker }
-
-func (r rabbitBroker) NewConsumer(_ context.Context, queue string, opts ...consumer.Option) (*consumer.Loop, error) {
-	return r.Broker.NewConsumer(queue, opts...)
+	return b, nil
 }

@@ -133,7 +133,7 @@ func KafkaSuite(seeds []string, run string) (*Suite, error) {
 
 	ferryConsume := func(full bool) Consumer {
 		return func(ctx context.Context, src Source, tr *Tracker) error {
-			loop, err := br.NewConsumer(src.Name, consumer.WithName(name("ferry")),
+			loop, err := br.NewConsumer(ctx, src.Name, consumer.WithName(name("ferry")),
 				consumer.WithConcurrency(Concurrency), consumer.WithMaxInFlight(20_000), consumer.WithFetchBatch(5_000),
 				consumer.WithLogger(quiet))
 			if err != nil {
@@ -292,7 +292,7 @@ func KafkaSuite(seeds []string, run string) (*Suite, error) {
 	}
 	ordered := func(o consumer.Ordering) Consumer {
 		return func(ctx context.Context, src Source, tr *Tracker) error {
-			loop, err := br.NewConsumer(src.Name, consumer.WithName(name("keys")),
+			loop, err := br.NewConsumer(ctx, src.Name, consumer.WithName(name("keys")),
 				consumer.WithConcurrency(64), consumer.WithOrdering(o), consumer.WithLogger(quiet))
 			if err != nil {
 				return err

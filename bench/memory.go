@@ -60,7 +60,7 @@ func MemorySuite() (*Suite, error) {
 			if g := drop(src); g != nil {
 				_ = g.Close()
 			}
-			loop, err := br.NewConsumer(src.Name, consumer.WithConcurrency(Concurrency), consumer.WithLogger(quiet))
+			loop, err := br.NewConsumer(ctx, src.Name, consumer.WithConcurrency(Concurrency), consumer.WithLogger(quiet))
 			if err != nil {
 				return err
 			}
@@ -83,7 +83,7 @@ func MemorySuite() (*Suite, error) {
 			_ = g.Close()
 		}
 		return parallelLoops(ctx, Concurrency, func(ctx context.Context) error {
-			d, err := br.Driver(src.Name)
+			d, err := br.Driver(ctx, src.Name, driver.Config{})
 			if err != nil {
 				return err
 			}
@@ -167,7 +167,7 @@ func MemorySuite() (*Suite, error) {
 
 // drainMemory acks the n messages of queue q, freeing them.
 func drainMemory(br *memory.Broker, q string, n int) {
-	d, err := br.Driver(q)
+	d, err := br.Driver(context.Background(), q, driver.Config{})
 	if err != nil {
 		return
 	}

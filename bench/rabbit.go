@@ -132,7 +132,7 @@ func RabbitSuite(url, run string) (*Suite, error) {
 	}
 	ferryConsume := func(full bool) Consumer {
 		return func(ctx context.Context, src Source, tr *Tracker) error {
-			loop, err := br.NewConsumer(src.Name, consumer.WithConcurrency(Concurrency),
+			loop, err := br.NewConsumer(ctx, src.Name, consumer.WithConcurrency(Concurrency),
 				consumer.WithMaxInFlight(RabbitPrefetch), consumer.WithLogger(quiet))
 			if err != nil {
 				return err

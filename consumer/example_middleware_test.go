@@ -44,7 +44,7 @@ func ExampleStandard() {
 		return nil
 	})
 
-	loop, err := broker.NewConsumer("orders", consumer.WithName("billing"), consumer.WithLogger(discard))
+	loop, err := broker.NewConsumer(context.Background(), "orders", consumer.WithName("billing"), consumer.WithLogger(discard))
 	if err != nil {
 		fmt.Println(err)
 		return

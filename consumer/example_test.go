@@ -38,7 +38,7 @@ func ExampleJSON() {
 	fmt.Println("permanent:", consumer.IsPermanent(bad))
 	fmt.Println(bad)
 
-	c, err := b.NewConsumer("orders", consumer.WithName("billing"))
+	c, err := b.NewConsumer(ctx, "orders", consumer.WithName("billing"))
 	if err != nil {
 		panic(err)
 	}

@@ -57,7 +57,7 @@ func newHealthScenario(t *testing.T, perTick int, h consumer.Handler, opts ...co
 	if err := b.CreateQueue("q", memory.QueueConfig{VisibilityTimeout: 10 * time.Second}); err != nil {
 		t.Fatal(err)
 	}
-	l, err := b.NewConsumer("q", append([]consumer.Option{
+	l, err := b.NewConsumer(t.Context(), "q", append([]consumer.Option{
 		consumer.WithName("billing"),
 		consumer.WithHealthWindow(50*time.Millisecond, 8),
 		consumer.WithRedeliveryBackoff(time.Millisecond, time.Millisecond),
@@ -204,7 +204,7 @@ func TestHealthOptionsRefuseNonsense(t *testing.T) {
 		"retention 0":  consumer.WithRetention(0, 0.5),
 		"fraction 1.5": consumer.WithRetention(time.Hour, 1.5),
 	} {
-		if _, err := b.NewConsumer("q", opt); !errors.Is(err, consumer.ErrInvalidConfig) {
+		if _, err := b.NewConsumer(t.Context(), "q", opt); !errors.Is(err, consumer.ErrInvalidConfig) {
 			t.Errorf("%s: NewConsumer = %v, want a ConfigError", name, err)
 		}
 	}

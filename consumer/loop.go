@@ -8,9 +8,10 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/ferrymq/ferry/consumer/driver"
 	"github.com/ferrymq/ferry/internal/ratelog"
-	"go.opentelemetry.io/otel/trace"
 )
 
 // ErrAlreadyRun is returned by a second call to Loop.Run: a Loop runs once
@@ -80,6 +81,10 @@ func New(drv driver.Driver, opts ...Option) (*Loop, error) {
 	if err != nil {
 		return nil, err
 	}
+	return newLoop(drv, cfg)
+}
+
+func newLoop(drv driver.Driver, cfg config) (*Loop, error) {
 	l := &Loop{drv: drv, cfg: cfg, caps: drv.Capabilities(), space: make(chan struct{}, 1), logs: ratelog.New(5, time.Minute)}
 	if e, ok := drv.(driver.Extender); ok && e.Lease() > 0 {
 		if e.Lease() < driver.MinLease {

@@ -85,7 +85,7 @@ func BenchmarkStandardStackOverMemory(b *testing.B) {
 					msgs = msgs[:0]
 				}
 			}
-			loop, err := broker.NewConsumer("bench", consumer.WithLogger(quiet))
+			loop, err := broker.NewConsumer(b.Context(), "bench", consumer.WithLogger(quiet))
 			if err != nil {
 				b.Fatal(err)
 			}

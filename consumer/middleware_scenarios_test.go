@@ -66,7 +66,7 @@ func (s *scenario) publish(prefix string, n int) {
 func (s *scenario) run(h consumer.Handler, opts ...consumer.Option) (loop *consumer.Loop, stop func()) {
 	s.t.Helper()
 	opts = append([]consumer.Option{consumer.WithLogger(quiet)}, opts...)
-	l, err := s.b.NewConsumer(s.queue, opts...)
+	l, err := s.b.NewConsumer(context.Background(), s.queue, opts...)
 	if err != nil {
 		s.t.Fatal(err)
 	}

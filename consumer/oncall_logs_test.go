@@ -63,7 +63,7 @@ func TestAnOutageIsLoggedOnceAndDoesNotFlood(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l, err := b.NewConsumer("orders", consumer.WithName("billing"), consumer.WithConcurrency(16),
+	l, err := b.NewConsumer(t.Context(), "orders", consumer.WithName("billing"), consumer.WithConcurrency(16),
 		consumer.WithLogger(slog.New(slog.NewTextHandler(&logs, nil)))) // Info and above: the default level
 	if err != nil {
 		t.Fatal(err)
@@ -141,7 +141,7 @@ func TestRepeatingFailuresAreLoggedRateLimited(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l, err := b.NewConsumer("orders", consumer.WithName("billing"), consumer.WithConcurrency(16),
+	l, err := b.NewConsumer(t.Context(), "orders", consumer.WithName("billing"), consumer.WithConcurrency(16),
 		consumer.WithRedeliveryBackoff(time.Millisecond, time.Millisecond),
 		consumer.WithLogger(slog.New(slog.NewTextHandler(&logs, nil))))
 	if err != nil {

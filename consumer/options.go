@@ -88,6 +88,7 @@ type Option func(*config) error
 
 type config struct {
 	name           string
+	named          bool // name given by WithName
 	concurrency    int
 	maxInFlight    int
 	fetchBatch     int
@@ -137,7 +138,7 @@ func WithName(name string) Option {
 		if name == "" {
 			return configErr("Name", "must not be empty")
 		}
-		c.name = name
+		c.name, c.named = name, true
 		return nil
 	}
 }

@@ -8,14 +8,15 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ferrymq/ferry/consumer"
-	"github.com/ferrymq/ferry/memory"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/propagation"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/memory"
 )
 
 // tracing is a tracer provider whose ended spans a test can read.
@@ -80,7 +81,7 @@ func TestATraceFollowsAMessageFromItsPublishToItsHandler(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l, err := b.NewConsumer("orders", consumer.WithName("billing"), consumer.WithTracerProvider(tp))
+	l, err := b.NewConsumer(ctx, "orders", consumer.WithName("billing"), consumer.WithTracerProvider(tp))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -155,7 +156,7 @@ func TestADeadLetterContinuesTheTraceOfTheRunThatGaveUp(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l, err := b.NewConsumer("orders", consumer.WithTracerProvider(tp))
+	l, err := b.NewConsumer(t.Context(), "orders", consumer.WithTracerProvider(tp))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -200,7 +201,7 @@ func TestARunSpanSaysItsOutcome(t *testing.T) {
 	if err := b.Publish(context.Background(), "q", consumer.Message{ID: "m"}); err != nil {
 		t.Fatal(err)
 	}
-	l, err := b.NewConsumer("q", consumer.WithTracerProvider(tp), consumer.WithRedeliveryBackoff(time.Millisecond, time.Millisecond))
+	l, err := b.NewConsumer(t.Context(), "q", consumer.WithTracerProvider(tp), consumer.WithRedeliveryBackoff(time.Millisecond, time.Millisecond))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -155,7 +155,6 @@ type kafkaBroker interface {
 	CreateTopic(ctx context.Context, topic string, cfg kafka.TopicConfig) error
 	DeleteTopic(ctx context.Context, topic string) error
 	Admin() *kadm.Client
-	Driver(topic, group string) (driver.Driver, error)
 	Peek(ctx context.Context, topic, group string, perPartition int) ([]consumer.Message, error)
 }
 
@@ -208,7 +207,7 @@ func (a *kafkaAdmin) close() error { return nil }
 // sqsBroker is what ferry.Open returns for sqs://.
 type sqsBroker interface {
 	Client() *awssqs.Client
-	Driver(ctx context.Context, queue string) (driver.Driver, error)
+	driver.Opener
 }
 
 type sqsAdmin struct{ b sqsBroker }
@@ -272,7 +271,7 @@ func (a *sqsAdmin) peek(ctx context.Context, q *Queue) ([]consumer.Message, erro
 	if want == 0 {
 		return nil, nil
 	}
-	d, err := a.b.Driver(ctx, q.Name)
+	d, err := a.b.Driver(ctx, q.Name, driver.Config{})
 	if err != nil {
 		return nil, err
 	}
@@ -283,7 +282,8 @@ func (a *sqsAdmin) close() error { return nil }
 
 // rabbitBroker is what ferry.Open returns for amqp:// and amqps://.
 type rabbitBroker interface {
-	Driver(queue string, opts ...rabbit.DriverOption) (*rabbit.Driver, error)
+	driver.Opener
+	System() string
 }
 
 // rabbitAdmin declares queues through package rabbit (the quorum queue its
@@ -387,7 +387,7 @@ func (a *rabbitAdmin) peek(ctx context.Context, q *Queue) ([]consumer.Message, e
 	// The prefetch must hold the whole queue: peekQueue settles nothing
 	// until it has read it all, and the broker pushes no more than the
 	// prefetch of unacked deliveries.
-	d, err := a.b.Driver(q.Name, rabbit.Prefetch(min(want, 65535)))
+	d, err := a.b.Driver(ctx, q.Name, driver.Config{MaxInFlight: min(want, 65535)})
 	if err != nil {
 		return nil, err
 	}

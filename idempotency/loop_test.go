@@ -47,7 +47,7 @@ func TestThroughDeliveryLoopEachEventOnce(t *testing.T) {
 		mu.Unlock()
 		return nil
 	}), dedup.Wrap)
-	loop, err := b.NewConsumer("orders", consumer.WithConcurrency(8), consumer.WithOrdering(consumer.Unordered),
+	loop, err := b.NewConsumer(ctx, "orders", consumer.WithConcurrency(8), consumer.WithOrdering(consumer.Unordered),
 		consumer.WithRedeliveryBackoff(time.Millisecond, 10*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)

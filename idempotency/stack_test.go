@@ -50,7 +50,7 @@ func TestDuplicateWaitingBehindALongHandlerIsNeverDeadLettered(t *testing.T) {
 	if err := b.Publish(context.Background(), "orders", event, event); err != nil {
 		t.Fatal(err)
 	}
-	c, err := b.NewConsumer("orders", consumer.WithConcurrency(2), consumer.WithLogger(slog.New(slog.DiscardHandler)))
+	c, err := b.NewConsumer(t.Context(), "orders", consumer.WithConcurrency(2), consumer.WithLogger(slog.New(slog.DiscardHandler)))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -121,7 +121,7 @@ func rawConsume(b *testing.B, topic string, n int) time.Duration {
 // ferryConsume reads topic to the end as a fresh Ferry consumer running h.
 func ferryConsume(b *testing.B, br *kafka.Broker, topic string, n int, o consumer.Ordering, wrap func(consumer.Handler) consumer.Handler) time.Duration {
 	b.Helper()
-	loop, err := br.NewConsumer(topic, consumer.WithName(testenv.UniqueName(b, "ferry")),
+	loop, err := br.NewConsumer(b.Context(), topic, consumer.WithName(testenv.UniqueName(b, "ferry")),
 		consumer.WithConcurrency(8), consumer.WithMaxInFlight(20_000), consumer.WithFetchBatch(5_000),
 		consumer.WithOrdering(o), consumer.WithLogger(quiet))
 	if err != nil {
@@ -257,7 +257,7 @@ func BenchmarkKeyParallelism(b *testing.B) {
 		b.Fatal(err)
 	}
 	run := func(o consumer.Ordering) time.Duration {
-		loop, err := br.NewConsumer(topic, consumer.WithName(testenv.UniqueName(b, "keys")),
+		loop, err := br.NewConsumer(b.Context(), topic, consumer.WithName(testenv.UniqueName(b, "keys")),
 			consumer.WithConcurrency(64), consumer.WithOrdering(o), consumer.WithLogger(quiet))
 		if err != nil {
 			b.Fatal(err)
@@ -321,7 +321,7 @@ func BenchmarkPoisonLatency(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		c, err := br.NewConsumer(topic, consumer.WithName(testenv.UniqueName(b, "bench-poison")),
+		c, err := br.NewConsumer(b.Context(), topic, consumer.WithName(testenv.UniqueName(b, "bench-poison")),
 			consumer.WithOrdering(consumer.OrderByKey), consumer.WithConcurrency(32), consumer.WithLogger(quiet))
 		if err != nil {
 			b.Fatal(err)

@@ -19,11 +19,12 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/sasl"
 
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
+
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
 	"github.com/ferrymq/ferry/internal/msgmetrics"
-	"go.opentelemetry.io/otel"
-	"go.opentelemetry.io/otel/metric"
 )
 
 // Errors returned by the adapter. Match them with errors.Is.
@@ -359,7 +360,14 @@ type Broker struct {
 	metrics *msgmetrics.Publisher
 }
 
-var _ consumer.Publisher = (*Broker)(nil)
+var (
+	_ consumer.Broker      = (*Broker)(nil)
+	_ consumer.SystemNamer = (*Broker)(nil)
+	_ driver.Opener        = (*Broker)(nil)
+)
+
+// System names the broker as OpenTelemetry's messaging.system does: "kafka".
+func (b *Broker) System() string { return "kafka" }
 
 // New connects to the cluster whose bootstrap addresses are seeds (host:port)
 // and returns a Broker. It fails with a *consumer.ConfigError naming the
@@ -980,55 +988,38 @@ func (b *Broker) DeleteTopic(ctx context.Context, topic string) error {
 // closed with the Broker.
 func (b *Broker) Admin() *kadm.Client { return b.adm }
 
-// NewConsumer returns a delivery loop over topic: consumer.New over a
-// Driver whose group is the loop's name, with opts. The name is required
-// (consumer.WithName): without it NewConsumer fails with a
-// *consumer.ConfigError naming the field "Name", because on Kafka the name
-// is the group id, every consumer of one topic and name is a member of one
-// group and shares the topic's partitions with the others, and a default
-// would have two services that forgot it split each other's partitions.
+// NewConsumer returns a delivery loop over topic: consumer.NewOn over the
+// Broker, with opts. The name is required (consumer.WithName): without it
+// NewConsumer fails with a *consumer.ConfigError naming the field "Name",
+// because on Kafka the name is the group id, every consumer of one topic
+// and name is a member of one group and shares the topic's partitions
+// with the others, and a default would have two services that forgot it
+// split each other's partitions.
 //
-// NewConsumer does not reach the cluster: Run does, and reports and
-// retries while it cannot (see the package doc).
-func (b *Broker) NewConsumer(topic string, opts ...consumer.Option) (*consumer.Loop, error) {
-	d, err := b.newDriver(topic)
-	if err != nil {
-		return nil, err
-	}
-	// A name nobody gives, ahead of the caller's options: still the
-	// loop's name after them, the caller named none. (The loop's own
-	// default cannot be told from a name the caller chose alike.)
-	l, err := consumer.New(d, append([]consumer.Option{consumer.WithName(noName)}, opts...)...)
-	if err == nil && l.Name() == noName {
-		err = configErr("Name", "must be set with consumer.WithName: on Kafka the consumer's name is its group id, "+
-			"and consumers of one topic with one name share its partitions")
-	}
-	if err == nil {
-		err = d.start(l.Name())
-	}
-	if err != nil {
-		b.forget(d)
-		return nil, err
-	}
-	return l, nil
+// NewConsumer does not reach the cluster (ctx is not used): Run does, and
+// reports and retries while it cannot (see the package doc).
+func (b *Broker) NewConsumer(ctx context.Context, topic string, opts ...consumer.Option) (*consumer.Loop, error) {
+	return consumer.NewOn(ctx, b, topic, opts...)
 }
 
-// noName stands for no consumer.WithName in NewConsumer's options.
-const noName = "\x00ferry/kafka: unnamed"
-
-// Driver returns the driver of one member of group over topic, for
-// consumer.New or a loop of your own. It implements driver.Connector,
-// driver.Revoker, driver.LagReporter and driver.Aser (a handler reaches the *kgo.Record
-// with Message.As, given a **kgo.Record or a *kgo.Record to copy into).
-func (b *Broker) Driver(topic, group string) (driver.Driver, error) {
-	if group == "" {
-		return nil, configErr("group", "must not be empty")
+// Driver returns the driver of one member of the group cfg.Name over
+// topic, for consumer.NewOn or a loop of your own (driver.Opener). It
+// does not reach the cluster (ctx is not used): the member joins its
+// group on its first Fetch. It implements driver.Connector,
+// driver.Revoker, driver.LagReporter and driver.Aser (a handler reaches
+// the *kgo.Record with Message.As, given a **kgo.Record or a *kgo.Record
+// to copy into). An empty cfg.Name is a *consumer.ConfigError naming
+// "Name".
+func (b *Broker) Driver(_ context.Context, topic string, cfg driver.Config) (driver.Driver, error) {
+	if cfg.Name == "" {
+		return nil, configErr("Name", "must be set with consumer.WithName: on Kafka the consumer's name is its group id, "+
+			"and consumers of one topic with one name share its partitions")
 	}
 	d, err := b.newDriver(topic)
 	if err != nil {
 		return nil, err
 	}
-	if err := d.start(group); err != nil {
+	if err := d.start(cfg.Name); err != nil {
 		b.forget(d)
 		return nil, err
 	}

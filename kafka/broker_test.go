@@ -12,6 +12,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/driver"
 	"github.com/ferrymq/ferry/kafka"
 )
 
@@ -185,7 +186,7 @@ func TestLagMatchesKadm(t *testing.T) {
 	publishKeyed(t, b, topic, 0, 90, 9)
 	var mu sync.Mutex
 	n := 0
-	c, err := b.NewConsumer(topic, consumer.WithName(group))
+	c, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -201,7 +202,7 @@ func TestLagMatchesKadm(t *testing.T) {
 	r.stop(t) // commits what it handled
 	publishKeyed(t, b, topic, 120, 60, 9)
 
-	d, err := b.Driver(topic, group)
+	d, err := b.Driver(t.Context(), topic, driver.Config{Name: group})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -256,7 +257,7 @@ func TestConsumedIDIsNotAHeader(t *testing.T) {
 	)
 	var mu sync.Mutex
 	got := map[string]consumer.Message{}
-	c, err := b.NewConsumer(topic, consumer.WithName(topic+"-g"))
+	c, err := b.NewConsumer(ctx, topic, consumer.WithName(topic+"-g"))
 	if err != nil {
 		t.Fatal(err)
 	}

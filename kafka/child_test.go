@@ -73,7 +73,7 @@ func runChild() int {
 		fmt.Fprintln(os.Stderr, "child:", err)
 		return 2
 	}
-	c, err := b.NewConsumer(os.Getenv(childTopicEnv), consumer.WithName(os.Getenv(childGroupEnv)),
+	c, err := b.NewConsumer(context.Background(), os.Getenv(childTopicEnv), consumer.WithName(os.Getenv(childGroupEnv)),
 		consumer.WithConcurrency(4), consumer.WithLogger(log))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "child:", err)

@@ -10,6 +10,7 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/consumertest"
+	"github.com/ferrymq/ferry/consumer/driver"
 	"github.com/ferrymq/ferry/kafka"
 )
 
@@ -38,7 +39,7 @@ func (h *harness) NewSource(t *testing.T, cfg consumertest.SourceConfig) string 
 func (h *harness) Publisher(t *testing.T) consumer.Publisher { return h.b }
 
 func (h *harness) NewConsumer(t *testing.T, source string, opts ...consumer.Option) consumer.Consumer {
-	d, err := h.b.Driver(source, source+"-group")
+	d, err := h.b.Driver(t.Context(), source, driver.Config{Name: source + "-group"})
 	if err != nil {
 		t.Fatalf("driver: %v", err)
 	}

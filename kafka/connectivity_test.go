@@ -57,7 +57,7 @@ func watch(t *testing.T, b *kafka.Broker, topic string, opts ...consumer.Option)
 		consumer.WithName(testenv.UniqueName(t, "watched")), consumer.WithLogger(log), consumer.WithMeterProvider(mp),
 		consumer.WithFetchBackoff(time.Second), consumer.WithHealthWindow(200*time.Millisecond, 3),
 	}, opts...)
-	l, err := b.NewConsumer(topic, opts...)
+	l, err := b.NewConsumer(t.Context(), topic, opts...)
 	if err != nil {
 		t.Fatalf("NewConsumer: %v", err)
 	}
@@ -317,7 +317,7 @@ func TestConsumerOfMissingTopicSaysSoAndStartsOnceItIsMade(t *testing.T) {
 	topic := testenv.UniqueName(t, "missing")
 	t.Cleanup(func() { _ = b.DeleteTopic(context.Background(), topic) })
 
-	d, err := b.Driver(topic, topic+"-probe")
+	d, err := b.Driver(t.Context(), topic, driver.Config{Name: topic + "-probe"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -373,7 +373,7 @@ func TestConsumerOfUnreachableClusterSaysSoAndRetries(t *testing.T) {
 			}
 			t.Cleanup(func() { _ = b.Close() })
 
-			d, err := b.Driver(topic, topic+"-probe")
+			d, err := b.Driver(t.Context(), topic, driver.Config{Name: topic + "-probe"})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -611,12 +611,12 @@ func TestNewConsumerRequiresAName(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer b.Close()
-	_, err = b.NewConsumer("orders", consumer.WithConcurrency(2))
+	_, err = b.NewConsumer(t.Context(), "orders", consumer.WithConcurrency(2))
 	var ce *consumer.ConfigError
 	if !errors.As(err, &ce) || ce.Field != "Name" || !errors.Is(err, consumer.ErrInvalidConfig) {
 		t.Fatalf("NewConsumer without a name = %v, want a *consumer.ConfigError for Name", err)
 	}
-	l, err := b.NewConsumer("orders", consumer.WithName("ferry"))
+	l, err := b.NewConsumer(t.Context(), "orders", consumer.WithName("ferry"))
 	if err != nil || l.Name() != "ferry" {
 		t.Fatalf("NewConsumer(WithName(\"ferry\")) = %v, %v", l, err)
 	}
@@ -685,7 +685,7 @@ func TestMismatchWithADialerOfYourOwnIsUnreachable(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = b.Close() })
-	d, err := b.Driver("ferry-tls-any", "ferry-tls-any-probe")
+	d, err := b.Driver(t.Context(), "ferry-tls-any", driver.Config{Name: "ferry-tls-any-probe"})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -150,7 +150,7 @@ func TestAtMostOnceCommitsBeforeTheHandlerRuns(t *testing.T) {
 	if err := b.Publish(ctxFor(t, 30*time.Second), topic, msgs...); err != nil {
 		t.Fatal(err)
 	}
-	c, err := b.NewConsumer(topic, consumer.WithName(group), consumer.WithDeliveryMode(consumer.AtMostOnce))
+	c, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithDeliveryMode(consumer.AtMostOnce))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -207,7 +207,7 @@ func TestOneStuckPartitionDoesNotStallTheOthers(t *testing.T) {
 		recs = append(recs, &kgo.Record{Topic: topic, Partition: 0, Value: []byte(strconv.Itoa(i))})
 	}
 	produceRaw(t, recs...)
-	c, err := b.NewConsumer(topic, consumer.WithName("defect-stuck-"+topic))
+	c, err := b.NewConsumer(t.Context(), topic, consumer.WithName("defect-stuck-"+topic))
 	if err != nil {
 		t.Fatal(err)
 	}

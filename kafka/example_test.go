@@ -57,7 +57,7 @@ func Example() {
 
 	// Every consumer of this topic named "billing" is a member of the
 	// group "billing".
-	c, err := b.NewConsumer(topic, consumer.WithName("billing-"+topic))
+	c, err := b.NewConsumer(ctx, topic, consumer.WithName("billing-"+topic))
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -85,7 +85,7 @@ func ExampleBroker_NewConsumer_orderByKey() {
 		log.Fatal(err)
 	}
 	defer b.Close()
-	c, err := b.NewConsumer("payments",
+	c, err := b.NewConsumer(context.Background(), "payments",
 		consumer.WithName("ledger"),
 		consumer.WithOrdering(consumer.OrderByKey),
 		consumer.WithConcurrency(64),

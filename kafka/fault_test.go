@@ -97,7 +97,7 @@ func testKilledMember(t *testing.T, proto kafka.GroupProtocol) {
 
 	var a audit
 	sb := newBroker(t, append(groupOpts(proto), a.options()...)...)
-	survivor, err := sb.NewConsumer(topic, consumer.WithName(group), consumer.WithConcurrency(4))
+	survivor, err := sb.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithConcurrency(4))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -179,7 +179,7 @@ func TestJoiningMemberAndManyRebalances(t *testing.T) {
 			return sleepCtx(ctx, 5*time.Millisecond)
 		}
 		start := func(name string) *running {
-			c, err := b.NewConsumer(topic, consumer.WithName(group), consumer.WithConcurrency(8),
+			c, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithConcurrency(8),
 				consumer.WithOrdering(consumer.OrderByKey), consumer.WithShutdownGrace(time.Second))
 			if err != nil {
 				t.Fatal(err)
@@ -305,7 +305,7 @@ func TestRevokeMidBatchLeavesNoGap(t *testing.T) {
 			return sleepCtx(ctx, time.Duration(k%10)*time.Millisecond)
 		}
 		mk := func(name string) *running {
-			c, err := b.NewConsumer(topic, consumer.WithName(group), consumer.WithConcurrency(16),
+			c, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithConcurrency(16),
 				consumer.WithOrdering(consumer.OrderByKey))
 			if err != nil {
 				t.Fatal(err)
@@ -370,7 +370,7 @@ func testPoison(t *testing.T, proto kafka.GroupProtocol) {
 		return nil
 	}))
 	group := testenv.UniqueName(t, "poison-group")
-	c, err := b.NewConsumer(topic, consumer.WithName(group), consumer.WithRedeliveryBackoff(10*time.Millisecond, 50*time.Millisecond))
+	c, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithRedeliveryBackoff(10*time.Millisecond, 50*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -482,7 +482,7 @@ func testBreakerOpen(t *testing.T, proto kafka.GroupProtocol) {
 		ok.Add(1)
 		return nil
 	}))
-	c, err := b.NewConsumer(topic, consumer.WithName(group), consumer.WithMaxInFlight(100),
+	c, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithMaxInFlight(100),
 		consumer.WithRedeliveryBackoff(10*time.Millisecond, 50*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)
@@ -574,7 +574,7 @@ func TestPausedPartitionResumesAfterRevokeAndReassign(t *testing.T) {
 				return ctx.Err()
 			}
 		}
-		ca, err := b.NewConsumer(topic, consumer.WithName(group), consumer.WithConcurrency(4),
+		ca, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithConcurrency(4),
 			consumer.WithOrdering(consumer.OrderByKey), consumer.WithMaxInFlight(1000))
 		if err != nil {
 			t.Fatal(err)
@@ -586,7 +586,7 @@ func TestPausedPartitionResumesAfterRevokeAndReassign(t *testing.T) {
 			t.Errorf("a fetched %d records with a partition buffer of 5 on 2 partitions (fetches of 1 KiB, room for 1000): fetching was not paused", s.Fetched)
 		}
 		// b joins (takes a partition), then leaves (gives it back).
-		cb, err := b.NewConsumer(topic, consumer.WithName(group))
+		cb, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -628,7 +628,7 @@ func testSlowerThanSession(t *testing.T, proto kafka.GroupProtocol) {
 		shortenGroupSession(t, group, 6*time.Second)
 	}
 	publishKeyed(t, b, topic, 0, 3, 1)
-	c, err := b.NewConsumer(topic, consumer.WithName(group))
+	c, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -667,7 +667,7 @@ func testSlowerThanRebalance(t *testing.T, proto kafka.GroupProtocol) {
 	}
 	produceRaw(t, &kgo.Record{Topic: topic, Partition: 0, Value: []byte("p0")}, &kgo.Record{Topic: topic, Partition: 1, Value: []byte("p1")})
 	var cancelled sync.Map // lane -> time the handler saw its context end
-	ca, err := b.NewConsumer(topic, consumer.WithName(group), consumer.WithShutdownGrace(time.Second))
+	ca, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithShutdownGrace(time.Second))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -678,7 +678,7 @@ func testSlowerThanRebalance(t *testing.T, proto kafka.GroupProtocol) {
 	}))
 	waitFor(t, 60*time.Second, "a to run both records", func() bool { return a.count("start") >= 2 })
 	joined := time.Now()
-	cb, err := b.NewConsumer(topic, consumer.WithName(group))
+	cb, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -743,7 +743,7 @@ func TestStuckPartitionIsPausedAndOthersFlow(t *testing.T) {
 		recs = append(recs, &kgo.Record{Topic: topic, Partition: 1, Value: []byte(strconv.Itoa(i))})
 	}
 	produceRaw(t, recs...)
-	c, err := b.NewConsumer(topic, consumer.WithName(group), consumer.WithMaxInFlight(1000), consumer.WithFetchBatch(20),
+	c, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithMaxInFlight(1000), consumer.WithFetchBatch(20),
 		consumer.WithRedeliveryBackoff(10*time.Millisecond, 20*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)
@@ -808,7 +808,7 @@ func TestLostPartitionsCommitNothing(t *testing.T) {
 	})
 	var a audit
 	sb := newBroker(t, append(groupOpts(kafka.Classic), a.options()...)...)
-	survivor, err := sb.NewConsumer(topic, consumer.WithName(group), consumer.WithConcurrency(4))
+	survivor, err := sb.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithConcurrency(4))
 	if err != nil {
 		t.Fatal(err)
 	}

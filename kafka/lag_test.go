@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/driver"
 	"github.com/ferrymq/ferry/internal/testenv"
 )
 
@@ -27,7 +28,7 @@ func TestLagCountsTakenRecordsOnce(t *testing.T) {
 	if err := b.Publish(ctxFor(t, 30*time.Second), topic, ms...); err != nil {
 		t.Fatal(err)
 	}
-	c, err := b.NewConsumer(topic, consumer.WithName(group), consumer.WithHealthWindow(200*time.Millisecond, 3),
+	c, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithHealthWindow(200*time.Millisecond, 3),
 		consumer.WithShutdownGrace(100*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)
@@ -67,7 +68,7 @@ func TestLagOfAMemberThatTookNothingIsAllWaiting(t *testing.T) {
 	b := newBroker(t)
 	topic := newTopic(t, b, "lag-idle", 2)
 	publishKeyed(t, b, topic, 0, 12, 4)
-	d, err := b.Driver(topic, testenv.UniqueName(t, "lag-idle"))
+	d, err := b.Driver(t.Context(), topic, driver.Config{Name: testenv.UniqueName(t, "lag-idle")})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -39,7 +39,7 @@ func testBrokerRestart(t *testing.T, proto kafka.GroupProtocol) {
 
 	var mu sync.Mutex
 	handled := map[string]bool{}
-	c, err := b.NewConsumer(topic, consumer.WithName(group))
+	c, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group))
 	if err != nil {
 		t.Fatal(err)
 	}

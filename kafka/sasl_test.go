@@ -69,7 +69,7 @@ func TestSASLSSLPublishAndConsume(t *testing.T) {
 	b := saslBroker(t, testenv.KafkaSCRAMPassword, &logs)
 	topic := newTopic(t, b, "sasl", 2)
 	publishKeyed(t, b, topic, 0, 10, 3)
-	c, err := b.NewConsumer(topic, consumer.WithName("sasl-"+topic))
+	c, err := b.NewConsumer(t.Context(), topic, consumer.WithName("sasl-"+topic))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -111,7 +111,7 @@ func TestWrongPasswordFailsFast(t *testing.T) {
 		t.Errorf("the password appears in Publish's error: %v", err)
 	}
 
-	c, err := b.NewConsumer("ferry-sasl-any", consumer.WithName("sasl-wrong"))
+	c, err := b.NewConsumer(t.Context(), "ferry-sasl-any", consumer.WithName("sasl-wrong"))
 	if err != nil {
 		t.Fatal(err)
 	}

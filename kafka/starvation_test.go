@@ -28,7 +28,7 @@ func TestSlowPartitionDoesNotStarveOthers(t *testing.T) {
 		recs = append(recs, &kgo.Record{Topic: topic, Partition: 0, Value: []byte(strconv.Itoa(i))})
 	}
 	produceRaw(t, recs...)
-	c, err := b.NewConsumer(topic, consumer.WithName("review-slow-"+topic))
+	c, err := b.NewConsumer(t.Context(), topic, consumer.WithName("review-slow-"+topic))
 	if err != nil {
 		t.Fatal(err)
 	}

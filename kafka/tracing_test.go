@@ -35,7 +35,7 @@ func TestATraceFollowsARecordAcrossKafka(t *testing.T) {
 	}
 	request.End()
 
-	l, err := b.NewConsumer(topic, consumer.WithName(topic+"-billing"), consumer.WithTracerProvider(tp))
+	l, err := b.NewConsumer(t.Context(), topic, consumer.WithName(topic+"-billing"), consumer.WithTracerProvider(tp))
 	if err != nil {
 		t.Fatal(err)
 	}

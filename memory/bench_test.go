@@ -40,7 +40,7 @@ func BenchmarkConsume(b *testing.B) {
 	}
 	defer br.Close()
 	prepublish(b, br, "bench", b.N)
-	loop, err := br.NewConsumer("bench",
+	loop, err := br.NewConsumer(b.Context(), "bench",
 		consumer.WithConcurrency(8),
 		consumer.WithLogger(slog.New(slog.NewTextHandler(io.Discard, nil))))
 	if err != nil {
@@ -85,7 +85,7 @@ func BenchmarkConsumeFullStack(b *testing.B) {
 	defer br.Close()
 	prepublish(b, br, "bench", b.N)
 	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
-	loop, err := br.NewConsumer("bench", consumer.WithConcurrency(8), consumer.WithLogger(quiet))
+	loop, err := br.NewConsumer(b.Context(), "bench", consumer.WithConcurrency(8), consumer.WithLogger(quiet))
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -131,7 +131,7 @@ func BenchmarkFetchAck(b *testing.B) {
 	}
 	defer br.Close()
 	prepublish(b, br, "bench", b.N)
-	d, err := br.Driver("bench")
+	d, err := br.Driver(b.Context(), "bench", driver.Config{})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -12,11 +12,12 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
+
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
 	"github.com/ferrymq/ferry/internal/msgmetrics"
-	"go.opentelemetry.io/otel"
-	"go.opentelemetry.io/otel/metric"
 )
 
 // Errors returned by the broker. Match them with errors.Is.
@@ -177,7 +178,14 @@ type Broker struct {
 	metrics *msgmetrics.Publisher
 }
 
-var _ consumer.Publisher = (*Broker)(nil)
+var (
+	_ consumer.Broker      = (*Broker)(nil)
+	_ consumer.SystemNamer = (*Broker)(nil)
+	_ driver.Opener        = (*Broker)(nil)
+)
+
+// System names the broker as OpenTelemetry's messaging.system does: "ferry_memory".
+func (b *Broker) System() string { return system }
 
 // system is the memory broker's messaging.system in traces and metrics.
 const system = "ferry_memory"
@@ -430,11 +438,12 @@ func (b *Broker) publish(ctx context.Context, destination string, msgs []consume
 	return nil
 }
 
-// Driver returns a driver over the queue, for consumer.New or a custom
-// loop. It implements driver.Extender (the lease is the queue's visibility
-// timeout) and driver.LagReporter. Each consumer should have its own; several
-// drivers over one queue compete for its messages.
-func (b *Broker) Driver(queue string) (driver.Driver, error) {
+// Driver returns a driver over the queue, for consumer.NewOn or a custom
+// loop (driver.Opener; the memory broker needs nothing of cfg, nor of
+// ctx). It implements driver.Extender (the lease is the queue's
+// visibility timeout) and driver.LagReporter. Each consumer should have
+// its own; several drivers over one queue compete for its messages.
+func (b *Broker) Driver(_ context.Context, queue string, _ driver.Config) (driver.Driver, error) {
 	if b.isClosed() {
 		return nil, fmt.Errorf("memory: driver for %q: %w", queue, ErrClosed)
 	}
@@ -445,19 +454,10 @@ func (b *Broker) Driver(queue string) (driver.Driver, error) {
 	return &memDriver{q: q, done: make(chan struct{})}, nil
 }
 
-// NewConsumer returns a delivery loop over the queue: consumer.New over
-// Driver(queue) with opts.
-func (b *Broker) NewConsumer(queue string, opts ...consumer.Option) (*consumer.Loop, error) {
-	d, err := b.Driver(queue)
-	if err != nil {
-		return nil, err
-	}
-	l, err := consumer.New(d, opts...)
-	if err != nil {
-		_ = d.Close()
-		return nil, err
-	}
-	return l, nil
+// NewConsumer returns a delivery loop over the queue: consumer.NewOn over
+// the Broker, with opts.
+func (b *Broker) NewConsumer(ctx context.Context, queue string, opts ...consumer.Option) (*consumer.Loop, error) {
+	return consumer.NewOn(ctx, b, queue, opts...)
 }
 
 // QueueStats is a snapshot of one queue.

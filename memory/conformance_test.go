@@ -72,7 +72,7 @@ func (h *conformanceHarness) NewSource(t *testing.T, cfg consumertest.SourceConf
 func (h *conformanceHarness) Publisher(t *testing.T) consumer.Publisher { return h.broker(t) }
 
 func (h *conformanceHarness) NewConsumer(t *testing.T, source string, opts ...consumer.Option) consumer.Consumer {
-	c, err := h.broker(t).NewConsumer(source, opts...)
+	c, err := h.broker(t).NewConsumer(t.Context(), source, opts...)
 	if err != nil {
 		t.Fatalf("new consumer of %q: %v", source, err)
 	}

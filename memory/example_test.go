@@ -31,7 +31,7 @@ func Example() {
 		panic(err)
 	}
 
-	c, err := b.NewConsumer("orders", consumer.WithConcurrency(1))
+	c, err := b.NewConsumer(ctx, "orders", consumer.WithConcurrency(1))
 	if err != nil {
 		panic(err)
 	}
@@ -75,7 +75,7 @@ func ExampleBroker_CreateQueue_deadLetterQueue() {
 		panic(err)
 	}
 
-	c, err := b.NewConsumer("payments", consumer.WithRedeliveryBackoff(time.Millisecond, time.Millisecond))
+	c, err := b.NewConsumer(ctx, "payments", consumer.WithRedeliveryBackoff(time.Millisecond, time.Millisecond))
 	if err != nil {
 		panic(err)
 	}

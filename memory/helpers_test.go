@@ -33,7 +33,7 @@ func createQueue(t testing.TB, b *memory.Broker, name string, cfg memory.QueueCo
 
 func newDriver(t testing.TB, b *memory.Broker, queue string) driver.Driver {
 	t.Helper()
-	d, err := b.Driver(queue)
+	d, err := b.Driver(t.Context(), queue, driver.Config{})
 	if err != nil {
 		t.Fatalf("Driver(%q): %v", queue, err)
 	}

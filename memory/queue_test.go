@@ -378,7 +378,7 @@ func TestCloseUnblocksFetch(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	d, err := b.Driver("q")
+	d, err := b.Driver(t.Context(), "q", driver.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -409,7 +409,7 @@ func TestCloseUnblocksFetch(t *testing.T) {
 
 func TestDriverCloseUnblocksFetch(t *testing.T) {
 	b := newBroker(t)
-	d, err := b.Driver("q")
+	d, err := b.Driver(t.Context(), "q", driver.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -518,7 +518,7 @@ func TestBadConfigNamesTheField(t *testing.T) {
 	if err := b.Publish(context.Background(), "", msg("m", "x")); !errors.As(err, &ce) || ce.Field != "queue" {
 		t.Fatalf("Publish to \"\" = %v, want a ConfigError naming queue", err)
 	}
-	if _, err := b.Driver(""); !errors.As(err, &ce) || ce.Field != "queue" {
+	if _, err := b.Driver(t.Context(), "", driver.Config{}); !errors.As(err, &ce) || ce.Field != "queue" {
 		t.Fatalf("Driver(\"\") = %v, want a ConfigError naming queue", err)
 	}
 	if nb, err := memory.New(memory.WithDedupWindow(-time.Second)); !errors.As(err, &ce) || ce.Field != "DedupWindow" || nb != nil {
@@ -552,10 +552,10 @@ func TestAutoCreate(t *testing.T) {
 	if err := strict.Publish(context.Background(), "new", msg("m1", "x")); !errors.Is(err, memory.ErrQueueNotFound) {
 		t.Fatalf("Publish to a missing queue = %v, want ErrQueueNotFound", err)
 	}
-	if _, err := strict.Driver("new"); !errors.Is(err, memory.ErrQueueNotFound) {
+	if _, err := strict.Driver(t.Context(), "new", driver.Config{}); !errors.Is(err, memory.ErrQueueNotFound) {
 		t.Fatalf("Driver of a missing queue = %v, want ErrQueueNotFound", err)
 	}
-	if _, err := strict.NewConsumer("new"); !errors.Is(err, memory.ErrQueueNotFound) {
+	if _, err := strict.NewConsumer(t.Context(), "new"); !errors.Is(err, memory.ErrQueueNotFound) {
 		t.Fatalf("NewConsumer of a missing queue = %v, want ErrQueueNotFound", err)
 	}
 	if got := strict.Stats("new"); got != (memory.QueueStats{}) {

@@ -33,7 +33,7 @@ func TestAckTimeoutIsRecovered(t *testing.T) {
 	b := dial(t, rabbit.WithLogger(logger), rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: q, DeadLetterExchange: "x"}}}))
 	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(q), consumer.Message{ID: "slow", Body: []byte("x")}))
 	var runs, cancelled, ok atomic.Int64
-	c, err := b.NewConsumer(q, consumer.WithLogger(logger))
+	c, err := b.NewConsumer(t.Context(), q, consumer.WithLogger(logger))
 	must(t, err)
 	stop := runLoop(t, c, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 		if runs.Add(1) == 1 {

@@ -163,7 +163,7 @@ func rawConsume(b *testing.B, conn *amqp.Connection, queue string, n, prefetch i
 // MaxInFlight benchPrefetch, concurrency 8, running h (wrapped in the
 // Standard stack when standard is set).
 func ferryConsume(b *testing.B, br *rabbit.Broker, queue string, n, prefetch int, standard bool) {
-	c, err := br.NewConsumer(queue, consumer.WithConcurrency(8), consumer.WithMaxInFlight(prefetch), consumer.WithLogger(benchLogger))
+	c, err := br.NewConsumer(b.Context(), queue, consumer.WithConcurrency(8), consumer.WithMaxInFlight(prefetch), consumer.WithLogger(benchLogger))
 	if err != nil {
 		b.Fatal(err)
 	}

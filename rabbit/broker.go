@@ -18,11 +18,13 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
-	"github.com/ferrymq/ferry/consumer"
-	"github.com/ferrymq/ferry/internal/msgmetrics"
-	"github.com/ferrymq/ferry/internal/urlsecret"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/metric"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/msgmetrics"
+	"github.com/ferrymq/ferry/internal/urlsecret"
 )
 
 // Errors of the package. Match them with errors.Is; an error the broker sent
@@ -279,7 +281,7 @@ type Broker struct {
 	idSeq    atomic.Uint64
 
 	mu         sync.Mutex
-	drivers    map[*Driver]struct{}
+	drivers    map[*queueDriver]struct{}
 	dropWarned map[string]bool // queues whose drop warning was logged
 
 	connected atomic.Bool // a connection was ever opened (see classify)
@@ -290,7 +292,14 @@ type Broker struct {
 	endLife   context.CancelFunc
 }
 
-var _ consumer.Publisher = (*Broker)(nil)
+var (
+	_ consumer.Broker      = (*Broker)(nil)
+	_ consumer.SystemNamer = (*Broker)(nil)
+	_ driver.Opener        = (*Broker)(nil)
+)
+
+// System names the broker as OpenTelemetry's messaging.system does: "rabbitmq".
+func (b *Broker) System() string { return "rabbitmq" }
 
 // Redact returns rawURL with its password replaced by "xxxxx", for logs and
 // errors. The user information runs from after "amqp://" to the last "@"
@@ -365,7 +374,7 @@ func Dial(rawURL string, opts ...Option) (*Broker, error) {
 		redacted:   redacted,
 		log:        c.logger.With("broker", redacted),
 		idPrefix:   hex.EncodeToString(p[:]) + "-",
-		drivers:    make(map[*Driver]struct{}),
+		drivers:    make(map[*queueDriver]struct{}),
 		dropWarned: make(map[string]bool),
 		closed:     make(chan struct{}),
 	}
@@ -443,7 +452,7 @@ func (b *Broker) Close() error {
 		close(b.closed)
 		b.endLife() // a dial under way ends now
 		b.mu.Lock()
-		ds := make([]*Driver, 0, len(b.drivers))
+		ds := make([]*queueDriver, 0, len(b.drivers))
 		for d := range b.drivers {
 			ds = append(ds, d)
 		}

@@ -53,7 +53,7 @@ func (h *harness) NewConsumer(t *testing.T, source string, opts ...consumer.Opti
 	if b == nil {
 		t.Fatalf("no broker for source %q", source)
 	}
-	c, err := b.NewConsumer(source, opts...)
+	c, err := b.NewConsumer(t.Context(), source, opts...)
 	if err != nil {
 		t.Fatalf("new consumer of %q: %v", source, err)
 	}

@@ -167,7 +167,7 @@ func TestMissingQueueIsReportedAndConsumedOnceDeclared(t *testing.T) {
 	logger, logs := capture(t)
 	b := dial(t, rabbit.WithLogger(logger))
 
-	d, err := b.Driver(name)
+	d, err := openDriver(t, b, name, driver.Config{})
 	must(t, err)
 	err = d.Connect(ctxFor(t, 10*time.Second))
 	d.Close()
@@ -179,7 +179,7 @@ func TestMissingQueueIsReportedAndConsumedOnceDeclared(t *testing.T) {
 		t.Errorf("Connect = %v, want the broker's 404 within", err)
 	}
 
-	c, err := b.NewConsumer(name, consumer.WithLogger(logger), consumer.WithFetchBackoff(300*time.Millisecond))
+	c, err := b.NewConsumer(t.Context(), name, consumer.WithLogger(logger), consumer.WithFetchBackoff(300*time.Millisecond))
 	must(t, err)
 	got, h := handled()
 	start := time.Now()
@@ -228,7 +228,7 @@ func TestConsumerBuiltWhileTheBrokerIsUnreachableConsumesWhenItComesUp(t *testin
 		rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: name, DeadLetterExchange: name + ".dlx"}}}))
 	must(t, err)
 	t.Cleanup(func() { b.Close() })
-	d, err := b.Driver(name)
+	d, err := openDriver(t, b, name, driver.Config{})
 	must(t, err)
 	err = d.Connect(ctxFor(t, 10*time.Second))
 	d.Close()
@@ -237,7 +237,7 @@ func TestConsumerBuiltWhileTheBrokerIsUnreachableConsumesWhenItComesUp(t *testin
 		t.Fatalf("Connect = %v, want an error wrapping consumer.ErrUnreachable and the dial's, naming the queue and %s, not fatal", err, addr)
 	}
 
-	c, err := b.NewConsumer(name, consumer.WithLogger(logger), consumer.WithFetchBackoff(300*time.Millisecond))
+	c, err := b.NewConsumer(t.Context(), name, consumer.WithLogger(logger), consumer.WithFetchBackoff(300*time.Millisecond))
 	must(t, err)
 	got, h := handled()
 	start := time.Now()
@@ -278,7 +278,7 @@ func TestConnectionClosedUnderTheConsumerIsReportedAndResumes(t *testing.T) {
 	// lasts long enough to be seen between two looks at the health.
 	b := dial(t, rabbit.WithLogger(logger), rabbit.WithConnectionName(name), rabbit.WithReconnectBackoff(time.Second, 2*time.Second),
 		rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: name, DeadLetterExchange: name + ".dlx"}}}))
-	c, err := b.NewConsumer(name, consumer.WithLogger(logger), consumer.WithFetchBackoff(200*time.Millisecond))
+	c, err := b.NewConsumer(t.Context(), name, consumer.WithLogger(logger), consumer.WithFetchBackoff(200*time.Millisecond))
 	must(t, err)
 	got, h := handled()
 	stop := runLoop(t, c, h)
@@ -401,7 +401,7 @@ func TestRefusalsEndRunWithErrRefused(t *testing.T) {
 			must(t, err)
 			t.Cleanup(func() { b.Close() })
 			name := testenv.UniqueName(t, "refused")
-			c, err := b.NewConsumer(name, consumer.WithLogger(logger))
+			c, err := b.NewConsumer(t.Context(), name, consumer.WithLogger(logger))
 			must(t, err)
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()

@@ -20,34 +20,13 @@ import (
 	"github.com/ferrymq/ferry/consumer/driver"
 )
 
-// DefaultPrefetch is a Driver's prefetch when neither NewConsumer (which
-// takes the loop's MaxInFlight) nor Prefetch sets one.
+// DefaultPrefetch is a driver's prefetch (basic.qos: how many unacked
+// deliveries the broker pushes to it at once) when its driver.Config
+// gives no MaxInFlight.
 const DefaultPrefetch = 64
 
-// DriverOption configures a Driver.
-type DriverOption func(*Driver) error
-
-// Prefetch sets the driver's prefetch (basic.qos): how many unacked
-// deliveries the broker pushes to it at once. NewConsumer sets it to the
-// loop's MaxInFlight; set it yourself only for a Driver under a loop of
-// your own. Default DefaultPrefetch.
-func Prefetch(n int) DriverOption {
-	return func(d *Driver) error {
-		if n < 1 || n > 65535 {
-			return fieldErr("Prefetch", "must be in [1, 65535], got %d", n)
-		}
-		d.prefetch = n
-		return nil
-	}
-}
-
-// Driver is the driver.Driver over one queue, for consumer.New or a loop of
-// your own; NewConsumer is the usual way to get one. It also implements
-// driver.Connector, driver.Revoker, driver.Drainer, driver.Aser (target
-// *amqp091.Delivery) and driver.LagReporter. It consumes on a channel of
-// the Broker's consuming connection, and reopens it (and the connection)
-// when it is lost.
-type Driver struct {
+// queueDriver is the driver over one queue that Broker.Driver returns.
+type queueDriver struct {
 	b        *Broker
 	queue    string
 	q        Queue
@@ -77,12 +56,12 @@ type Driver struct {
 }
 
 var (
-	_ driver.Driver      = (*Driver)(nil)
-	_ driver.Connector   = (*Driver)(nil)
-	_ driver.Revoker     = (*Driver)(nil)
-	_ driver.Drainer     = (*Driver)(nil)
-	_ driver.Aser        = (*Driver)(nil)
-	_ driver.LagReporter = (*Driver)(nil)
+	_ driver.Driver      = (*queueDriver)(nil)
+	_ driver.Connector   = (*queueDriver)(nil)
+	_ driver.Revoker     = (*queueDriver)(nil)
+	_ driver.Drainer     = (*queueDriver)(nil)
+	_ driver.Aser        = (*queueDriver)(nil)
+	_ driver.LagReporter = (*queueDriver)(nil)
 )
 
 // session is one consuming channel: a generation of delivery tags.
@@ -121,17 +100,24 @@ type handle struct {
 	d    amqp.Delivery
 }
 
-// Driver returns a driver over queue. When queue is in the Broker's
-// topology it is declared again on every channel the driver opens, so a
-// queue deleted under it comes back; otherwise it must exist.
-func (b *Broker) Driver(queue string, opts ...DriverOption) (*Driver, error) {
+// Driver returns a driver over queue, for consumer.NewOn or a loop of
+// your own (driver.Opener); NewConsumer is the usual way to get one. Its
+// prefetch is cfg.MaxInFlight (at most 65535), or DefaultPrefetch when 0.
+// It does not reach the broker (ctx is not used). When queue is in the
+// Broker's topology it is declared again on every channel the driver
+// opens, so a queue deleted under it comes back; otherwise it must exist.
+// The driver implements driver.Connector, driver.Revoker,
+// driver.Drainer, driver.Aser (target *amqp091.Delivery) and
+// driver.LagReporter. It consumes on a channel of the Broker's consuming
+// connection, and reopens it (and the connection) when it is lost.
+func (b *Broker) Driver(_ context.Context, queue string, cfg driver.Config) (driver.Driver, error) {
 	if queue == "" {
 		return nil, fieldErr("queue", "name must not be empty")
 	}
 	if b.isClosed() {
 		return nil, fmt.Errorf("rabbit: driver for %q: %w", queue, ErrClosed)
 	}
-	d := &Driver{
+	d := &queueDriver{
 		b:             b,
 		queue:         queue,
 		prefetch:      DefaultPrefetch,
@@ -143,13 +129,11 @@ func (b *Broker) Driver(queue string, opts ...DriverOption) (*Driver, error) {
 	}
 	d.q, d.declared = b.cfg.topology.queue(queue)
 	d.laneKey = d.declared && d.q.SingleActiveConsumer
-	for _, o := range opts {
-		if o == nil {
-			continue
-		}
-		if err := o(d); err != nil {
-			return nil, err
-		}
+	switch {
+	case cfg.MaxInFlight < 0:
+		return nil, fieldErr("MaxInFlight", "must not be negative, got %d", cfg.MaxInFlight)
+	case cfg.MaxInFlight > 0:
+		d.prefetch = min(cfg.MaxInFlight, 65535)
 	}
 	b.mu.Lock()
 	b.drivers[d] = struct{}{}
@@ -157,20 +141,10 @@ func (b *Broker) Driver(queue string, opts ...DriverOption) (*Driver, error) {
 	return d, nil
 }
 
-// NewConsumer returns a delivery loop over queue: consumer.New over
-// Driver(queue) with opts, the prefetch set to the loop's MaxInFlight.
-func (b *Broker) NewConsumer(queue string, opts ...consumer.Option) (*consumer.Loop, error) {
-	d, err := b.Driver(queue)
-	if err != nil {
-		return nil, err
-	}
-	l, err := consumer.New(d, opts...)
-	if err != nil {
-		_ = d.Close()
-		return nil, err
-	}
-	d.prefetch = min(l.MaxInFlight(), 65535)
-	return l, nil
+// NewConsumer returns a delivery loop over queue: consumer.NewOn over the
+// Broker with opts, the prefetch set to the loop's MaxInFlight.
+func (b *Broker) NewConsumer(ctx context.Context, queue string, opts ...consumer.Option) (*consumer.Loop, error) {
+	return consumer.NewOn(ctx, b, queue, opts...)
 }
 
 // Capabilities names the system "rabbitmq" and the queue as the source,
@@ -179,7 +153,7 @@ func (b *Broker) NewConsumer(queue string, opts ...consumer.Option) (*consumer.L
 // returned with a delay goes through a delay queue and comes back behind
 // the rest of its key, so there the loop retries a failed message in
 // place, holding its key, as on a Kafka partition.
-func (d *Driver) Capabilities() driver.Capabilities {
+func (d *queueDriver) Capabilities() driver.Capabilities {
 	return driver.Capabilities{Redelivers: !d.laneKey, System: "rabbitmq", Source: d.queue}
 }
 
@@ -195,7 +169,7 @@ func (d *Driver) Capabilities() driver.Capabilities {
 // the vhost, the TLS handshake, a declaration the broker rejects). That
 // the user may read the queue is known only when Fetch consumes: a 403
 // there ends Run the same way.
-func (d *Driver) Connect(ctx context.Context) error {
+func (d *queueDriver) Connect(ctx context.Context) error {
 	if d.stopped() || d.b.isClosed() {
 		return driver.Fatal(fmt.Errorf("rabbit: connect to %q: %w", d.queue, ErrClosed))
 	}
@@ -230,7 +204,7 @@ func (d *Driver) Connect(ctx context.Context) error {
 // declareOwn declares on ch the queue, with its exchanges and bindings,
 // when it is in the topology; otherwise, when passive, checks that it
 // exists. Its errors carry their kind (see classify).
-func (d *Driver) declareOwn(ch *amqp.Channel, passive bool) error {
+func (d *queueDriver) declareOwn(ch *amqp.Channel, passive bool) error {
 	if !d.declared {
 		if !passive {
 			return nil
@@ -264,7 +238,7 @@ func (d *Driver) declareOwn(ch *amqp.Channel, passive bool) error {
 // failure is err as Fetch and Connect report it: naming the queue and the
 // broker (its URL without the password; a connection's error names it
 // already).
-func (d *Driver) failure(err error) error {
+func (d *queueDriver) failure(err error) error {
 	if strings.Contains(err.Error(), d.b.redacted) {
 		return fmt.Errorf("rabbit: consume %q: %w", d.queue, err)
 	}
@@ -275,9 +249,9 @@ func (d *Driver) failure(err error) error {
 // requeued its unsettled deliveries, so the loop stops their handlers and
 // settles none of them. A new channel is opened only once the loop is done
 // with the old one.
-func (d *Driver) Revoked() <-chan driver.Revocation { return d.revoked }
+func (d *queueDriver) Revoked() <-chan driver.Revocation { return d.revoked }
 
-func (d *Driver) stopped() bool {
+func (d *queueDriver) stopped() bool {
 	select {
 	case <-d.stop:
 		return true
@@ -288,7 +262,7 @@ func (d *Driver) stopped() bool {
 
 // setState replaces the current session and the error to report, waking a
 // waiting Fetch.
-func (d *Driver) setState(s *session, err error, fatal bool) {
+func (d *queueDriver) setState(s *session, err error, fatal bool) {
 	d.mu.Lock()
 	d.cur = s
 	if err != nil {
@@ -300,7 +274,7 @@ func (d *Driver) setState(s *session, err error, fatal bool) {
 }
 
 // supervise keeps a consuming channel open until the driver stops.
-func (d *Driver) supervise() {
+func (d *queueDriver) supervise() {
 	defer d.wg.Done()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -391,7 +365,7 @@ func closeChannel(ch *amqp.Channel) {
 
 // revoke tells the loop that every delivery of s is gone, and waits until
 // the loop is done with them.
-func (d *Driver) revoke(ctx context.Context, s *session) {
+func (d *queueDriver) revoke(ctx context.Context, s *session) {
 	s.mu.Lock()
 	var lanes []string
 	if d.laneKey {
@@ -434,7 +408,7 @@ func isFatal(err error) bool {
 // driver.ReportWithin, so that Fetch reports a broker that does not answer
 // in time (the dial goes on, and the next open waits for it again). Its
 // errors carry their kind (see classify).
-func (d *Driver) open(ctx context.Context, gen uint64) (*session, chan *amqp.Error, chan string, error) {
+func (d *queueDriver) open(ctx context.Context, gen uint64) (*session, chan *amqp.Error, chan string, error) {
 	gctx, cancel := context.WithTimeout(ctx, driver.ReportWithin)
 	conn, err := d.b.consConn.get(gctx)
 	cancel()
@@ -535,7 +509,7 @@ func pump(in <-chan amqp.Delivery, out chan<- amqp.Delivery, dead <-chan struct{
 // After an error, Fetch returns with no delivery as soon as a new channel
 // consumes, so that the loop knows the broker answers again even while the
 // queue is empty.
-func (d *Driver) Fetch(ctx context.Context, dst []driver.Message, max int) ([]driver.Message, error) {
+func (d *queueDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([]driver.Message, error) {
 	d.startOnce.Do(func() {
 		d.wg.Add(1)
 		go d.supervise()
@@ -625,7 +599,7 @@ func (d *Driver) Fetch(ctx context.Context, dst []driver.Message, max int) ([]dr
 // what was pushed is returned, for the loop to run in its drain. The
 // prefetch bounds what was pushed, so all of it fits the loop. A later
 // Fetch opens a new channel.
-func (d *Driver) Drain(_ context.Context, dst []driver.Message) ([]driver.Message, error) {
+func (d *queueDriver) Drain(_ context.Context, dst []driver.Message) ([]driver.Message, error) {
 	d.mu.Lock()
 	s := d.cur
 	d.mu.Unlock()
@@ -654,7 +628,7 @@ func (d *Driver) Drain(_ context.Context, dst []driver.Message) ([]driver.Messag
 
 // take converts one delivery and tracks its tag. The handle holds the
 // delivery itself (for As and delayed retries): one allocation each.
-func (d *Driver) take(s *session, dst []driver.Message, dv *amqp.Delivery) []driver.Message {
+func (d *queueDriver) take(s *session, dst []driver.Message, dv *amqp.Delivery) []driver.Message {
 	h := &handle{s: s, tag: dv.DeliveryTag, d: *dv}
 	m := d.toMessage(&h.d)
 	h.lane = m.Lane
@@ -683,7 +657,7 @@ func (d *Driver) take(s *session, dst []driver.Message, dv *amqp.Delivery) []dri
 }
 
 // toMessage turns a delivery into the loop's message.
-func (d *Driver) toMessage(dv *amqp.Delivery) driver.Message {
+func (d *queueDriver) toMessage(dv *amqp.Delivery) driver.Message {
 	m := driver.Message{
 		ID:     dv.MessageId,
 		Key:    dv.RoutingKey,
@@ -826,7 +800,7 @@ func parseHistory(s string) driver.History {
 
 // As serves consumer.Message.As: a *amqp091.Delivery target gets a copy of
 // the delivery as the library received it.
-func (d *Driver) As(h, target any) bool {
+func (d *queueDriver) As(h, target any) bool {
 	hd, ok := h.(*handle)
 	t, ok2 := target.(*amqp.Delivery)
 	if !ok || !ok2 || hd == nil {
@@ -865,7 +839,7 @@ const (
 // (a requeue would put it behind them on a quorum queue). A delivery of a
 // closed channel is never settled on another: it is reported with
 // ErrStaleDelivery in a *driver.SettleError, as the broker requeued it.
-func (d *Driver) Settle(ctx context.Context, batch []driver.Settlement) error {
+func (d *queueDriver) Settle(ctx context.Context, batch []driver.Settlement) error {
 	d.mu.Lock()
 	cur := d.cur
 	d.mu.Unlock()
@@ -1008,7 +982,7 @@ func beforeRun(batch []driver.Settlement) bool {
 // answered only after the broker's channel handled every frame before it.
 // It fails when ctx ends or the channel closes first: the loop then does
 // not run the message.
-func (d *Driver) ackSync(ctx context.Context, s *session) error {
+func (d *queueDriver) ackSync(ctx context.Context, s *session) error {
 	done := make(chan error, 1)
 	go func() { done <- s.ch.Qos(d.prefetch, 0, false) }()
 	select {
@@ -1025,7 +999,7 @@ func (d *Driver) ackSync(ctx context.Context, s *session) error {
 }
 
 // forget drops a settled delivery from its lane count.
-func (d *Driver) forget(h *handle) {
+func (d *queueDriver) forget(h *handle) {
 	s := h.s
 	s.mu.Lock()
 	s.open--
@@ -1040,7 +1014,7 @@ func (d *Driver) forget(h *handle) {
 // ack marks the tags of settled as settled and acks those in acks: the ones
 // now below the lowest unsettled tag with one multiple ack, the others one
 // by one.
-func (d *Driver) ack(s *session, acks []uint64, settled func(func(uint64) bool)) error {
+func (d *queueDriver) ack(s *session, acks []uint64, settled func(func(uint64) bool)) error {
 	s.mu.Lock()
 	for t := range settled {
 		if i := t - s.base; t >= s.base && i < uint64(len(s.settled)) {
@@ -1086,7 +1060,7 @@ func (d *Driver) ack(s *session, acks []uint64, settled func(func(uint64) bool))
 const delayedPublishTimeout = 10 * time.Second
 
 // delayFor rounds delay up to the next configured delay queue.
-func (d *Driver) delayFor(delay time.Duration) time.Duration {
+func (d *queueDriver) delayFor(delay time.Duration) time.Duration {
 	ds := d.b.cfg.retryDelays
 	for _, x := range ds {
 		if x >= delay {
@@ -1100,7 +1074,7 @@ func (d *Driver) delayFor(delay time.Duration) time.Duration {
 // and says, per delivery, what to do with the original: ack it (the copy is
 // confirmed), dead-letter it (its deliveries passed the queue's delivery
 // limit), or requeue it now (the copy could not be published).
-func (d *Driver) retryLater(ctx context.Context, batch []driver.Settlement, idx []int) ([]ackKind, error) {
+func (d *queueDriver) retryLater(ctx context.Context, batch []driver.Settlement, idx []int) ([]ackKind, error) {
 	// A blocked publishing connection (an alarm) would hold every
 	// settlement behind this one: the copies get a bounded time, and none
 	// is tried while the broker blocks.
@@ -1198,7 +1172,7 @@ func (d *Driver) retryLater(ctx context.Context, batch []driver.Settlement, idx 
 // declareDelay declares the delay queue for delay, once per connection
 // unless force (the queue was found gone), on the consuming connection (an
 // alarm blocks only publishing connections).
-func (d *Driver) declareDelay(ctx context.Context, delay time.Duration, force bool) error {
+func (d *queueDriver) declareDelay(ctx context.Context, delay time.Duration, force bool) error {
 	if reason, _ := d.b.pubConn.blockedWait(); reason != "" || d.b.pubConn.blocked.Load() != nil {
 		return fmt.Errorf("rabbit: delay queue: %w (%s)", ErrBlocked, reason)
 	}
@@ -1254,7 +1228,7 @@ const lagTimeout = 10 * time.Second
 // not yet done: the queue's ready and unacked messages when this is its
 // only consumer. The broker's AMQP interface tells neither the other
 // consumers' unacked count nor the age of the oldest message.
-func (d *Driver) Lag(ctx context.Context) (driver.Lag, error) {
+func (d *queueDriver) Lag(ctx context.Context) (driver.Lag, error) {
 	ready, _, err := d.b.queueDepth(ctx, d.queue)
 	if err != nil {
 		return driver.Lag{}, err
@@ -1305,12 +1279,12 @@ func (b *Broker) queueDepth(ctx context.Context, queue string) (int, int, error)
 // Close stops the driver: its channel is closed, so the broker requeues
 // what was delivered and not settled, and a Fetch waiting returns. Calling
 // it again does nothing.
-func (d *Driver) Close() error {
+func (d *queueDriver) Close() error {
 	d.close(true)
 	return nil
 }
 
-func (d *Driver) close(closeCh bool) {
+func (d *queueDriver) close(closeCh bool) {
 	d.closeOnce.Do(func() {
 		close(d.stop)
 		d.wg.Wait()

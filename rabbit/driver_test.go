@@ -14,7 +14,7 @@ import (
 	"github.com/ferrymq/ferry/rabbit"
 )
 
-func fetchN(t *testing.T, d *rabbit.Driver, n int) []driver.Message {
+func fetchN(t *testing.T, d driver.Driver, n int) []driver.Message {
 	t.Helper()
 	var msgs []driver.Message
 	ctx := ctxFor(t, 20*time.Second)
@@ -52,7 +52,7 @@ func TestAcksBatchedWithMultipleAndSafeOutOfOrder(t *testing.T) {
 		msgs[i] = consumer.Message{Body: []byte{byte('0' + i)}}
 	}
 	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(q), msgs...))
-	d, err := b.Driver(q, rabbit.Prefetch(10))
+	d, err := openDriver(t, b, q, driver.Config{MaxInFlight: 10})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })
 	got := fetchN(t, d, 10)
@@ -92,7 +92,7 @@ func TestStaleDeliveryIsNotAckedOnTheNewChannel(t *testing.T) {
 	logger, logs := capture(t)
 	b := dial(t, rabbit.WithLogger(logger), rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: q, DeadLetterExchange: "x"}}}))
 	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(q), consumer.Message{ID: "one", Body: []byte("1")}, consumer.Message{ID: "two", Body: []byte("2")}))
-	d, err := b.Driver(q, rabbit.Prefetch(1))
+	d, err := openDriver(t, b, q, driver.Config{MaxInFlight: 1})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })
 	first := fetchN(t, d, 1)
@@ -143,7 +143,7 @@ func TestLagReportsReadyAndUnacked(t *testing.T) {
 		msgs[i] = consumer.Message{Body: []byte("x")}
 	}
 	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(q), msgs...))
-	d, err := b.Driver(q, rabbit.Prefetch(5))
+	d, err := openDriver(t, b, q, driver.Config{MaxInFlight: 5})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })
 	got := fetchN(t, d, 5)

@@ -128,7 +128,7 @@ func TestDropWarningOncePerConsumedQueueWithALimit(t *testing.T) {
 	})
 	var stops []func() error
 	for _, q := range []string{limited, limited, withDLX, plain} {
-		c, err := b.NewConsumer(q, consumer.WithFetchBackoff(200*time.Millisecond))
+		c, err := b.NewConsumer(t.Context(), q, consumer.WithFetchBackoff(200*time.Millisecond))
 		must(t, err)
 		stops = append(stops, runLoop(t, c, handler))
 	}

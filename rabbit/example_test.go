@@ -11,6 +11,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/driver"
 	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/rabbit"
 )
@@ -48,7 +49,7 @@ func Example() {
 		panic(err)
 	}
 
-	c, err := b.NewConsumer(orders, consumer.WithConcurrency(1))
+	c, err := b.NewConsumer(ctx, orders, consumer.WithConcurrency(1))
 	if err != nil {
 		panic(err)
 	}
@@ -87,7 +88,7 @@ func ExampleToQueue() {
 	if err := b.Publish(ctx, rabbit.ToQueue(jobs), consumer.Message{Key: "tenant-7", Body: []byte("resize image")}); err != nil {
 		panic(err)
 	}
-	d, err := b.Driver(jobs)
+	d, err := b.Driver(ctx, jobs, driver.Config{})
 	if err != nil {
 		panic(err)
 	}
@@ -97,7 +98,7 @@ func ExampleToQueue() {
 		panic(err)
 	}
 	var dv amqp.Delivery
-	d.As(msgs[0].Handle, &dv)
+	d.(driver.Aser).As(msgs[0].Handle, &dv)
 	fmt.Printf("%s for %s, routing key is the queue: %v\n", msgs[0].Body, msgs[0].Key, dv.RoutingKey == jobs)
 	// Output: resize image for tenant-7, routing key is the queue: true
 }

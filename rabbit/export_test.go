@@ -1,4 +1,7 @@
 package rabbit
 
-// AckFrames is how many basic.ack frames d sent.
-func AckFrames(d *Driver) int64 { return d.ackFrames.Load() }
+import "github.com/ferrymq/ferry/consumer/driver"
+
+// AckFrames is how many basic.ack frames d, a driver of Broker.Driver,
+// sent.
+func AckFrames(d driver.Driver) int64 { return d.(*queueDriver).ackFrames.Load() }

@@ -130,7 +130,7 @@ func busyThroughFault(t *testing.T, fault func(name string)) {
 
 	const prefetch = 16
 	var got seen
-	c, err := cb.NewConsumer(name, consumer.WithConcurrency(4), consumer.WithMaxInFlight(prefetch),
+	c, err := cb.NewConsumer(t.Context(), name, consumer.WithConcurrency(4), consumer.WithMaxInFlight(prefetch),
 		consumer.WithLogger(logger), consumer.WithFetchBackoff(500*time.Millisecond))
 	must(t, err)
 	stopConsumer := runLoop(t, c, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
@@ -320,7 +320,7 @@ func TestDeliveryLimitEndsInDeadLetterExchange(t *testing.T) {
 			}), rabbit.WithRetryDelays(time.Second))
 			must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(name), consumer.Message{ID: "poison-1", Key: "k", Body: []byte("bad")}))
 			var runs atomic.Int64
-			c, err := b.NewConsumer(name, consumer.WithRedeliveryBackoff(0, 0))
+			c, err := b.NewConsumer(t.Context(), name, consumer.WithRedeliveryBackoff(0, 0))
 			must(t, err)
 			stop := runLoop(t, c, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 				runs.Add(1)
@@ -371,7 +371,7 @@ func TestQueueDeletedUnderConsumer(t *testing.T) {
 	logger, logs := capture(t)
 	b := dial(t, rabbit.WithLogger(logger))
 	var got seen
-	c, err := b.NewConsumer(name, consumer.WithLogger(logger), consumer.WithFetchBackoff(200*time.Millisecond))
+	c, err := b.NewConsumer(t.Context(), name, consumer.WithLogger(logger), consumer.WithFetchBackoff(200*time.Millisecond))
 	must(t, err)
 	stop := runLoop(t, c, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 		got.add(string(m.Body))
@@ -459,7 +459,7 @@ func TestMemoryAlarmPublishFailsInTimeAndBreakerOpens(t *testing.T) {
 	br, err := consumer.NewBreaker(consumer.BreakerFailures(3), consumer.BreakerOpenFor(500*time.Millisecond))
 	must(t, err)
 	var forwarded seen
-	c, err := b.NewConsumer(src, consumer.WithConcurrency(2), consumer.WithLogger(logger),
+	c, err := b.NewConsumer(t.Context(), src, consumer.WithConcurrency(2), consumer.WithLogger(logger),
 		consumer.WithRedeliveryBackoff(10*time.Millisecond, 100*time.Millisecond))
 	must(t, err)
 	stop := runLoop(t, c, br.Wrap(consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
@@ -505,7 +505,7 @@ func TestCloseReturnsWithinASecond(t *testing.T) {
 		msgs[i] = consumer.Message{Body: []byte("x")}
 	}
 	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(name), msgs...))
-	d, err := b.Driver(name, rabbit.Prefetch(50))
+	d, err := openDriver(t, b, name, driver.Config{MaxInFlight: 50})
 	must(t, err)
 	first, err := d.Fetch(ctxFor(t, 10*time.Second), nil, 1)
 	must(t, err)
@@ -563,7 +563,7 @@ func TestBreakerOpenNoPileUpBeyondPrefetch(t *testing.T) {
 	var down atomic.Bool
 	down.Store(true)
 	var handled atomic.Int64
-	c, err := b.NewConsumer(name, consumer.WithConcurrency(2), consumer.WithMaxInFlight(maxInFlight), consumer.WithLogger(logger))
+	c, err := b.NewConsumer(t.Context(), name, consumer.WithConcurrency(2), consumer.WithMaxInFlight(maxInFlight), consumer.WithLogger(logger))
 	must(t, err)
 	stop := runLoop(t, c, br.Wrap(consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 		if down.Load() {
@@ -613,7 +613,7 @@ func TestAcksFlowUnderMemoryAlarm(t *testing.T) {
 		return errors.Is(b.Publish(ctx, rabbit.ToQueue(name+"-nowhere"), consumer.Message{Body: []byte("probe")}), rabbit.ErrBlocked)
 	})
 	var got seen
-	c, err := b.NewConsumer(name, consumer.WithLogger(logger))
+	c, err := b.NewConsumer(t.Context(), name, consumer.WithLogger(logger))
 	must(t, err)
 	stop := runLoop(t, c, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 		got.add(string(m.Body))
@@ -650,7 +650,7 @@ func TestVhostRefusedOnReconnectIsRetried(t *testing.T) {
 		rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: name, Classic: true}}}))
 	must(t, err)
 	t.Cleanup(func() { b.Close() })
-	d, err := b.Driver(name)
+	d, err := openDriver(t, b, name, driver.Config{})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })
 	got := make(chan error, 100)

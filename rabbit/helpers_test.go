@@ -13,6 +13,7 @@ import (
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
+	"github.com/ferrymq/ferry/consumer/driver"
 	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/rabbit"
 )
@@ -167,4 +168,24 @@ func containsAll(s string, subs ...string) bool {
 		}
 	}
 	return true
+}
+
+// queueDriver is every interface the driver of rabbit.Broker.Driver
+// implements beyond driver.Driver.
+type queueDriver interface {
+	driver.Driver
+	driver.Connector
+	driver.Revoker
+	driver.Drainer
+	driver.Aser
+	driver.LagReporter
+}
+
+// openDriver is b.Driver(queue, cfg), as the queueDriver it is.
+func openDriver(t *testing.T, b *rabbit.Broker, queue string, cfg driver.Config) (queueDriver, error) {
+	d, err := b.Driver(t.Context(), queue, cfg)
+	if err != nil {
+		return nil, err
+	}
+	return d.(queueDriver), nil
 }

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/driver"
 	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/rabbit"
 )
@@ -33,7 +34,7 @@ func TestLagCountsReadyPrefetchedAndRunning(t *testing.T) {
 	}
 	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(name), msgs...))
 
-	d, err := b.Driver(name, rabbit.Prefetch(prefetch))
+	d, err := openDriver(t, b, name, driver.Config{MaxInFlight: prefetch})
 	must(t, err)
 	c, err := consumer.New(d, consumer.WithMaxInFlight(maxInFlight), consumer.WithConcurrency(concurrency),
 		consumer.WithHealthWindow(100*time.Millisecond, 3), consumer.WithLogger(testLogger(t)))

@@ -54,7 +54,7 @@ func TestPartitionedKeepsKeyOrderWithOneActiveConsumer(t *testing.T) {
 	for i, q := range qs {
 		for _, role := range []string{"active", "standby"} {
 			name := fmt.Sprintf("p%d-%s", i, role)
-			c, err := b.NewConsumer(q, consumer.WithConcurrency(4), consumer.WithName(name))
+			c, err := b.NewConsumer(t.Context(), q, consumer.WithConcurrency(4), consumer.WithName(name))
 			must(t, err)
 			runLoop(t, c, handler(name))
 			if role == "active" {

@@ -100,7 +100,7 @@ func TestOrderedQueueRetriesAFailedMessageInPlace(t *testing.T) {
 			publishSeq(t, b, name, "order-1", n)
 
 			var rec completions
-			c, err := b.NewConsumer(name, consumer.WithConcurrency(4), consumer.WithRedeliveryBackoff(tc.delay, tc.delay))
+			c, err := b.NewConsumer(t.Context(), name, consumer.WithConcurrency(4), consumer.WithRedeliveryBackoff(tc.delay, tc.delay))
 			must(t, err)
 			runLoop(t, c, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 				seq, err := strconv.Atoi(string(m.Body))
@@ -169,7 +169,7 @@ func TestOrderedQueueKeepsOrderWhenStoppedMidRetry(t *testing.T) {
 			publishSeq(t, b1, name, "order-1", n)
 
 			var first completions
-			c1, err := b1.NewConsumer(name, consumer.WithConcurrency(4), consumer.WithRedeliveryBackoff(10*time.Millisecond, 10*time.Millisecond))
+			c1, err := b1.NewConsumer(t.Context(), name, consumer.WithConcurrency(4), consumer.WithRedeliveryBackoff(10*time.Millisecond, 10*time.Millisecond))
 			must(t, err)
 			stop1 := runLoop(t, c1, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 				seq, _ := strconv.Atoi(string(m.Body))
@@ -196,7 +196,7 @@ func TestOrderedQueueKeepsOrderWhenStoppedMidRetry(t *testing.T) {
 
 			b2 := dial(t, rabbit.WithTopology(orderedTopology(name)))
 			var second completions
-			c2, err := b2.NewConsumer(name, consumer.WithConcurrency(4))
+			c2, err := b2.NewConsumer(t.Context(), name, consumer.WithConcurrency(4))
 			must(t, err)
 			runLoop(t, c2, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 				seq, _ := strconv.Atoi(string(m.Body))

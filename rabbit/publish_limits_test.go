@@ -14,6 +14,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/driver"
 	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/rabbit"
 )
@@ -252,7 +253,7 @@ func TestDeadLetterOfAKeyTooLongForARoutingKeyIsPublished(t *testing.T) {
 	dl, err := consumer.NewDeadLetter(b, dlx)
 	must(t, err)
 	var runs atomic.Int64
-	c, err := b.NewConsumer(name, consumer.WithRedeliveryBackoff(10*time.Millisecond, 10*time.Millisecond))
+	c, err := b.NewConsumer(t.Context(), name, consumer.WithRedeliveryBackoff(10*time.Millisecond, 10*time.Millisecond))
 	must(t, err)
 	stop := runLoop(t, c, dl.Wrap(consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 		runs.Add(1)
@@ -262,7 +263,7 @@ func TestDeadLetterOfAKeyTooLongForARoutingKeyIsPublished(t *testing.T) {
 		return consumer.Permanent(errors.New("poison"))
 	})))
 
-	d2, err := b.Driver(dlq)
+	d2, err := openDriver(t, b, dlq, driver.Config{})
 	must(t, err)
 	t.Cleanup(func() { d2.Close() })
 	got := fetchN(t, d2, 1)[0]

@@ -99,7 +99,7 @@ func TestPublishToQueueKeepsTheKey(t *testing.T) {
 	deleteLater(t, []string{q}, nil)
 	b := dial(t, rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: q, DeadLetterExchange: "x"}}}))
 	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(q), consumer.Message{ID: "m1", Key: "order-7", Body: []byte("x"), Headers: map[string]string{"h": "v"}}))
-	c, err := b.NewConsumer(q)
+	c, err := b.NewConsumer(t.Context(), q)
 	must(t, err)
 	got := make(chan consumer.Message, 1)
 	ctx, cancel := context.WithCancel(context.Background())

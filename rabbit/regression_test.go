@@ -257,7 +257,7 @@ func TestCloseReturnsWithinASecondWhileRedialing(t *testing.T) {
 		rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: name, Classic: true}}}))
 	must(t, err)
 	t.Cleanup(func() { b.Close() })
-	d, err := b.Driver(name)
+	d, err := openDriver(t, b, name, driver.Config{})
 	must(t, err)
 	fetched := make(chan error, 1)
 	go func() {
@@ -366,7 +366,7 @@ func TestDeletedDelayQueueIsDeclaredAgain(t *testing.T) {
 	b := dial(t, rabbit.WithRetryDelays(time.Second),
 		rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: name, Classic: true}}}))
 	must(t, b.Publish(ctxFor(t, 5*time.Second), rabbit.ToQueue(name), consumer.Message{ID: "m1", Body: []byte("x")}))
-	d, err := b.Driver(name, rabbit.Prefetch(1))
+	d, err := openDriver(t, b, name, driver.Config{MaxInFlight: 1})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })
 	fetch := func() driver.Message {

@@ -99,7 +99,7 @@ func TestTLSConnects(t *testing.T) {
 	}
 	t.Cleanup(func() { b.Close() })
 	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(q), consumer.Message{ID: "over-tls", Body: []byte("secret")}))
-	d, err := b.Driver(q)
+	d, err := openDriver(t, b, q, driver.Config{})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })
 	msgs, err := d.Fetch(ctxFor(t, 10*time.Second), nil, 1)
@@ -164,7 +164,7 @@ func TestAccessRefusedIsFatal(t *testing.T) {
 	b, err := rabbit.Dial("amqp://"+user+":"+pw+"@127.0.0.1:5672/", rabbit.WithLogger(logger))
 	must(t, err)
 	t.Cleanup(func() { b.Close() })
-	c, err := b.NewConsumer(q, consumer.WithLogger(logger))
+	c, err := b.NewConsumer(t.Context(), q, consumer.WithLogger(logger))
 	must(t, err)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()

@@ -114,7 +114,7 @@ func TestAtMostOnceAckConfirmedBeforeSettleReturns(t *testing.T) {
 	t.Cleanup(func() { b.Close() })
 	must(t, b.Publish(ctxFor(t, 5*time.Second), rabbit.ToQueue(name),
 		consumer.Message{Body: []byte("one")}, consumer.Message{Body: []byte("two")}))
-	d, err := b.Driver(name)
+	d, err := openDriver(t, b, name, driver.Config{})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })
 	var ms []driver.Message
@@ -153,7 +153,7 @@ func TestLagReturnsWithinItsContextWhenTheBrokerStalls(t *testing.T) {
 		rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: name, Classic: true}}}))
 	must(t, err)
 	t.Cleanup(func() { b.Close() })
-	d, err := b.Driver(name)
+	d, err := openDriver(t, b, name, driver.Config{})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })
 	_, err = d.Lag(ctxFor(t, 5*time.Second)) // opens the consuming connection

@@ -58,7 +58,7 @@ func TestATraceFollowsAMessageAcrossRabbitMQ(t *testing.T) {
 			}
 			request.End()
 
-			l, err := b.NewConsumer(q, consumer.WithName("billing"), consumer.WithTracerProvider(tp))
+			l, err := b.NewConsumer(t.Context(), q, consumer.WithName("billing"), consumer.WithTracerProvider(tp))
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -18,11 +18,12 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 	"github.com/aws/smithy-go/middleware"
 
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/metric"
+
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
 	"github.com/ferrymq/ferry/internal/msgmetrics"
-	"go.opentelemetry.io/otel"
-	"go.opentelemetry.io/otel/metric"
 )
 
 // Limits of Amazon SQS that Ferry works within.
@@ -198,6 +199,15 @@ func WithMaxReceivers(n int) Option {
 		return nil
 	}
 }
+
+var (
+	_ consumer.Broker      = (*Broker)(nil)
+	_ consumer.SystemNamer = (*Broker)(nil)
+	_ driver.Opener        = (*Broker)(nil)
+)
+
+// System names the broker as OpenTelemetry's messaging.system does: "aws_sqs".
+func (b *Broker) System() string { return "aws_sqs" }
 
 // New returns a Broker over client, which the caller configured with
 // whatever region, credentials, endpoint, retryer and HTTP client the
@@ -445,7 +455,7 @@ func recordAttempts(o *awssqs.Options) {
 }
 
 // NewConsumer returns a delivery loop over the queue named by queue (a name
-// or a queue URL): consumer.New over Driver(ctx, queue) with opts. It makes
+// or a queue URL): consumer.NewOn over the Broker, with opts. It makes
 // no call to SQS: the consumer looks its queue up when Run starts, and
 // until then, and whenever SQS cannot be reached or the queue does not
 // exist, Run retries with backoff and says so (see Errors in the package
@@ -453,20 +463,12 @@ func recordAttempts(o *awssqs.Options) {
 // is created, starts consuming once both are there. It fails with a
 // *consumer.ConfigError when queue names no queue or an option is invalid.
 func (b *Broker) NewConsumer(ctx context.Context, queue string, opts ...consumer.Option) (*consumer.Loop, error) {
-	d, err := b.Driver(ctx, queue)
-	if err != nil {
-		return nil, err
-	}
-	l, err := consumer.New(d, opts...)
-	if err != nil {
-		_ = d.Close()
-		return nil, err
-	}
-	return l, nil
+	return consumer.NewOn(ctx, b, queue, opts...)
 }
 
-// Driver returns the raw driver over a queue, for consumer.New or a loop
-// of one's own. It makes no call to SQS (ctx is not used): the driver
+// Driver returns the raw driver over a queue, for consumer.NewOn or a loop
+// of one's own (driver.Opener; SQS needs nothing of cfg). It makes no call
+// to SQS (ctx is not used): the driver
 // looks the queue up in Connect (driver.Connector), or in the first Fetch
 // or Lag when nobody called Connect, and again after SQS said the queue
 // does not exist. It implements driver.Extender (the lease is the queue's
@@ -476,7 +478,7 @@ func (b *Broker) NewConsumer(ctx context.Context, queue string, opts ...consumer
 // drivers of one queue share its messages as SQS shares them between
 // receivers. It fails with a *consumer.ConfigError when queue names no
 // queue, and with ErrClosed on a closed broker.
-func (b *Broker) Driver(_ context.Context, queue string) (driver.Driver, error) {
+func (b *Broker) Driver(_ context.Context, queue string, _ driver.Config) (driver.Driver, error) {
 	if b.isClosed() {
 		return nil, fmt.Errorf("sqs: driver for %q: %w", queue, ErrClosed)
 	}

@@ -164,7 +164,7 @@ func TestConsumerOfAMissingQueueWaitsForIt(t *testing.T) {
 
 	// The driver's error: not fatal, the queue and the endpoint named,
 	// SQS's typed error inside.
-	d, err := b.Driver(context.Background(), name)
+	d, err := b.Driver(context.Background(), name, driver.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -203,7 +203,7 @@ func TestConsumerBuiltWhileSQSIsDownConsumesOnceItIsUp(t *testing.T) {
 	c := clientAt(t, addr)
 	b := newBroker(t, c)
 
-	d, err := b.Driver(context.Background(), name)
+	d, err := b.Driver(context.Background(), name, driver.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}

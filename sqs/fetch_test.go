@@ -65,7 +65,7 @@ func TestFetchHandsOverAReceiveWhileOthersPoll(t *testing.T) {
 	c := newClient(t, nil, func(o *awssqs.Options) { o.APIOptions = append(o.APIOptions, open.add) })
 	b := newBroker(t, c)
 	name, url := createQueue(t, c, "handover", queueConfig{visibility: 30 * time.Second})
-	drv, err := b.Driver(context.Background(), name)
+	drv, err := b.Driver(context.Background(), name, driver.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -111,7 +111,7 @@ func TestDrainHandsOverWhatOpenReceivesBring(t *testing.T) {
 	c := newClient(t, nil)
 	b := newBroker(t, c)
 	name, url := createQueue(t, c, "drain-open", queueConfig{visibility: 30 * time.Second})
-	drv, err := b.Driver(context.Background(), name)
+	drv, err := b.Driver(context.Background(), name, driver.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -24,7 +24,7 @@ func TestLagReportsDepthAndOldestAge(t *testing.T) {
 	if err := b.Publish(ctx, name, msgs...); err != nil {
 		t.Fatal(err)
 	}
-	drv, err := b.Driver(ctx, name)
+	drv, err := b.Driver(ctx, name, driver.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -60,7 +60,7 @@ func TestBatchDeleteWithOneBadReceiptHandleFailsOnlyThatEntry(t *testing.T) {
 	if err := b.Publish(context.Background(), name, consumer.Message{Body: []byte("1")}, consumer.Message{Body: []byte("2")}, consumer.Message{Body: []byte("3")}); err != nil {
 		t.Fatal(err)
 	}
-	drv, err := b.Driver(context.Background(), name)
+	drv, err := b.Driver(context.Background(), name, driver.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -107,7 +107,7 @@ func TestExpiredHandleEndsExtensionQuietly(t *testing.T) {
 	if err := b.Publish(context.Background(), name, consumer.Message{Body: []byte("1")}, consumer.Message{Body: []byte("2")}); err != nil {
 		t.Fatal(err)
 	}
-	drv, err := b.Driver(context.Background(), name)
+	drv, err := b.Driver(context.Background(), name, driver.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -207,7 +207,7 @@ func TestExtensionStopsAtTheVisibilityLimit(t *testing.T) {
 	b := newBroker(t, c)
 	name, _ := createQueue(t, c, "cap", queueConfig{visibility: time.Second})
 	const limit = 4 * time.Second
-	drv, err := b.Driver(context.Background(), name)
+	drv, err := b.Driver(context.Background(), name, driver.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -382,7 +382,7 @@ func TestHandOverDropsMessagesWhoseExtensionExpired(t *testing.T) {
 	stale.MessageId = aws.String("stale")
 	stale.Body = aws.String("stale")
 	stale.ReceiptHandle = aws.String("stale#handle")
-	d, err := b.Driver(ctx, name)
+	d, err := b.Driver(ctx, name, driver.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}

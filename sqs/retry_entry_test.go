@@ -92,7 +92,7 @@ func TestBatchEntryFailedBySQSIsRetriedAlone(t *testing.T) {
 	if err := b.Publish(context.Background(), name, consumer.Message{Body: []byte("1")}, consumer.Message{Body: []byte("2")}, consumer.Message{Body: []byte("3")}); err != nil {
 		t.Fatal(err)
 	}
-	drv, err := b.Driver(context.Background(), name)
+	drv, err := b.Driver(context.Background(), name, driver.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -78,11 +78,8 @@
 //	func (h *harness) Publisher(t *testing.T) consumer.Publisher { return h.b }
 //
 //	func (h *harness) NewConsumer(t *testing.T, source string, opts ...consumer.Option) consumer.Consumer {
-//		d, err := h.b.Driver(source, source+"-group") // every consumer of a source in one group
-//		if err != nil {
-//			t.Fatal(err)
-//		}
-//		c, err := consumer.New(d, opts...)
+//		// every consumer of a source in one group
+//		c, err := h.b.NewConsumer(t.Context(), source, append(opts, consumer.WithName(source+"-group"))...)
 //		if err != nil {
 //			t.Fatal(err)
 //		}

@@ -69,7 +69,7 @@ func (h *memHarness) NewSource(t *testing.T, cfg consumertest.SourceConfig) stri
 func (h *memHarness) Publisher(t *testing.T) consumer.Publisher { return h.broker(t) }
 
 func (h *memHarness) NewConsumer(t *testing.T, source string, opts ...consumer.Option) consumer.Consumer {
-	d, err := h.broker(t).Driver(source)
+	d, err := h.broker(t).Driver(t.Context(), source, driver.Config{})
 	if err != nil {
 		t.Fatalf("driver for %q: %v", source, err)
 	}

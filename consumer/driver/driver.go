@@ -204,6 +204,31 @@ type Driver interface {
 // retrying inside the client.
 const ReportWithin = 5 * time.Second
 
+// Config is what a delivery loop, built from its options, tells the
+// driver it opens (see Opener): a driver is made for the loop that runs it,
+// not patched after consumer.New.
+type Config struct {
+	// Name is the consumer's name as given by consumer.WithName, or "" when
+	// none was given. On Kafka it is the group id, and required.
+	Name string
+	// MaxInFlight is the most messages the loop holds unsettled at once; a
+	// driver whose broker pushes deliveries sizes its prefetch from it. 0
+	// leaves the driver's default.
+	MaxInFlight int
+}
+
+// Opener opens drivers over a broker's sources: every adapter's Broker
+// implements it, and consumer.NewOn builds a delivery loop over it. The
+// source is a queue or a topic, as the broker names them.
+type Opener interface {
+	// Driver returns a new driver over source, made for a loop with cfg.
+	// A source the broker cannot name, or a cfg it cannot serve, is a
+	// *consumer.ConfigError. Driver need not reach the broker: the loop
+	// calls Connect (when the driver is a Connector) or Fetch, and reports
+	// while they fail.
+	Driver(ctx context.Context, source string, cfg Config) (Driver, error)
+}
+
 // Connector is implemented by drivers that can check, before the first
 // Fetch, that the broker answers and the source exists. The loop calls
 // Connect when Run starts, and again with backoff after each non-fatal

@@ -191,7 +191,7 @@ func run(ctx context.Context, seeds []string, n int, payTime time.Duration) erro
 		return nil
 	})
 	// The consumer's name is its consumer group.
-	c, err := b.NewConsumer(topic, consumer.WithName("billing"), consumer.WithOrdering(consumer.OrderByKey))
+	c, err := b.NewConsumer(ctx, topic, consumer.WithName("billing"), consumer.WithOrdering(consumer.OrderByKey))
 	if err != nil {
 		return err
 	}

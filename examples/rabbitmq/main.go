@@ -195,7 +195,7 @@ func run(ctx context.Context, url string, n int, payTime time.Duration) error {
 	})
 	// A message is acked once its handler returned nil; until then
 	// RabbitMQ holds it on the consumer's channel.
-	c, err := b.NewConsumer(queue, consumer.WithName("billing"))
+	c, err := b.NewConsumer(ctx, queue, consumer.WithName("billing"))
 	if err != nil {
 		return err
 	}

@@ -7,12 +7,13 @@ import (
 	"testing"
 	"time"
 
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/idempotency"
 	"github.com/ferrymq/ferry/idempotency/sqlitestore"
 	"github.com/ferrymq/ferry/memory"
-	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
-	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 )
 
 // The inbox reports what it did under the idempotency middleware's metric
@@ -32,7 +33,7 @@ func TestInboxReportsItsCountsThroughTheLoopsMeterProvider(t *testing.T) {
 	reader := sdkmetric.NewManualReader()
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	defer mp.Shutdown(context.Background())
-	l, err := b.NewConsumer("orders", consumer.WithName("billing"), consumer.WithMeterProvider(mp),
+	l, err := b.NewConsumer(t.Context(), "orders", consumer.WithName("billing"), consumer.WithMeterProvider(mp),
 		consumer.WithLogger(slog.New(slog.DiscardHandler)))
 	if err != nil {
 		t.Fatal(err)

@@ -35,7 +35,7 @@ func StoreDown(t *testing.T, s idempotency.Store) {
 		calls.Add(1)
 		return nil
 	}))
-	loop, err := b.NewConsumer("orders", consumer.WithRedeliveryBackoff(time.Millisecond, 10*time.Millisecond))
+	loop, err := b.NewConsumer(ctx, "orders", consumer.WithRedeliveryBackoff(time.Millisecond, 10*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)
 	}

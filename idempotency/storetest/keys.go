@@ -145,7 +145,7 @@ func throughStack(t *testing.T, h consumer.Handler, msgs []consumer.Message) *co
 	if err != nil {
 		t.Fatal(err)
 	}
-	loop, err := b.NewConsumer("orders", consumer.WithConcurrency(4),
+	loop, err := b.NewConsumer(ctx, "orders", consumer.WithConcurrency(4),
 		consumer.WithRedeliveryBackoff(time.Millisecond, 10*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)

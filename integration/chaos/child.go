@@ -511,7 +511,7 @@ func openBilling(ctx context.Context, cfg childConfig, log *slog.Logger) (ferry.
 type kafkaBroker struct{ *kafka.Broker }
 
 func (k kafkaBroker) NewConsumer(_ context.Context, topic string, opts ...consumer.Option) (*consumer.Loop, error) {
-	return k.Broker.NewConsumer(topic, opts...)
+	return k.Broker.NewConsumer(context.Background(), topic, opts...)
 }
 
 // slowConsumer is the billing process whose handler outlasts the lease.

@@ -18,11 +18,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ferrymq/ferry/consumer"
-	"github.com/ferrymq/ferry/idempotency"
-	"github.com/ferrymq/ferry/memory"
-	"github.com/ferrymq/ferry/outbox"
-	"github.com/ferrymq/ferry/outbox/sqliteoutbox"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/common/model"
 	"github.com/prometheus/prometheus/model/rulefmt"
@@ -30,6 +25,12 @@ import (
 	otelprom "go.opentelemetry.io/otel/exporters/prometheus"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/idempotency"
+	"github.com/ferrymq/ferry/memory"
+	"github.com/ferrymq/ferry/outbox"
+	"github.com/ferrymq/ferry/outbox/sqliteoutbox"
 )
 
 // docsDir is the repository's docs/ folder, whose documents this package
@@ -64,7 +65,7 @@ func registerEverything(t *testing.T, mp *sdkmetric.MeterProvider, collect func(
 		t.Fatal(err)
 	}
 
-	loop, err := b.NewConsumer("orders", consumer.WithName("billing"), consumer.WithMeterProvider(mp), consumer.WithLogger(quiet))
+	loop, err := b.NewConsumer(t.Context(), "orders", consumer.WithName("billing"), consumer.WithMeterProvider(mp), consumer.WithLogger(quiet))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -19,8 +19,8 @@ import (
 	"syscall"
 
 	"github.com/ferrymq/ferry"
+	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
-	"github.com/ferrymq/ferry/rabbit"
 )
 
 // Exit codes of every ferry command.
@@ -168,50 +168,30 @@ func Open(ctx context.Context, url string) (ferry.Broker, error) {
 
 // Kind names the broker behind b: "memory", "kafka", "sqs" or "rabbitmq".
 func Kind(b ferry.Broker) string {
-	switch b.(type) {
-	case kafkaDriverer:
-		return "kafka"
-	case sqsDriverer:
+	sn, ok := b.(consumer.SystemNamer)
+	if !ok {
+		return "unknown"
+	}
+	switch sys := sn.System(); sys {
+	case "aws_sqs":
 		return "sqs"
-	case rabbitDriverer:
-		return "rabbitmq"
-	case memDriverer:
+	case "ferry_memory":
 		return "memory"
+	default:
+		return sys
 	}
-	return "unknown"
 }
-
-type (
-	kafkaDriverer interface {
-		Driver(topic, group string) (driver.Driver, error)
-	}
-	sqsDriverer interface {
-		Driver(ctx context.Context, queue string) (driver.Driver, error)
-	}
-	rabbitDriverer interface {
-		Driver(queue string, opts ...rabbit.DriverOption) (*rabbit.Driver, error)
-	}
-	memDriverer interface {
-		Driver(queue string) (driver.Driver, error)
-	}
-)
 
 // Driver returns the driver of source on b, outside any delivery loop:
 // on Kafka a member of group (which joins the group on its first Fetch),
 // on RabbitMQ one whose prefetch is prefetch (1 to 65535), on SQS and
 // memory a receiver of the queue.
 func Driver(ctx context.Context, b ferry.Broker, source, group string, prefetch int) (driver.Driver, error) {
-	switch x := b.(type) {
-	case kafkaDriverer:
-		return x.Driver(source, group)
-	case sqsDriverer:
-		return x.Driver(ctx, source)
-	case rabbitDriverer:
-		return x.Driver(source, rabbit.Prefetch(min(max(prefetch, 1), 65535)))
-	case memDriverer:
-		return x.Driver(source)
+	o, ok := b.(driver.Opener)
+	if !ok {
+		return nil, fmt.Errorf("no driver for a broker of type %T", b)
 	}
-	return nil, fmt.Errorf("no driver for a broker of type %T", b)
+	return o.Driver(ctx, source, driver.Config{Name: group, MaxInFlight: min(max(prefetch, 1), 65535)})
 }
 
 // Terminal reports whether w is a terminal that can rewrite a line in

@@ -68,15 +68,10 @@ type (
 	kafkaBroker interface {
 		CreateTopic(ctx context.Context, topic string, cfg kafka.TopicConfig) error
 		DeleteTopic(ctx context.Context, topic string) error
-		Driver(topic, group string) (driver.Driver, error)
 		Admin() *kadm.Client
 	}
 	sqsBroker interface {
 		Client() *awssqs.Client
-		Driver(ctx context.Context, queue string) (driver.Driver, error)
-	}
-	rabbitBroker interface {
-		Driver(queue string, opts ...rabbit.DriverOption) (*rabbit.Driver, error)
 	}
 )
 
@@ -277,7 +272,7 @@ func onChannel(conn *amqp.Connection, f func(ch *amqp.Channel) error) error {
 }
 
 func (s *site) createRabbit(ctx context.Context) error {
-	if _, ok := s.b.(rabbitBroker); !ok {
+	if s.kind != onRabbitMQ {
 		return fmt.Errorf("%w (RabbitMQ)", errUnknownBroker)
 	}
 	return s.rabbitConn(ctx, func(conn *amqp.Connection) error {
@@ -329,23 +324,15 @@ func (s *site) driver(ctx context.Context, b ferry.Broker, dlq bool, maxInFlight
 	if dlq {
 		source = s.dlq
 	}
-	switch s.kind {
-	case onKafka:
-		group := s.group
-		if dlq {
-			group = s.dlqGroup
-		}
-		return b.(kafkaBroker).Driver(source, group)
-	case onSQS:
-		return b.(sqsBroker).Driver(ctx, source)
-	case onRabbitMQ:
-		return b.(rabbitBroker).Driver(source, rabbit.Prefetch(maxInFlight))
+	group := s.group
+	if dlq {
+		group = s.dlqGroup
 	}
-	m, ok := ferry.Memory(b)
+	o, ok := b.(driver.Opener)
 	if !ok {
 		return nil, errUnknownBroker
 	}
-	return m.Driver(source)
+	return o.Driver(ctx, source, driver.Config{Name: group, MaxInFlight: maxInFlight})
 }
 
 // lagOf is what the status line shows as the lag: messages waiting or in

@@ -16,6 +16,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/driver"
 	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/memory"
 	"github.com/ferrymq/ferry/rabbit"
@@ -101,7 +102,7 @@ func TestPeekTellsWhatDeadLetterWrote(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l, err := mb.NewConsumer("orders", consumer.WithName("billing"))
+	l, err := mb.NewConsumer(t.Context(), "orders", consumer.WithName("billing"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -481,7 +482,7 @@ func TestRedriveGivesUpOnWhatOthersHold(t *testing.T) {
 	f := memoryFixture(t)
 	f.seed(t, 3)
 	mb, _ := memoryOf(f)
-	other, err := mb.Driver(f.dlq)
+	other, err := mb.Driver(t.Context(), f.dlq, driver.Config{})
 	if err != nil {
 		t.Fatal(err)
 	}

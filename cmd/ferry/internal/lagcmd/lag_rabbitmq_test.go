@@ -10,6 +10,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/driver"
 	"github.com/ferrymq/ferry/rabbit"
 )
 
@@ -63,7 +64,7 @@ func TestLagOnRabbitMQAgreesWithTheConsumer(t *testing.T) {
 	reader := sdkmetric.NewManualReader()
 	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
 	t.Cleanup(func() { mp.Shutdown(context.Background()) })
-	d, err := b.Driver(queue, rabbit.Prefetch(prefetch))
+	d, err := b.Driver(t.Context(), queue, driver.Config{MaxInFlight: prefetch})
 	if err != nil {
 		t.Fatal(err)
 	}

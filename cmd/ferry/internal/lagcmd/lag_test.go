@@ -178,7 +178,7 @@ func TestLagOnKafkaAgreesWithTheConsumersHealth(t *testing.T) {
 	if err := kb.Publish(ctx, topic, ms...); err != nil {
 		t.Fatal(err)
 	}
-	l, err := kb.NewConsumer(topic, consumer.WithName(group), consumer.WithHealthWindow(200*time.Millisecond, 3),
+	l, err := kb.NewConsumer(ctx, topic, consumer.WithName(group), consumer.WithHealthWindow(200*time.Millisecond, 3),
 		consumer.WithShutdownGrace(100*time.Millisecond))
 	if err != nil {
 		t.Fatal(err)
@@ -317,7 +317,7 @@ func TestLagWatch(t *testing.T) {
 	publish(t, url, "orders", 3)
 	mb, _ := ferry.Memory(b)
 	ctx, cancel := context.WithCancel(context.Background())
-	l, err := mb.NewConsumer("orders")
+	l, err := mb.NewConsumer(ctx, "orders")
 	if err != nil {
 		t.Fatal(err)
 	}
