@@ -143,25 +143,52 @@ func destinationName(p Publisher, destination string) string {
 	return destination
 }
 
+// systemOf is the messaging system p names (SystemNamer), or the one of
+// the Publisher it wraps (an Unwrap() Publisher method), and "" when none
+// does.
+func systemOf(p Publisher) string {
+	for range 8 {
+		if n, ok := p.(SystemNamer); ok {
+			return n.System()
+		}
+		u, ok := p.(interface{ Unwrap() Publisher })
+		if !ok {
+			break
+		}
+		p = u.Unwrap()
+	}
+	return ""
+}
+
 // TracePublisher returns a Publisher that publishes through p and makes a
 // producer span of tp, "send DESTINATION", for every message, with the W3C
 // trace context of that span written into a copy of the message's headers
 // (traceparent, tracestate), so that the consumer span of the message's
 // handler run is its child. A message that already carries a trace context
 // (an outbox event written inside a traced transaction) continues that
-// trace; otherwise the span is a child of ctx's. system is the messaging
-// system named in the spans ("kafka", "aws_sqs", "rabbitmq", "ferry_memory").
-// DESTINATION is the destination as p names it, when p is a
-// DestinationNamer. A message the Publish call failed gets an error span.
-func TracePublisher(p Publisher, tp trace.TracerProvider, system string) (Publisher, error) {
+// trace; otherwise the span is a child of ctx's. The spans' messaging.system
+// is the one p names ("kafka", "aws_sqs", "rabbitmq", "ferry_memory"): every
+// adapter's Broker is a SystemNamer, and so is a Publisher that wraps one
+// and says so with an Unwrap() Publisher method; a Publisher that names no
+// system is a *ConfigError. DESTINATION is the destination as p names it,
+// when p is a DestinationNamer. A message the Publish call failed gets an
+// error span.
+func TracePublisher(p Publisher, tp trace.TracerProvider) (Publisher, error) {
 	if p == nil {
 		return nil, configErr("Publisher", "must not be nil")
 	}
 	if tp == nil {
 		return nil, configErr("TracerProvider", "must not be nil")
 	}
+	system := systemOf(p)
+	if system == "" {
+		return nil, configErr("Publisher", "%T names no messaging system: it is not a SystemNamer, nor does it wrap one (Unwrap() Publisher)", p)
+	}
 	return &tracePublisher{next: p, tracer: tp.Tracer(tracerName), system: system}, nil
 }
+
+// System is the messaging system of the Publisher it publishes through.
+func (t *tracePublisher) System() string { return t.system }
 
 type tracePublisher struct {
 	next   Publisher

@@ -66,7 +66,7 @@ func TestATraceFollowsAMessageFromItsPublishToItsHandler(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer b.Close()
-	pub, err := consumer.TracePublisher(b, tp, "ferry_memory")
+	pub, err := consumer.TracePublisher(b, tp)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -249,6 +249,8 @@ func TestARunSpanSaysItsOutcome(t *testing.T) {
 // what a broker's per-message refusal looks like to TracePublisher.
 type failSecond struct{ got []consumer.Message }
 
+func (f *failSecond) System() string { return "kafka" }
+
 func (f *failSecond) Publish(_ context.Context, _ string, msgs ...consumer.Message) error {
 	f.got = append(f.got, msgs...)
 	return &consumer.PublishError{Failed: []consumer.FailedMessage{{Index: 1, Err: errors.New("too large")}}}
@@ -259,7 +261,7 @@ func (f *failSecond) Publish(_ context.Context, _ string, msgs ...consumer.Messa
 func TestTracePublisherMarksOnlyTheRefusedMessage(t *testing.T) {
 	tp, rec := tracing(t)
 	next := &failSecond{}
-	pub, err := consumer.TracePublisher(next, tp, "kafka")
+	pub, err := consumer.TracePublisher(next, tp)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -288,7 +290,7 @@ func TestTracePublisherMarksOnlyTheRefusedMessage(t *testing.T) {
 			t.Errorf("span of %s: status %v", id.AsString(), s.Status())
 		}
 	}
-	if _, err := consumer.TracePublisher(nil, tp, "kafka"); !errors.Is(err, consumer.ErrInvalidConfig) {
+	if _, err := consumer.TracePublisher(nil, tp); !errors.Is(err, consumer.ErrInvalidConfig) {
 		t.Errorf("TracePublisher(nil) = %v, want a ConfigError", err)
 	}
 }
@@ -303,6 +305,8 @@ func (p *prefixed) Publish(_ context.Context, dest string, _ ...consumer.Message
 }
 
 func (p *prefixed) DestinationName(dest string) string { return strings.TrimPrefix(dest, "via/") }
+
+func (p *prefixed) System() string { return "rabbitmq" }
 
 // wrapper is a Publisher over another that says which (an Unwrap method).
 type wrapper struct{ next consumer.Publisher }
@@ -327,7 +331,7 @@ func TestTracePublisherNamesTheDestinationAsThePublisherDoes(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			tp, rec := tracing(t)
 			next := &prefixed{}
-			pub, err := consumer.TracePublisher(tc.wrap(next), tp, "rabbitmq")
+			pub, err := consumer.TracePublisher(tc.wrap(next), tp)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -344,6 +348,29 @@ func TestTracePublisherNamesTheDestinationAsThePublisherDoes(t *testing.T) {
 			if v, _ := attrOf(s, "messaging.destination.name"); v.AsString() != "orders" {
 				t.Errorf("messaging.destination.name = %q, want orders", v.AsString())
 			}
+			// The system is the one the publisher (or the one it wraps) names.
+			if v, _ := attrOf(s, "messaging.system"); v.AsString() != "rabbitmq" {
+				t.Errorf("messaging.system = %q, want rabbitmq", v.AsString())
+			}
 		})
+	}
+}
+
+// anonymous is a Publisher that names no messaging system.
+type anonymous struct{}
+
+func (anonymous) Publish(context.Context, string, ...consumer.Message) error { return nil }
+
+// A Publisher that names no system, nor wraps one that does, is refused
+// with a ConfigError naming the field: spans without messaging.system
+// break the conventions' required attribute.
+func TestTracePublisherRefusesAPublisherThatNamesNoSystem(t *testing.T) {
+	tp, _ := tracing(t)
+	for _, p := range []consumer.Publisher{anonymous{}, wrapper{anonymous{}}} {
+		_, err := consumer.TracePublisher(p, tp)
+		var ce *consumer.ConfigError
+		if !errors.As(err, &ce) || ce.Field != "Publisher" || !strings.Contains(err.Error(), "names no messaging system") {
+			t.Errorf("TracePublisher(%T) = %v, want a ConfigError for Publisher saying it names no messaging system", p, err)
+		}
 	}
 }

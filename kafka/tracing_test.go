@@ -25,7 +25,7 @@ func TestATraceFollowsARecordAcrossKafka(t *testing.T) {
 
 	b := newBroker(t)
 	topic := newTopic(t, b, "trace", 1)
-	pub, err := consumer.TracePublisher(b, tp, "kafka")
+	pub, err := consumer.TracePublisher(b, tp)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -43,7 +43,7 @@ func TestTheRelaysPublishContinuesTheWritersTrace(t *testing.T) {
 			t.Fatal(err)
 		}
 
-		pub, err := consumer.TracePublisher(br, tp, "ferry_memory")
+		pub, err := consumer.TracePublisher(br, tp)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -47,7 +47,7 @@ func TestATraceFollowsAMessageAcrossRabbitMQ(t *testing.T) {
 			if direct {
 				dest = rabbit.ToQueue(q)
 			}
-			pub, err := consumer.TracePublisher(b, tp, "rabbitmq")
+			pub, err := consumer.TracePublisher(b, tp)
 			if err != nil {
 				t.Fatal(err)
 			}

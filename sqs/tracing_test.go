@@ -33,7 +33,7 @@ func TestATraceFollowsAMessageAcrossSQS(t *testing.T) {
 			c := newClient(t, nil)
 			b := newBroker(t, c)
 			queue, _ := createQueue(t, c, "trace", queueConfig{fifo: fifo, visibility: 30 * time.Second})
-			pub, err := consumer.TracePublisher(b, tp, "aws_sqs")
+			pub, err := consumer.TracePublisher(b, tp)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -167,7 +167,7 @@ func run(ctx context.Context, cfg config, log *slog.Logger) (err error) {
 		return err // a *ferry.URLError names the part, never the password
 	}
 	defer b.Close()
-	pub, err := consumer.TracePublisher(b, tel.tracer, messagingSystem(cfg.BrokerURL))
+	pub, err := consumer.TracePublisher(b, tel.tracer)
 	if err != nil {
 		return err
 	}
@@ -288,17 +288,3 @@ type lifecycle struct {
 	draining atomic.Bool // the shutdown began
 }
 
-// messagingSystem names the broker of url for traces, as the OpenTelemetry
-// messaging conventions do.
-func messagingSystem(rawURL string) string {
-	scheme, _, _ := strings.Cut(rawURL, "://")
-	switch strings.ToLower(scheme) {
-	case "kafka":
-		return "kafka"
-	case "sqs", "https":
-		return "aws_sqs"
-	case "amqp", "amqps":
-		return "rabbitmq"
-	}
-	return "ferry_memory"
-}
