@@ -287,4 +287,3 @@ func run(ctx context.Context, cfg config, log *slog.Logger) (err error) {
 type lifecycle struct {
 	draining atomic.Bool // the shutdown began
 }
-
