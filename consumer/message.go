@@ -131,6 +131,13 @@ type Consumer interface {
 	Run(ctx context.Context, h Handler) error
 }
 
+// EventIDHeader is the message header that carries an event's id: Ferry's
+// outbox sets it on every event it publishes, and the idempotency
+// middleware takes its key from it by default, so an event published twice
+// is handled once. outbox.EventIDHeader and idempotency.EventIDHeader are
+// this constant.
+const EventIDHeader = "ferry-event-id"
+
 // Publisher sends messages to a destination (a topic or a queue).
 type Publisher interface {
 	// Publish returns nil only once the broker holds every message durably.

@@ -7,12 +7,14 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/ferrymq/ferry/consumer"
 )
 
 // EventIDHeader is the message header that carries an event's id. Ferry's
 // outbox sets it on every event it publishes, and the middleware takes its key
 // from it by default.
-const EventIDHeader = "ferry-event-id"
+const EventIDHeader = consumer.EventIDHeader
 
 var (
 	// ErrInProgress says another worker holds the claim on the key right now.

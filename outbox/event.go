@@ -13,7 +13,7 @@ import (
 // default (idempotency.EventIDHeader has the same value), so an event that is
 // published twice (after a relay crash between publish and delete) is handled
 // once downstream.
-const EventIDHeader = "ferry-event-id"
+const EventIDHeader = consumer.EventIDHeader
 
 // Lanes is how many lanes events are spread over: an event's lane is the
 // FNV-1a hash of its key modulo Lanes (of its id when the key is empty).

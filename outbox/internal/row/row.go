@@ -18,6 +18,8 @@ import (
 
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/ferrymq/ferry/consumer"
 )
 
 // Lanes is the number of lanes events are spread over (see outbox.Lanes).
@@ -109,7 +111,7 @@ func Size(e *Event, id string) int {
 type Invalid func(index int, id, field, reason string) error
 
 // EventIDHeader is outbox.EventIDHeader.
-const EventIDHeader = "ferry-event-id"
+const EventIDHeader = consumer.EventIDHeader
 
 // Prepare checks and encodes events. It never changes the caller's events;
 // ids are generated for events without one. When ctx carries a span, an
