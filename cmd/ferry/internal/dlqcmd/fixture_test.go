@@ -20,6 +20,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 	amqp "github.com/rabbitmq/amqp091-go"
 	"github.com/twmb/franz-go/pkg/kadm"
+	"go.uber.org/goleak"
 
 	"github.com/ferrymq/ferry"
 	"github.com/ferrymq/ferry/cmd/ferry/internal/cli"
@@ -34,6 +35,14 @@ func TestMain(m *testing.M) {
 	code := m.Run()
 	if binDir != "" {
 		os.RemoveAll(binDir)
+	}
+	// Every broker, consumer and connection the tests open is closed by
+	// the time they end.
+	if code == 0 {
+		if err := goleak.Find(testenv.LeakOptions()...); err != nil {
+			fmt.Fprintln(os.Stderr, "goleak:", err)
+			code = 1
+		}
 	}
 	os.Exit(code)
 }
