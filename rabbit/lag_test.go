@@ -31,7 +31,7 @@ func TestLagCountsReadyPrefetchedAndRunning(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{Body: []byte(strconv.Itoa(i))}
 	}
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(name), msgs...))
+	must(t, b.Publish(ctxFor(t, 10*time.Second), name, msgs...))
 
 	d, err := b.Driver(name, rabbit.Prefetch(prefetch))
 	must(t, err)
