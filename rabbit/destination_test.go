@@ -49,7 +49,6 @@ func TestPlainDestinationIsTheQueueAndToExchangeTheExchange(t *testing.T) {
 	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToExchange(name), consumer.Message{Key: "k", Body: []byte("through the exchange")}))
 	waitFor(t, 10*time.Second, "the message in the exchange's queue", func() bool { return depth(t, ch, bound) == 1 })
 
-	//lint:ignore SA1019 the deprecated form must keep working
 	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(name), consumer.Message{Body: []byte("deprecated form")}))
 	waitFor(t, 10*time.Second, "ToQueue's message in the queue", func() bool { return depth(t, ch, name) == 2 })
 
