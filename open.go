@@ -100,8 +100,9 @@
 // rabbit.WithLazyConnect: it connects on first use, as Kafka and SQS do):
 // amqps:// over TLS. The path is the vhost ("/" or
 // none is the default vhost; %2F escapes a "/" in a vhost's name). A
-// NewConsumer source is a queue; a Publish destination is an exchange, or
-// rabbit.ToQueue(queue) for the queue itself. Query parameters:
+// NewConsumer source is a queue, and a Publish destination the queue of
+// that name, as on the other brokers; rabbit.ToExchange(exchange) names an
+// exchange. Query parameters:
 //
 //   - ca_file=FILE: a PEM file of the CA to trust instead of the system's
 //     (amqps only). The certificate must name HOST.

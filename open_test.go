@@ -13,7 +13,6 @@ import (
 	"github.com/ferrymq/ferry/ferrytest"
 	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/memory"
-	"github.com/ferrymq/ferry/rabbit"
 )
 
 // roundTrip publishes one message to source through b and consumes it
@@ -176,7 +175,7 @@ func TestOpenRabbitMQ(t *testing.T) {
 	// A URL carries no topology: the queue is declared first, as a
 	// service's own set-up would.
 	q := ferrytest.Open(t, ferrytest.RabbitMQ).Queue(t, "open")
-	roundTrip(t, b, q.Name, rabbit.ToQueue(q.Name))
+	roundTrip(t, b, q.Name, q.Name)
 }
 
 // A URL that is wrong gets a *URLError naming the part that is wrong, and

@@ -137,7 +137,7 @@ func RabbitSuite(url, run string) (*Suite, error) {
 			if err != nil {
 				return err
 			}
-			h, err := ferryHandler(br, rabbit.ToQueue(dlq), full, tr)
+			h, err := ferryHandler(br, dlq, full, tr)
 			if err != nil {
 				return err
 			}
@@ -207,14 +207,14 @@ func RabbitSuite(url, run string) (*Suite, error) {
 			case Raw:
 				return func(context.Context) error { return rawPublish(q, 0, n) }, func() {}, nil
 			case Ferry:
-				if err := br.Publish(ctx, rabbit.ToQueue(q), consumer.Message{Body: Body(0)}); err != nil {
+				if err := br.Publish(ctx, q, consumer.Message{Body: Body(0)}); err != nil {
 					return nil, nil, err
 				}
 				// Calls of 1000 from 2 goroutines sharing the Broker's
 				// window (one alone idles the window at each call's end).
 				return func(ctx context.Context) error {
 					return parallel(ctx, 2, n, 1000, func(ctx context.Context, lo, hi int) error {
-						return br.Publish(ctx, rabbit.ToQueue(q), ferryMessages(lo, hi)...)
+						return br.Publish(ctx, q, ferryMessages(lo, hi)...)
 					})
 				}, func() {}, nil
 			default:

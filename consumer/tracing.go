@@ -119,8 +119,8 @@ func addRunEvent(ctx context.Context, name string, attrs func() []attribute.KeyV
 }
 
 // DestinationNamer is implemented by a Publisher whose destinations say
-// more than the name of the queue or topic they reach (RabbitMQ's
-// rabbit.ToQueue("orders") is "amq.default/orders"): DestinationName
+// more than the name of the queue, topic or exchange they reach (RabbitMQ's
+// rabbit.ToExchange("orders") is "amq.exchange/orders"): DestinationName
 // returns the name a user gave it ("orders"), which TracePublisher puts in
 // its spans' names and messaging.destination.name.
 type DestinationNamer interface {

@@ -296,7 +296,7 @@ func TestTracePublisherMarksOnlyTheRefusedMessage(t *testing.T) {
 }
 
 // prefixed publishes to destinations that carry a prefix beyond the name
-// (as rabbit.ToQueue's do) and names them without it.
+// (as rabbit.ToExchange's do) and names them without it.
 type prefixed struct{ got []string }
 
 func (p *prefixed) Publish(_ context.Context, dest string, _ ...consumer.Message) error {

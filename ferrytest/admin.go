@@ -305,7 +305,7 @@ func (a *rabbitAdmin) create(_ context.Context, name string, _ queueConfig) (str
 	if err != nil {
 		return "", err
 	}
-	return rabbit.ToQueue(name), b.Close()
+	return name, b.Close()
 }
 
 // channel returns a new channel on the admin's connection, dialling it when

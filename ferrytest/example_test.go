@@ -69,7 +69,7 @@ func Example() {
 		paid = append(paid, m.Key)
 		return nil
 	})
-	stack, err := consumer.Standard(b, dlq.Destination)
+	stack, err := consumer.Standard(b, dlq.Name)
 	if err != nil {
 		panic(err)
 	}

@@ -12,7 +12,7 @@
 //				b := ferrytest.Open(t, kind)     // skips when the broker is not running
 //				orders := b.Queue(t, "orders")   // removed when the test ends
 //				dlq := b.Queue(t, "orders-dlq")
-//				stack, _ := consumer.Standard(b, dlq.Destination)
+//				stack, _ := consumer.Standard(b, dlq.Name)
 //				_ = orders.Publish(ctx, fixtures...)
 //				err := orders.RunUntil(ctx, stack.Wrap(billing), func() bool { return paid() == 2 })
 //				dead, err := dlq.DeadLetters(ctx) // the messages stay in the queue
@@ -45,9 +45,10 @@
 // test: a Kafka topic (one partition unless Partitions says otherwise), an
 // SQS standard queue, a RabbitMQ quorum queue, a queue of the memory broker
 // (which refuses to publish to queues nobody created, as SQS and Kafka do).
-// Consumers take its Name; Publish, and any Publisher such as the one of a
-// DeadLetter middleware, take its Destination (on RabbitMQ the default
-// exchange's route to the queue, rabbit.ToQueue(Name); elsewhere the Name).
+// Consumers take its Name, and so do Publish and any Publisher such as the
+// one of a DeadLetter middleware: a destination names the same queue on
+// every broker (on RabbitMQ through the default exchange). Its Destination
+// is that Name too.
 //
 // Removing a queue deletes the topic (Kafka, with the consumer groups this
 // package made for it), the queue (SQS) or the queue and its delay queues
@@ -269,8 +270,9 @@ type Queue struct {
 	// and a random suffix: at most 60 characters, which every broker takes.
 	Name string
 	// Destination is what Publish (and any Publisher, such as that of a
-	// DeadLetter middleware) takes to reach the queue: rabbit.ToQueue(Name)
-	// on RabbitMQ, Name elsewhere.
+	// DeadLetter middleware) takes to reach the queue: the Name, on every
+	// broker. (It was another string on RabbitMQ when a plain name was an
+	// exchange there.)
 	Destination string
 
 	b       *Broker

@@ -209,7 +209,7 @@ func TestDeadLettersTellTheStoryAndKeepTheMessage(t *testing.T) {
 		b := ferrytest.Open(t, kind)
 		orders := b.Queue(t, "orders")
 		dlq := b.Queue(t, "orders-dlq")
-		stack, err := consumer.Standard(b, dlq.Destination)
+		stack, err := consumer.Standard(b, dlq.Name) // the README's shape: the queue's name, on every broker
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -31,7 +31,7 @@ func TestAckTimeoutIsRecovered(t *testing.T) {
 	deleteLater(t, []string{q}, nil)
 	logger, logs := capture(t)
 	b := dial(t, rabbit.WithLogger(logger), rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: q, DeadLetterExchange: "x"}}}))
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(q), consumer.Message{ID: "slow", Body: []byte("x")}))
+	must(t, b.Publish(ctxFor(t, 10*time.Second), q, consumer.Message{ID: "slow", Body: []byte("x")}))
 	var runs, cancelled, ok atomic.Int64
 	c, err := b.NewConsumer(t.Context(), q, consumer.WithLogger(logger))
 	must(t, err)

@@ -126,7 +126,7 @@ func ferryPublish(b *testing.B, br *rabbit.Broker, queue string, n int) {
 				for i := start; i < min(start+perCall, n); i++ {
 					batch = append(batch, consumer.Message{Body: body})
 				}
-				if err := br.Publish(context.Background(), rabbit.ToQueue(queue), batch...); err != nil {
+				if err := br.Publish(context.Background(), queue, batch...); err != nil {
 					b.Error(err)
 					return
 				}
@@ -177,7 +177,7 @@ func ferryConsume(b *testing.B, br *rabbit.Broker, queue string, n, prefetch int
 		return nil
 	})
 	if standard {
-		st, err := consumer.Standard(br, rabbit.ToQueue(queue+".dlq"))
+		st, err := consumer.Standard(br, queue+".dlq")
 		if err != nil {
 			b.Fatal(err)
 		}

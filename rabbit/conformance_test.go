@@ -21,8 +21,8 @@ func TestConformance(t *testing.T) {
 }
 
 // harness gives each source its own queue, declared through the topology
-// of a Broker of its own: a fanout exchange named like the queue and bound
-// to it, so that Publish(ctx, source, …) reaches it. An ordered source is a
+// of a Broker of its own; Publish(ctx, source, …) reaches it, as on every
+// broker, through the default exchange. An ordered source is a
 // single-active-consumer queue, whose deliveries have their Key as Lane.
 type harness struct {
 	brokers map[string]*rabbit.Broker // by source
@@ -36,11 +36,9 @@ var (
 func (h *harness) NewSource(t *testing.T, cfg consumertest.SourceConfig) string {
 	name := testenv.UniqueName(t, "conf")
 	topo := rabbit.Topology{
-		Exchanges: []rabbit.Exchange{{Name: name, Kind: "fanout"}},
-		Queues:    []rabbit.Queue{{Name: name, SingleActiveConsumer: cfg.Ordered, DeadLetterExchange: name + ".dlx"}},
-		Bindings:  []rabbit.Binding{{Exchange: name, Queue: name}},
+		Queues: []rabbit.Queue{{Name: name, SingleActiveConsumer: cfg.Ordered, DeadLetterExchange: name + ".dlx"}},
 	}
-	deleteLater(t, []string{name}, []string{name})
+	deleteLater(t, []string{name}, nil)
 	h.brokers[name] = dial(t, rabbit.WithTopology(topo))
 	t.Cleanup(func() { delete(h.brokers, name) })
 	return name

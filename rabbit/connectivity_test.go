@@ -196,7 +196,7 @@ func TestMissingQueueIsReportedAndConsumedOnceDeclared(t *testing.T) {
 
 	_, err = rawChannel(t).QueueDeclare(name, true, false, false, false, amqp.Table{"x-queue-type": "quorum"})
 	must(t, err)
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(name), consumer.Message{Body: []byte("first")}))
+	must(t, b.Publish(ctxFor(t, 10*time.Second), name, consumer.Message{Body: []byte("first")}))
 	waitFor(t, 30*time.Second, "the message published once the queue exists", func() bool { return got.has("first") })
 	waitHealth(t, c, 10*time.Second, "health to say it consumes", consuming)
 	must(t, stop())
@@ -253,7 +253,7 @@ func TestConsumerBuiltWhileTheBrokerIsUnreachableConsumesWhenItComesUp(t *testin
 	waitFor(t, 30*time.Second, "a publish once the broker answers", func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
-		return b.Publish(ctx, rabbit.ToQueue(name), consumer.Message{Body: []byte("hello")}) == nil
+		return b.Publish(ctx, name, consumer.Message{Body: []byte("hello")}) == nil
 	})
 	waitFor(t, 30*time.Second, "the message to be consumed", func() bool { return got.has("hello") })
 	waitHealth(t, c, 10*time.Second, "health to say it consumes", consuming)
@@ -282,7 +282,7 @@ func TestConnectionClosedUnderTheConsumerIsReportedAndResumes(t *testing.T) {
 	must(t, err)
 	got, h := handled()
 	stop := runLoop(t, c, h)
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(name), consumer.Message{Body: []byte("before")}))
+	must(t, b.Publish(ctxFor(t, 10*time.Second), name, consumer.Message{Body: []byte("before")}))
 	waitFor(t, 20*time.Second, "the first message", func() bool { return got.has("before") })
 	waitHealth(t, c, 10*time.Second, "health to say it consumes", consuming)
 
@@ -339,7 +339,7 @@ func TestConnectionClosedUnderTheConsumerIsReportedAndResumes(t *testing.T) {
 
 	// Back by itself, with nothing published meanwhile.
 	waitHealth(t, c, 20*time.Second, "health to say it consumes again", consuming)
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(name), consumer.Message{Body: []byte("after")}))
+	must(t, b.Publish(ctxFor(t, 10*time.Second), name, consumer.Message{Body: []byte("after")}))
 	waitFor(t, 20*time.Second, "a message published after the reconnect", func() bool { return got.has("after") })
 	if !strings.Contains(logs.String(), "ferry: consuming again") {
 		t.Error("the reconnection was not logged")

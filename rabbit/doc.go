@@ -23,10 +23,13 @@
 //     consuming connection, with basic.qos prefetch equal to the loop's
 //     MaxInFlight, so the broker never pushes more than the loop may hold.
 //     Message.ID is the AMQP message-id (a hash of exchange, routing key
-//     and body when the publisher set none), Key the routing key (or the
-//     HeaderKey header), Headers the string, number and boolean header
-//     values (tables such as x-death stay in the *amqp091.Delivery that
-//     Message.As gives), Offset -1, PublishedAt the timestamp property.
+//     and body when the publisher set none), Key the HeaderKey header, else
+//     the routing key of a message that came through an exchange (through
+//     the default exchange, a plain destination's, the routing key is the
+//     queue's name, and no Key), Headers the string, number and boolean
+//     header values (tables such as x-death stay in the *amqp091.Delivery
+//     that Message.As gives), Offset -1, PublishedAt the timestamp
+//     property.
 //   - Lane: "" (competing consumers keep no useful order), except on a
 //     queue declared with Queue.SingleActiveConsumer, where one consumer at
 //     a time receives in queue order and Lane is the message's Key: the
@@ -179,13 +182,29 @@
 //
 // # Publishing
 //
-// A destination is an exchange, and Message.Key is the routing key. To
-// publish straight to a queue, use ToQueue(queue): the message goes through
-// the default exchange with the queue's name as routing key, and its Key
-// travels in the HeaderKey header, from which consumers read it. In traces
-// (consumer.TracePublisher) the destination is the exchange or the queue
-// as the user named it (Broker.DestinationName), never ToQueue's prefix. Messages
-// are persistent and carry the ID as message-id.
+// A destination is a queue, as on SQS, Kafka (a topic) and the memory
+// broker: Publish(ctx, "orders-dlq", …), or consumer.Standard(b,
+// "orders-dlq"), reaches the queue orders-dlq. The message goes through the
+// default exchange with the queue's name as routing key, and its Key
+// travels in the HeaderKey header, from which consumers read it. A name no
+// queue has fails the message with ErrUnroutable and an error naming the
+// queue; it closes no channel, and the next publish goes on as before.
+//
+// An exchange is used where the destination says so: ToExchange(exchange)
+// (the string "amq.exchange/" and the exchange's name, for configuration)
+// publishes to the exchange, with Message.Key as the routing key, which is
+// what its bindings route (and what Partitioned's consistent-hash exchange
+// hashes). Declaring an exchange in the Topology does not make its name a
+// destination: a plain name stays a queue, whether or not an exchange has
+// it too (an exchange bound to a queue of the same name is common), so that
+// a name means one thing whatever the Topology. A plain name that no queue
+// has, but an exchange of the Topology does, fails with an error saying to
+// publish to ToExchange(name). ToQueue and the "amq.default/" prefix, from
+// when a plain name was an exchange, still name a queue, and are
+// deprecated. In traces and metrics (consumer.TracePublisher) the
+// destination is the queue or the exchange as the user named it
+// (Broker.DestinationName), never a prefix. Messages are persistent and
+// carry the ID as message-id.
 //
 // Publishing is pipelined: a call sends its messages on a confirm-mode
 // channel without waiting, within a window of unconfirmed messages shared by
@@ -227,9 +246,9 @@
 // consumer.HeaderDLQReason) is made to fit instead: its original's key, id
 // or header names may be longer than AMQP's 255 bytes (another broker's,
 // or a queue's HeaderKey), and a dead letter that could never be published
-// would come back to fail again for ever. A key over 255 bytes is routed
-// cut to 255 bytes (at a rune) and travels whole in HeaderKey, from which
-// consumers read Key; an id over 255 bytes becomes its SHA-256 (the whole
+// would come back to fail again for ever. A key over 255 bytes that is
+// the routing key (to an exchange) is routed cut to 255 bytes (at a rune)
+// and travels whole in HeaderKey, from which consumers read Key; an id over 255 bytes becomes its SHA-256 (the whole
 // id is in consumer.HeaderDLQMessageID); a header name over 255 bytes is
 // cut and suffixed with its hash.
 //

@@ -665,6 +665,11 @@ func (d *queueDriver) toMessage(dv *amqp.Delivery) driver.Message {
 		Source: d.queue,
 		Offset: -1,
 	}
+	if dv.Exchange == "" {
+		// Through the default exchange the routing key is the queue's
+		// name, not a key: a keyed message has its Key in HeaderKey.
+		m.Key = ""
+	}
 	if !dv.Timestamp.IsZero() {
 		m.PublishedAt = dv.Timestamp
 	}

@@ -51,7 +51,7 @@ func TestAcksBatchedWithMultipleAndSafeOutOfOrder(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{Body: []byte{byte('0' + i)}}
 	}
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(q), msgs...))
+	must(t, b.Publish(ctxFor(t, 10*time.Second), q, msgs...))
 	d, err := openDriver(t, b, q, driver.Config{MaxInFlight: 10})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })
@@ -91,7 +91,7 @@ func TestStaleDeliveryIsNotAckedOnTheNewChannel(t *testing.T) {
 	deleteLater(t, []string{q}, nil)
 	logger, logs := capture(t)
 	b := dial(t, rabbit.WithLogger(logger), rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: q, DeadLetterExchange: "x"}}}))
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(q), consumer.Message{ID: "one", Body: []byte("1")}, consumer.Message{ID: "two", Body: []byte("2")}))
+	must(t, b.Publish(ctxFor(t, 10*time.Second), q, consumer.Message{ID: "one", Body: []byte("1")}, consumer.Message{ID: "two", Body: []byte("2")}))
 	d, err := openDriver(t, b, q, driver.Config{MaxInFlight: 1})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })
@@ -142,7 +142,7 @@ func TestLagReportsReadyAndUnacked(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{Body: []byte("x")}
 	}
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(q), msgs...))
+	must(t, b.Publish(ctxFor(t, 10*time.Second), q, msgs...))
 	d, err := openDriver(t, b, q, driver.Config{MaxInFlight: 5})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })

@@ -134,7 +134,7 @@ func TestDropWarningOncePerConsumedQueueWithALimit(t *testing.T) {
 	}
 	publish := func(queue, body string) {
 		t.Helper()
-		must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(queue), consumer.Message{Body: []byte(body)}))
+		must(t, b.Publish(ctxFor(t, 10*time.Second), queue, consumer.Message{Body: []byte(body)}))
 	}
 	for _, q := range []string{limited, withDLX, plain} {
 		publish(q, q+"/1")

@@ -41,7 +41,7 @@ func Example() {
 	defer b.Close()
 
 	ctx := context.Background()
-	err = b.Publish(ctx, orders,
+	err = b.Publish(ctx, rabbit.ToExchange(orders),
 		consumer.Message{ID: "o-1", Key: "order.created", Body: []byte("order 1")},
 		consumer.Message{ID: "o-2", Key: "order.paid", Body: []byte("order 1 paid")},
 	)
@@ -71,9 +71,10 @@ func Example() {
 	// o-2 order.paid: order 1 paid (attempt 1)
 }
 
-// A destination made by ToQueue publishes straight to a queue, through the
-// default exchange; the Key travels in a header and reaches the handler.
-func ExampleToQueue() {
+// A destination is a queue, as on every broker: the message goes straight
+// to it through the default exchange, and the Key travels in a header and
+// reaches the handler.
+func ExampleBroker_Publish_queue() {
 	jobs := exampleName("jobs")
 	defer removeExample(jobs)
 
@@ -85,7 +86,7 @@ func ExampleToQueue() {
 	}
 	defer b.Close()
 	ctx := context.Background()
-	if err := b.Publish(ctx, rabbit.ToQueue(jobs), consumer.Message{Key: "tenant-7", Body: []byte("resize image")}); err != nil {
+	if err := b.Publish(ctx, jobs, consumer.Message{Key: "tenant-7", Body: []byte("resize image")}); err != nil {
 		panic(err)
 	}
 	d, err := b.Driver(ctx, jobs, driver.Config{})
@@ -118,7 +119,7 @@ func ExampleBroker_Publish_unroutable() {
 		panic(err)
 	}
 	defer b.Close()
-	err = b.Publish(context.Background(), events,
+	err = b.Publish(context.Background(), rabbit.ToExchange(events),
 		consumer.Message{Key: "invoice", Body: []byte("invoice 1")},
 		consumer.Message{Key: "refund", Body: []byte("refund 1")},
 	)

@@ -167,7 +167,7 @@ func busyThroughFault(t *testing.T, fault func(name string)) {
 				n++
 			}
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-			err := pb.Publish(ctx, name, batch...)
+			err := pb.Publish(ctx, rabbit.ToExchange(name), batch...)
 			cancel()
 			failed := map[int]bool{}
 			if err != nil {
@@ -318,7 +318,7 @@ func TestDeliveryLimitEndsInDeadLetterExchange(t *testing.T) {
 				},
 				Bindings: []rabbit.Binding{{Exchange: dlx, Queue: dlq}},
 			}), rabbit.WithRetryDelays(time.Second))
-			must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(name), consumer.Message{ID: "poison-1", Key: "k", Body: []byte("bad")}))
+			must(t, b.Publish(ctxFor(t, 10*time.Second), name, consumer.Message{ID: "poison-1", Key: "k", Body: []byte("bad")}))
 			var runs atomic.Int64
 			c, err := b.NewConsumer(t.Context(), name, consumer.WithRedeliveryBackoff(0, 0))
 			must(t, err)
@@ -377,7 +377,7 @@ func TestQueueDeletedUnderConsumer(t *testing.T) {
 		got.add(string(m.Body))
 		return nil
 	}))
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(name), consumer.Message{Body: []byte("before")}))
+	must(t, b.Publish(ctxFor(t, 10*time.Second), name, consumer.Message{Body: []byte("before")}))
 	waitFor(t, 20*time.Second, "the first message", func() bool { return got.has("before") })
 
 	_, err = ch.QueueDelete(name, false, false, false)
@@ -388,7 +388,7 @@ func TestQueueDeletedUnderConsumer(t *testing.T) {
 	time.Sleep(500 * time.Millisecond) // a few failed attempts on the missing queue
 	_, err = ch.QueueDeclare(name, true, false, false, false, args)
 	must(t, err)
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(name), consumer.Message{Body: []byte("after")}))
+	must(t, b.Publish(ctxFor(t, 10*time.Second), name, consumer.Message{Body: []byte("after")}))
 	waitFor(t, 30*time.Second, "a message published after the queue came back", func() bool { return got.has("after") })
 	must(t, stop())
 }
@@ -435,17 +435,17 @@ func TestMemoryAlarmPublishFailsInTimeAndBreakerOpens(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{Body: []byte(strconv.Itoa(i))}
 	}
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(src), msgs...))
+	must(t, b.Publish(ctxFor(t, 10*time.Second), src, msgs...))
 
 	clear := memoryAlarm(t)
 	waitFor(t, 20*time.Second, "the broker to block the publishing connection", func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
-		return errors.Is(b.Publish(ctx, rabbit.ToQueue(dst), consumer.Message{Body: []byte("probe")}), rabbit.ErrBlocked)
+		return errors.Is(b.Publish(ctx, dst, consumer.Message{Body: []byte("probe")}), rabbit.ErrBlocked)
 	})
 	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 	start := time.Now()
-	err := b.Publish(ctx, rabbit.ToQueue(dst), consumer.Message{Body: []byte("blocked")})
+	err := b.Publish(ctx, dst, consumer.Message{Body: []byte("blocked")})
 	took := time.Since(start)
 	cancel()
 	if !errors.Is(err, rabbit.ErrBlocked) || !errors.Is(err, context.DeadlineExceeded) {
@@ -465,7 +465,7 @@ func TestMemoryAlarmPublishFailsInTimeAndBreakerOpens(t *testing.T) {
 	stop := runLoop(t, c, br.Wrap(consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 		pctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 		defer cancel()
-		if err := b.Publish(pctx, rabbit.ToQueue(dst), consumer.Message{ID: m.ID, Body: m.Body}); err != nil {
+		if err := b.Publish(pctx, dst, consumer.Message{ID: m.ID, Body: m.Body}); err != nil {
 			return err
 		}
 		forwarded.add(string(m.Body))
@@ -504,7 +504,7 @@ func TestCloseReturnsWithinASecond(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{Body: []byte("x")}
 	}
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(name), msgs...))
+	must(t, b.Publish(ctxFor(t, 10*time.Second), name, msgs...))
 	d, err := openDriver(t, b, name, driver.Config{MaxInFlight: 50})
 	must(t, err)
 	first, err := d.Fetch(ctxFor(t, 10*time.Second), nil, 1)
@@ -519,11 +519,11 @@ func TestCloseReturnsWithinASecond(t *testing.T) {
 	waitFor(t, 20*time.Second, "the broker to block the publishing connection", func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 		defer cancel()
-		return errors.Is(b.Publish(ctx, rabbit.ToQueue(name), consumer.Message{Body: []byte("probe")}), rabbit.ErrBlocked)
+		return errors.Is(b.Publish(ctx, name, consumer.Message{Body: []byte("probe")}), rabbit.ErrBlocked)
 	})
 	pubErr := make(chan error, 1)
 	go func() {
-		pubErr <- b.Publish(context.Background(), rabbit.ToQueue(name), consumer.Message{Body: []byte("stuck")})
+		pubErr <- b.Publish(context.Background(), name, consumer.Message{Body: []byte("stuck")})
 	}()
 	time.Sleep(200 * time.Millisecond)
 
@@ -557,7 +557,7 @@ func TestBreakerOpenNoPileUpBeyondPrefetch(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{Body: []byte(strconv.Itoa(i))}
 	}
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(name), msgs...))
+	must(t, b.Publish(ctxFor(t, 10*time.Second), name, msgs...))
 	br, err := consumer.NewBreaker(consumer.BreakerFailures(1), consumer.BreakerOpenFor(time.Hour))
 	must(t, err)
 	var down atomic.Bool
@@ -605,12 +605,12 @@ func TestAcksFlowUnderMemoryAlarm(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{Body: []byte(strconv.Itoa(i))}
 	}
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(name), msgs...))
+	must(t, b.Publish(ctxFor(t, 10*time.Second), name, msgs...))
 	memoryAlarm(t)
 	waitFor(t, 20*time.Second, "the broker to block the publishing connection", func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 		defer cancel()
-		return errors.Is(b.Publish(ctx, rabbit.ToQueue(name+"-nowhere"), consumer.Message{Body: []byte("probe")}), rabbit.ErrBlocked)
+		return errors.Is(b.Publish(ctx, name+"-nowhere", consumer.Message{Body: []byte("probe")}), rabbit.ErrBlocked)
 	})
 	var got seen
 	c, err := b.NewConsumer(t.Context(), name, consumer.WithLogger(logger))
@@ -685,7 +685,7 @@ func TestVhostRefusedOnReconnectIsRetried(t *testing.T) {
 	makeVhost()
 	deadline := time.After(20 * time.Second)
 	for {
-		err := b.Publish(ctxFor(t, 2*time.Second), rabbit.ToQueue(name), consumer.Message{Body: []byte("back")})
+		err := b.Publish(ctxFor(t, 2*time.Second), name, consumer.Message{Body: []byte("back")})
 		if err == nil {
 			break
 		}

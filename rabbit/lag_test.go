@@ -32,7 +32,7 @@ func TestLagCountsReadyPrefetchedAndRunning(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{Body: []byte(strconv.Itoa(i))}
 	}
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(name), msgs...))
+	must(t, b.Publish(ctxFor(t, 10*time.Second), name, msgs...))
 
 	d, err := openDriver(t, b, name, driver.Config{MaxInFlight: prefetch})
 	must(t, err)

@@ -44,7 +44,7 @@ var (
 	// ErrTooLong is matched by the error (a *LimitError) of a message that
 	// Publish did not send because a value of it is longer than an AMQP
 	// short string holds (MaxShortString bytes): the exchange, the routing
-	// key (the Key, or the queue's name with ToQueue), the message id, a
+	// key (the queue's name, or the Key with ToExchange), the message id, a
 	// header name.
 	ErrTooLong = errors.New("rabbit: value too long for an AMQP short string")
 

@@ -13,7 +13,7 @@ import (
 
 // Publish reports each call as the messaging conventions name it: its
 // duration and the messages sent, with messaging.system "rabbitmq" and the
-// destination as the user named it (the queue, not amq.default/queue), and
+// destination as the user named it (the exchange, not amq.exchange/name), and
 // error.type on a refused publish.
 func TestPublishReportsItsCallsAsTheConventionsNameThem(t *testing.T) {
 	q := testenv.UniqueName(t, "metrics")
@@ -23,10 +23,10 @@ func TestPublishReportsItsCallsAsTheConventionsNameThem(t *testing.T) {
 	defer mp.Shutdown(context.Background())
 	b := dial(t, rabbit.WithMeterProvider(mp), rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: q, DeadLetterExchange: "x"}}}))
 	ctx := context.Background()
-	if err := b.Publish(ctx, rabbit.ToQueue(q), consumer.Message{Body: []byte("a")}, consumer.Message{Body: []byte("b")}); err != nil {
+	if err := b.Publish(ctx, q, consumer.Message{Body: []byte("a")}, consumer.Message{Body: []byte("b")}); err != nil {
 		t.Fatal(err)
 	}
-	if err := b.Publish(ctx, "no-such-exchange-"+q, consumer.Message{Body: []byte("c")}); err == nil {
+	if err := b.Publish(ctx, rabbit.ToExchange("no-such-exchange-"+q), consumer.Message{Body: []byte("c")}); err == nil {
 		t.Fatal("a publish to a missing exchange succeeded")
 	}
 	sent, calls := tracecheck.Sent(t, reader, "rabbitmq", q)

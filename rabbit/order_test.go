@@ -68,7 +68,7 @@ func TestPartitionedKeepsKeyOrderWithOneActiveConsumer(t *testing.T) {
 			msgs = append(msgs, consumer.Message{Key: "key-" + strconv.Itoa(k), Body: []byte(strconv.Itoa(i))})
 		}
 	}
-	must(t, b.Publish(ctxFor(t, 20*time.Second), ex, msgs...))
+	must(t, b.Publish(ctxFor(t, 20*time.Second), rabbit.ToExchange(ex), msgs...))
 	waitFor(t, 30*time.Second, "every message handled", func() bool {
 		mu.Lock()
 		defer mu.Unlock()

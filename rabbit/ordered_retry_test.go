@@ -97,7 +97,7 @@ func TestOrderedQueueRetriesAFailedMessageInPlace(t *testing.T) {
 			deleteLater(t, []string{name}, []string{name})
 			b := dial(t, rabbit.WithTopology(orderedTopology(name)), rabbit.WithRetryDelays(time.Second))
 			const n = 100
-			publishSeq(t, b, name, "order-1", n)
+			publishSeq(t, b, rabbit.ToExchange(name), "order-1", n)
 
 			var rec completions
 			c, err := b.NewConsumer(t.Context(), name, consumer.WithConcurrency(4), consumer.WithRedeliveryBackoff(tc.delay, tc.delay))
@@ -166,7 +166,7 @@ func TestOrderedQueueKeepsOrderWhenStoppedMidRetry(t *testing.T) {
 			deleteLater(t, []string{name}, []string{name})
 			b1 := dial(t, rabbit.WithTopology(orderedTopology(name)))
 			const n = 20
-			publishSeq(t, b1, name, "order-1", n)
+			publishSeq(t, b1, rabbit.ToExchange(name), "order-1", n)
 
 			var first completions
 			c1, err := b1.NewConsumer(t.Context(), name, consumer.WithConcurrency(4), consumer.WithRedeliveryBackoff(10*time.Millisecond, 10*time.Millisecond))

@@ -12,25 +12,61 @@ import (
 	"github.com/ferrymq/ferry/consumer"
 )
 
-// QueuePrefix starts a destination that names a queue instead of an
-// exchange: Publish(ctx, QueuePrefix+"orders", …) publishes through the
-// default exchange straight to the queue orders. No exchange can be named
-// so (names starting "amq." belong to the broker). See ToQueue.
+// ExchangePrefix starts a destination that names an exchange:
+// Publish(ctx, ExchangePrefix+"events", …), which ToExchange("events")
+// returns, publishes to the exchange events, each message's Key its routing
+// key. The string form is for configuration (an environment variable, a
+// command's flag), where code would call ToExchange. No queue can be named
+// so: queue names starting "amq." are the broker's.
+const ExchangePrefix = "amq.exchange/"
+
+// ToExchange returns the destination that publishes to exchange, with each
+// message's Key as its routing key, as the exchange's bindings (or, on a
+// consistent-hash exchange such as Partitioned's, the hash of the Key)
+// route it. A message no binding routes fails with ErrUnroutable; an
+// exchange that does not exist fails the message with ErrRefused and the
+// broker's 404. ToExchange("") is the default exchange, which routes a
+// message to the queue its Key names.
+func ToExchange(exchange string) string { return ExchangePrefix + exchange }
+
+// QueuePrefix starts a destination that names a queue outright:
+// QueuePrefix+"orders" is the same destination as "orders".
+//
+// Deprecated: a plain name is a queue; use the queue's name. (It is kept
+// because configurations written when a plain name was an exchange say
+// amq.default/QUEUE.)
 const QueuePrefix = "amq.default/"
 
 // ToQueue returns the destination that publishes straight to queue.
+//
+// Deprecated: a plain name is a queue: ToQueue(queue) publishes as queue
+// does. Use the queue's name, and ToExchange for an exchange.
 func ToQueue(queue string) string { return QueuePrefix + queue }
+
+// route returns the exchange destination publishes to and, when it names a
+// queue, the queue (the routing key of every message).
+func route(destination string) (exchange, queue string, toQueue bool) {
+	if ex, ok := strings.CutPrefix(destination, ExchangePrefix); ok {
+		return ex, "", false
+	}
+	if q, ok := strings.CutPrefix(destination, QueuePrefix); ok {
+		return "", q, true
+	}
+	return "", destination, true
+}
 
 var _ consumer.DestinationNamer = (*Broker)(nil)
 
 // DestinationName returns the queue or exchange a destination names, as
-// the user named it: the queue of ToQueue(queue), else the exchange. It
-// makes consumer.TracePublisher's spans say "send orders" and
-// messaging.destination.name "orders" for ToQueue("orders"), not the
-// default exchange's prefix.
+// the user named it: the exchange of ToExchange(exchange), else the queue.
+// It makes consumer.TracePublisher's spans say "send events" and
+// messaging.destination.name "events" for ToExchange("events"), not the
+// prefix.
 func (b *Broker) DestinationName(destination string) string {
-	if q, ok := strings.CutPrefix(destination, QueuePrefix); ok && q != "" {
-		return q
+	for _, prefix := range []string{ExchangePrefix, QueuePrefix} {
+		if name, ok := strings.CutPrefix(destination, prefix); ok && name != "" {
+			return name
+		}
 	}
 	return destination
 }
@@ -38,8 +74,9 @@ func (b *Broker) DestinationName(destination string) string {
 // HeaderKey carries Message.Key where the routing key cannot: on messages
 // published straight to a queue (whose routing key is the queue's name) and
 // on retries that went through a delay queue. Consumers read Key from it
-// when present and from the routing key otherwise; it is not among the
-// Headers they see.
+// when present, else from the routing key of a message that came through
+// an exchange (through the default exchange, a message without HeaderKey
+// has no Key); it is not among the Headers they see.
 const HeaderKey = "ferry-key"
 
 // Headers the driver keeps to itself on delayed retries: the deliveries the
@@ -61,26 +98,29 @@ type pubItem struct {
 // pipelined: every message of a call is sent before any confirm is awaited,
 // within a window of unconfirmed messages shared by all calls.
 //
-// Each exchange (destination) has a channel of its own. What makes the
-// broker close a publishing channel is a refusal of the destination (404
-// no such exchange, 403 access refused) or, past WithMaxMessageSize, a body
-// over its max_message_size; a closed channel fails every unconfirmed
-// message on it. On one channel shared by every destination, a single
-// publish to a missing exchange failed the messages in flight of every
-// other call, which may or may not have been taken, so callers that retry
-// published duplicates. A channel per destination confines the failure to
-// messages the broker refuses anyway. (The alternative, one channel and a
-// recovery re-sending what was unconfirmed, re-sends messages the broker
-// had taken, duplicates in the queues of healthy destinations, each time
-// any destination is refused; and it cannot tell which message was.) What
-// closes the connection, or the channel for one message only, is checked
-// before sending (see LimitError).
+// Each destination (a queue, an exchange) has a channel of its own. What
+// makes the broker close a publishing channel is a refusal of the
+// destination (404 no such exchange, 403 access refused) or, past
+// WithMaxMessageSize, a body over its max_message_size; a closed channel
+// fails every unconfirmed message on it. (A queue that does not exist
+// closes nothing: its messages come back as basic.return.) On one channel
+// shared by every destination, a single publish to a missing exchange
+// failed the messages in flight of every other call, which may or may not
+// have been taken, so callers that retry published duplicates. A channel
+// per destination confines the failure to messages the broker refuses
+// anyway. (The alternative, one channel and a recovery re-sending what was
+// unconfirmed, re-sends messages the broker had taken, duplicates in the
+// queues of healthy destinations, each time any destination is refused;
+// and it cannot tell which message was.) What closes the connection, or
+// the channel for one message only, is checked before sending (see
+// LimitError). The channels are by destination, not by exchange: every
+// queue is published to through the default exchange.
 type publisher struct {
 	b   *Broker
 	win window
 
 	mu  sync.Mutex
-	chs map[string]*pubChannel // by exchange
+	chs map[string]*pubChannel // by destination
 }
 
 // idlePubChannels is how many destinations' channels the publisher keeps
@@ -140,7 +180,7 @@ func isDone(dc *amqp.DeferredConfirmation) bool {
 	}
 }
 
-// pubChannel is one confirm-mode channel, for one exchange, and the
+// pubChannel is one confirm-mode channel, for one destination, and the
 // goroutine that drains its returns and its close notification.
 type pubChannel struct {
 	ch       *amqp.Channel
@@ -164,12 +204,12 @@ type pending struct {
 	returned *amqp.Return
 }
 
-// channel returns the live publishing channel of exchange, opening one
-// (and the connection, when it is lost) when there is none. The caller
-// releases it once its message is sent.
-func (p *publisher) channel(ctx context.Context, exchange string) (*pubChannel, error) {
+// channel returns the live publishing channel of destination dest,
+// opening one (and the connection, when it is lost) when there is none. The
+// caller releases it once its message is sent.
+func (p *publisher) channel(ctx context.Context, dest string) (*pubChannel, error) {
 	p.mu.Lock()
-	if pc := p.chs[exchange]; pc != nil && !pc.ch.IsClosed() {
+	if pc := p.chs[dest]; pc != nil && !pc.ch.IsClosed() {
 		pc.users++
 		p.mu.Unlock()
 		return pc, nil
@@ -182,7 +222,7 @@ func (p *publisher) channel(ctx context.Context, exchange string) (*pubChannel, 
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if pc := p.chs[exchange]; pc != nil && !pc.ch.IsClosed() {
+	if pc := p.chs[dest]; pc != nil && !pc.ch.IsClosed() {
 		pc.users++
 		return pc, nil
 	}
@@ -211,7 +251,7 @@ func (p *publisher) channel(ctx context.Context, exchange string) (*pubChannel, 
 	returns := ch.NotifyReturn(make(chan amqp.Return))
 	closes := ch.NotifyClose(make(chan *amqp.Error, 1))
 	go pc.drain(returns, closes)
-	p.chs[exchange] = pc
+	p.chs[dest] = pc
 	return pc, nil
 }
 
@@ -229,17 +269,17 @@ func (p *publisher) closeIdle() {
 	if len(p.chs) < idlePubChannels {
 		return
 	}
-	for ex, pc := range p.chs {
+	for d, pc := range p.chs {
 		if pc.ch.IsClosed() {
-			delete(p.chs, ex)
+			delete(p.chs, d)
 		}
 	}
-	for ex, pc := range p.chs {
+	for d, pc := range p.chs {
 		if len(p.chs) < idlePubChannels {
 			return
 		}
 		if pc.users == 0 && pc.idle() {
-			delete(p.chs, ex)
+			delete(p.chs, d)
 			go closeChannel(pc.ch)
 		}
 	}
@@ -374,8 +414,9 @@ func (p *publisher) ctxErr(ctx context.Context, dest string) error {
 	return fmt.Errorf("rabbit: publish to %q: %w", dest, ctx.Err())
 }
 
-// publishRaw publishes items to exchange, pipelined, and returns each
-// item's error (nil once the broker confirmed it and did not return it).
+// publishRaw publishes items to exchange, pipelined, on the channel of
+// destination dest, and returns each item's error (nil once the broker
+// confirmed it and did not return it).
 func (p *publisher) publishRaw(ctx context.Context, exchange, dest string, items []pubItem) []error {
 	errs := make([]error, len(items))
 	pends := make([]*pending, len(items))
@@ -407,7 +448,7 @@ func (p *publisher) publishRaw(ctx context.Context, exchange, dest string, items
 				continue
 			}
 		}
-		pc, err := p.channel(ctx, exchange)
+		pc, err := p.channel(ctx, dest)
 		if err != nil {
 			// One dial per call: the messages left fail with its error
 			// (the next call dials again, after the shared backoff).
@@ -485,7 +526,7 @@ func (p *publisher) publishRaw(ctx context.Context, exchange, dest string, items
 		pc.mu.Unlock()
 		switch {
 		case ret != nil:
-			errs[i] = fmt.Errorf("rabbit: publish to %q with routing key %q: %w: %d %s", dest, items[i].rk, ErrUnroutable, ret.ReplyCode, ret.ReplyText)
+			errs[i] = p.unroutableErr(exchange, dest, items[i].rk, ret)
 		case pd.dc.Acked():
 		case pc.ch.IsClosed():
 			errs[i] = pc.lostErr(dest)
@@ -499,6 +540,25 @@ func (p *publisher) publishRaw(ctx context.Context, exchange, dest string, items
 	return errs
 }
 
+// unroutableErr is the error of a message the broker returned. Through the
+// default exchange the routing key is a queue's name, and a return means no
+// queue has it: the error names the queue, and when it is the destination
+// the user gave, says how to name an exchange instead (an exchange's name
+// given as a plain destination is taken for a queue's).
+func (p *publisher) unroutableErr(exchange, dest, rk string, ret *amqp.Return) error {
+	if exchange != "" {
+		return fmt.Errorf("rabbit: publish to %q with routing key %q: %w: %d %s", dest, rk, ErrUnroutable, ret.ReplyCode, ret.ReplyText)
+	}
+	if rk != p.b.DestinationName(dest) {
+		return fmt.Errorf("rabbit: publish to %q: no queue %q: %w: %d %s", dest, rk, ErrUnroutable, ret.ReplyCode, ret.ReplyText)
+	}
+	hint := "a plain destination names a queue; rabbit.ToExchange names an exchange"
+	if p.b.cfg.topology.hasExchange(rk) {
+		hint = fmt.Sprintf("the Topology declares an exchange %q: publish to rabbit.ToExchange(%q) to use it", rk, rk)
+	}
+	return fmt.Errorf("rabbit: publish to queue %q: no such queue (%s): %w: %d %s", rk, hint, ErrUnroutable, ret.ReplyCode, ret.ReplyText)
+}
+
 // waitErr is the error of a message whose wait ended early.
 func (p *publisher) waitErr(ctx context.Context, dest string) error {
 	if p.b.isClosed() {
@@ -509,17 +569,20 @@ func (p *publisher) waitErr(ctx context.Context, dest string) error {
 
 // Publish sends msgs to destination and returns nil once the broker has
 // confirmed every one of them (publisher confirms; on a quorum queue, once
-// a majority wrote it). destination is an exchange, and each message's Key
-// is its routing key; a destination made by ToQueue publishes straight to a
-// queue, with the Key in the HeaderKey header. Messages are published
-// persistent and mandatory: one that no queue takes (unroutable) fails with
-// ErrUnroutable, one the broker nacks with ErrNacked, one it refuses by
-// closing the destination's channel (no such exchange) with ErrRefused and
-// its reason, one over a limit of AMQP or the broker with a *LimitError
-// (ErrTooLong, ErrTooLarge) without being sent, each in a
-// *consumer.PublishError naming it, while the others are published. Each
-// destination has a channel of its own, so a refused message never fails
-// the messages of other destinations (see the package documentation).
+// a majority wrote it). destination is a queue, as on every broker: the
+// message goes through the default exchange with the queue's name as
+// routing key, and its Key travels in the HeaderKey header, from which
+// consumers read it. ToExchange(exchange) publishes to an exchange instead,
+// each message's Key its routing key. Messages are published persistent
+// and mandatory: one that no queue takes fails with ErrUnroutable (for a
+// queue: there is no queue of that name; the error names it), one the
+// broker nacks with ErrNacked, one it refuses by closing the destination's
+// channel (no such exchange) with ErrRefused and its reason, one over a
+// limit of AMQP or the broker with a *LimitError (ErrTooLong, ErrTooLarge)
+// without being sent, each in a *consumer.PublishError naming it, while
+// the others are published. Each destination has a channel of its own, so
+// a refused message never fails the messages of other destinations (see
+// the package documentation), and an unroutable one fails no other.
 //
 // The messages of a call go out pipelined, within the Broker's confirm
 // window, except that a message waits for the confirm of the message of the
@@ -551,10 +614,7 @@ func (b *Broker) publish(ctx context.Context, destination string, msgs []consume
 	if len(msgs) == 0 {
 		return nil
 	}
-	exchange, toQueue := destination, ""
-	if q, ok := strings.CutPrefix(destination, QueuePrefix); ok {
-		exchange, toQueue = "", q
-	}
+	exchange, queue, toQueue := route(destination)
 	now := time.Now()
 	items := make([]pubItem, len(msgs))
 	wave := make([]int, len(msgs))
@@ -566,14 +626,14 @@ func (b *Broker) publish(ctx context.Context, destination string, msgs []consume
 		it.key = m.Key
 		it.rk = m.Key
 		var h amqp.Table
-		if len(m.Headers) > 0 || (toQueue != "" && m.Key != "") {
+		if len(m.Headers) > 0 || (toQueue && m.Key != "") {
 			h = make(amqp.Table, len(m.Headers)+1)
 			for k, v := range m.Headers {
 				h[k] = v
 			}
 		}
-		if toQueue != "" {
-			it.rk = toQueue
+		if toQueue {
+			it.rk = queue
 			if m.Key != "" {
 				h[HeaderKey] = m.Key
 			}
@@ -589,7 +649,7 @@ func (b *Broker) publish(ctx context.Context, destination string, msgs []consume
 			Timestamp:    now,
 			Body:         m.Body,
 		}
-		fitDeadLetter(it, toQueue != "")
+		fitDeadLetter(it, toQueue)
 		if m.Key != "" {
 			wave[i] = seen[m.Key]
 			seen[m.Key]++

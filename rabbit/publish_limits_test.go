@@ -83,10 +83,10 @@ func TestBadPublishesFailAloneAmongConcurrentGoodOnes(t *testing.T) {
 	huge := make([]byte, rabbit.DefaultMaxMessageSize+1<<20) // 129 MiB
 
 	type bad struct {
-		name  string
-		dest  string
-		msg   consumer.Message
-		check func(err error) error
+		name     string
+		exchange string
+		msg      consumer.Message
+		check    func(err error) error
 	}
 	limit := func(sentinel error, field string, size, max int) func(error) error {
 		return func(err error) error {
@@ -128,11 +128,11 @@ func TestBadPublishesFailAloneAmongConcurrentGoodOnes(t *testing.T) {
 	}
 
 	stop := make(chan struct{})
-	wait := goodPublishers(t, b, ex, stop)
+	wait := goodPublishers(t, b, rabbit.ToExchange(ex), stop)
 	time.Sleep(200 * time.Millisecond) // the good publishers are busy
 	for round := range 5 {
 		for _, bd := range bads {
-			err := b.Publish(ctxFor(t, 30*time.Second), bd.dest, bd.msg)
+			err := b.Publish(ctxFor(t, 30*time.Second), rabbit.ToExchange(bd.exchange), bd.msg)
 			var pe *consumer.PublishError
 			if !errors.As(err, &pe) || len(pe.Failed) != 1 || pe.Failed[0].Index != 0 {
 				t.Errorf("round %d, %s: Publish = %v, want a *consumer.PublishError for message 0", round, bd.name, err)
@@ -145,7 +145,7 @@ func TestBadPublishesFailAloneAmongConcurrentGoodOnes(t *testing.T) {
 		}
 	}
 	// The others of a call go out: a 5-byte message after the 129 MiB one.
-	err := b.Publish(ctxFor(t, 30*time.Second), ex, consumer.Message{Key: "good", Body: huge}, consumer.Message{Key: "other", Body: []byte("small")})
+	err := b.Publish(ctxFor(t, 30*time.Second), rabbit.ToExchange(ex), consumer.Message{Key: "good", Body: huge}, consumer.Message{Key: "other", Body: []byte("small")})
 	var pe *consumer.PublishError
 	if !errors.As(err, &pe) || len(pe.Failed) != 1 || pe.Failed[0].Index != 0 || !errors.Is(pe.Failed[0].Err, rabbit.ErrTooLarge) {
 		t.Errorf("Publish of a 129 MiB message and a 5-byte one = %v, want the first alone to fail with ErrTooLarge", err)
@@ -183,7 +183,7 @@ func TestMaxMessageSizeOption(t *testing.T) {
 	q := testenv.UniqueName(t, "maxsize")
 	deleteLater(t, []string{q}, nil)
 	b := dial(t, rabbit.WithMaxMessageSize(1024), rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: q, Classic: true}}}))
-	err := b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(q),
+	err := b.Publish(ctxFor(t, 10*time.Second), q,
 		consumer.Message{Body: make([]byte, 1024)}, consumer.Message{Body: make([]byte, 1025)})
 	var pe *consumer.PublishError
 	var le *rabbit.LimitError
@@ -198,22 +198,20 @@ func TestMaxMessageSizeOption(t *testing.T) {
 // A body over the broker's own max_message_size, let through by a
 // WithMaxMessageSize above it, is refused by the broker (406
 // PRECONDITION_FAILED): it fails with that reason, as ErrRefused, and the
-// good messages published meanwhile to another destination of the same
-// Broker are not failed by it (each destination has a channel of its own).
+// good messages published meanwhile to another queue of the same Broker
+// are not failed by it: each destination has a channel of its own, queues
+// too, though they all publish through the default exchange.
 func TestBodyOverTheBrokersMaximumIsRefusedWithItsReason(t *testing.T) {
-	ex := testenv.UniqueName(t, "over")
-	q := ex + "-q"
-	good := ex + "-good"
-	deleteLater(t, []string{q}, []string{ex, good})
+	q := testenv.UniqueName(t, "over")
+	good := q + "-good"
+	deleteLater(t, []string{q, good}, nil)
 	b := dial(t, rabbit.WithMaxMessageSize(512<<20), rabbit.WithTopology(rabbit.Topology{
-		Exchanges: []rabbit.Exchange{{Name: ex, Kind: "fanout"}, {Name: good, Kind: "fanout"}},
-		Queues:    []rabbit.Queue{{Name: q, Classic: true}},
-		Bindings:  []rabbit.Binding{{Exchange: ex, Queue: q}, {Exchange: good, Queue: q}},
+		Queues: []rabbit.Queue{{Name: q, Classic: true}, {Name: good, Classic: true}},
 	}))
 	stop := make(chan struct{})
 	wait := goodPublishers(t, b, good, stop)
 	time.Sleep(200 * time.Millisecond)
-	err := b.Publish(ctxFor(t, 60*time.Second), ex, consumer.Message{Body: make([]byte, rabbit.DefaultMaxMessageSize+1<<20)})
+	err := b.Publish(ctxFor(t, 60*time.Second), q, consumer.Message{Body: make([]byte, rabbit.DefaultMaxMessageSize+1<<20)})
 	close(stop)
 	var ae *amqp.Error
 	if !errors.Is(err, rabbit.ErrRefused) || !errors.As(err, &ae) || ae.Code != amqp.PreconditionFailed || errors.Is(err, rabbit.ErrNotConfirmed) {
@@ -221,13 +219,13 @@ func TestBodyOverTheBrokersMaximumIsRefusedWithItsReason(t *testing.T) {
 	}
 	confirmed, failed := wait()
 	if len(failed) > 0 {
-		t.Fatalf("%d good publish calls to another destination failed, the first: %v", len(failed), failed[0])
+		t.Fatalf("%d good publish calls to another queue failed, the first: %v", len(failed), failed[0])
 	}
 	if confirmed == 0 {
 		t.Fatal("no good message was confirmed")
 	}
-	if err := b.Publish(ctxFor(t, 10*time.Second), ex, consumer.Message{Body: []byte("after")}); err != nil {
-		t.Errorf("publish to the destination after its refusal: %v", err)
+	if err := b.Publish(ctxFor(t, 10*time.Second), q, consumer.Message{Body: []byte("after")}); err != nil {
+		t.Errorf("publish to the queue after its refusal: %v", err)
 	}
 }
 
@@ -248,9 +246,9 @@ func TestDeadLetterOfAKeyTooLongForARoutingKeyIsPublished(t *testing.T) {
 		Bindings:  []rabbit.Binding{{Exchange: dlx, Queue: dlq}},
 	}))
 	key := strings.Repeat("é", 150) // 300 bytes: cut at a rune, 254
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(name), consumer.Message{ID: "poison", Key: key, Body: []byte("bad")}))
+	must(t, b.Publish(ctxFor(t, 10*time.Second), name, consumer.Message{ID: "poison", Key: key, Body: []byte("bad")}))
 
-	dl, err := consumer.NewDeadLetter(b, dlx)
+	dl, err := consumer.NewDeadLetter(b, rabbit.ToExchange(dlx))
 	must(t, err)
 	var runs atomic.Int64
 	c, err := b.NewConsumer(t.Context(), name, consumer.WithRedeliveryBackoff(10*time.Millisecond, 10*time.Millisecond))
@@ -306,7 +304,7 @@ func TestPublishChannelsPerDestinationStayBounded(t *testing.T) {
 	deleteLater(t, []string{q}, exchanges)
 	b := dial(t, rabbit.WithConnectionName(name), rabbit.WithTopology(topo))
 	for _, ex := range exchanges {
-		must(t, b.Publish(ctxFor(t, 10*time.Second), ex, consumer.Message{Body: []byte(ex)}))
+		must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToExchange(ex), consumer.Message{Body: []byte(ex)}))
 	}
 	channels := -1
 	for _, line := range splitLines(ctl(t, "list_connections", "channels", "client_properties")) {

@@ -53,7 +53,7 @@ func TestUnroutableNeverReportedAsPublished(t *testing.T) {
 		for i := 1; i <= per; i++ {
 			msgs[i] = consumer.Message{Body: []byte(fmt.Sprintf("unroutable %d/%d", c, i))}
 		}
-		err := b.Publish(ctxFor(t, 20*time.Second), ex, msgs...)
+		err := b.Publish(ctxFor(t, 20*time.Second), rabbit.ToExchange(ex), msgs...)
 		var pe *consumer.PublishError
 		if !errors.As(err, &pe) {
 			t.Fatalf("call %d: Publish = %v, want a *consumer.PublishError", c, err)
@@ -218,7 +218,7 @@ func TestPublishReturnsWithinItsContextWhileBrokerUnreachable(t *testing.T) {
 		rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: name, Classic: true}}}))
 	must(t, err)
 	t.Cleanup(func() { b.Close() })
-	must(t, b.Publish(ctxFor(t, 5*time.Second), rabbit.ToQueue(name), consumer.Message{Body: []byte("before")}))
+	must(t, b.Publish(ctxFor(t, 5*time.Second), name, consumer.Message{Body: []byte("before")}))
 
 	p.cut()
 	time.Sleep(300 * time.Millisecond) // the library sees the connection end
@@ -226,7 +226,7 @@ func TestPublishReturnsWithinItsContextWhileBrokerUnreachable(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 	defer cancel()
 	start := time.Now()
-	err = b.Publish(ctx, rabbit.ToQueue(name), consumer.Message{Body: []byte("during")})
+	err = b.Publish(ctx, name, consumer.Message{Body: []byte("during")})
 	took := time.Since(start)
 	if err == nil {
 		t.Fatal("Publish through a black hole succeeded")
@@ -330,7 +330,7 @@ func TestPublishDoesNotRedialPerMessage(t *testing.T) {
 		rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: name, Classic: true}}}))
 	must(t, err)
 	t.Cleanup(func() { b.Close() })
-	must(t, b.Publish(ctxFor(t, 5*time.Second), rabbit.ToQueue(name), consumer.Message{Body: []byte("before")}))
+	must(t, b.Publish(ctxFor(t, 5*time.Second), name, consumer.Message{Body: []byte("before")}))
 
 	p.refuse()
 	time.Sleep(300 * time.Millisecond)
@@ -339,7 +339,7 @@ func TestPublishDoesNotRedialPerMessage(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{Body: []byte("during")}
 	}
-	err = b.Publish(ctxFor(t, 5*time.Second), rabbit.ToQueue(name), msgs...)
+	err = b.Publish(ctxFor(t, 5*time.Second), name, msgs...)
 	if err == nil {
 		t.Fatal("Publish to a refusing broker succeeded")
 	}
@@ -365,7 +365,7 @@ func TestDeletedDelayQueueIsDeclaredAgain(t *testing.T) {
 	deleteLater(t, []string{name}, nil)
 	b := dial(t, rabbit.WithRetryDelays(time.Second),
 		rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: name, Classic: true}}}))
-	must(t, b.Publish(ctxFor(t, 5*time.Second), rabbit.ToQueue(name), consumer.Message{ID: "m1", Body: []byte("x")}))
+	must(t, b.Publish(ctxFor(t, 5*time.Second), name, consumer.Message{ID: "m1", Body: []byte("x")}))
 	d, err := openDriver(t, b, name, driver.Config{MaxInFlight: 1})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })

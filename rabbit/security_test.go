@@ -98,7 +98,7 @@ func TestTLSConnects(t *testing.T) {
 		t.Fatalf("Dial over TLS: %v", err)
 	}
 	t.Cleanup(func() { b.Close() })
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(q), consumer.Message{ID: "over-tls", Body: []byte("secret")}))
+	must(t, b.Publish(ctxFor(t, 10*time.Second), q, consumer.Message{ID: "over-tls", Body: []byte("secret")}))
 	d, err := openDriver(t, b, q, driver.Config{})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })
@@ -216,7 +216,7 @@ func TestNoPasswordInLogsOrErrors(t *testing.T) {
 	waitFor(t, 20*time.Second, "a publish after the reconnect", func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
-		return b.Publish(ctx, rabbit.ToQueue(name), consumer.Message{Body: []byte("x")}) == nil
+		return b.Publish(ctx, name, consumer.Message{Body: []byte("x")}) == nil
 	})
 	out := logs.String()
 	if !strings.Contains(out, "connection lost") || !strings.Contains(out, "xxxxx") {

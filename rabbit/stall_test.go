@@ -112,7 +112,7 @@ func TestAtMostOnceAckConfirmedBeforeSettleReturns(t *testing.T) {
 		rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: name, Classic: true}}}))
 	must(t, err)
 	t.Cleanup(func() { b.Close() })
-	must(t, b.Publish(ctxFor(t, 5*time.Second), rabbit.ToQueue(name),
+	must(t, b.Publish(ctxFor(t, 5*time.Second), name,
 		consumer.Message{Body: []byte("one")}, consumer.Message{Body: []byte("two")}))
 	d, err := openDriver(t, b, name, driver.Config{})
 	must(t, err)

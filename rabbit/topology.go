@@ -14,6 +14,10 @@ import (
 // durable. Declaring what exists with the same arguments does nothing;
 // with other arguments the broker refuses it (406 PRECONDITION_FAILED) and
 // Dial fails.
+//
+// Declaring an exchange does not make its name a Publish destination: a
+// plain destination is a queue whatever the Topology says, and an exchange
+// of it is published to as ToExchange(name).
 type Topology struct {
 	Exchanges []Exchange
 	Queues    []Queue
@@ -79,9 +83,9 @@ type Binding struct {
 // consistent-hash exchange (plugin rabbitmq_consistent_hash_exchange): an
 // exchange named exchange and n queues exchange.0 … exchange.n-1, each bound
 // with weight 1 and each a single-active-consumer quorum queue, so each
-// partition is consumed by one consumer at a time in order. Publish to the
-// exchange with Message.Key as the routing key; every message of a key lands
-// in the same partition. q is the template for the partition queues (its
+// partition is consumed by one consumer at a time in order. Publish to
+// ToExchange(exchange), with Message.Key as the routing key; every message
+// of a key lands in the same partition. q is the template for the partition queues (its
 // Name is ignored).
 func Partitioned(exchange string, n int, q Queue) Topology {
 	t := Topology{Exchanges: []Exchange{{Name: exchange, Kind: "x-consistent-hash"}}}
@@ -132,6 +136,16 @@ func (t Topology) validate() error {
 		}
 	}
 	return nil
+}
+
+// hasExchange reports whether the topology declares an exchange named name.
+func (t Topology) hasExchange(name string) bool {
+	for _, e := range t.Exchanges {
+		if e.Name == name {
+			return true
+		}
+	}
+	return false
 }
 
 // queue finds the queue named name.

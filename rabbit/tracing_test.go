@@ -23,8 +23,8 @@ import (
 // the consumer span of its handler run is the producer span's child, in the
 // trace of the span that published it. Both spans name the destination as
 // the user named it, the exchange or the queue: "send orders", never "send
-// amq.default/orders" (the prefix of rabbit.ToQueue), in the span's name
-// and in messaging.destination.name.
+// amq.exchange/orders" (the prefix of rabbit.ToExchange), in the span's
+// name and in messaging.destination.name.
 func TestATraceFollowsAMessageAcrossRabbitMQ(t *testing.T) {
 	for _, direct := range []bool{false, true} {
 		name := "exchange"
@@ -44,8 +44,8 @@ func TestATraceFollowsAMessageAcrossRabbitMQ(t *testing.T) {
 				Bindings:  []rabbit.Binding{{Exchange: q, Queue: q}},
 			}))
 			dest := q
-			if direct {
-				dest = rabbit.ToQueue(q)
+			if !direct {
+				dest = rabbit.ToExchange(q)
 			}
 			pub, err := consumer.TracePublisher(b, tp)
 			if err != nil {
@@ -92,8 +92,8 @@ func TestATraceFollowsAMessageAcrossRabbitMQ(t *testing.T) {
 						t.Errorf("span %q: messaging.destination.name = %q, want %q", s.Name(), kv.Value.AsString(), q)
 					}
 				}
-				if strings.Contains(s.Name(), rabbit.QueuePrefix) {
-					t.Errorf("span %q names the default exchange's prefix", s.Name())
+				if strings.Contains(s.Name(), rabbit.ExchangePrefix) {
+					t.Errorf("span %q names the exchange prefix", s.Name())
 				}
 			}
 		})

@@ -126,8 +126,8 @@ func run(ctx context.Context, url string, n int, payTime time.Duration) error {
 			tx.Rollback()
 			return err
 		}
-		// ToQueue publishes straight to a queue, through the default exchange.
-		if err := w.Add(ctx, tx, outbox.Event{Destination: rabbit.ToQueue(queue), Key: o.OrderID, Body: body}); err != nil {
+		// A destination is a queue, reached through the default exchange.
+		if err := w.Add(ctx, tx, outbox.Event{Destination: queue, Key: o.OrderID, Body: body}); err != nil {
 			tx.Rollback()
 			return err
 		}
@@ -171,7 +171,7 @@ func run(ctx context.Context, url string, n int, payTime time.Duration) error {
 	if err != nil {
 		return err
 	}
-	stack, err := consumer.Standard(b, rabbit.ToQueue(dlq))
+	stack, err := consumer.Standard(b, dlq)
 	if err != nil {
 		return err
 	}

@@ -72,10 +72,7 @@ func TestServiceSaysWhenItCannotConsume(t *testing.T) {
 		t.Run(string(kind)+"/dead-letter destination missing", func(t *testing.T) {
 			b := ferrytest.Open(t, kind)
 			src := b.Queue(t, "svc-nodlq", ferrytest.Partitions(1))
-			missing := testenv.UniqueName(t, "svc-nodlq-dlq")
-			if kind == ferrytest.RabbitMQ {
-				missing = "amq.default/" + missing // a queue that does not exist: the publish is unroutable
-			}
+			missing := testenv.UniqueName(t, "svc-nodlq-dlq") // on RabbitMQ the publish is unroutable
 			svc := startService(t, bin, []string{"FERRY_BROKER_URL=" + ferrytest.URL(kind), "FERRY_SOURCE=" + src.Name,
 				"FERRY_DESTINATION=" + src.Destination, "FERRY_DLQ=" + missing, "FERRY_CONSUMER=billing-" + randomHex()})
 			// Not an order: a permanent error, for the dead-letter destination.

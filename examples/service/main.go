@@ -31,8 +31,9 @@
 //	FERRY_SOURCE        the queue or topic billing consumes (required)
 //	FERRY_DLQ           where billing dead-letters (required)
 //	FERRY_DESTINATION   where the outbox publishes order events; default
-//	                    FERRY_SOURCE (on RabbitMQ, amq.default/QUEUE or an
-//	                    exchange bound to the source)
+//	                    FERRY_SOURCE (on RabbitMQ a queue, or
+//	                    amq.exchange/EXCHANGE for an exchange bound to the
+//	                    source)
 //	FERRY_DB_URL        PostgreSQL (postgres://…; ?search_path=… picks a
 //	                    schema); unset, SQLite in a temporary folder,
 //	                    removed at exit

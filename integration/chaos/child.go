@@ -57,7 +57,7 @@ type childConfig struct {
 	BrokerURL   string
 	PostgresURL string // with the run's schema as search_path
 	Source      string // the queue or topic consumers read
-	Destination string // where events go (rabbit.ToQueue(Source) on RabbitMQ)
+	Destination string // where events go (the Source, on every broker)
 	DLQ         string // the dead-letter destination
 	Group       string // the billing consumers' name (Kafka group)
 	RunDir      string // holds the outage flag file

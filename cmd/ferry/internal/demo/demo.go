@@ -104,7 +104,7 @@ func setUp(ctx context.Context, cfg Config, dir string) (_ *run, err error) {
 	if r.dbs, err = openDatabases(ctx, cfg, dir); err != nil {
 		return nil, err
 	}
-	if r.orders, err = newOrderService(ctx, r.dbs, r.site.ordersDest); err != nil {
+	if r.orders, err = newOrderService(ctx, r.dbs, r.site.orders); err != nil {
 		return nil, err
 	}
 	r.dup = newDuplicatingPublisher(r.site.b, r.plan.duplicates())
@@ -121,7 +121,7 @@ func setUp(ctx context.Context, cfg Config, dir string) (_ *run, err error) {
 	// take long enough that it holds several messages.
 	r.trap = newTrap(Victim, cfg.Steady+cfg.Slow/2)
 	r.api = newPayments(r.clock, cfg, r.trap)
-	if r.billing, err = newBilling(ctx, r.dbs, cfg, r.site.b, r.site.dlqDest, r.api, r.log); err != nil {
+	if r.billing, err = newBilling(ctx, r.dbs, cfg, r.site.b, r.site.dlq, r.api, r.log); err != nil {
 		return nil, err
 	}
 

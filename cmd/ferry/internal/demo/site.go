@@ -85,12 +85,11 @@ type site struct {
 	b     ferry.Broker
 	mem   *memory.Broker // on the memory broker only
 
-	orders, dlq         string // queue or topic names
-	ordersDest, dlqDest string // what Publish takes to reach them
-	group               string // the billing consumers' group (Kafka)
-	dlqGroup            string // the dead-letter reader's group (Kafka)
-	sqsURLs             map[string]string
-	visibility          time.Duration // memory and SQS
+	orders, dlq string // queue or topic names: what Publish takes too, on every broker
+	group       string // the billing consumers' group (Kafka)
+	dlqGroup    string // the dead-letter reader's group (Kafka)
+	sqsURLs     map[string]string
+	visibility  time.Duration // memory and SQS
 
 	mu     sync.Mutex
 	extra  []ferry.Broker // more connections, closed with the site
@@ -121,12 +120,10 @@ func openSite(ctx context.Context, cfg Config) (_ *site, err error) {
 	if m, ok := ferry.Memory(b); ok {
 		s.kind, s.mem = onMemory, m
 		s.orders, s.dlq = OrdersQueue, DeadLetterQueue
-		s.ordersDest, s.dlqDest = s.orders, s.dlq
 		return s, s.createMemory()
 	}
 	id := runID()
 	s.orders, s.dlq = "ferry-demo-"+id+"-orders", "ferry-demo-"+id+"-orders-dlq"
-	s.ordersDest, s.dlqDest = s.orders, s.dlq
 	scheme := ""
 	if u, perr := url.Parse(raw); perr == nil {
 		scheme = strings.ToLower(u.Scheme)
@@ -141,7 +138,6 @@ func openSite(ctx context.Context, cfg Config) (_ *site, err error) {
 		return s, s.createSQS(ctx)
 	case "amqp", "amqps":
 		s.kind = onRabbitMQ
-		s.ordersDest, s.dlqDest = rabbit.ToQueue(s.orders), rabbit.ToQueue(s.dlq)
 		return s, s.createRabbit(ctx)
 	}
 	return nil, fmt.Errorf("%w (%s)", errUnknownBroker, s.shown)

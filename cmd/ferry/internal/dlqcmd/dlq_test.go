@@ -629,8 +629,9 @@ func TestRedriveDefaultsToEachMessagesSource(t *testing.T) {
 }
 
 // On RabbitMQ a source named bare is the queue of that name (through the
-// default exchange), amq.default/QUEUE names one outright, and a name no
-// queue has is an exchange's: the message is routed by its key.
+// default exchange), as is the older amq.default/QUEUE; a name no queue
+// has is an exchange's, and amq.exchange/EXCHANGE names one outright: the
+// message is routed by its key.
 func TestRedriveOnRabbitMQToAQueueOrAnExchange(t *testing.T) {
 	f := rabbitFixture(t)
 	conn, err := amqp.Dial(f.url)
@@ -653,6 +654,13 @@ func TestRedriveOnRabbitMQToAQueueOrAnExchange(t *testing.T) {
 	if err := ch.QueueBind(bound, "", exchange, false, nil); err != nil {
 		t.Fatal(err)
 	}
+	boundDepth := func() int {
+		q, err := ch.QueueDeclarePassive(bound, false, false, false, false, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return q.Messages
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	for i, tc := range []struct {
@@ -660,14 +668,9 @@ func TestRedriveOnRabbitMQToAQueueOrAnExchange(t *testing.T) {
 		depth func() int
 	}{
 		{f.to, func() int { return f.depth(t) }},
-		{rabbit.ToQueue(f.to), func() int { return f.depth(t) }},
-		{exchange, func() int {
-			q, err := ch.QueueDeclarePassive(bound, false, false, false, false, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			return q.Messages
-		}},
+		{"amq.default/" + f.to, func() int { return f.depth(t) }},
+		{exchange, boundDepth},
+		{rabbit.ToExchange(exchange), boundDepth},
 	} {
 		before := tc.depth()
 		f.publish(t, deadLetters(f.src, i, 1)...)
@@ -678,7 +681,7 @@ func TestRedriveOnRabbitMQToAQueueOrAnExchange(t *testing.T) {
 		waitUntil(t, 10*time.Second, "the message at "+tc.to, func() bool { return tc.depth() == before+1 })
 	}
 	// A name that is neither: the publish fails, and the message stays.
-	f.publish(t, deadLetters(f.src, 3, 1)...)
+	f.publish(t, deadLetters(f.src, 4, 1)...)
 	code, out, errOut := ferryDLQ(t, ctx, "redrive", f.dlq, "--to", "no-such-exchange-or-queue", "--broker", f.url, "--wait", "500ms")
 	if code != 1 || !strings.Contains(errOut, "no-such-exchange-or-queue") || !strings.Contains(errOut, "it stays in") {
 		t.Errorf("--to a name that reaches nothing: exit %d: %s%s", code, out, errOut)

@@ -28,7 +28,6 @@ import (
 	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/kafka"
 	"github.com/ferrymq/ferry/memory"
-	"github.com/ferrymq/ferry/rabbit"
 )
 
 func TestMain(m *testing.M) {
@@ -142,11 +141,7 @@ func (f *fixture) publish(t *testing.T, msgs ...consumer.Message) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	dest := f.dlq
-	if !f.kafka && strings.HasPrefix(f.url, "amqp") {
-		dest = rabbit.ToQueue(f.dlq)
-	}
-	if err := f.pub.Publish(ctx, dest, msgs...); err != nil {
+	if err := f.pub.Publish(ctx, f.dlq, msgs...); err != nil {
 		t.Fatal(err)
 	}
 }

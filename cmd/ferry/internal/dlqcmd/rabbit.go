@@ -14,15 +14,24 @@ import (
 	"github.com/ferrymq/ferry/rabbit"
 )
 
+// defaultExchangePrefix is the deprecated rabbit.QueuePrefix: users'
+// --to and headers written before a plain name was a queue still say
+// amq.default/QUEUE.
+const defaultExchangePrefix = "amq.default/"
+
 // rabbitTarget is the destination the rabbit adapter's Publish takes for
-// a redrive's source name. A bare name is an exchange to Publish, but the
-// source a dead letter names (and what a user types as --to) is the queue
-// its consumer read: so it is the queue of that name when one exists
-// (rabbit.ToQueue: straight to it through the default exchange), else the
-// exchange of that name. amq.default/QUEUE is taken as it is.
+// a redrive's source name. A bare name is a queue to Publish, as the
+// source a dead letter names (and what a user types as --to) is: it is the
+// queue of that name when one exists, else, as a convenience of the
+// command, the exchange of that name (rabbit.ToExchange). An explicit
+// amq.exchange/EXCHANGE is taken as it is, and the older amq.default/QUEUE
+// as the QUEUE it names.
 func rabbitTarget(ctx context.Context, b ferry.Broker, name string) (string, error) {
-	if strings.HasPrefix(name, rabbit.QueuePrefix) {
+	if strings.HasPrefix(name, rabbit.ExchangePrefix) {
 		return name, nil
+	}
+	if q, ok := strings.CutPrefix(name, defaultExchangePrefix); ok {
+		return q, nil
 	}
 	d, err := cli.Driver(ctx, b, name, "", 1)
 	if err != nil {
@@ -41,9 +50,9 @@ func rabbitTarget(ctx context.Context, b ferry.Broker, name string) (string, err
 	var ae *amqp.Error
 	switch {
 	case err == nil:
-		return rabbit.ToQueue(name), nil
-	case errors.As(err, &ae) && ae.Code == amqp.NotFound:
 		return name, nil
+	case errors.As(err, &ae) && ae.Code == amqp.NotFound:
+		return rabbit.ToExchange(name), nil
 	}
 	return "", fmt.Errorf("asking whether %s is a queue: %w", name, err)
 }

@@ -19,7 +19,6 @@ import (
 	"github.com/ferrymq/ferry/cmd/ferry/internal/cli"
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
-	"github.com/ferrymq/ferry/rabbit"
 )
 
 // HeaderRedrivenFrom is added to every redriven message: the dead-letter
@@ -36,7 +35,8 @@ type RedriveConfig struct {
 	Destination string
 	// To is where they all go: a queue (memory, SQS), a topic (Kafka), or
 	// on RabbitMQ a queue, else an exchange, of that name, or
-	// amq.default/QUEUE. When empty, each message goes to the source its
+	// amq.exchange/EXCHANGE (rabbit.ToExchange) for an exchange outright.
+	// When empty, each message goes to the source its
 	// consumer.HeaderDLQSource header names; one without it (or naming
 	// Destination) stays where it is (Result.Unrouted), and on Kafka its
 	// partition is redriven no further (Result.Stopped).
@@ -474,15 +474,15 @@ func (r *router) route(ctx context.Context, m driver.Message) (src, to string, e
 	if err != nil {
 		return "", "", err
 	}
-	if r.kind == "rabbitmq" && to == rabbit.ToQueue(r.dest) {
+	if r.kind == "rabbitmq" && to == r.dest {
 		return "", "", nil
 	}
 	return src, to, nil
 }
 
 // target is the destination Publish takes for the source name: the name
-// itself, but on RabbitMQ, where a bare name is an exchange, the queue of
-// that name when one exists (see rabbitTarget).
+// itself, but on RabbitMQ the exchange of that name when no queue has it
+// (see rabbitTarget).
 func (r *router) target(ctx context.Context, name string) (string, error) {
 	if r.kind != "rabbitmq" {
 		return name, nil

@@ -57,7 +57,7 @@ func TestLagOnRabbitMQAgreesWithTheConsumer(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{Body: []byte(strconv.Itoa(i))}
 	}
-	if err := b.Publish(context.Background(), rabbit.ToQueue(queue), msgs...); err != nil {
+	if err := b.Publish(context.Background(), queue, msgs...); err != nil {
 		t.Fatal(err)
 	}
 

@@ -25,7 +25,6 @@ import (
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/kafka"
-	"github.com/ferrymq/ferry/rabbit"
 )
 
 // ferryLag runs ferry lag in process, where it may open the in-process
@@ -244,11 +243,7 @@ func TestLagOnQueues(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer keep.Close()
-			dest := queue
-			if tc.name == "rabbitmq" {
-				dest = rabbit.ToQueue(queue)
-			}
-			publish(t, url, dest, 4)
+			publish(t, url, queue, 4)
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
 			code, out, errOut := ferryLag(t, ctx, queue, "--broker", url, "--samples", "3", "--interval", "100ms", "--json")
