@@ -38,18 +38,11 @@ func eachKind(t *testing.T, f func(t *testing.T, kind ferrytest.Kind)) {
 	}
 }
 
-func ctxFor(t *testing.T, d time.Duration) context.Context {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(t.Context(), d)
-	t.Cleanup(cancel)
-	return ctx
-}
-
 // existsOutside asks the broker, through its own client and not through
 // ferrytest, whether a topic or queue exists.
 func existsOutside(t *testing.T, kind ferrytest.Kind, name string) bool {
 	t.Helper()
-	ctx := ctxFor(t, 20*time.Second)
+	ctx := testenv.Context(t, 20*time.Second)
 	switch kind {
 	case ferrytest.Kafka:
 		cl, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaBrokers()...))
@@ -112,7 +105,7 @@ func groupExists(t *testing.T, group string) bool {
 		t.Fatal(err)
 	}
 	defer cl.Close()
-	gs, err := kadm.NewClient(cl).ListGroups(ctxFor(t, 20*time.Second))
+	gs, err := kadm.NewClient(cl).ListGroups(testenv.Context(t, 20*time.Second))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -143,7 +136,7 @@ func TestQueuesAreRemovedWhenTheTestEnds(t *testing.T) {
 		t.Run("test", func(t *testing.T) {
 			b = ferrytest.Open(t, kind)
 			q = b.Queue(t, "cleanup")
-			ctx := ctxFor(t, 30*time.Second)
+			ctx := testenv.Context(t, 30*time.Second)
 			if err := q.Publish(ctx, consumer.Message{Key: "k", Body: []byte("x")}); err != nil {
 				t.Fatal(err)
 			}
@@ -180,7 +173,7 @@ func TestQueuesAreRemovedWhenTheTestEnds(t *testing.T) {
 		}
 
 		// Close removes what NewQueue made.
-		ctx := ctxFor(t, 30*time.Second)
+		ctx := testenv.Context(t, 30*time.Second)
 		b2, err := ferrytest.Connect(ctx, kind)
 		if err != nil {
 			t.Fatal(err)
@@ -205,7 +198,7 @@ func TestQueuesAreRemovedWhenTheTestEnds(t *testing.T) {
 // a consumer of the dead-letter queue still gets it.
 func TestDeadLettersTellTheStoryAndKeepTheMessage(t *testing.T) {
 	eachKind(t, func(t *testing.T, kind ferrytest.Kind) {
-		ctx := ctxFor(t, 60*time.Second)
+		ctx := testenv.Context(t, 60*time.Second)
 		b := ferrytest.Open(t, kind)
 		orders := b.Queue(t, "orders")
 		dlq := b.Queue(t, "orders-dlq")
@@ -281,7 +274,7 @@ func TestRunUntilGivesUpAtTheDeadline(t *testing.T) {
 func TestDeadLettersRefuseAMessageWithoutAStory(t *testing.T) {
 	b := ferrytest.Open(t, ferrytest.Memory)
 	q := b.Queue(t, "plain")
-	ctx := ctxFor(t, 10*time.Second)
+	ctx := testenv.Context(t, 10*time.Second)
 	if err := q.Publish(ctx, consumer.Message{ID: "m-1", Body: []byte("x")}); err != nil {
 		t.Fatal(err)
 	}
@@ -300,7 +293,7 @@ func TestDeadLettersRefuseAMessageWithoutAStory(t *testing.T) {
 // they were: the same messages read twice.
 func TestPeekReadsEverythingAndTakesNothing(t *testing.T) {
 	eachKind(t, func(t *testing.T, kind ferrytest.Kind) {
-		ctx := ctxFor(t, 60*time.Second)
+		ctx := testenv.Context(t, 60*time.Second)
 		b := ferrytest.Open(t, kind)
 		q := b.Queue(t, "peek", ferrytest.Partitions(3))
 		var msgs []consumer.Message
@@ -333,7 +326,7 @@ func TestPeekReadsEverythingAndTakesNothing(t *testing.T) {
 // one-partition topic (found by the 100k chaos run).
 func TestPeekReadsMoreThanAPrefetch(t *testing.T) {
 	eachKind(t, func(t *testing.T, kind ferrytest.Kind) {
-		ctx := ctxFor(t, 60*time.Second)
+		ctx := testenv.Context(t, 60*time.Second)
 		b := ferrytest.Open(t, kind)
 		q := b.Queue(t, "peek-deep")
 		const n = 600
@@ -478,7 +471,7 @@ func TestRabbitMQDelayQueuesGoWithTheirQueue(t *testing.T) {
 	t.Run("test", func(t *testing.T) {
 		b := ferrytest.Open(t, ferrytest.RabbitMQ)
 		q := b.Queue(t, "delayed")
-		ctx := ctxFor(t, 30*time.Second)
+		ctx := testenv.Context(t, 30*time.Second)
 		if err := q.Publish(ctx, consumer.Message{Key: "k", Body: []byte("x")}); err != nil {
 			t.Fatal(err)
 		}

@@ -4,17 +4,3 @@
 // integration/brokers.sh up, or docker compose up --wait); without them these
 // tests skip, unless FERRY_REQUIRE_BROKERS=1.
 package integration_test
-
-import (
-	"context"
-	"testing"
-	"time"
-)
-
-// ctxFor returns a context that ends after d or when the test ends.
-func ctxFor(t *testing.T, d time.Duration) context.Context {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), d)
-	t.Cleanup(cancel)
-	return ctx
-}

@@ -57,7 +57,7 @@ func consume(t *testing.T, ctx context.Context, cl *kgo.Client, n int) []*kgo.Re
 func TestKafkaRoundTrip(t *testing.T) {
 	t.Parallel()
 	brokers := testenv.RequireKafka(t)
-	ctx := ctxFor(t, 60*time.Second)
+	ctx := testenv.Context(t, 60*time.Second)
 	topic := createTopic(t, 1)
 	produce(t, ctx, brokers, topic, 3)
 
@@ -80,7 +80,7 @@ func TestKafkaRoundTrip(t *testing.T) {
 func TestKafkaGroupCommitAndReread(t *testing.T) {
 	t.Parallel()
 	brokers := testenv.RequireKafka(t)
-	ctx := ctxFor(t, 90*time.Second)
+	ctx := testenv.Context(t, 90*time.Second)
 	topic := createTopic(t, 1)
 	group := testenv.UniqueName(t, "group")
 	produce(t, ctx, brokers, topic, 10)

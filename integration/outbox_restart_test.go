@@ -70,7 +70,7 @@ type restartWrite struct {
 
 func testRelayThroughRestart(t *testing.T, mode testenv.StopMode) {
 	pg := testenv.StartPostgresCluster(t)
-	ctx := ctxFor(t, 90*time.Second)
+	ctx := testenv.Context(t, 90*time.Second)
 
 	newPool := func(app string, maxConns int32) *pgxpool.Pool {
 		cfg, err := pgxpool.ParseConfig(pg.URL())
@@ -189,7 +189,7 @@ func testRelayThroughRestart(t *testing.T, mode testenv.StopMode) {
 	}
 	failuresBefore, storeErrsBefore := failures.Load(), relay.Stats().StoreErrors
 	publishedBefore := relay.Stats().Published
-	eventually(t, 30*time.Second, "the outage reached neither the writers nor the relay", func() bool {
+	testenv.WaitFor(t, 30*time.Second, "the outage reached neither the writers nor the relay", func() bool {
 		return time.Since(stopped) >= restartDown &&
 			failures.Load() > failuresBefore && relay.Stats().StoreErrors > storeErrsBefore
 	})
@@ -201,17 +201,17 @@ func testRelayThroughRestart(t *testing.T, mode testenv.StopMode) {
 
 	// The relay publishes again by itself: a delete after a publish
 	// succeeded on the restarted server.
-	eventually(t, restartRecovery, "the relay did not publish again after the server came back", func() bool {
+	testenv.WaitFor(t, restartRecovery, "the relay did not publish again after the server came back", func() bool {
 		return relay.Stats().Published > publishedBefore
 	})
 	recovered := time.Since(back)
-	eventually(t, restartRecovery, "the relay did not hold every lane again", func() bool {
+	testenv.WaitFor(t, restartRecovery, "the relay did not hold every lane again", func() bool {
 		return relay.Stats().Lanes == outbox.Lanes
 	})
 	// It listens for commits again, on a connection of its own (whose last
 	// statement stays the LISTEN), rather than falling back to polling for
 	// good.
-	eventually(t, restartRecovery, "the relay did not LISTEN again after the server came back", func() bool {
+	testenv.WaitFor(t, restartRecovery, "the relay did not LISTEN again after the server came back", func() bool {
 		var n int
 		err := writers.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
 			WHERE application_name = 'relay' AND query ILIKE 'LISTEN %'`).Scan(&n)
@@ -234,7 +234,7 @@ func testRelayThroughRestart(t *testing.T, mode testenv.StopMode) {
 		}
 		return ids
 	}
-	eventually(t, restartRecovery, "not every committed event arrived", func() bool {
+	testenv.WaitFor(t, restartRecovery, "not every committed event arrived", func() bool {
 		got := arrived()
 		for id := range committed { // the writers are done: no lock needed
 			if !got[id] {
@@ -244,7 +244,7 @@ func testRelayThroughRestart(t *testing.T, mode testenv.StopMode) {
 		return true
 	})
 	drained := time.Since(wrote)
-	eventually(t, restartRecovery, "the outbox did not drain", func() bool {
+	testenv.WaitFor(t, restartRecovery, "the outbox did not drain", func() bool {
 		bl, err := st.Backlog(ctx)
 		return err == nil && bl.Events == 0 && bl.Failed == 0
 	})
@@ -341,17 +341,4 @@ func commitStamped(ctx context.Context, pool *pgxpool.Pool, w *pgoutbox.Writer, 
 		return 0, true, err
 	}
 	return n, false, nil
-}
-
-// eventually polls cond every 20ms until it holds, or fails t after
-// timeout.
-func eventually(t *testing.T, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("after %s: %s", timeout, what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
 }

@@ -16,7 +16,7 @@ import (
 func TestPostgresRoundTrip(t *testing.T) {
 	t.Parallel()
 	url := testenv.RequirePostgres(t)
-	ctx := ctxFor(t, 30*time.Second)
+	ctx := testenv.Context(t, 30*time.Second)
 	conn, err := pgx.Connect(ctx, url)
 	if err != nil {
 		t.Fatalf("connect %s: %v", url, err)
@@ -33,7 +33,7 @@ func TestPostgresRoundTrip(t *testing.T) {
 	if _, err := conn.Exec(ctx, "create table "+table+" (id bigserial primary key, body text not null)"); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { conn.Exec(ctxFor(t, 5*time.Second), "drop table if exists "+table) })
+	t.Cleanup(func() { conn.Exec(testenv.Context(t, 5*time.Second), "drop table if exists "+table) })
 	if _, err := listener.Exec(ctx, "listen "+pgx.Identifier{channel}.Sanitize()); err != nil {
 		t.Fatal(err)
 	}

@@ -31,7 +31,7 @@ func publishConfirmed(t *testing.T, ch *amqp.Channel, queue, body string) {
 	if err := ch.Confirm(false); err != nil {
 		t.Fatal(err)
 	}
-	ctx := ctxFor(t, 10*time.Second)
+	ctx := testenv.Context(t, 10*time.Second)
 	dc, err := ch.PublishWithDeferredConfirmWithContext(ctx, "", queue, true, false,
 		amqp.Publishing{Body: []byte(body), DeliveryMode: amqp.Persistent})
 	if err != nil {
@@ -124,7 +124,7 @@ func TestRabbitMQPlugins(t *testing.T) {
 	if err := ch.QueueBind(q.Name, "1", ex, false, nil); err != nil {
 		t.Fatal(err)
 	}
-	if err := ch.PublishWithContext(ctxFor(t, 5*time.Second), ex, "some-key", true, false, amqp.Publishing{Body: []byte("x")}); err != nil {
+	if err := ch.PublishWithContext(testenv.Context(t, 5*time.Second), ex, "some-key", true, false, amqp.Publishing{Body: []byte("x")}); err != nil {
 		t.Fatal(err)
 	}
 	deadline := time.Now().Add(5 * time.Second)

@@ -15,11 +15,11 @@ import (
 func TestRedisRoundTrip(t *testing.T) {
 	t.Parallel()
 	addr := testenv.RequireRedis(t)
-	ctx := ctxFor(t, 10*time.Second)
+	ctx := testenv.Context(t, 10*time.Second)
 	c := redis.NewClient(&redis.Options{Addr: addr})
 	defer c.Close()
 	key := testenv.UniqueName(t, "")
-	t.Cleanup(func() { c.Del(ctxFor(t, 5*time.Second), key) })
+	t.Cleanup(func() { c.Del(testenv.Context(t, 5*time.Second), key) })
 
 	if ok, err := c.SetNX(ctx, key, "owner-1", 300*time.Millisecond).Result(); err != nil || !ok {
 		t.Fatalf("first claim: %v, %v", ok, err)
@@ -50,7 +50,7 @@ func TestRedisRoundTrip(t *testing.T) {
 func TestRedisNoPersistence(t *testing.T) {
 	t.Parallel()
 	addr := testenv.RequireRedis(t)
-	ctx := ctxFor(t, 10*time.Second)
+	ctx := testenv.Context(t, 10*time.Second)
 	c := redis.NewClient(&redis.Options{Addr: addr})
 	defer c.Close()
 	cfg, err := c.ConfigGet(ctx, "*").Result()

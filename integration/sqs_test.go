@@ -74,7 +74,7 @@ func receiveCount(t *testing.T, m types.Message) int {
 func TestSQSRoundTrip(t *testing.T) {
 	t.Parallel()
 	c := sqsClient(t)
-	ctx := ctxFor(t, 30*time.Second)
+	ctx := testenv.Context(t, 30*time.Second)
 	url, _ := createQueue(t, ctx, c, testenv.UniqueName(t, ""), nil)
 	if _, err := c.SendMessage(ctx, &sqs.SendMessageInput{QueueUrl: aws.String(url), MessageBody: aws.String("hello"),
 		MessageAttributes: map[string]types.MessageAttributeValue{"event-id": {DataType: aws.String("String"), StringValue: aws.String("e1")}},
@@ -102,7 +102,7 @@ func TestSQSRoundTrip(t *testing.T) {
 func TestSQSReceiveCountVisibilityAndRedrive(t *testing.T) {
 	t.Parallel()
 	c := sqsClient(t)
-	ctx := ctxFor(t, 60*time.Second)
+	ctx := testenv.Context(t, 60*time.Second)
 	name := testenv.UniqueName(t, "")
 	_, dlqARN := createQueue(t, ctx, c, name+"-dlq", nil)
 	url, _ := createQueue(t, ctx, c, name, map[string]string{
@@ -154,7 +154,7 @@ func TestSQSReceiveCountVisibilityAndRedrive(t *testing.T) {
 func TestSQSLongPolling(t *testing.T) {
 	t.Parallel()
 	c := sqsClient(t)
-	ctx := ctxFor(t, 30*time.Second)
+	ctx := testenv.Context(t, 30*time.Second)
 	url, _ := createQueue(t, ctx, c, testenv.UniqueName(t, ""), nil)
 
 	start := time.Now()
@@ -185,7 +185,7 @@ func TestSQSLongPolling(t *testing.T) {
 func TestSQSFIFOAndBatches(t *testing.T) {
 	t.Parallel()
 	c := sqsClient(t)
-	ctx := ctxFor(t, 30*time.Second)
+	ctx := testenv.Context(t, 30*time.Second)
 	url, _ := createQueue(t, ctx, c, testenv.UniqueName(t, "")+".fifo", map[string]string{
 		"FifoQueue": "true", "VisibilityTimeout": "30",
 	})

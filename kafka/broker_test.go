@@ -13,6 +13,7 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/kafka"
 )
 
@@ -109,7 +110,7 @@ func TestPublishPartitionsLikeJava(t *testing.T) {
 	for i := 0; i < 200; i++ {
 		msgs = append(msgs, consumer.Message{Key: "order-" + strconv.Itoa(i*7919), Body: []byte(strconv.Itoa(i))})
 	}
-	if err := b.Publish(ctxFor(t, 30*time.Second), topic, msgs...); err != nil {
+	if err := b.Publish(testenv.Context(t, 30*time.Second), topic, msgs...); err != nil {
 		t.Fatal(err)
 	}
 	for _, r := range consumeRaw(t, topic, len(msgs)) {
@@ -125,7 +126,7 @@ func TestPublishKeepsKeyOrderAcrossCalls(t *testing.T) {
 	b := newBroker(t)
 	topic := newTopic(t, b, "order", 3)
 	const calls, per = 20, 50
-	ctx := ctxFor(t, 60*time.Second)
+	ctx := testenv.Context(t, 60*time.Second)
 	for c := 0; c < calls; c++ {
 		var msgs []consumer.Message
 		for i := 0; i < per; i++ {
@@ -153,7 +154,7 @@ func TestPublishReportsFailedRecords(t *testing.T) {
 	b := newBroker(t)
 	topic := newTopic(t, b, "fail", 1)
 	big := make([]byte, 2<<20)
-	err := b.Publish(ctxFor(t, 30*time.Second), topic,
+	err := b.Publish(testenv.Context(t, 30*time.Second), topic,
 		consumer.Message{Key: "a", Body: []byte("a1")},
 		consumer.Message{Key: "b", Body: big},
 		consumer.Message{Key: "a", Body: []byte("a2")},
@@ -196,7 +197,7 @@ func TestLagMatchesKadm(t *testing.T) {
 		mu.Unlock()
 		return nil
 	}))
-	waitFor(t, 60*time.Second, "90 records handled", func() bool { mu.Lock(); defer mu.Unlock(); return n == 90 })
+	testenv.WaitFor(t, 60*time.Second, "90 records handled", func() bool { mu.Lock(); defer mu.Unlock(); return n == 90 })
 	publishKeyed(t, b, topic, 90, 30, 9)
 	time.Sleep(100 * time.Millisecond)
 	r.stop(t) // commits what it handled
@@ -209,11 +210,11 @@ func TestLagMatchesKadm(t *testing.T) {
 	defer d.Close()
 	lag, err := d.(interface {
 		Lag(context.Context) (consumer.Lag, error)
-	}).Lag(ctxFor(t, 10*time.Second))
+	}).Lag(testenv.Context(t, 10*time.Second))
 	if err != nil {
 		t.Fatal(err)
 	}
-	kl, err := b.Admin().Lag(ctxFor(t, 10*time.Second), group)
+	kl, err := b.Admin().Lag(testenv.Context(t, 10*time.Second), group)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -242,7 +243,7 @@ func TestLagMatchesKadm(t *testing.T) {
 func TestConsumedIDIsNotAHeader(t *testing.T) {
 	b := newBroker(t)
 	topic := newTopic(t, b, "headers", 1)
-	ctx := ctxFor(t, 60*time.Second)
+	ctx := testenv.Context(t, 60*time.Second)
 	if err := b.Publish(ctx, topic,
 		consumer.Message{ID: "with-headers", Body: []byte("0"), Headers: map[string]string{"h": "v", "e": ""}},
 		consumer.Message{ID: "id-only", Body: []byte("1")},
@@ -267,7 +268,7 @@ func TestConsumedIDIsNotAHeader(t *testing.T) {
 		mu.Unlock()
 		return nil
 	}))
-	waitFor(t, 30*time.Second, "the four records", func() bool { mu.Lock(); defer mu.Unlock(); return len(got) == 4 })
+	testenv.WaitFor(t, 30*time.Second, "the four records", func() bool { mu.Lock(); defer mu.Unlock(); return len(got) == 4 })
 	r.stop(t)
 
 	check := func(body, id string, headers map[string]string) {

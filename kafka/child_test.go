@@ -195,7 +195,7 @@ func shortenGroupSession(t *testing.T, group string, session time.Duration) {
 		res.Configs = append(res.Configs, c)
 	}
 	req.Resources = append(req.Resources, res)
-	resp, err := req.RequestWith(ctxFor(t, 10*time.Second), cl)
+	resp, err := req.RequestWith(testenv.Context(t, 10*time.Second), cl)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -77,7 +77,7 @@ func (w *watched) handler() consumer.Handler {
 // handled waits up to d for the record whose body is body.
 func (w *watched) handled(d time.Duration, body string) {
 	w.t.Helper()
-	waitFor(w.t, d, "the record "+body, func() bool {
+	testenv.WaitFor(w.t, d, "the record "+body, func() bool {
 		w.mu.Lock()
 		defer w.mu.Unlock()
 		return w.seen[body]
@@ -112,7 +112,7 @@ func (w *watched) ready() int {
 func (w *watched) waitState(d time.Duration, want consumer.HealthState) time.Duration {
 	w.t.Helper()
 	start := time.Now()
-	waitFor(w.t, d, "health "+string(want), func() bool { return w.l.Health().State == want })
+	testenv.WaitFor(w.t, d, "health "+string(want), func() bool { return w.l.Health().State == want })
 	return time.Since(start)
 }
 
@@ -120,7 +120,7 @@ func (w *watched) waitState(d time.Duration, want consumer.HealthState) time.Dur
 func (w *watched) warnLine(d time.Duration, needles ...string) string {
 	w.t.Helper()
 	var found string
-	waitFor(w.t, d, "a WARN line with "+strings.Join(needles, ", "), func() bool {
+	testenv.WaitFor(w.t, d, "a WARN line with "+strings.Join(needles, ", "), func() bool {
 		for line := range strings.Lines(w.logs.String()) {
 			if !strings.Contains(line, "level=WARN") {
 				continue
@@ -302,7 +302,7 @@ func (p *proxy) dialer() kgo.Opt {
 func publishOne(t *testing.T, topic, body string) {
 	t.Helper()
 	b := newBroker(t)
-	if err := b.Publish(ctxFor(t, 30*time.Second), topic, consumer.Message{Key: "k", Body: []byte(body)}); err != nil {
+	if err := b.Publish(testenv.Context(t, 30*time.Second), topic, consumer.Message{Key: "k", Body: []byte(body)}); err != nil {
 		t.Fatalf("publish: %v", err)
 	}
 }
@@ -322,7 +322,7 @@ func TestConsumerOfMissingTopicSaysSoAndStartsOnceItIsMade(t *testing.T) {
 		t.Fatal(err)
 	}
 	start := time.Now()
-	err = d.(driver.Connector).Connect(ctxFor(t, 2*driver.ReportWithin))
+	err = d.(driver.Connector).Connect(testenv.Context(t, 2*driver.ReportWithin))
 	took := time.Since(start)
 	_ = d.Close()
 	if !errors.Is(err, consumer.ErrSourceNotFound) || driver.IsFatal(err) || !strings.Contains(err.Error(), topic) {
@@ -337,9 +337,9 @@ func TestConsumerOfMissingTopicSaysSoAndStartsOnceItIsMade(t *testing.T) {
 	w.assertDisconnected(consumer.ErrSourceNotFound, "127.0.0.1:9092", topic)
 	w.staysIn(driver.ReportWithin, consumer.HealthDisconnected)
 	failures := w.l.Stats().FetchErrors
-	waitFor(t, 10*time.Second, "another attempt", func() bool { return w.l.Stats().FetchErrors > failures })
+	testenv.WaitFor(t, 10*time.Second, "another attempt", func() bool { return w.l.Stats().FetchErrors > failures })
 
-	if err := b.CreateTopic(ctxFor(t, 30*time.Second), topic, kafka.TopicConfig{Partitions: 1}); err != nil {
+	if err := b.CreateTopic(testenv.Context(t, 30*time.Second), topic, kafka.TopicConfig{Partitions: 1}); err != nil {
 		t.Fatal(err)
 	}
 	publishOne(t, topic, "made")
@@ -378,7 +378,7 @@ func TestConsumerOfUnreachableClusterSaysSoAndRetries(t *testing.T) {
 				t.Fatal(err)
 			}
 			start := time.Now()
-			err = d.(driver.Connector).Connect(ctxFor(t, 2*driver.ReportWithin))
+			err = d.(driver.Connector).Connect(testenv.Context(t, 2*driver.ReportWithin))
 			took := time.Since(start)
 			_ = d.Close()
 			if !errors.Is(err, consumer.ErrUnreachable) || driver.IsFatal(err) ||
@@ -545,7 +545,7 @@ func TestTLSMismatchIsRefusedAtOnce(t *testing.T) {
 			}
 			t.Cleanup(func() { _ = b.Close() })
 			start := time.Now()
-			err = b.Publish(ctxFor(t, 30*time.Second), "ferry-tls-any", consumer.Message{Body: []byte("x")})
+			err = b.Publish(testenv.Context(t, 30*time.Second), "ferry-tls-any", consumer.Message{Body: []byte("x")})
 			if took := time.Since(start); took > driver.ReportWithin {
 				t.Errorf("Publish took %s to fail, want seconds", took)
 			}
@@ -583,7 +583,7 @@ func TestPublishAtItsDeadlineSaysWhatTheClientSaw(t *testing.T) {
 			}
 			t.Cleanup(func() { _ = b.Close() })
 			start := time.Now()
-			err = b.Publish(ctxFor(t, 3*time.Second), "p7-none", consumer.Message{Body: []byte("x")})
+			err = b.Publish(testenv.Context(t, 3*time.Second), "p7-none", consumer.Message{Body: []byte("x")})
 			took := time.Since(start)
 			if !errors.Is(err, context.DeadlineExceeded) || !errors.Is(err, consumer.ErrUnreachable) {
 				t.Errorf("Publish = %v, want an error matching context.DeadlineExceeded and consumer.ErrUnreachable", err)
@@ -634,7 +634,7 @@ func TestConsumerOfDeletedTopicSaysSo(t *testing.T) {
 	publishOne(t, topic, "before")
 	w.handled(60*time.Second, "before")
 	w.waitState(10*time.Second, consumer.HealthSteady)
-	if err := b.DeleteTopic(ctxFor(t, 30*time.Second), topic); err != nil {
+	if err := b.DeleteTopic(testenv.Context(t, 30*time.Second), topic); err != nil {
 		t.Fatal(err)
 	}
 	if took := w.waitState(2*driver.ReportWithin, consumer.HealthDisconnected); took > driver.ReportWithin {
@@ -642,7 +642,7 @@ func TestConsumerOfDeletedTopicSaysSo(t *testing.T) {
 	}
 	w.assertDisconnected(consumer.ErrSourceNotFound, "127.0.0.1:9092", topic)
 	w.staysIn(2*driver.ReportWithin, consumer.HealthDisconnected)
-	if err := b.CreateTopic(ctxFor(t, 30*time.Second), topic, kafka.TopicConfig{Partitions: 1}); err != nil {
+	if err := b.CreateTopic(testenv.Context(t, 30*time.Second), topic, kafka.TopicConfig{Partitions: 1}); err != nil {
 		t.Fatal(err)
 	}
 	// Kafka keeps the group's committed offset (1) by the topic's name:
@@ -666,7 +666,7 @@ func TestUntrustedCertificateIsRefused(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = b.Close() })
 	start := time.Now()
-	err = b.Publish(ctxFor(t, 30*time.Second), "ferry-tls-any", consumer.Message{Body: []byte("x")})
+	err = b.Publish(testenv.Context(t, 30*time.Second), "ferry-tls-any", consumer.Message{Body: []byte("x")})
 	if took := time.Since(start); took > driver.ReportWithin || !errors.Is(err, kafka.ErrAuthentication) || !errors.Is(err, consumer.ErrRefused) {
 		t.Errorf("Publish = %v after %s, want an error wrapping kafka.ErrAuthentication and consumer.ErrRefused within seconds", err, took)
 	}
@@ -690,7 +690,7 @@ func TestMismatchWithADialerOfYourOwnIsUnreachable(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer d.Close()
-	err = d.(driver.Connector).Connect(ctxFor(t, 2*driver.ReportWithin))
+	err = d.(driver.Connector).Connect(testenv.Context(t, 2*driver.ReportWithin))
 	if !errors.Is(err, consumer.ErrUnreachable) || driver.IsFatal(err) || !strings.Contains(err.Error(), "tls") {
 		t.Errorf("Connect = %v, want a retryable error wrapping consumer.ErrUnreachable with franz-go's diagnosis", err)
 	}

@@ -43,7 +43,7 @@ func TestPublishRecordJustUnderBatchLimitKeepsKeyOrder(t *testing.T) {
 	b := newBroker(t)
 	topic := newTopic(t, b, "defect-bigrec", 1)
 	big := make([]byte, 999_990)
-	err := b.Publish(ctxFor(t, 60*time.Second), topic,
+	err := b.Publish(testenv.Context(t, 60*time.Second), topic,
 		consumer.Message{Key: "k", Body: big},
 		consumer.Message{Key: "k", Body: []byte("after-big")},
 		consumer.Message{Key: "other", Body: []byte("other")},
@@ -114,7 +114,7 @@ func TestNewRefusesDefaultProduceTopicAlways(t *testing.T) {
 		kafka.WithClientOpts(kgo.DefaultProduceTopic(elsewhere), kgo.DefaultProduceTopicAlways()))
 	if err == nil {
 		defer b.Close()
-		perr := b.Publish(ctxFor(t, 30*time.Second), wanted, consumer.Message{Key: "k", Body: []byte("x")})
+		perr := b.Publish(testenv.Context(t, 30*time.Second), wanted, consumer.Message{Key: "k", Body: []byte("x")})
 		ends := endOffsets(t, probe.Admin(), wanted)
 		other := endOffsets(t, probe.Admin(), elsewhere)
 		t.Errorf("New accepted kgo.DefaultProduceTopicAlways; Publish to %s returned %v, and %d record(s) are in it, %d in %s",
@@ -147,7 +147,7 @@ func TestAtMostOnceCommitsBeforeTheHandlerRuns(t *testing.T) {
 	for i := 0; i < 3; i++ {
 		msgs = append(msgs, consumer.Message{Key: "k", Body: []byte(strconv.Itoa(i))})
 	}
-	if err := b.Publish(ctxFor(t, 30*time.Second), topic, msgs...); err != nil {
+	if err := b.Publish(testenv.Context(t, 30*time.Second), topic, msgs...); err != nil {
 		t.Fatal(err)
 	}
 	c, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithDeliveryMode(consumer.AtMostOnce))
@@ -174,7 +174,7 @@ func TestAtMostOnceCommitsBeforeTheHandlerRuns(t *testing.T) {
 		}
 		return nil
 	}))
-	waitFor(t, 30*time.Second, "3 records handled", func() bool { mu.Lock(); defer mu.Unlock(); return ran == 3 })
+	testenv.WaitFor(t, 30*time.Second, "3 records handled", func() bool { mu.Lock(); defer mu.Unlock(); return ran == 3 })
 	r.stop(t)
 	if len(before) > 0 {
 		t.Errorf("at-most-once ran handlers before their record was committed (a crash now would run them again): %v", before)
@@ -228,7 +228,7 @@ func TestOneStuckPartitionDoesNotStallTheOthers(t *testing.T) {
 		}
 		return nil
 	}))
-	waitFor(t, 30*time.Second, "partition 0's first record to fail a few times", func() bool { mu.Lock(); defer mu.Unlock(); return failures >= 3 })
+	testenv.WaitFor(t, 30*time.Second, "partition 0's first record to fail a few times", func() bool { mu.Lock(); defer mu.Unlock(); return failures >= 3 })
 	var more []*kgo.Record
 	for i := 0; i < 20; i++ {
 		more = append(more, &kgo.Record{Topic: topic, Partition: 1, Value: []byte(strconv.Itoa(i))})
@@ -256,7 +256,7 @@ func TestOneStuckPartitionDoesNotStallTheOthers(t *testing.T) {
 func TestPublishClusterRefusalFailsLaterRecordsOfItsKey(t *testing.T) {
 	b := newBroker(t)
 	topic := testenv.UniqueName(t, "defect-topiclimit")
-	if err := b.CreateTopic(ctxFor(t, 30*time.Second), topic, kafka.TopicConfig{Partitions: 2, Configs: map[string]string{"max.message.bytes": "2048"}}); err != nil {
+	if err := b.CreateTopic(testenv.Context(t, 30*time.Second), topic, kafka.TopicConfig{Partitions: 2, Configs: map[string]string{"max.message.bytes": "2048"}}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = b.DeleteTopic(context.Background(), topic) })
@@ -276,7 +276,7 @@ func TestPublishClusterRefusalFailsLaterRecordsOfItsKey(t *testing.T) {
 	for i := 0; i < 200; i++ {
 		msgs = append(msgs, consumer.Message{Key: "k", Body: []byte("after-big-" + strconv.Itoa(i))})
 	}
-	err := b.Publish(ctxFor(t, 60*time.Second), topic, msgs...)
+	err := b.Publish(testenv.Context(t, 60*time.Second), topic, msgs...)
 	var pe *consumer.PublishError
 	if !errors.As(err, &pe) {
 		t.Fatalf("Publish = %v, want a *consumer.PublishError", err)
@@ -287,7 +287,7 @@ func TestPublishClusterRefusalFailsLaterRecordsOfItsKey(t *testing.T) {
 	if len(pe.Failed) > 0 && (pe.Failed[0].Index != 1 || !errors.Is(pe.Failed[0].Err, kerr.MessageTooLarge)) {
 		t.Errorf("first failure: index %d, %v; want index 1 refused by the cluster (kerr.MessageTooLarge)", pe.Failed[0].Index, pe.Failed[0].Err)
 	}
-	if err := b.Publish(ctxFor(t, 30*time.Second), topic, consumer.Message{Key: "end"}); err != nil {
+	if err := b.Publish(testenv.Context(t, 30*time.Second), topic, consumer.Message{Key: "end"}); err != nil {
 		t.Fatal(err)
 	}
 	stored, goodStored := 0, 0

@@ -35,7 +35,7 @@ func groupOpts(p kafka.GroupProtocol) []kafka.Option {
 // in batches of 500.
 func publishKeyed(t testing.TB, b *kafka.Broker, topic string, from, n, keys int) {
 	t.Helper()
-	ctx := ctxFor(t, 60*time.Second)
+	ctx := testenv.Context(t, 60*time.Second)
 	for lo := from; lo < from+n; lo += 500 {
 		var msgs []consumer.Message
 		for i := lo; i < min(lo+500, from+n); i++ {
@@ -50,7 +50,7 @@ func publishKeyed(t testing.TB, b *kafka.Broker, topic string, from, n, keys int
 // endOffsets is the high watermark of each partition of topic.
 func endOffsets(t testing.TB, adm *kadm.Client, topic string) map[int32]int64 {
 	t.Helper()
-	ctx := ctxFor(t, 10*time.Second)
+	ctx := testenv.Context(t, 10*time.Second)
 	ls, err := adm.ListEndOffsets(ctx, topic)
 	if err != nil {
 		t.Fatalf("list end offsets: %v", err)
@@ -90,7 +90,7 @@ func testKilledMember(t *testing.T, proto kafka.GroupProtocol) {
 	}
 
 	ch := startChild(t, proto, topic, group, 200, 6*time.Second)
-	waitFor(t, 60*time.Second, "the child to handle records", func() bool {
+	testenv.WaitFor(t, 60*time.Second, "the child to handle records", func() bool {
 		h, _, _ := ch.state()
 		return len(h) >= 50
 	})
@@ -105,7 +105,7 @@ func testKilledMember(t *testing.T, proto kafka.GroupProtocol) {
 		time.Sleep(time.Millisecond)
 		return nil
 	}))
-	waitFor(t, 60*time.Second, "the survivor to join and the child to block mid-handler", func() bool {
+	testenv.WaitFor(t, 60*time.Second, "the survivor to join and the child to block mid-handler", func() bool {
 		_, _, blocked := ch.state()
 		return blocked && a.count("done") >= 20
 	})
@@ -122,7 +122,7 @@ func testKilledMember(t *testing.T, proto kafka.GroupProtocol) {
 				len(missing), missing[:min(len(missing), 10)], childCommits, survivor.Stats())
 		}
 	})
-	waitFor(t, 90*time.Second, "every record the child did not commit to be handled by the survivor", func() bool {
+	testenv.WaitFor(t, 90*time.Second, "every record the child did not commit to be handled by the survivor", func() bool {
 		done := a.doneSet()
 		missing = missing[:0]
 		for _, po := range allOffsets(ends) {
@@ -221,7 +221,7 @@ func TestJoiningMemberAndManyRebalances(t *testing.T) {
 
 		start("a")
 		start("b")
-		waitFor(t, 60*time.Second, "the first records to be handled", func() bool { return a.count("done") >= 500 })
+		testenv.WaitFor(t, 60*time.Second, "the first records to be handled", func() bool { return a.count("done") >= 500 })
 		start("c") // joins mid-run
 		publishKeyed(t, b, topic, n/2, n/2, 500)
 
@@ -254,14 +254,14 @@ func TestJoiningMemberAndManyRebalances(t *testing.T) {
 		for i := 0; i < rebalances/2; i++ {
 			before := a.count("assigned")
 			r := start("churn-" + strconv.Itoa(i))
-			waitFor(t, 60*time.Second, "the churning member to get partitions", func() bool { return a.count("assigned") > before })
+			testenv.WaitFor(t, 60*time.Second, "the churning member to get partitions", func() bool { return a.count("assigned") > before })
 			time.Sleep(200 * time.Millisecond) // a few commits by the new owner
 			r.stop(t)
 		}
 		close(stopPub)
 		<-pubDone
 		ends := endOffsets(t, b.Admin(), topic)
-		waitFor(t, 120*time.Second, "every record to be handled", func() bool {
+		testenv.WaitFor(t, 120*time.Second, "every record to be handled", func() bool {
 			done := a.doneSet()
 			for _, po := range allOffsets(ends) {
 				if done[po] == 0 {
@@ -313,11 +313,11 @@ func TestRevokeMidBatchLeavesNoGap(t *testing.T) {
 			return runConsumer(t, c, a.handler(name, h))
 		}
 		ra := mk("a")
-		waitFor(t, 60*time.Second, "a to be mid-batch", func() bool { return a.count("done") >= 300 })
+		testenv.WaitFor(t, 60*time.Second, "a to be mid-batch", func() bool { return a.count("done") >= 300 })
 		rb := mk("b")
-		waitFor(t, 60*time.Second, "a revocation", func() bool { return a.count("revoked") >= 1 })
+		testenv.WaitFor(t, 60*time.Second, "a revocation", func() bool { return a.count("revoked") >= 1 })
 		ends := endOffsets(t, b.Admin(), topic)
-		waitFor(t, 120*time.Second, "every offset to be handled", func() bool {
+		testenv.WaitFor(t, 120*time.Second, "every offset to be handled", func() bool {
 			done := a.doneSet()
 			for _, po := range allOffsets(ends) {
 				if done[po] == 0 {
@@ -375,7 +375,7 @@ func testPoison(t *testing.T, proto kafka.GroupProtocol) {
 		t.Fatal(err)
 	}
 	r := runConsumer(t, c, h)
-	waitFor(t, 60*time.Second, "the records after the poison to be handled", func() bool {
+	testenv.WaitFor(t, 60*time.Second, "the records after the poison to be handled", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return handled[n-1] >= 1
@@ -431,7 +431,7 @@ func consumeRaw(t testing.TB, topic string, n int) []*kgo.Record {
 		t.Fatal(err)
 	}
 	defer cl.Close()
-	ctx := ctxFor(t, 30*time.Second)
+	ctx := testenv.Context(t, 30*time.Second)
 	var out []*kgo.Record
 	for len(out) < n {
 		fs := cl.PollRecords(ctx, n-len(out))
@@ -488,10 +488,10 @@ func testBreakerOpen(t *testing.T, proto kafka.GroupProtocol) {
 		t.Fatal(err)
 	}
 	runConsumer(t, c, h)
-	waitFor(t, 30*time.Second, "the breaker to open", func() bool { return br.Opened() > 0 })
+	testenv.WaitFor(t, 30*time.Second, "the breaker to open", func() bool { return br.Opened() > 0 })
 	time.Sleep(2 * time.Second)
 	fetched := c.Stats().Fetched
-	lag0, err := c.Lag(ctxFor(t, 10*time.Second))
+	lag0, err := c.Lag(testenv.Context(t, 10*time.Second))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -504,7 +504,7 @@ func testBreakerOpen(t *testing.T, proto kafka.GroupProtocol) {
 			t.Fatalf("the consumer holds %d records while the breaker is open, above its MaxInFlight 100", s.InFlight)
 		}
 	}
-	lag1, err := c.Lag(ctxFor(t, 10*time.Second))
+	lag1, err := c.Lag(testenv.Context(t, 10*time.Second))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -519,7 +519,7 @@ func testBreakerOpen(t *testing.T, proto kafka.GroupProtocol) {
 		t.Errorf("lag went from %d to %d while 3000 records were published: want it to grow by all of them", before, after)
 	}
 	if proto == kafka.Classic {
-		desc, err := b.Admin().DescribeGroups(ctxFor(t, 10*time.Second), group)
+		desc, err := b.Admin().DescribeGroups(testenv.Context(t, 10*time.Second), group)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -527,7 +527,7 @@ func testBreakerOpen(t *testing.T, proto kafka.GroupProtocol) {
 			t.Errorf("after %s with the breaker open the group is %s with %d members, want Stable with 1", down, g.State, len(g.Members))
 		}
 	} else {
-		desc, err := b.Admin().DescribeConsumerGroups(ctxFor(t, 10*time.Second), group)
+		desc, err := b.Admin().DescribeConsumerGroups(testenv.Context(t, 10*time.Second), group)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -540,7 +540,7 @@ func testBreakerOpen(t *testing.T, proto kafka.GroupProtocol) {
 	}
 
 	isDown.Store(false)
-	waitFor(t, 90*time.Second, "the backlog to drain", func() bool {
+	testenv.WaitFor(t, 90*time.Second, "the backlog to drain", func() bool {
 		l, err := c.Lag(context.Background())
 		return err == nil && l.Messages == 0 && ok.Load() >= 3300
 	})
@@ -580,7 +580,7 @@ func TestPausedPartitionResumesAfterRevokeAndReassign(t *testing.T) {
 			t.Fatal(err)
 		}
 		runConsumer(t, ca, a.handler("a", blockA))
-		waitFor(t, 60*time.Second, "a to hold both partitions, blocked", func() bool { return a.count("start") >= 4 })
+		testenv.WaitFor(t, 60*time.Second, "a to hold both partitions, blocked", func() bool { return a.count("start") >= 4 })
 		time.Sleep(time.Second)
 		if s := ca.Stats(); s.Fetched > 200 {
 			t.Errorf("a fetched %d records with a partition buffer of 5 on 2 partitions (fetches of 1 KiB, room for 1000): fetching was not paused", s.Fetched)
@@ -594,12 +594,12 @@ func TestPausedPartitionResumesAfterRevokeAndReassign(t *testing.T) {
 			<-ctx.Done()
 			return ctx.Err()
 		}))
-		waitFor(t, 60*time.Second, "a revocation", func() bool { return a.count("revoked") >= 1 })
-		waitFor(t, 60*time.Second, "b to get a partition", func() bool { return a.count("assigned") >= 2 })
+		testenv.WaitFor(t, 60*time.Second, "a revocation", func() bool { return a.count("revoked") >= 1 })
+		testenv.WaitFor(t, 60*time.Second, "b to get a partition", func() bool { return a.count("assigned") >= 2 })
 		rb.stop(t)
-		waitFor(t, 60*time.Second, "a to get the partition back", func() bool { return a.count("assigned") >= 3 })
+		testenv.WaitFor(t, 60*time.Second, "a to get the partition back", func() bool { return a.count("assigned") >= 3 })
 		close(release)
-		waitFor(t, 90*time.Second, "the lag to drain", func() bool {
+		testenv.WaitFor(t, 90*time.Second, "the lag to drain", func() bool {
 			l, err := ca.Lag(context.Background())
 			return err == nil && l.Messages == 0
 		})
@@ -642,7 +642,7 @@ func testSlowerThanSession(t *testing.T, proto kafka.GroupProtocol) {
 		}
 		return nil
 	}))
-	waitFor(t, 60*time.Second, "the three records to be handled", func() bool { return len(a.doneSet()) == 3 })
+	testenv.WaitFor(t, 60*time.Second, "the three records to be handled", func() bool { return len(a.doneSet()) == 3 })
 	if v := ctxErr.Load(); v != nil {
 		t.Errorf("the slow handler's context ended: %v", v)
 	}
@@ -676,14 +676,14 @@ func testSlowerThanRebalance(t *testing.T, proto kafka.GroupProtocol) {
 		cancelled.Store(m.Lane, time.Now())
 		return ctx.Err()
 	}))
-	waitFor(t, 60*time.Second, "a to run both records", func() bool { return a.count("start") >= 2 })
+	testenv.WaitFor(t, 60*time.Second, "a to run both records", func() bool { return a.count("start") >= 2 })
 	joined := time.Now()
 	cb, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group))
 	if err != nil {
 		t.Fatal(err)
 	}
 	runConsumer(t, cb, a.handler("b", nil))
-	waitFor(t, 30*time.Second, "b to handle the record of the partition it took", func() bool { return len(a.doneSet()) == 1 })
+	testenv.WaitFor(t, 30*time.Second, "b to handle the record of the partition it took", func() bool { return len(a.doneSet()) == 1 })
 	var lane string
 	for po := range a.doneSet() {
 		lane = strconv.Itoa(int(po[0]))
@@ -768,13 +768,13 @@ func TestStuckPartitionIsPausedAndOthersFlow(t *testing.T) {
 		for j := 0; j < 10; j++ {
 			batch = append(batch, &kgo.Record{Topic: topic, Partition: 0, Value: []byte("stuck")})
 		}
-		if err := cl.ProduceSync(ctxFor(t, 30*time.Second), batch...).FirstErr(); err != nil {
+		if err := cl.ProduceSync(testenv.Context(t, 30*time.Second), batch...).FirstErr(); err != nil {
 			t.Fatal(err)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	waitFor(t, 60*time.Second, "partition 1's 500 records to be handled", func() bool { return p1.Load() == 500 })
-	lag, err := c.Lag(ctxFor(t, 10*time.Second))
+	testenv.WaitFor(t, 60*time.Second, "partition 1's 500 records to be handled", func() bool { return p1.Load() == 500 })
+	lag, err := c.Lag(testenv.Context(t, 10*time.Second))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -802,7 +802,7 @@ func TestLostPartitionsCommitNothing(t *testing.T) {
 	publishKeyed(t, b, topic, 0, n, 997)
 
 	ch := startChild(t, kafka.Classic, topic, group, -1, 6*time.Second)
-	waitFor(t, 60*time.Second, "the child to handle records", func() bool {
+	testenv.WaitFor(t, 60*time.Second, "the child to handle records", func() bool {
 		h, _, _ := ch.state()
 		return len(h) >= 50
 	})
@@ -815,16 +815,16 @@ func TestLostPartitionsCommitNothing(t *testing.T) {
 	runConsumer(t, survivor, a.handler("survivor", func(ctx context.Context, m *consumer.Message) error {
 		return sleepCtx(ctx, 5*time.Millisecond)
 	}))
-	waitFor(t, 60*time.Second, "the survivor to share the partitions", func() bool { return a.count("done") >= 50 })
+	testenv.WaitFor(t, 60*time.Second, "the survivor to share the partitions", func() bool { return a.count("done") >= 50 })
 
 	ch.signal(t, syscall.SIGSTOP)
 	time.Sleep(500 * time.Millisecond) // the pipe drains
 	frozenAt := len(ch.lines())
 	// The survivor takes everything once the child's session expires.
-	waitFor(t, 60*time.Second, "the survivor to take the frozen member's partitions", func() bool { return a.count("assigned") >= 2 })
+	testenv.WaitFor(t, 60*time.Second, "the survivor to take the frozen member's partitions", func() bool { return a.count("assigned") >= 2 })
 	time.Sleep(2 * time.Second) // and commits on them
 	ch.signal(t, syscall.SIGCONT)
-	waitFor(t, 30*time.Second, "the woken member to see its partitions lost", func() bool {
+	testenv.WaitFor(t, 30*time.Second, "the woken member to see its partitions lost", func() bool {
 		for _, l := range ch.lines()[frozenAt:] {
 			if strings.HasPrefix(l, "L ") {
 				return true
@@ -833,7 +833,7 @@ func TestLostPartitionsCommitNothing(t *testing.T) {
 		return false
 	})
 	ends := endOffsets(t, b.Admin(), topic)
-	waitFor(t, 90*time.Second, "every record to be handled", func() bool {
+	testenv.WaitFor(t, 90*time.Second, "every record to be handled", func() bool {
 		childHandled, _, _ := ch.state()
 		done := a.doneSet()
 		for _, po := range allOffsets(ends) {

@@ -25,7 +25,7 @@ func TestLagCountsTakenRecordsOnce(t *testing.T) {
 	for i := range 20 {
 		ms = append(ms, consumer.Message{Key: "k", Body: fmt.Appendf(nil, "%d", i)})
 	}
-	if err := b.Publish(ctxFor(t, 30*time.Second), topic, ms...); err != nil {
+	if err := b.Publish(testenv.Context(t, 30*time.Second), topic, ms...); err != nil {
 		t.Fatal(err)
 	}
 	c, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithHealthWindow(200*time.Millisecond, 3),
@@ -40,10 +40,10 @@ func TestLagCountsTakenRecordsOnce(t *testing.T) {
 		<-ctx.Done() // the rest stay in flight
 		return ctx.Err()
 	}))
-	waitFor(t, 30*time.Second, "offset 10 committed", func() bool { return committed(t, b.Admin(), group, topic)[0] == 10 })
-	waitFor(t, 10*time.Second, "all 20 records fetched", func() bool { return c.Stats().Fetched == 20 })
+	testenv.WaitFor(t, 30*time.Second, "offset 10 committed", func() bool { return committed(t, b.Admin(), group, topic)[0] == 10 })
+	testenv.WaitFor(t, 10*time.Second, "all 20 records fetched", func() bool { return c.Stats().Fetched == 20 })
 
-	lag, err := c.Lag(ctxFor(t, 10*time.Second))
+	lag, err := c.Lag(testenv.Context(t, 10*time.Second))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -51,13 +51,13 @@ func TestLagCountsTakenRecordsOnce(t *testing.T) {
 		t.Errorf("Lag = %d waiting + %d in flight, lanes %v; want 0 + 10, lane 0 at 10", lag.Messages, lag.InFlight, lag.Lanes)
 	}
 	// What ferry lag prints: the high watermark minus the committed offset.
-	ends, err := b.Admin().ListEndOffsets(ctxFor(t, 10*time.Second), topic)
+	ends, err := b.Admin().ListEndOffsets(testenv.Context(t, 10*time.Second), topic)
 	if err != nil {
 		t.Fatal(err)
 	}
 	end, _ := ends.Lookup(topic, 0)
 	want := end.Offset - committed(t, b.Admin(), group, topic)[0]
-	waitFor(t, 10*time.Second, fmt.Sprintf("the health's lag at %d", want), func() bool { return c.Health().Lag == want })
+	testenv.WaitFor(t, 10*time.Second, fmt.Sprintf("the health's lag at %d", want), func() bool { return c.Health().Lag == want })
 	if h := c.Health(); len(h.Lanes) != 1 || h.Lanes[0].Lag != want {
 		t.Errorf("Health lanes %+v, want lane 0 at %d", h.Lanes, want)
 	}
@@ -75,7 +75,7 @@ func TestLagOfAMemberThatTookNothingIsAllWaiting(t *testing.T) {
 	defer d.Close()
 	lag, err := d.(interface {
 		Lag(context.Context) (consumer.Lag, error)
-	}).Lag(ctxFor(t, 10*time.Second))
+	}).Lag(testenv.Context(t, 10*time.Second))
 	if err != nil {
 		t.Fatal(err)
 	}

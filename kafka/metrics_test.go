@@ -5,10 +5,12 @@ import (
 	"testing"
 	"time"
 
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/internal/tracecheck"
 	"github.com/ferrymq/ferry/kafka"
-	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 )
 
 // Publish reports each call as the messaging conventions name it: its
@@ -20,7 +22,7 @@ func TestPublishReportsItsCallsAsTheConventionsNameThem(t *testing.T) {
 	defer mp.Shutdown(context.Background())
 	b := newBroker(t, kafka.WithMeterProvider(mp))
 	topic := newTopic(t, b, "metrics", 1)
-	ctx := ctxFor(t, 30*time.Second)
+	ctx := testenv.Context(t, 30*time.Second)
 	if err := b.Publish(ctx, topic, consumer.Message{Body: []byte("a")}, consumer.Message{Body: []byte("b")}); err != nil {
 		t.Fatal(err)
 	}

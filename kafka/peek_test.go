@@ -22,7 +22,7 @@ import (
 func TestPeekReadsWithoutJoiningOrCommitting(t *testing.T) {
 	b := newBroker(t)
 	topic := newTopic(t, b, "peek", 2)
-	ctx := ctxFor(t, 60*time.Second)
+	ctx := testenv.Context(t, 60*time.Second)
 	var msgs []consumer.Message
 	for i, k := range []string{"a", "b", "c", "d", "e", "f"} {
 		msgs = append(msgs, consumer.Message{ID: "id-" + k, Key: k, Body: []byte{byte('0' + i)}, Headers: map[string]string{"h": k}})
@@ -93,7 +93,7 @@ func TestPeekFailsShortOfAnOpenTransaction(t *testing.T) {
 		t.Run(policy, func(t *testing.T) {
 			b := newBroker(t)
 			topic := testenv.UniqueName(t, "peek-txn")
-			ctx := ctxFor(t, 60*time.Second)
+			ctx := testenv.Context(t, 60*time.Second)
 			if err := b.CreateTopic(ctx, topic, kafka.TopicConfig{Partitions: 2, Configs: map[string]string{"cleanup.policy": policy}}); err != nil {
 				t.Fatal(err)
 			}
@@ -163,7 +163,7 @@ func TestPeekFailsShortOfAnOpenTransaction(t *testing.T) {
 func TestPeekCountsMessagesNotMarkers(t *testing.T) {
 	b := newBroker(t, kafka.WithClientOpts(kgo.FetchMinBytes(1<<20)))
 	topic := newTopic(t, b, "peek-markers", 1)
-	ctx := ctxFor(t, 60*time.Second)
+	ctx := testenv.Context(t, 60*time.Second)
 	txn, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaBrokers()...), kgo.TransactionalID(topic+"-txn"), kgo.DefaultProduceTopic(topic))
 	if err != nil {
 		t.Fatal(err)

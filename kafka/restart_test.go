@@ -77,7 +77,7 @@ func testBrokerRestart(t *testing.T, proto kafka.GroupProtocol) {
 			published = i + 10
 		}
 	}()
-	waitFor(t, 60*time.Second, "records to flow", func() bool { mu.Lock(); defer mu.Unlock(); return len(handled) >= 100 })
+	testenv.WaitFor(t, 60*time.Second, "records to flow", func() bool { mu.Lock(); defer mu.Unlock(); return len(handled) >= 100 })
 
 	script := filepath.Join("..", "integration", "brokers.sh")
 	cmd := exec.Command("bash", script, "restart", "kafka")
@@ -93,7 +93,7 @@ func testBrokerRestart(t *testing.T, proto kafka.GroupProtocol) {
 	if t.Failed() {
 		return
 	}
-	waitFor(t, 120*time.Second, "every published record to be handled", func() bool {
+	testenv.WaitFor(t, 120*time.Second, "every published record to be handled", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		for i := 0; i < published; i++ {

@@ -81,7 +81,7 @@ func TestSASLSSLPublishAndConsume(t *testing.T) {
 		mu.Unlock()
 		return nil
 	}))
-	waitFor(t, 60*time.Second, "10 records over SASL_SSL", func() bool { mu.Lock(); defer mu.Unlock(); return n == 10 })
+	testenv.WaitFor(t, 60*time.Second, "10 records over SASL_SSL", func() bool { mu.Lock(); defer mu.Unlock(); return n == 10 })
 	if strings.Contains(logs.String(), testenv.KafkaSCRAMPassword) {
 		t.Error("the password appears in the logs")
 	}

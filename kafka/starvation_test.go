@@ -11,6 +11,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 // TestSlowPartitionDoesNotStarveOthers: partition 0 is slow but makes
@@ -47,7 +48,7 @@ func TestSlowPartitionDoesNotStarveOthers(t *testing.T) {
 		mu.Unlock()
 		return nil
 	}))
-	waitFor(t, 30*time.Second, "partition 0 to make progress", func() bool { return p0.Load() >= 5 })
+	testenv.WaitFor(t, 30*time.Second, "partition 0 to make progress", func() bool { return p0.Load() >= 5 })
 	var more []*kgo.Record
 	for i := 0; i < 20; i++ {
 		more = append(more, &kgo.Record{Topic: topic, Partition: 1, Value: []byte(strconv.Itoa(i))})

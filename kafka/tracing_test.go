@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/internal/tracecheck"
 
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -29,7 +30,7 @@ func TestATraceFollowsARecordAcrossKafka(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, request := tp.Tracer("test").Start(ctxFor(t, 60*time.Second), "place order")
+	ctx, request := tp.Tracer("test").Start(testenv.Context(t, 60*time.Second), "place order")
 	if err := pub.Publish(ctx, topic, consumer.Message{Key: "o-1", Body: []byte("order 1")}); err != nil {
 		t.Fatal(err)
 	}

@@ -275,15 +275,3 @@ func startRelay(t *testing.T, r *outbox.Relay) context.CancelFunc {
 	t.Cleanup(stop)
 	return stop
 }
-
-// eventually polls cond every 20ms until it holds or timeout passes.
-func eventually(t *testing.T, timeout time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(timeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("after %s: %s", timeout, what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}

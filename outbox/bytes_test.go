@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/outbox"
 )
 
@@ -73,7 +74,7 @@ func awkward() []outbox.Event {
 // one, and NUL is a byte like any other.
 func TestEventsRoundTripByteForByte(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, b *backend) {
-		ctx := ctxFor(t, 30*time.Second)
+		ctx := testenv.Context(t, 30*time.Second)
 		want := awkward()
 		if err := b.add(ctx, want...); err != nil {
 			t.Fatalf("Add: %v", err)
@@ -108,7 +109,7 @@ func TestEventsRoundTripByteForByte(t *testing.T) {
 // commit.
 func TestAddLeavesTheCallersTransactionUsable(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, b *backend) {
-		ctx := ctxFor(t, 30*time.Second)
+		ctx := testenv.Context(t, 30*time.Second)
 		refused := []outbox.Event{
 			{ID: "no-dest", Key: "k"},
 			{ID: "too-big", Destination: queue, Body: make([]byte, 256<<10+1)},
@@ -173,14 +174,14 @@ func TestAddLeavesTheCallersTransactionUsable(t *testing.T) {
 // text, so the reason is made text first).
 func TestRefusalReasonWithAwkwardBytesIsRecorded(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, b *backend) {
-		ctx := ctxFor(t, 30*time.Second)
+		ctx := testenv.Context(t, 30*time.Second)
 		if err := b.add(ctx, outbox.Event{ID: "bad", Destination: queue, Key: "k\x00\xff"}); err != nil {
 			t.Fatal(err)
 		}
 		pub := &refuser{}
 		st := b.store(t, "")
 		r, _ := runRelay(t, st, pub, fast()...)
-		eventually(t, 20*time.Second, "the refused event did not reach the failed events", func() bool {
+		testenv.WaitFor(t, 20*time.Second, "the refused event did not reach the failed events", func() bool {
 			bl, err := st.Backlog(ctx)
 			return err == nil && bl.Events == 0 && bl.Failed == 1 && r.Stats().Failed == 1
 		})

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/outbox"
 )
 
@@ -34,7 +35,7 @@ func manyKeys(n int) []string {
 // has neither limit, and inserts at most 100 events a statement.)
 func TestPostgresAddOfSeventyThousandKeys(t *testing.T) {
 	b := openPostgres(t)
-	ctx := ctxFor(t, 120*time.Second)
+	ctx := testenv.Context(t, 120*time.Second)
 	const n = 70_000
 	evs := keyed("e", manyKeys(n)...)
 	if err := b.add(ctx, evs...); err != nil {
@@ -43,7 +44,7 @@ func TestPostgresAddOfSeventyThousandKeys(t *testing.T) {
 	pub := &recorder{}
 	st := b.store(t, "")
 	runRelay(t, st, pub, fast(outbox.WithBatchSize(1000))...)
-	eventually(t, 90*time.Second, "not every event was published", func() bool {
+	testenv.WaitFor(t, 90*time.Second, "not every event was published", func() bool {
 		return len(pub.all()) >= n
 	})
 	seen := make(map[string]bool, n)
@@ -62,7 +63,7 @@ func TestPostgresAddOfSeventyThousandKeys(t *testing.T) {
 // takes the outbox's write lock, and the two kinds exclude each other.
 func TestPostgresWritersOfOneKeyTakeTurns(t *testing.T) {
 	b := openPostgres(t)
-	ctx := ctxFor(t, 60*time.Second)
+	ctx := testenv.Context(t, 60*time.Second)
 	small := keyed("small", "a")
 	large := keyed("large", append(manyKeys(1500), "a")...)
 	for _, c := range []struct {
@@ -142,7 +143,7 @@ func secondWaits(ctx context.Context, b *backend, first, second []outbox.Event) 
 // first try.
 func TestPostgresConcurrentAddsOfOverlappingKeysDoNotDeadlock(t *testing.T) {
 	b := openPostgres(t)
-	ctx := ctxFor(t, 90*time.Second)
+	ctx := testenv.Context(t, 90*time.Second)
 	keys := manyKeys(3000)
 	var wg sync.WaitGroup
 	errs := make(chan error, 64)

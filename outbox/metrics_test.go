@@ -10,6 +10,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/ferrymq/ferry/idempotency"
+	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/memory"
 	"github.com/ferrymq/ferry/outbox"
 )
@@ -51,7 +52,7 @@ func collect(t *testing.T, reader *sdkmetric.ManualReader) map[string]float64 {
 
 func TestMetricsReportBacklogAgeAndPublished(t *testing.T) {
 	b := openSQLite(t)
-	ctx := ctxFor(t, 30*time.Second)
+	ctx := testenv.Context(t, 30*time.Second)
 	br, err := memory.New()
 	if err != nil {
 		t.Fatal(err)
@@ -69,7 +70,7 @@ func TestMetricsReportBacklogAgeAndPublished(t *testing.T) {
 	}
 	runRelay(t, b.store(t, ""), pub, fast(outbox.WithMeterProvider(mp))...)
 	var m map[string]float64
-	eventually(t, 20*time.Second, "no publish failure reported", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "no publish failure reported", func() bool {
 		m = collect(t, reader)
 		return m[outbox.MetricPublishFailures] >= 1
 	})
@@ -77,7 +78,7 @@ func TestMetricsReportBacklogAgeAndPublished(t *testing.T) {
 		t.Fatalf("metrics while the publisher is down: %v", m)
 	}
 	pub.failing.Store(false)
-	eventually(t, 20*time.Second, "the drained backlog was not reported", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "the drained backlog was not reported", func() bool {
 		m = collect(t, reader)
 		return m[outbox.MetricPublished] == 5 && m[outbox.MetricBacklog] == 0 && m[outbox.MetricOldestAge] == 0
 	})

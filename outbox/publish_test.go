@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/memory"
 	"github.com/ferrymq/ferry/outbox"
 )
@@ -48,7 +49,7 @@ func (s *scripted) published() []string {
 
 func drain(t *testing.T, st outbox.Store) {
 	t.Helper()
-	eventually(t, 30*time.Second, "the outbox did not drain", func() bool {
+	testenv.WaitFor(t, 30*time.Second, "the outbox did not drain", func() bool {
 		bl, err := st.Backlog(context.Background())
 		return err == nil && bl.Events == 0
 	})
@@ -59,7 +60,7 @@ func drain(t *testing.T, st outbox.Store) {
 // that went through are not published again.
 func TestPartialFailureRepublishesTheKeyInOrder(t *testing.T) {
 	b := openSQLite(t)
-	ctx := ctxFor(t, 30*time.Second)
+	ctx := testenv.Context(t, 30*time.Second)
 	br, err := memory.New()
 	if err != nil {
 		t.Fatal(err)
@@ -100,7 +101,7 @@ func TestPartialFailureRepublishesTheKeyInOrder(t *testing.T) {
 // moves only the bad one to the failed events.
 func TestBatchRefusedForGoodIsTriedOneByOne(t *testing.T) {
 	b := openSQLite(t)
-	ctx := ctxFor(t, 30*time.Second)
+	ctx := testenv.Context(t, 30*time.Second)
 	br, err := memory.New()
 	if err != nil {
 		t.Fatal(err)
@@ -131,14 +132,14 @@ func TestBatchRefusedForGoodIsTriedOneByOne(t *testing.T) {
 	if err != nil || bl.Failed != 1 {
 		t.Fatalf("backlog %+v, %v: want 1 failed event", bl, err)
 	}
-	eventually(t, 10*time.Second, "the failed event was not counted", func() bool { return r.Stats().Failed == 1 })
+	testenv.WaitFor(t, 10*time.Second, "the failed event was not counted", func() bool { return r.Stats().Failed == 1 })
 }
 
 // Events of one key going to two destinations are published in commit
 // order, even though the relay publishes destination by destination.
 func TestKeyAcrossDestinationsKeepsOrder(t *testing.T) {
 	b := openSQLite(t)
-	ctx := ctxFor(t, 30*time.Second)
+	ctx := testenv.Context(t, 30*time.Second)
 	br, err := memory.New()
 	if err != nil {
 		t.Fatal(err)

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/memory"
 	"github.com/ferrymq/ferry/outbox"
 )
@@ -29,7 +30,7 @@ func (p *nilErrPub) Publish(ctx context.Context, dest string, msgs ...consumer.M
 // is a failure of the call: the relay backs off instead of spinning.
 func TestRelayBacksOffOnAPublishErrorWithoutErrors(t *testing.T) {
 	b := openSQLite(t)
-	ctx := ctxFor(t, 20*time.Second)
+	ctx := testenv.Context(t, 20*time.Second)
 	if err := b.add(ctx, outbox.Event{ID: "e1", Destination: "q", Key: "k"}); err != nil {
 		t.Fatal(err)
 	}
@@ -92,7 +93,7 @@ func TestRelayLetsGoOfLanesWhenARenewalFails(t *testing.T) {
 	log := &fetchLog{last: map[int]string{}}
 	a := &lostAck{Store: b.store(t, ""), name: "A", log: log}
 	ra, _ := runRelay(t, a, br, outbox.WithName("A"), outbox.WithLeaseTTL(3*time.Second), outbox.WithPollInterval(10*time.Millisecond))
-	eventually(t, 5*time.Second, "A holds 64", func() bool { return ra.Stats().Lanes == 64 })
+	testenv.WaitFor(t, 5*time.Second, "A holds 64", func() bool { return ra.Stats().Lanes == 64 })
 	a.armed.Store(true) // A's next Lease gives back 32 lanes, and A sees an error
 	bs := &lostAck{Store: b.store(t, ""), name: "B", log: log}
 	runRelay(t, bs, br, outbox.WithName("B"), outbox.WithLeaseTTL(3*time.Second), outbox.WithPollInterval(10*time.Millisecond))
@@ -124,14 +125,14 @@ func (p *emptyFailurePub) Publish(ctx context.Context, dest string, msgs ...cons
 
 func TestRelayKeepsEventsWhenAPublishErrorNamesNoMessage(t *testing.T) {
 	b := openSQLite(t)
-	ctx := ctxFor(t, 20*time.Second)
+	ctx := testenv.Context(t, 20*time.Second)
 	if err := b.add(ctx, outbox.Event{ID: "e1", Destination: "q", Key: "k"}); err != nil {
 		t.Fatal(err)
 	}
 	pub := &emptyFailurePub{}
 	store := b.store(t, "")
 	_, stop := runRelay(t, store, pub, outbox.WithBackoff(200*time.Millisecond, time.Second))
-	eventually(t, 10*time.Second, "a publish attempt", func() bool { return pub.calls.Load() > 0 })
+	testenv.WaitFor(t, 10*time.Second, "a publish attempt", func() bool { return pub.calls.Load() > 0 })
 	time.Sleep(500 * time.Millisecond)
 	stop()
 	bl, err := store.Backlog(ctx)

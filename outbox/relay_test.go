@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/memory"
 	"github.com/ferrymq/ferry/outbox"
 	"github.com/ferrymq/ferry/outbox/pgoutbox"
@@ -20,12 +21,6 @@ import (
 )
 
 const queue = "orders"
-
-func ctxFor(t *testing.T, d time.Duration) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), d)
-	t.Cleanup(cancel)
-	return ctx
-}
 
 // fast are relay options that keep tests short.
 func fast(extra ...outbox.Option) []outbox.Option {
@@ -146,7 +141,7 @@ func writeConcurrently(ctx context.Context, t *testing.T, b *backend, workers, t
 
 func TestInvalidEventRefusedAtWrite(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, b *backend) {
-		ctx := ctxFor(t, 30*time.Second)
+		ctx := testenv.Context(t, 30*time.Second)
 		cases := []struct {
 			ev    outbox.Event
 			field string
@@ -183,7 +178,7 @@ func TestInvalidEventRefusedAtWrite(t *testing.T) {
 
 func TestRollbackPublishesNothingCommitPublishesOnce(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, b *backend) {
-		ctx := ctxFor(t, 60*time.Second)
+		ctx := testenv.Context(t, 60*time.Second)
 		br, err := memory.New()
 		if err != nil {
 			t.Fatal(err)
@@ -205,10 +200,10 @@ func TestRollbackPublishesNothingCommitPublishesOnce(t *testing.T) {
 		}
 		st := b.store(t, "")
 		r, _ := runRelay(t, st, br, fast()...)
-		eventually(t, 30*time.Second, "the committed event was not published", func() bool {
+		testenv.WaitFor(t, 30*time.Second, "the committed event was not published", func() bool {
 			return len(br.Messages(queue)) > 0
 		})
-		eventually(t, 30*time.Second, "the backlog did not drain", func() bool {
+		testenv.WaitFor(t, 30*time.Second, "the backlog did not drain", func() bool {
 			bl, err := st.Backlog(ctx)
 			return err == nil && bl.Events == 0
 		})
@@ -221,13 +216,13 @@ func TestRollbackPublishesNothingCommitPublishesOnce(t *testing.T) {
 			string(m.Body) != "hello" || m.Header("type") != "order.created" {
 			t.Fatalf("published %+v", m)
 		}
-		eventually(t, 30*time.Second, "the relay did not count the event", func() bool { return r.Stats().Published == 1 })
+		testenv.WaitFor(t, 30*time.Second, "the relay did not count the event", func() bool { return r.Stats().Published == 1 })
 	})
 }
 
 func TestCrashBetweenPublishAndDeletePublishesAgain(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, b *backend) {
-		ctx := ctxFor(t, 60*time.Second)
+		ctx := testenv.Context(t, 60*time.Second)
 		br, err := memory.New()
 		if err != nil {
 			t.Fatal(err)
@@ -258,7 +253,7 @@ func TestCrashBetweenPublishAndDeletePublishesAgain(t *testing.T) {
 
 		// A new relay takes the lanes once the dead one's lease expires.
 		runRelay(t, st, br, fast(outbox.WithName("second"))...)
-		eventually(t, 30*time.Second, "the event was not published again", func() bool {
+		testenv.WaitFor(t, 30*time.Second, "the event was not published again", func() bool {
 			bl, err := st.Backlog(ctx)
 			return err == nil && bl.Events == 0
 		})
@@ -276,7 +271,7 @@ func TestCrashBetweenPublishAndDeletePublishesAgain(t *testing.T) {
 
 func TestThreeRelaysShareLanesAndKeepKeyOrder(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, b *backend) {
-		ctx := ctxFor(t, 120*time.Second)
+		ctx := testenv.Context(t, 120*time.Second)
 		br, err := memory.New()
 		if err != nil {
 			t.Fatal(err)
@@ -292,7 +287,7 @@ func TestThreeRelaysShareLanesAndKeepKeyOrder(t *testing.T) {
 			r, _ := runRelay(t, b.store(t, ""), br, fast(outbox.WithName("relay-"+strconv.Itoa(i)))...)
 			relays = append(relays, r)
 		}
-		eventually(t, 30*time.Second, "the relays did not share the lanes", func() bool {
+		testenv.WaitFor(t, 30*time.Second, "the relays did not share the lanes", func() bool {
 			held := 0
 			for _, r := range relays {
 				if r.Stats().Lanes == 0 {
@@ -303,7 +298,7 @@ func TestThreeRelaysShareLanesAndKeepKeyOrder(t *testing.T) {
 			return held == outbox.Lanes
 		})
 		writeConcurrently(ctx, t, b, 8, txs, per, keys, nil)
-		eventually(t, 90*time.Second, "not every event arrived", func() bool {
+		testenv.WaitFor(t, 90*time.Second, "not every event arrived", func() bool {
 			return distinct(br.Messages(queue)) >= txs*per
 		})
 		events, dups := checkOrder(t, br.Messages(queue))
@@ -321,7 +316,7 @@ func TestThreeRelaysShareLanesAndKeepKeyOrder(t *testing.T) {
 
 func TestDeadRelayLanesTakenOver(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, b *backend) {
-		ctx := ctxFor(t, 120*time.Second)
+		ctx := testenv.Context(t, 120*time.Second)
 		br, err := memory.New()
 		if err != nil {
 			t.Fatal(err)
@@ -361,7 +356,7 @@ func TestDeadRelayLanesTakenOver(t *testing.T) {
 			relays = append(relays, r)
 		}
 		// Let every relay hold lanes before the writing starts.
-		eventually(t, 30*time.Second, "the relays did not share the lanes", func() bool {
+		testenv.WaitFor(t, 30*time.Second, "the relays did not share the lanes", func() bool {
 			for _, r := range relays {
 				if r.Stats().Lanes == 0 {
 					return false
@@ -383,11 +378,11 @@ func TestDeadRelayLanesTakenOver(t *testing.T) {
 		if relays[0].Stats().Published == 0 {
 			t.Fatal("the killed relay had published nothing before it died")
 		}
-		eventually(t, 30*time.Second, "the dead relay's lanes were not taken over", func() bool {
+		testenv.WaitFor(t, 30*time.Second, "the dead relay's lanes were not taken over", func() bool {
 			return relays[1].Stats().Lanes+relays[2].Stats().Lanes == outbox.Lanes
 		})
 		t.Logf("lanes taken over %s after the relay died (lease TTL 1s)", time.Since(diedAt).Round(time.Millisecond))
-		eventually(t, 60*time.Second, "not every event arrived", func() bool {
+		testenv.WaitFor(t, 60*time.Second, "not every event arrived", func() bool {
 			return distinct(br.Messages(queue)) >= txs*per
 		})
 		events, dups := checkOrder(t, br.Messages(queue))
@@ -400,7 +395,7 @@ func TestDeadRelayLanesTakenOver(t *testing.T) {
 
 func TestPostgresOutageRelayRecovers(t *testing.T) {
 	b := openPostgres(t)
-	ctx := ctxFor(t, 120*time.Second)
+	ctx := testenv.Context(t, 120*time.Second)
 	br, err := memory.New()
 	if err != nil {
 		t.Fatal(err)
@@ -443,7 +438,7 @@ func TestPostgresOutageRelayRecovers(t *testing.T) {
 		}
 	})
 	wg.Wait()
-	eventually(t, 60*time.Second, "the relay did not recover: not every event arrived", func() bool {
+	testenv.WaitFor(t, 60*time.Second, "the relay did not recover: not every event arrived", func() bool {
 		return distinct(br.Messages(queue)) >= txs*per
 	})
 	events, dups := checkOrder(t, br.Messages(queue))
@@ -458,7 +453,7 @@ func TestPostgresOutageRelayRecovers(t *testing.T) {
 
 func TestPublisherDownBacklogGrowsThenDrains(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, b *backend) {
-		ctx := ctxFor(t, 60*time.Second)
+		ctx := testenv.Context(t, 60*time.Second)
 		br, err := memory.New()
 		if err != nil {
 			t.Fatal(err)
@@ -475,9 +470,9 @@ func TestPublisherDownBacklogGrowsThenDrains(t *testing.T) {
 			}
 		}
 		// Past the first few failures the delay is at its maximum.
-		eventually(t, 30*time.Second, "the relay did not try to publish", func() bool { return pub.calls.Load() >= 8 })
+		testenv.WaitFor(t, 30*time.Second, "the relay did not try to publish", func() bool { return pub.calls.Load() >= 8 })
 		c0, t0 := pub.calls.Load(), time.Now()
-		eventually(t, 30*time.Second, "the relay stopped retrying", func() bool { return pub.calls.Load() >= c0+5 })
+		testenv.WaitFor(t, 30*time.Second, "the relay stopped retrying", func() bool { return pub.calls.Load() >= c0+5 })
 		calls, window := pub.calls.Load()-c0, time.Since(t0)
 		// Each retry waits at least half the maximum backoff: a busy loop
 		// would make thousands of calls here.
@@ -492,7 +487,7 @@ func TestPublisherDownBacklogGrowsThenDrains(t *testing.T) {
 			t.Fatalf("backlog while down %+v, want 50 events with an age", bl)
 		}
 		pub.failing.Store(false)
-		eventually(t, 30*time.Second, "the backlog did not drain", func() bool {
+		testenv.WaitFor(t, 30*time.Second, "the backlog did not drain", func() bool {
 			bl, err := r.Backlog(ctx)
 			return err == nil && bl.Events == 0 && r.Stats().Published == 50
 		})
@@ -507,7 +502,7 @@ func TestPublisherDownBacklogGrowsThenDrains(t *testing.T) {
 
 func TestRefusedEventMovedToFailed(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, b *backend) {
-		ctx := ctxFor(t, 60*time.Second)
+		ctx := testenv.Context(t, 60*time.Second)
 		br, err := memory.New()
 		if err != nil {
 			t.Fatal(err)
@@ -523,7 +518,7 @@ func TestRefusedEventMovedToFailed(t *testing.T) {
 		}
 		st := b.store(t, "")
 		r, _ := runRelay(t, st, pub, fast()...)
-		eventually(t, 30*time.Second, "the relay did not carry on past the refused event", func() bool {
+		testenv.WaitFor(t, 30*time.Second, "the relay did not carry on past the refused event", func() bool {
 			bl, err := st.Backlog(ctx)
 			return err == nil && bl.Events == 0 && bl.Failed == 1 && r.Stats().Failed == 1
 		})

@@ -22,7 +22,7 @@ import (
 // and a relay over pgx publishes what committed.
 func TestPostgresDatabaseSQLWriter(t *testing.T) {
 	url := testenv.RequirePostgres(t)
-	ctx := ctxFor(t, 60*time.Second)
+	ctx := testenv.Context(t, 60*time.Second)
 	schema := strings.ReplaceAll(testenv.UniqueName(t, "outbox-sql"), "-", "_")
 	admin, err := pgx.Connect(ctx, url)
 	if err != nil {
@@ -108,7 +108,7 @@ func TestPostgresDatabaseSQLWriter(t *testing.T) {
 	defer br.Close()
 	_, stop := runRelay(t, st, br, fast()...)
 	defer stop()
-	eventually(t, 30*time.Second, "the committed event was not published", func() bool {
+	testenv.WaitFor(t, 30*time.Second, "the committed event was not published", func() bool {
 		bl, err := st.Backlog(ctx)
 		return err == nil && bl.Events == 0
 	})

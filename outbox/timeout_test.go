@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/memory"
 	"github.com/ferrymq/ferry/outbox"
 )
@@ -44,7 +45,7 @@ func (p *budgets) calls() int {
 // period it starts, not what happens to be left of the lease.
 func TestPublishGetsThePublishTimeout(t *testing.T) {
 	b := openSQLite(t)
-	ctx := ctxFor(t, 30*time.Second)
+	ctx := testenv.Context(t, 30*time.Second)
 	const timeout = 800 * time.Millisecond
 	pub := &budgets{}
 	runRelay(t, b.store(t, ""), pub, fast(outbox.WithPublishTimeout(timeout))...) // lease TTL 1s
@@ -54,7 +55,7 @@ func TestPublishGetsThePublishTimeout(t *testing.T) {
 		if err := b.add(ctx, outbox.Event{Destination: queue, Key: strconv.Itoa(i)}); err != nil {
 			t.Fatal(err)
 		}
-		eventually(t, 10*time.Second, "the event was not published", func() bool { return pub.calls() > i })
+		testenv.WaitFor(t, 10*time.Second, "the event was not published", func() bool { return pub.calls() > i })
 	}
 	pub.mu.Lock()
 	defer pub.mu.Unlock()

@@ -5,13 +5,15 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ferrymq/ferry/consumer"
-	"github.com/ferrymq/ferry/memory"
-	"github.com/ferrymq/ferry/outbox"
 	"go.opentelemetry.io/otel/propagation"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
+	"github.com/ferrymq/ferry/memory"
+	"github.com/ferrymq/ferry/outbox"
 )
 
 // An event written inside a traced transaction carries that trace, and the
@@ -20,7 +22,7 @@ import (
 // backend. An event that brings its own trace context keeps it.
 func TestTheRelaysPublishContinuesTheWritersTrace(t *testing.T) {
 	forEachBackend(t, func(t *testing.T, b *backend) {
-		ctx := ctxFor(t, 60*time.Second)
+		ctx := testenv.Context(t, 60*time.Second)
 		rec := tracetest.NewSpanRecorder()
 		tp := sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec))
 		defer tp.Shutdown(context.Background())

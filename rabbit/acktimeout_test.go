@@ -31,7 +31,7 @@ func TestAckTimeoutIsRecovered(t *testing.T) {
 	deleteLater(t, []string{q}, nil)
 	logger, logs := capture(t)
 	b := dial(t, rabbit.WithLogger(logger), rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: q, DeadLetterExchange: "x"}}}))
-	must(t, b.Publish(ctxFor(t, 10*time.Second), q, consumer.Message{ID: "slow", Body: []byte("x")}))
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), q, consumer.Message{ID: "slow", Body: []byte("x")}))
 	var runs, cancelled, ok atomic.Int64
 	c, err := b.NewConsumer(t.Context(), q, consumer.WithLogger(logger))
 	must(t, err)
@@ -44,7 +44,7 @@ func TestAckTimeoutIsRecovered(t *testing.T) {
 		ok.Add(1)
 		return nil
 	}))
-	waitFor(t, 30*time.Second, "the message to be handled on a new channel", func() bool { return ok.Load() == 1 })
+	testenv.WaitFor(t, 30*time.Second, "the message to be handled on a new channel", func() bool { return ok.Load() == 1 })
 	// Restore the timeout before anything else opens a channel.
 	ctl(t, "eval", "application:set_env(rabbit, consumer_timeout, 1800000).")
 	must(t, stop())

@@ -69,7 +69,7 @@ func consuming(h consumer.Health) bool {
 func warnLine(t *testing.T, logs *logBuf, d time.Duration, subs ...string) string {
 	t.Helper()
 	var line string
-	waitFor(t, d, "a WARN line with "+strings.Join(subs, ", "), func() bool {
+	testenv.WaitFor(t, d, "a WARN line with "+strings.Join(subs, ", "), func() bool {
 		for _, l := range strings.Split(logs.String(), "\n") {
 			if strings.Contains(l, "level=WARN") && containsAll(l, subs...) {
 				line = l
@@ -169,7 +169,7 @@ func TestMissingQueueIsReportedAndConsumedOnceDeclared(t *testing.T) {
 
 	d, err := openDriver(t, b, name, driver.Config{})
 	must(t, err)
-	err = d.Connect(ctxFor(t, 10*time.Second))
+	err = d.Connect(testenv.Context(t, 10*time.Second))
 	d.Close()
 	if !errors.Is(err, consumer.ErrSourceNotFound) || driver.IsFatal(err) {
 		t.Fatalf("Connect = %v, want an error wrapping consumer.ErrSourceNotFound, not fatal", err)
@@ -189,15 +189,15 @@ func TestMissingQueueIsReportedAndConsumedOnceDeclared(t *testing.T) {
 		t.Errorf("health %+v: want the cause (source not found), the queue and the broker in Error, live and not ready", hl)
 	}
 	line := warnLine(t, logs, warnWithin-time.Since(start), "ferry: cannot consume: the source does not exist", "source="+name, rabbit.Redact(url))
-	waitFor(t, 10*time.Second, "the consumer to retry", func() bool { return c.Stats().FetchErrors >= 2 })
+	testenv.WaitFor(t, 10*time.Second, "the consumer to retry", func() bool { return c.Stats().FetchErrors >= 2 })
 	if c.Health().State != consumer.HealthDisconnected {
 		t.Errorf("health %s while the queue is still missing", c.Health().State)
 	}
 
 	_, err = rawChannel(t).QueueDeclare(name, true, false, false, false, amqp.Table{"x-queue-type": "quorum"})
 	must(t, err)
-	must(t, b.Publish(ctxFor(t, 10*time.Second), name, consumer.Message{Body: []byte("first")}))
-	waitFor(t, 30*time.Second, "the message published once the queue exists", func() bool { return got.has("first") })
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), name, consumer.Message{Body: []byte("first")}))
+	testenv.WaitFor(t, 30*time.Second, "the message published once the queue exists", func() bool { return got.has("first") })
 	waitHealth(t, c, 10*time.Second, "health to say it consumes", consuming)
 	must(t, stop())
 	if strings.Contains(logs.String(), "guest:guest") {
@@ -230,7 +230,7 @@ func TestConsumerBuiltWhileTheBrokerIsUnreachableConsumesWhenItComesUp(t *testin
 	t.Cleanup(func() { b.Close() })
 	d, err := openDriver(t, b, name, driver.Config{})
 	must(t, err)
-	err = d.Connect(ctxFor(t, 10*time.Second))
+	err = d.Connect(testenv.Context(t, 10*time.Second))
 	d.Close()
 	var oe *net.OpError
 	if !errors.Is(err, consumer.ErrUnreachable) || driver.IsFatal(err) || !errors.As(err, &oe) || !containsAll(err.Error(), name, addr) {
@@ -247,15 +247,15 @@ func TestConsumerBuiltWhileTheBrokerIsUnreachableConsumesWhenItComesUp(t *testin
 		t.Errorf("health error %q: want the cause, the queue and the address, and no password", hl.Error)
 	}
 	warnLine(t, logs, warnWithin-time.Since(start), "ferry: cannot consume: the broker is unreachable", "source="+name, addr)
-	waitFor(t, 10*time.Second, "the consumer to retry", func() bool { return c.Stats().FetchErrors >= 2 })
+	testenv.WaitFor(t, 10*time.Second, "the consumer to retry", func() bool { return c.Stats().FetchErrors >= 2 })
 
 	proxy(t, addr, real)
-	waitFor(t, 30*time.Second, "a publish once the broker answers", func() bool {
+	testenv.WaitFor(t, 30*time.Second, "a publish once the broker answers", func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
 		return b.Publish(ctx, name, consumer.Message{Body: []byte("hello")}) == nil
 	})
-	waitFor(t, 30*time.Second, "the message to be consumed", func() bool { return got.has("hello") })
+	testenv.WaitFor(t, 30*time.Second, "the message to be consumed", func() bool { return got.has("hello") })
 	waitHealth(t, c, 10*time.Second, "health to say it consumes", consuming)
 	must(t, stop())
 	if strings.Contains(logs.String(), "guest:guest") {
@@ -282,8 +282,8 @@ func TestConnectionClosedUnderTheConsumerIsReportedAndResumes(t *testing.T) {
 	must(t, err)
 	got, h := handled()
 	stop := runLoop(t, c, h)
-	must(t, b.Publish(ctxFor(t, 10*time.Second), name, consumer.Message{Body: []byte("before")}))
-	waitFor(t, 20*time.Second, "the first message", func() bool { return got.has("before") })
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), name, consumer.Message{Body: []byte("before")}))
+	testenv.WaitFor(t, 20*time.Second, "the first message", func() bool { return got.has("before") })
 	waitHealth(t, c, 10*time.Second, "health to say it consumes", consuming)
 
 	var (
@@ -319,7 +319,7 @@ func TestConnectionClosedUnderTheConsumerIsReportedAndResumes(t *testing.T) {
 	if closed != 1 {
 		t.Fatalf("closed %d consuming connections, want 1", closed)
 	}
-	waitFor(t, driver.ReportWithin, "health disconnected", func() bool {
+	testenv.WaitFor(t, driver.ReportWithin, "health disconnected", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return !downAt.IsZero()
@@ -339,8 +339,8 @@ func TestConnectionClosedUnderTheConsumerIsReportedAndResumes(t *testing.T) {
 
 	// Back by itself, with nothing published meanwhile.
 	waitHealth(t, c, 20*time.Second, "health to say it consumes again", consuming)
-	must(t, b.Publish(ctxFor(t, 10*time.Second), name, consumer.Message{Body: []byte("after")}))
-	waitFor(t, 20*time.Second, "a message published after the reconnect", func() bool { return got.has("after") })
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), name, consumer.Message{Body: []byte("after")}))
+	testenv.WaitFor(t, 20*time.Second, "a message published after the reconnect", func() bool { return got.has("after") })
 	if !strings.Contains(logs.String(), "ferry: consuming again") {
 		t.Error("the reconnection was not logged")
 	}

@@ -41,22 +41,22 @@ func TestPlainDestinationIsTheQueueAndToExchangeTheExchange(t *testing.T) {
 	}))
 	ch := rawChannel(t)
 
-	must(t, b.Publish(ctxFor(t, 10*time.Second), name, consumer.Message{Key: "k", Body: []byte("to the queue")}))
-	waitFor(t, 10*time.Second, "the message in the queue", func() bool { return depth(t, ch, name) == 1 })
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), name, consumer.Message{Key: "k", Body: []byte("to the queue")}))
+	testenv.WaitFor(t, 10*time.Second, "the message in the queue", func() bool { return depth(t, ch, name) == 1 })
 	if n := depth(t, ch, bound); n != 0 {
 		t.Fatalf("the plain name went through the exchange: %d messages in %s", n, bound)
 	}
 
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToExchange(name), consumer.Message{Key: "k", Body: []byte("through the exchange")}))
-	waitFor(t, 10*time.Second, "the message in the exchange's queue", func() bool { return depth(t, ch, bound) == 1 })
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), rabbit.ToExchange(name), consumer.Message{Key: "k", Body: []byte("through the exchange")}))
+	testenv.WaitFor(t, 10*time.Second, "the message in the exchange's queue", func() bool { return depth(t, ch, bound) == 1 })
 
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToQueue(name), consumer.Message{Body: []byte("deprecated form")}))
-	waitFor(t, 10*time.Second, "ToQueue's message in the queue", func() bool { return depth(t, ch, name) == 2 })
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), rabbit.ToQueue(name), consumer.Message{Body: []byte("deprecated form")}))
+	testenv.WaitFor(t, 10*time.Second, "ToQueue's message in the queue", func() bool { return depth(t, ch, name) == 2 })
 
 	d, err := b.Driver(t.Context(), name, driver.Config{})
 	must(t, err)
 	defer d.Close()
-	msgs, err := d.Fetch(ctxFor(t, 10*time.Second), nil, 1)
+	msgs, err := d.Fetch(testenv.Context(t, 10*time.Second), nil, 1)
 	must(t, err)
 	if len(msgs) != 1 || string(msgs[0].Body) != "to the queue" || msgs[0].Key != "k" {
 		t.Fatalf("fetched %+v, want the first message with its key k", msgs)
@@ -83,7 +83,7 @@ func TestStandardDeadLettersToAQueueNamedPlainly(t *testing.T) {
 	// Published from outside, so that only the dead letter goes through
 	// the Broker's Publish.
 	ch := rawChannel(t)
-	must(t, ch.PublishWithContext(ctxFor(t, 10*time.Second), "", src, true, false, amqp.Publishing{
+	must(t, ch.PublishWithContext(testenv.Context(t, 10*time.Second), "", src, true, false, amqp.Publishing{
 		MessageId: "poison-1", Headers: amqp.Table{rabbit.HeaderKey: "o-9"}, Body: []byte("not json"),
 	}))
 	c, err := b.NewConsumer(t.Context(), src)
@@ -92,7 +92,7 @@ func TestStandardDeadLettersToAQueueNamedPlainly(t *testing.T) {
 		return consumer.Permanent(errors.New("undecodable order"))
 	})))
 	var d amqp.Delivery
-	waitFor(t, 30*time.Second, "the dead letter in "+dlq, func() bool {
+	testenv.WaitFor(t, 30*time.Second, "the dead letter in "+dlq, func() bool {
 		m, ok, err := ch.Get(dlq, true)
 		must(t, err)
 		d = m
@@ -128,7 +128,7 @@ func TestPublishToAMissingQueueFailsNamingIt(t *testing.T) {
 	}))
 	check := func(dest, hint string) {
 		t.Helper()
-		err := b.Publish(ctxFor(t, 10*time.Second), dest, consumer.Message{Body: []byte("lost")})
+		err := b.Publish(testenv.Context(t, 10*time.Second), dest, consumer.Message{Body: []byte("lost")})
 		var pe *consumer.PublishError
 		if !errors.As(err, &pe) || len(pe.Failed) != 1 || !errors.Is(err, rabbit.ErrUnroutable) {
 			t.Fatalf("Publish to %s = %v, want a *consumer.PublishError matching ErrUnroutable", dest, err)
@@ -142,10 +142,10 @@ func TestPublishToAMissingQueueFailsNamingIt(t *testing.T) {
 	}
 	for range 3 {
 		check(missing, "rabbit.ToExchange names an exchange")
-		must(t, b.Publish(ctxFor(t, 10*time.Second), good, consumer.Message{Body: []byte("kept")}))
+		must(t, b.Publish(testenv.Context(t, 10*time.Second), good, consumer.Message{Body: []byte("kept")}))
 	}
 	check(ex, `the Topology declares an exchange "`+ex+`": publish to rabbit.ToExchange("`+ex+`")`)
-	must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToExchange(ex), consumer.Message{Body: []byte("kept")}))
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), rabbit.ToExchange(ex), consumer.Message{Body: []byte("kept")}))
 	ch := rawChannel(t)
-	waitFor(t, 10*time.Second, "every good message in the queue", func() bool { return depth(t, ch, good) == 4 })
+	testenv.WaitFor(t, 10*time.Second, "every good message in the queue", func() bool { return depth(t, ch, good) == 4 })
 }

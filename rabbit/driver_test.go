@@ -17,7 +17,7 @@ import (
 func fetchN(t *testing.T, d driver.Driver, n int) []driver.Message {
 	t.Helper()
 	var msgs []driver.Message
-	ctx := ctxFor(t, 20*time.Second)
+	ctx := testenv.Context(t, 20*time.Second)
 	for len(msgs) < n {
 		var err error
 		msgs, err = d.Fetch(ctx, msgs, n-len(msgs))
@@ -51,7 +51,7 @@ func TestAcksBatchedWithMultipleAndSafeOutOfOrder(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{Body: []byte{byte('0' + i)}}
 	}
-	must(t, b.Publish(ctxFor(t, 10*time.Second), q, msgs...))
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), q, msgs...))
 	d, err := openDriver(t, b, q, driver.Config{MaxInFlight: 10})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })
@@ -62,13 +62,13 @@ func TestAcksBatchedWithMultipleAndSafeOutOfOrder(t *testing.T) {
 		for _, m := range ms {
 			batch = append(batch, driver.Settlement{Handle: m.Handle, Action: driver.Ack})
 		}
-		must(t, d.Settle(ctxFor(t, 10*time.Second), batch))
+		must(t, d.Settle(testenv.Context(t, 10*time.Second), batch))
 	}
 	ack(got[6:]...)
 	if n := rabbit.AckFrames(d); n != 4 {
 		t.Fatalf("acking 4 deliveries above an unsettled one sent %d frames, want 4 single acks", n)
 	}
-	must(t, d.Settle(ctxFor(t, 10*time.Second), []driver.Settlement{{Handle: got[5].Handle, Action: driver.Return}}))
+	must(t, d.Settle(testenv.Context(t, 10*time.Second), []driver.Settlement{{Handle: got[5].Handle, Action: driver.Return}}))
 	ack(got[:5]...)
 	if n := rabbit.AckFrames(d); n != 5 {
 		t.Fatalf("acking the 5 lowest deliveries sent %d frames, want 1 (multiple)", n-4)
@@ -78,7 +78,7 @@ func TestAcksBatchedWithMultipleAndSafeOutOfOrder(t *testing.T) {
 		t.Fatalf("redelivered %q on delivery %d, want the rejected 5 on its 2nd", again[0].Body, again[0].Deliveries)
 	}
 	ack(again...)
-	waitFor(t, 10*time.Second, "an empty queue with nothing unacked", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "an empty queue with nothing unacked", func() bool {
 		r, u := queueCounts(t, q)
 		return r == 0 && u == 0
 	})
@@ -91,7 +91,7 @@ func TestStaleDeliveryIsNotAckedOnTheNewChannel(t *testing.T) {
 	deleteLater(t, []string{q}, nil)
 	logger, logs := capture(t)
 	b := dial(t, rabbit.WithLogger(logger), rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: q, DeadLetterExchange: "x"}}}))
-	must(t, b.Publish(ctxFor(t, 10*time.Second), q, consumer.Message{ID: "one", Body: []byte("1")}, consumer.Message{ID: "two", Body: []byte("2")}))
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), q, consumer.Message{ID: "one", Body: []byte("1")}, consumer.Message{ID: "two", Body: []byte("2")}))
 	d, err := openDriver(t, b, q, driver.Config{MaxInFlight: 1})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })
@@ -115,14 +115,14 @@ func TestStaleDeliveryIsNotAckedOnTheNewChannel(t *testing.T) {
 	close(rev.Done)
 	// The new channel delivers again: tag 1 there is another delivery.
 	second := fetchN(t, d, 1)
-	err = d.Settle(ctxFor(t, 10*time.Second), []driver.Settlement{{Handle: first[0].Handle, Action: driver.Ack}})
+	err = d.Settle(testenv.Context(t, 10*time.Second), []driver.Settlement{{Handle: first[0].Handle, Action: driver.Ack}})
 	var se *driver.SettleError
 	if !errors.As(err, &se) || !errors.Is(err, rabbit.ErrStaleDelivery) || len(se.Failed) != 1 {
 		t.Fatalf("Settle of a closed channel's delivery = %v, want a SettleError with ErrStaleDelivery", err)
 	}
-	must(t, d.Settle(ctxFor(t, 10*time.Second), []driver.Settlement{{Handle: second[0].Handle, Action: driver.Ack}}))
+	must(t, d.Settle(testenv.Context(t, 10*time.Second), []driver.Settlement{{Handle: second[0].Handle, Action: driver.Ack}}))
 	third := fetchN(t, d, 1)
-	must(t, d.Settle(ctxFor(t, 10*time.Second), []driver.Settlement{{Handle: third[0].Handle, Action: driver.Ack}}))
+	must(t, d.Settle(testenv.Context(t, 10*time.Second), []driver.Settlement{{Handle: third[0].Handle, Action: driver.Ack}}))
 	ids := map[string]bool{second[0].ID: true, third[0].ID: true}
 	if !ids["one"] || !ids["two"] {
 		t.Errorf("after the reconnect got %v, want both messages", ids)
@@ -142,20 +142,20 @@ func TestLagReportsReadyAndUnacked(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{Body: []byte("x")}
 	}
-	must(t, b.Publish(ctxFor(t, 10*time.Second), q, msgs...))
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), q, msgs...))
 	d, err := openDriver(t, b, q, driver.Config{MaxInFlight: 5})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })
 	got := fetchN(t, d, 5)
-	waitFor(t, 10*time.Second, "25 ready", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "25 ready", func() bool {
 		l, err := d.Lag(context.Background())
 		must(t, err)
 		return l.Messages == 25 && l.InFlight == 5
 	})
-	must(t, d.Settle(ctxFor(t, 10*time.Second), []driver.Settlement{{Handle: got[0].Handle, Action: driver.Ack}}))
+	must(t, d.Settle(testenv.Context(t, 10*time.Second), []driver.Settlement{{Handle: got[0].Handle, Action: driver.Ack}}))
 	// The broker pushes one more in the acked one's place: not fetched
 	// yet, it is this consumer's all the same, and not done.
-	waitFor(t, 10*time.Second, "24 ready and 5 in flight (4 fetched, 1 pushed ahead)", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "24 ready and 5 in flight (4 fetched, 1 pushed ahead)", func() bool {
 		l, err := d.Lag(context.Background())
 		must(t, err)
 		return l.Messages == 24 && l.InFlight == 5

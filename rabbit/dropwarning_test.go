@@ -134,14 +134,14 @@ func TestDropWarningOncePerConsumedQueueWithALimit(t *testing.T) {
 	}
 	publish := func(queue, body string) {
 		t.Helper()
-		must(t, b.Publish(ctxFor(t, 10*time.Second), queue, consumer.Message{Body: []byte(body)}))
+		must(t, b.Publish(testenv.Context(t, 10*time.Second), queue, consumer.Message{Body: []byte(body)}))
 	}
 	for _, q := range []string{limited, withDLX, plain} {
 		publish(q, q+"/1")
 	}
 	publish(dlq, "dead")
 	for _, q := range []string{limited, withDLX, plain} {
-		waitFor(t, 20*time.Second, "a message of "+q, func() bool { return got.has(q + "/1") })
+		testenv.WaitFor(t, 20*time.Second, "a message of "+q, func() bool { return got.has(q + "/1") })
 	}
 
 	// Deleted under its consumers, the queue is declared again when they
@@ -149,7 +149,7 @@ func TestDropWarningOncePerConsumedQueueWithALimit(t *testing.T) {
 	ch := rawChannel(t)
 	_, err := ch.QueueDelete(limited, false, false, false)
 	must(t, err)
-	waitFor(t, 30*time.Second, "the consumers to declare "+limited+" again", func() bool {
+	testenv.WaitFor(t, 30*time.Second, "the consumers to declare "+limited+" again", func() bool {
 		conn, err := amqp.DialConfig(amqpURL(t), amqp.Config{Dial: amqp.DefaultDial(5 * time.Second)})
 		if err != nil {
 			return false
@@ -163,7 +163,7 @@ func TestDropWarningOncePerConsumedQueueWithALimit(t *testing.T) {
 		return err == nil
 	})
 	publish(limited, limited+"/2")
-	waitFor(t, 30*time.Second, "a message of "+limited+" after it came back", func() bool { return got.has(limited + "/2") })
+	testenv.WaitFor(t, 30*time.Second, "a message of "+limited+" after it came back", func() bool { return got.has(limited + "/2") })
 	for _, stop := range stops {
 		must(t, stop())
 	}

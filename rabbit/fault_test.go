@@ -199,7 +199,7 @@ func busyThroughFault(t *testing.T, fault func(name string)) {
 	case <-time.After(60 * time.Second):
 		t.Fatal("200 messages were not published within 60s")
 	}
-	waitFor(t, 30*time.Second, "the consumer to be busy", func() bool { return got.total.Load() >= 100 })
+	testenv.WaitFor(t, 30*time.Second, "the consumer to be busy", func() bool { return got.total.Load() >= 100 })
 	fault(name)
 	close(faultOver)
 	select {
@@ -207,7 +207,7 @@ func busyThroughFault(t *testing.T, fault func(name string)) {
 	case <-time.After(120 * time.Second):
 		t.Fatal("the publisher did not confirm 600 messages within 120s of the fault")
 	}
-	waitFor(t, 90*time.Second, "every confirmed message to be consumed", func() bool {
+	testenv.WaitFor(t, 90*time.Second, "every confirmed message to be consumed", func() bool {
 		for _, id := range confirmed {
 			if !got.has(id) {
 				return false
@@ -318,7 +318,7 @@ func TestDeliveryLimitEndsInDeadLetterExchange(t *testing.T) {
 				},
 				Bindings: []rabbit.Binding{{Exchange: dlx, Queue: dlq}},
 			}), rabbit.WithRetryDelays(time.Second))
-			must(t, b.Publish(ctxFor(t, 10*time.Second), name, consumer.Message{ID: "poison-1", Key: "k", Body: []byte("bad")}))
+			must(t, b.Publish(testenv.Context(t, 10*time.Second), name, consumer.Message{ID: "poison-1", Key: "k", Body: []byte("bad")}))
 			var runs atomic.Int64
 			c, err := b.NewConsumer(t.Context(), name, consumer.WithRedeliveryBackoff(0, 0))
 			must(t, err)
@@ -328,7 +328,7 @@ func TestDeliveryLimitEndsInDeadLetterExchange(t *testing.T) {
 			}))
 			ch := rawChannel(t)
 			var d amqp.Delivery
-			waitFor(t, 30*time.Second, "the message in the dead-letter queue", func() bool {
+			testenv.WaitFor(t, 30*time.Second, "the message in the dead-letter queue", func() bool {
 				m, ok, err := ch.Get(dlq, true)
 				if err != nil {
 					t.Fatal(err)
@@ -377,19 +377,19 @@ func TestQueueDeletedUnderConsumer(t *testing.T) {
 		got.add(string(m.Body))
 		return nil
 	}))
-	must(t, b.Publish(ctxFor(t, 10*time.Second), name, consumer.Message{Body: []byte("before")}))
-	waitFor(t, 20*time.Second, "the first message", func() bool { return got.has("before") })
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), name, consumer.Message{Body: []byte("before")}))
+	testenv.WaitFor(t, 20*time.Second, "the first message", func() bool { return got.has("before") })
 
 	_, err = ch.QueueDelete(name, false, false, false)
 	must(t, err)
-	waitFor(t, 20*time.Second, "the cancellation to be reported", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "the cancellation to be reported", func() bool {
 		return c.Stats().FetchErrors > 0 && strings.Contains(logs.String(), rabbit.ErrConsumerCancelled.Error())
 	})
 	time.Sleep(500 * time.Millisecond) // a few failed attempts on the missing queue
 	_, err = ch.QueueDeclare(name, true, false, false, false, args)
 	must(t, err)
-	must(t, b.Publish(ctxFor(t, 10*time.Second), name, consumer.Message{Body: []byte("after")}))
-	waitFor(t, 30*time.Second, "a message published after the queue came back", func() bool { return got.has("after") })
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), name, consumer.Message{Body: []byte("after")}))
+	testenv.WaitFor(t, 30*time.Second, "a message published after the queue came back", func() bool { return got.has("after") })
 	must(t, stop())
 }
 
@@ -435,10 +435,10 @@ func TestMemoryAlarmPublishFailsInTimeAndBreakerOpens(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{Body: []byte(strconv.Itoa(i))}
 	}
-	must(t, b.Publish(ctxFor(t, 10*time.Second), src, msgs...))
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), src, msgs...))
 
 	clear := memoryAlarm(t)
-	waitFor(t, 20*time.Second, "the broker to block the publishing connection", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "the broker to block the publishing connection", func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
 		return errors.Is(b.Publish(ctx, dst, consumer.Message{Body: []byte("probe")}), rabbit.ErrBlocked)
@@ -471,12 +471,12 @@ func TestMemoryAlarmPublishFailsInTimeAndBreakerOpens(t *testing.T) {
 		forwarded.add(string(m.Body))
 		return nil
 	})))
-	waitFor(t, 30*time.Second, "the breaker to open", func() bool { return br.Opened() > 0 && br.Held() > 0 })
+	testenv.WaitFor(t, 30*time.Second, "the breaker to open", func() bool { return br.Opened() > 0 && br.Held() > 0 })
 	if got := forwarded.total.Load(); got != 0 {
 		t.Fatalf("%d messages forwarded under the alarm", got)
 	}
 	clear()
-	waitFor(t, 60*time.Second, fmt.Sprintf("all %d messages to be forwarded after the alarm cleared", n), func() bool {
+	testenv.WaitFor(t, 60*time.Second, fmt.Sprintf("all %d messages to be forwarded after the alarm cleared", n), func() bool {
 		for i := range n {
 			if !forwarded.has(strconv.Itoa(i)) {
 				return false
@@ -504,19 +504,19 @@ func TestCloseReturnsWithinASecond(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{Body: []byte("x")}
 	}
-	must(t, b.Publish(ctxFor(t, 10*time.Second), name, msgs...))
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), name, msgs...))
 	d, err := openDriver(t, b, name, driver.Config{MaxInFlight: 50})
 	must(t, err)
-	first, err := d.Fetch(ctxFor(t, 10*time.Second), nil, 1)
+	first, err := d.Fetch(testenv.Context(t, 10*time.Second), nil, 1)
 	must(t, err)
 	if len(first) != 1 {
 		t.Fatalf("fetched %d", len(first))
 	}
 	// 49 more deliveries are pushed to the driver and never read.
-	waitFor(t, 10*time.Second, "the prefetch to fill", func() bool { return unacked(t, name) == 50 })
+	testenv.WaitFor(t, 10*time.Second, "the prefetch to fill", func() bool { return unacked(t, name) == 50 })
 
 	memoryAlarm(t)
-	waitFor(t, 20*time.Second, "the broker to block the publishing connection", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "the broker to block the publishing connection", func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 		defer cancel()
 		return errors.Is(b.Publish(ctx, name, consumer.Message{Body: []byte("probe")}), rabbit.ErrBlocked)
@@ -557,7 +557,7 @@ func TestBreakerOpenNoPileUpBeyondPrefetch(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{Body: []byte(strconv.Itoa(i))}
 	}
-	must(t, b.Publish(ctxFor(t, 10*time.Second), name, msgs...))
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), name, msgs...))
 	br, err := consumer.NewBreaker(consumer.BreakerFailures(1), consumer.BreakerOpenFor(time.Hour))
 	must(t, err)
 	var down atomic.Bool
@@ -572,7 +572,7 @@ func TestBreakerOpenNoPileUpBeyondPrefetch(t *testing.T) {
 		handled.Add(1)
 		return nil
 	})))
-	waitFor(t, 20*time.Second, "the breaker to open and hold", func() bool { return br.Held() > 0 })
+	testenv.WaitFor(t, 20*time.Second, "the breaker to open and hold", func() bool { return br.Held() > 0 })
 	deadline := time.Now().Add(3 * time.Second)
 	for time.Now().Before(deadline) {
 		if u := unacked(t, name); u > maxInFlight {
@@ -605,9 +605,9 @@ func TestAcksFlowUnderMemoryAlarm(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{Body: []byte(strconv.Itoa(i))}
 	}
-	must(t, b.Publish(ctxFor(t, 10*time.Second), name, msgs...))
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), name, msgs...))
 	memoryAlarm(t)
-	waitFor(t, 20*time.Second, "the broker to block the publishing connection", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "the broker to block the publishing connection", func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 		defer cancel()
 		return errors.Is(b.Publish(ctx, name+"-nowhere", consumer.Message{Body: []byte("probe")}), rabbit.ErrBlocked)
@@ -619,9 +619,9 @@ func TestAcksFlowUnderMemoryAlarm(t *testing.T) {
 		got.add(string(m.Body))
 		return nil
 	}))
-	waitFor(t, 20*time.Second, "20 messages handled under the alarm", func() bool { return got.total.Load() >= 20 })
+	testenv.WaitFor(t, 20*time.Second, "20 messages handled under the alarm", func() bool { return got.total.Load() >= 20 })
 	ch := rawChannel(t)
-	waitFor(t, 20*time.Second, "the acks to reach the broker (an empty queue, nothing unacked)", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "the acks to reach the broker (an empty queue, nothing unacked)", func() bool {
 		qi, err := ch.QueueDeclarePassive(name, true, false, false, false, amqp.Table{"x-queue-type": "quorum"})
 		return err == nil && qi.Messages == 0 && unacked(t, name) == 0
 	})
@@ -672,7 +672,7 @@ func TestVhostRefusedOnReconnectIsRetried(t *testing.T) {
 			}
 		}
 	}()
-	waitFor(t, 10*time.Second, "a consumer on the queue", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "a consumer on the queue", func() bool {
 		for _, line := range strings.Split(ctl(t, "list_queues", "-p", vhost, "name", "consumers"), "\n") {
 			if f := strings.Fields(line); len(f) == 2 && f[0] == name && f[1] == "1" {
 				return true
@@ -685,7 +685,7 @@ func TestVhostRefusedOnReconnectIsRetried(t *testing.T) {
 	makeVhost()
 	deadline := time.After(20 * time.Second)
 	for {
-		err := b.Publish(ctxFor(t, 2*time.Second), name, consumer.Message{Body: []byte("back")})
+		err := b.Publish(testenv.Context(t, 2*time.Second), name, consumer.Message{Body: []byte("back")})
 		if err == nil {
 			break
 		}

@@ -32,7 +32,7 @@ func TestLagCountsReadyPrefetchedAndRunning(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{Body: []byte(strconv.Itoa(i))}
 	}
-	must(t, b.Publish(ctxFor(t, 10*time.Second), name, msgs...))
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), name, msgs...))
 
 	d, err := openDriver(t, b, name, driver.Config{MaxInFlight: prefetch})
 	must(t, err)
@@ -48,11 +48,11 @@ func TestLagCountsReadyPrefetchedAndRunning(t *testing.T) {
 			return ctx.Err()
 		}
 	}))
-	waitFor(t, 20*time.Second, "the handlers to run and the loop to be full", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "the handlers to run and the loop to be full", func() bool {
 		st := c.Stats()
 		return st.Running == concurrency && st.InFlight == maxInFlight
 	})
-	waitFor(t, 20*time.Second, "the broker to push the prefetch", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "the broker to push the prefetch", func() bool {
 		_, unacked := queueCounts(t, name)
 		return unacked == prefetch
 	})
@@ -61,14 +61,14 @@ func TestLagCountsReadyPrefetchedAndRunning(t *testing.T) {
 		t.Fatalf("the broker says %d ready and %d unacked, want %d and %d", ready, unacked, total-prefetch, prefetch)
 	}
 
-	lag, err := c.Lag(ctxFor(t, 10*time.Second))
+	lag, err := c.Lag(testenv.Context(t, 10*time.Second))
 	must(t, err)
 	if lag.Messages != int64(ready) || lag.InFlight != int64(unacked) {
 		t.Errorf("Lag: %d waiting and %d in flight, want %d ready and %d unacked (%d running, %d queued in the loop, %d pushed ahead)",
 			lag.Messages, lag.InFlight, ready, unacked, concurrency, maxInFlight-concurrency, prefetch-maxInFlight)
 	}
 	var h consumer.Health
-	waitFor(t, 10*time.Second, "a health sample", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "a health sample", func() bool {
 		h = c.Health()
 		return h.Samples > 0 && h.Lag >= 0
 	})
@@ -76,6 +76,6 @@ func TestLagCountsReadyPrefetchedAndRunning(t *testing.T) {
 		t.Errorf("Health.Lag = %d, want %d: every message not done (%d ready, %d unacked)", h.Lag, total, ready, unacked)
 	}
 	close(release)
-	waitFor(t, 30*time.Second, "every message to be done", func() bool { return c.Stats().Acked == total })
+	testenv.WaitFor(t, 30*time.Second, "every message to be done", func() bool { return c.Stats().Acked == total })
 	must(t, stop())
 }

@@ -68,8 +68,8 @@ func TestPartitionedKeepsKeyOrderWithOneActiveConsumer(t *testing.T) {
 			msgs = append(msgs, consumer.Message{Key: "key-" + strconv.Itoa(k), Body: []byte(strconv.Itoa(i))})
 		}
 	}
-	must(t, b.Publish(ctxFor(t, 20*time.Second), rabbit.ToExchange(ex), msgs...))
-	waitFor(t, 30*time.Second, "every message handled", func() bool {
+	must(t, b.Publish(testenv.Context(t, 20*time.Second), rabbit.ToExchange(ex), msgs...))
+	testenv.WaitFor(t, 30*time.Second, "every message handled", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		n := 0

@@ -32,7 +32,7 @@ func publishSeq(t *testing.T, b *rabbit.Broker, dest, key string, n int) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{ID: fmt.Sprintf("%s-%d", key, i), Key: key, Body: []byte(strconv.Itoa(i))}
 	}
-	must(t, b.Publish(ctxFor(t, 60*time.Second), dest, msgs...))
+	must(t, b.Publish(testenv.Context(t, 60*time.Second), dest, msgs...))
 }
 
 // completions records the order in which a key's messages completed.
@@ -114,7 +114,7 @@ func TestOrderedQueueRetriesAFailedMessageInPlace(t *testing.T) {
 				rec.done(seq)
 				return nil
 			}))
-			waitFor(t, 60*time.Second, "all 100 messages completed", func() bool { return rec.len() >= n })
+			testenv.WaitFor(t, 60*time.Second, "all 100 messages completed", func() bool { return rec.len() >= n })
 
 			rec.mu.Lock()
 			defer rec.mu.Unlock()
@@ -183,7 +183,7 @@ func TestOrderedQueueKeepsOrderWhenStoppedMidRetry(t *testing.T) {
 				}
 				return consumer.RetryAfter(errors.New("not yet"), time.Minute)
 			}))
-			waitFor(t, 20*time.Second, "message 0 to fail three times", func() bool {
+			testenv.WaitFor(t, 20*time.Second, "message 0 to fail three times", func() bool {
 				first.mu.Lock()
 				defer first.mu.Unlock()
 				return len(first.runs[0]) >= 3
@@ -204,7 +204,7 @@ func TestOrderedQueueKeepsOrderWhenStoppedMidRetry(t *testing.T) {
 				second.done(seq)
 				return nil
 			}))
-			waitFor(t, 30*time.Second, "all 20 messages completed by the next consumer", func() bool { return second.len() >= n })
+			testenv.WaitFor(t, 30*time.Second, "all 20 messages completed by the next consumer", func() bool { return second.len() >= n })
 
 			second.mu.Lock()
 			defer second.mu.Unlock()

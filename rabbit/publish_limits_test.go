@@ -132,7 +132,7 @@ func TestBadPublishesFailAloneAmongConcurrentGoodOnes(t *testing.T) {
 	time.Sleep(200 * time.Millisecond) // the good publishers are busy
 	for round := range 5 {
 		for _, bd := range bads {
-			err := b.Publish(ctxFor(t, 30*time.Second), rabbit.ToExchange(bd.exchange), bd.msg)
+			err := b.Publish(testenv.Context(t, 30*time.Second), rabbit.ToExchange(bd.exchange), bd.msg)
 			var pe *consumer.PublishError
 			if !errors.As(err, &pe) || len(pe.Failed) != 1 || pe.Failed[0].Index != 0 {
 				t.Errorf("round %d, %s: Publish = %v, want a *consumer.PublishError for message 0", round, bd.name, err)
@@ -145,7 +145,7 @@ func TestBadPublishesFailAloneAmongConcurrentGoodOnes(t *testing.T) {
 		}
 	}
 	// The others of a call go out: a 5-byte message after the 129 MiB one.
-	err := b.Publish(ctxFor(t, 30*time.Second), rabbit.ToExchange(ex), consumer.Message{Key: "good", Body: huge}, consumer.Message{Key: "other", Body: []byte("small")})
+	err := b.Publish(testenv.Context(t, 30*time.Second), rabbit.ToExchange(ex), consumer.Message{Key: "good", Body: huge}, consumer.Message{Key: "other", Body: []byte("small")})
 	var pe *consumer.PublishError
 	if !errors.As(err, &pe) || len(pe.Failed) != 1 || pe.Failed[0].Index != 0 || !errors.Is(pe.Failed[0].Err, rabbit.ErrTooLarge) {
 		t.Errorf("Publish of a 129 MiB message and a 5-byte one = %v, want the first alone to fail with ErrTooLarge", err)
@@ -164,7 +164,7 @@ func TestBadPublishesFailAloneAmongConcurrentGoodOnes(t *testing.T) {
 		t.Fatalf("only %d good messages were confirmed: the publishers did not run alongside the bad ones", confirmed)
 	}
 	ch := rawChannel(t)
-	waitFor(t, 10*time.Second, fmt.Sprintf("the %d good messages and the small one in the queue", confirmed), func() bool {
+	testenv.WaitFor(t, 10*time.Second, fmt.Sprintf("the %d good messages and the small one in the queue", confirmed), func() bool {
 		qi, err := ch.QueueDeclarePassive(q, true, false, false, false, amqp.Table{"x-queue-type": "quorum"})
 		return err == nil && int64(qi.Messages) == confirmed+1
 	})
@@ -183,7 +183,7 @@ func TestMaxMessageSizeOption(t *testing.T) {
 	q := testenv.UniqueName(t, "maxsize")
 	deleteLater(t, []string{q}, nil)
 	b := dial(t, rabbit.WithMaxMessageSize(1024), rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: q, Classic: true}}}))
-	err := b.Publish(ctxFor(t, 10*time.Second), q,
+	err := b.Publish(testenv.Context(t, 10*time.Second), q,
 		consumer.Message{Body: make([]byte, 1024)}, consumer.Message{Body: make([]byte, 1025)})
 	var pe *consumer.PublishError
 	var le *rabbit.LimitError
@@ -211,7 +211,7 @@ func TestBodyOverTheBrokersMaximumIsRefusedWithItsReason(t *testing.T) {
 	stop := make(chan struct{})
 	wait := goodPublishers(t, b, good, stop)
 	time.Sleep(200 * time.Millisecond)
-	err := b.Publish(ctxFor(t, 60*time.Second), q, consumer.Message{Body: make([]byte, rabbit.DefaultMaxMessageSize+1<<20)})
+	err := b.Publish(testenv.Context(t, 60*time.Second), q, consumer.Message{Body: make([]byte, rabbit.DefaultMaxMessageSize+1<<20)})
 	close(stop)
 	var ae *amqp.Error
 	if !errors.Is(err, rabbit.ErrRefused) || !errors.As(err, &ae) || ae.Code != amqp.PreconditionFailed || errors.Is(err, rabbit.ErrNotConfirmed) {
@@ -224,7 +224,7 @@ func TestBodyOverTheBrokersMaximumIsRefusedWithItsReason(t *testing.T) {
 	if confirmed == 0 {
 		t.Fatal("no good message was confirmed")
 	}
-	if err := b.Publish(ctxFor(t, 10*time.Second), q, consumer.Message{Body: []byte("after")}); err != nil {
+	if err := b.Publish(testenv.Context(t, 10*time.Second), q, consumer.Message{Body: []byte("after")}); err != nil {
 		t.Errorf("publish to the queue after its refusal: %v", err)
 	}
 }
@@ -246,7 +246,7 @@ func TestDeadLetterOfAKeyTooLongForARoutingKeyIsPublished(t *testing.T) {
 		Bindings:  []rabbit.Binding{{Exchange: dlx, Queue: dlq}},
 	}))
 	key := strings.Repeat("é", 150) // 300 bytes: cut at a rune, 254
-	must(t, b.Publish(ctxFor(t, 10*time.Second), name, consumer.Message{ID: "poison", Key: key, Body: []byte("bad")}))
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), name, consumer.Message{ID: "poison", Key: key, Body: []byte("bad")}))
 
 	dl, err := consumer.NewDeadLetter(b, rabbit.ToExchange(dlx))
 	must(t, err)
@@ -304,7 +304,7 @@ func TestPublishChannelsPerDestinationStayBounded(t *testing.T) {
 	deleteLater(t, []string{q}, exchanges)
 	b := dial(t, rabbit.WithConnectionName(name), rabbit.WithTopology(topo))
 	for _, ex := range exchanges {
-		must(t, b.Publish(ctxFor(t, 10*time.Second), rabbit.ToExchange(ex), consumer.Message{Body: []byte(ex)}))
+		must(t, b.Publish(testenv.Context(t, 10*time.Second), rabbit.ToExchange(ex), consumer.Message{Body: []byte(ex)}))
 	}
 	channels := -1
 	for _, line := range splitLines(ctl(t, "list_connections", "channels", "client_properties")) {

@@ -33,7 +33,7 @@ func TestUnroutablePublishFailsThatMessageOnly(t *testing.T) {
 		{Key: "b", Body: []byte("b2")}, // after a failed b: never sent
 		{Body: []byte("no key")},       // routing key "": unroutable too
 	}
-	err := b.Publish(ctxFor(t, 10*time.Second), rabbit.ToExchange(ex), msgs...)
+	err := b.Publish(testenv.Context(t, 10*time.Second), rabbit.ToExchange(ex), msgs...)
 	var pe *consumer.PublishError
 	if !errors.As(err, &pe) {
 		t.Fatalf("Publish = %v, want a *consumer.PublishError", err)
@@ -48,12 +48,12 @@ func TestUnroutablePublishFailsThatMessageOnly(t *testing.T) {
 		}
 	}
 	ch := rawChannel(t)
-	waitFor(t, 10*time.Second, "two messages in the queue", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "two messages in the queue", func() bool {
 		qi, err := ch.QueueDeclarePassive(q, true, false, false, false, amqp.Table{"x-queue-type": "quorum"})
 		return err == nil && qi.Messages == 2
 	})
 	// The publishing channel survives: the next publish works.
-	if err := b.Publish(ctxFor(t, 10*time.Second), rabbit.ToExchange(ex), consumer.Message{Key: "a", Body: []byte("a3")}); err != nil {
+	if err := b.Publish(testenv.Context(t, 10*time.Second), rabbit.ToExchange(ex), consumer.Message{Key: "a", Body: []byte("a3")}); err != nil {
 		t.Fatalf("publish after a return: %v", err)
 	}
 }
@@ -66,11 +66,11 @@ func TestNackedPublishFailsThatMessage(t *testing.T) {
 	b := dial(t, rabbit.WithTopology(rabbit.Topology{
 		Queues: []rabbit.Queue{{Name: q, Classic: true, Args: amqp.Table{"x-max-length": int64(1), "x-overflow": "reject-publish"}}},
 	}))
-	err := b.Publish(ctxFor(t, 10*time.Second), q, consumer.Message{Body: []byte("fits")})
+	err := b.Publish(testenv.Context(t, 10*time.Second), q, consumer.Message{Body: []byte("fits")})
 	if err != nil {
 		t.Fatal(err)
 	}
-	err = b.Publish(ctxFor(t, 10*time.Second), q, consumer.Message{Body: []byte("too many")})
+	err = b.Publish(testenv.Context(t, 10*time.Second), q, consumer.Message{Body: []byte("too many")})
 	if !errors.Is(err, rabbit.ErrNacked) {
 		t.Fatalf("Publish to a full queue = %v, want ErrNacked", err)
 	}
@@ -82,12 +82,12 @@ func TestPublishToMissingExchangeIsABrokerError(t *testing.T) {
 	q := testenv.UniqueName(t, "after404")
 	deleteLater(t, []string{q}, nil)
 	b := dial(t, rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: q, DeadLetterExchange: "x"}}}))
-	err := b.Publish(ctxFor(t, 10*time.Second), rabbit.ToExchange(testenv.UniqueName(t, "nowhere")), consumer.Message{Body: []byte("x")})
+	err := b.Publish(testenv.Context(t, 10*time.Second), rabbit.ToExchange(testenv.UniqueName(t, "nowhere")), consumer.Message{Body: []byte("x")})
 	var ae *amqp.Error
 	if !errors.As(err, &ae) || ae.Code != amqp.NotFound {
 		t.Fatalf("Publish to a missing exchange = %v, want an *amqp091.Error 404", err)
 	}
-	if err := b.Publish(ctxFor(t, 10*time.Second), q, consumer.Message{Body: []byte("y")}); err != nil {
+	if err := b.Publish(testenv.Context(t, 10*time.Second), q, consumer.Message{Body: []byte("y")}); err != nil {
 		t.Fatalf("publish after the 404: %v", err)
 	}
 }
@@ -98,7 +98,7 @@ func TestPublishToQueueKeepsTheKey(t *testing.T) {
 	q := testenv.UniqueName(t, "direct")
 	deleteLater(t, []string{q}, nil)
 	b := dial(t, rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: q, DeadLetterExchange: "x"}}}))
-	must(t, b.Publish(ctxFor(t, 10*time.Second), q, consumer.Message{ID: "m1", Key: "order-7", Body: []byte("x"), Headers: map[string]string{"h": "v"}}))
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), q, consumer.Message{ID: "m1", Key: "order-7", Body: []byte("x"), Headers: map[string]string{"h": "v"}}))
 	c, err := b.NewConsumer(t.Context(), q)
 	must(t, err)
 	got := make(chan consumer.Message, 1)
@@ -133,7 +133,7 @@ func TestPublishMoreThanTheWindowInOneCall(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{Body: []byte("x")}
 	}
-	if err := b.Publish(ctxFor(t, 20*time.Second), q, msgs...); err != nil {
+	if err := b.Publish(testenv.Context(t, 20*time.Second), q, msgs...); err != nil {
 		t.Fatalf("publish 50 messages through a window of 8: %v", err)
 	}
 	qi, err := rawChannel(t).QueueDeclarePassive(q, true, false, false, false, nil)

@@ -53,7 +53,7 @@ func TestUnroutableNeverReportedAsPublished(t *testing.T) {
 		for i := 1; i <= per; i++ {
 			msgs[i] = consumer.Message{Body: []byte(fmt.Sprintf("unroutable %d/%d", c, i))}
 		}
-		err := b.Publish(ctxFor(t, 20*time.Second), rabbit.ToExchange(ex), msgs...)
+		err := b.Publish(testenv.Context(t, 20*time.Second), rabbit.ToExchange(ex), msgs...)
 		var pe *consumer.PublishError
 		if !errors.As(err, &pe) {
 			t.Fatalf("call %d: Publish = %v, want a *consumer.PublishError", c, err)
@@ -218,7 +218,7 @@ func TestPublishReturnsWithinItsContextWhileBrokerUnreachable(t *testing.T) {
 		rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: name, Classic: true}}}))
 	must(t, err)
 	t.Cleanup(func() { b.Close() })
-	must(t, b.Publish(ctxFor(t, 5*time.Second), name, consumer.Message{Body: []byte("before")}))
+	must(t, b.Publish(testenv.Context(t, 5*time.Second), name, consumer.Message{Body: []byte("before")}))
 
 	p.cut()
 	time.Sleep(300 * time.Millisecond) // the library sees the connection end
@@ -265,7 +265,7 @@ func TestCloseReturnsWithinASecondWhileRedialing(t *testing.T) {
 		fetched <- err
 	}()
 	// Let the supervisor open its channel and consume.
-	waitFor(t, 10*time.Second, "a consumer on the queue", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "a consumer on the queue", func() bool {
 		for _, line := range strings.Split(ctl(t, "list_queues", "name", "consumers"), "\n") {
 			if f := strings.Fields(line); len(f) == 2 && f[0] == name && f[1] == "1" {
 				return true
@@ -330,7 +330,7 @@ func TestPublishDoesNotRedialPerMessage(t *testing.T) {
 		rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: name, Classic: true}}}))
 	must(t, err)
 	t.Cleanup(func() { b.Close() })
-	must(t, b.Publish(ctxFor(t, 5*time.Second), name, consumer.Message{Body: []byte("before")}))
+	must(t, b.Publish(testenv.Context(t, 5*time.Second), name, consumer.Message{Body: []byte("before")}))
 
 	p.refuse()
 	time.Sleep(300 * time.Millisecond)
@@ -339,7 +339,7 @@ func TestPublishDoesNotRedialPerMessage(t *testing.T) {
 	for i := range msgs {
 		msgs[i] = consumer.Message{Body: []byte("during")}
 	}
-	err = b.Publish(ctxFor(t, 5*time.Second), name, msgs...)
+	err = b.Publish(testenv.Context(t, 5*time.Second), name, msgs...)
 	if err == nil {
 		t.Fatal("Publish to a refusing broker succeeded")
 	}
@@ -365,20 +365,20 @@ func TestDeletedDelayQueueIsDeclaredAgain(t *testing.T) {
 	deleteLater(t, []string{name}, nil)
 	b := dial(t, rabbit.WithRetryDelays(time.Second),
 		rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: name, Classic: true}}}))
-	must(t, b.Publish(ctxFor(t, 5*time.Second), name, consumer.Message{ID: "m1", Body: []byte("x")}))
+	must(t, b.Publish(testenv.Context(t, 5*time.Second), name, consumer.Message{ID: "m1", Body: []byte("x")}))
 	d, err := openDriver(t, b, name, driver.Config{MaxInFlight: 1})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })
 	fetch := func() driver.Message {
 		t.Helper()
-		ms, err := d.Fetch(ctxFor(t, 10*time.Second), nil, 1)
+		ms, err := d.Fetch(testenv.Context(t, 10*time.Second), nil, 1)
 		if err != nil || len(ms) != 1 {
 			t.Fatalf("Fetch = %d messages, %v", len(ms), err)
 		}
 		return ms[0]
 	}
 	retry := func(m driver.Message) error {
-		return d.Settle(ctxFor(t, 15*time.Second), []driver.Settlement{{Handle: m.Handle, Action: driver.Return, Delay: time.Second}})
+		return d.Settle(testenv.Context(t, 15*time.Second), []driver.Settlement{{Handle: m.Handle, Action: driver.Return, Delay: time.Second}})
 	}
 	// The first delayed retry declares the delay queue and goes through it.
 	must(t, retry(fetch()))

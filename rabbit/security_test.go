@@ -98,11 +98,11 @@ func TestTLSConnects(t *testing.T) {
 		t.Fatalf("Dial over TLS: %v", err)
 	}
 	t.Cleanup(func() { b.Close() })
-	must(t, b.Publish(ctxFor(t, 10*time.Second), q, consumer.Message{ID: "over-tls", Body: []byte("secret")}))
+	must(t, b.Publish(testenv.Context(t, 10*time.Second), q, consumer.Message{ID: "over-tls", Body: []byte("secret")}))
 	d, err := openDriver(t, b, q, driver.Config{})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })
-	msgs, err := d.Fetch(ctxFor(t, 10*time.Second), nil, 1)
+	msgs, err := d.Fetch(testenv.Context(t, 10*time.Second), nil, 1)
 	must(t, err)
 	if len(msgs) != 1 || msgs[0].ID != "over-tls" {
 		t.Fatalf("fetched %+v over TLS", msgs)
@@ -111,7 +111,7 @@ func TestTLSConnects(t *testing.T) {
 	if !d.As(msgs[0].Handle, &dv) {
 		t.Fatal("As")
 	}
-	must(t, d.Settle(ctxFor(t, 10*time.Second), []driver.Settlement{{Handle: msgs[0].Handle, Action: driver.Ack}}))
+	must(t, d.Settle(testenv.Context(t, 10*time.Second), []driver.Settlement{{Handle: msgs[0].Handle, Action: driver.Ack}}))
 }
 
 // TestRestrictedUserIsRefusedAnotherVhost: the user who may use only its
@@ -213,7 +213,7 @@ func TestNoPasswordInLogsOrErrors(t *testing.T) {
 			ctl(t, "close_connection", strings.Fields(line)[0], "ferry test: redaction")
 		}
 	}
-	waitFor(t, 20*time.Second, "a publish after the reconnect", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "a publish after the reconnect", func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		defer cancel()
 		return b.Publish(ctx, name, consumer.Message{Body: []byte("x")}) == nil

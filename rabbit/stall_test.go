@@ -112,19 +112,19 @@ func TestAtMostOnceAckConfirmedBeforeSettleReturns(t *testing.T) {
 		rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: name, Classic: true}}}))
 	must(t, err)
 	t.Cleanup(func() { b.Close() })
-	must(t, b.Publish(ctxFor(t, 5*time.Second), name,
+	must(t, b.Publish(testenv.Context(t, 5*time.Second), name,
 		consumer.Message{Body: []byte("one")}, consumer.Message{Body: []byte("two")}))
 	d, err := openDriver(t, b, name, driver.Config{})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })
 	var ms []driver.Message
 	for len(ms) < 2 {
-		ms, err = d.Fetch(ctxFor(t, 10*time.Second), ms, 2)
+		ms, err = d.Fetch(testenv.Context(t, 10*time.Second), ms, 2)
 		must(t, err)
 	}
 
 	// Acked with the broker answering: confirmed.
-	must(t, d.Settle(ctxFor(t, 5*time.Second), []driver.Settlement{{Handle: ms[0].Handle, Action: driver.Ack, BeforeRun: true}}))
+	must(t, d.Settle(testenv.Context(t, 5*time.Second), []driver.Settlement{{Handle: ms[0].Handle, Action: driver.Ack, BeforeRun: true}}))
 
 	// Acked while nothing reaches the broker: not confirmed, so it fails.
 	p.freeze(true)
@@ -156,7 +156,7 @@ func TestLagReturnsWithinItsContextWhenTheBrokerStalls(t *testing.T) {
 	d, err := openDriver(t, b, name, driver.Config{})
 	must(t, err)
 	t.Cleanup(func() { d.Close() })
-	_, err = d.Lag(ctxFor(t, 5*time.Second)) // opens the consuming connection
+	_, err = d.Lag(testenv.Context(t, 5*time.Second)) // opens the consuming connection
 	must(t, err)
 
 	p.freeze(true)

@@ -51,7 +51,7 @@ func TestATraceFollowsAMessageAcrossRabbitMQ(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			ctx := ctxFor(t, 60*time.Second)
+			ctx := testenv.Context(t, 60*time.Second)
 			ctx, request := tp.Tracer("test").Start(ctx, "place order")
 			if err := pub.Publish(ctx, dest, consumer.Message{Key: "o-1", Body: []byte("order 1")}); err != nil {
 				t.Fatal(err)

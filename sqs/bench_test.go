@@ -18,6 +18,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
 	ferrysqs "github.com/ferrymq/ferry/sqs"
 )
 
@@ -319,7 +320,7 @@ func benchPublishGroup(b *testing.B, c *awssqs.Client, url string, n int) {
 // few seconds; see Stopping in the package documentation).
 func benchQuiet(b *testing.B, c *awssqs.Client, url string, n int) {
 	b.Helper()
-	waitFor(b, 30*time.Second, "the queue to be quiet", func() bool {
+	testenv.WaitFor(b, 30*time.Second, "the queue to be quiet", func() bool {
 		visible, inflight, _ := depth(b, c, url)
 		return visible == n && inflight == 0
 	})

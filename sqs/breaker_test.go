@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 // TestBreakerOpenStopsReceivingAndKeepsHeldMessages: while a circuit
@@ -92,7 +93,7 @@ func TestBreakerOpenStopsReceivingAndKeepsHeldMessages(t *testing.T) {
 		t.Fatal(err)
 	}
 	start(t, l, h)
-	waitFor(t, 90*time.Second, "every message to succeed after the breaker closed", func() bool {
+	testenv.WaitFor(t, 90*time.Second, "every message to succeed after the breaker closed", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return len(succeeded) == n
@@ -126,7 +127,7 @@ func TestBreakerOpenStopsReceivingAndKeepsHeldMessages(t *testing.T) {
 		}
 	}
 	mu.Unlock()
-	waitFor(t, 10*time.Second, "the queue to be empty", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "the queue to be empty", func() bool {
 		v, f, _ := depth(t, c, url)
 		return v+f == 0
 	})

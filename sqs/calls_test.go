@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 // publishMany publishes n small messages to queue through a broker of its
@@ -60,9 +61,9 @@ func TestAPICallsPerMessageAtSteadyState(t *testing.T) {
 		handled.Add(1)
 		return nil
 	}))
-	waitFor(t, 120*time.Second, "every message handled", func() bool { return handled.Load() >= n })
+	testenv.WaitFor(t, 120*time.Second, "every message handled", func() bool { return handled.Load() >= n })
 	took := time.Since(begin)
-	waitFor(t, 10*time.Second, "every ack to be sent", func() bool { return l.Stats().InFlight == 0 })
+	testenv.WaitFor(t, 10*time.Second, "every ack to be sent", func() bool { return l.Stats().InFlight == 0 })
 	after := cs.snapshot()
 	r.stop(t)
 	if s := l.Stats(); s.Failed != 0 || s.Returned != 0 || s.SettleErrors != 0 || s.Acked != n {

@@ -131,8 +131,8 @@ func (w *watched) consumes(t *testing.T, c *awssqs.Client, url string, within ti
 	if _, err := c.SendMessage(context.Background(), &awssqs.SendMessageInput{QueueUrl: aws.String(url), MessageBody: aws.String("m")}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, within, "the message to be handled", func() bool { return w.handled.Load() > before })
-	waitFor(t, 5*time.Second, "health to leave disconnected", func() bool {
+	testenv.WaitFor(t, within, "the message to be handled", func() bool { return w.handled.Load() > before })
+	testenv.WaitFor(t, 5*time.Second, "health to leave disconnected", func() bool {
 		h := w.l.Health()
 		return h.State != consumer.HealthDisconnected && h.State != consumer.HealthStarting && h.Error == ""
 	})
@@ -183,7 +183,7 @@ func TestConsumerOfAMissingQueueWaitsForIt(t *testing.T) {
 		t.Errorf("health %+v: want the queue as source, not ready and still live", h)
 	}
 	w.warned(t, 10*time.Second-time.Since(began), name, addr, consumer.ErrSourceNotFound.Error())
-	waitFor(t, 10*time.Second, "a retried fetch", func() bool { return w.l.Stats().FetchErrors >= 2 })
+	testenv.WaitFor(t, 10*time.Second, "a retried fetch", func() bool { return w.l.Stats().FetchErrors >= 2 })
 
 	_, url := createNamedQueue(t, newClient(t, nil), name, queueConfig{})
 	w.consumes(t, c, url, 20*time.Second, true)
@@ -222,7 +222,7 @@ func TestConsumerBuiltWhileSQSIsDownConsumesOnceItIsUp(t *testing.T) {
 	began = time.Now()
 	w.disconnected(t, 10*time.Second, addr, consumer.ErrUnreachable.Error())
 	w.warned(t, 10*time.Second-time.Since(began), name, addr, consumer.ErrUnreachable.Error())
-	waitFor(t, 15*time.Second, "a retried fetch", func() bool { return w.l.Stats().FetchErrors >= 2 })
+	testenv.WaitFor(t, 15*time.Second, "a retried fetch", func() bool { return w.l.Stats().FetchErrors >= 2 })
 
 	newTCPProxy(t, addr, sqsAddr(t))
 	w.consumes(t, admin, url, 20*time.Second, true)
@@ -296,7 +296,7 @@ func TestMissingDeadLetterQueueShowsInHealth(t *testing.T) {
 		return consumer.Permanent(errors.New("cannot be parsed"))
 	})))
 	var h consumer.Health
-	waitFor(t, 20*time.Second, "health dead-letter failing", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "health dead-letter failing", func() bool {
 		h = l.Health()
 		return h.State == consumer.HealthDeadLetterFailing
 	})

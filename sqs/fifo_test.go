@@ -15,6 +15,7 @@ import (
 	"github.com/aws/smithy-go/middleware"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 // TestFIFOKeepsGroupOrderWithConcurrency16And5PercentErrors: 20 groups of
@@ -70,7 +71,7 @@ func TestFIFOKeepsGroupOrderWithConcurrency16And5PercentErrors(t *testing.T) {
 		done[m.Key] = append(done[m.Key], string(m.Body))
 		return nil
 	}))
-	waitFor(t, 120*time.Second, "every message to be handled", func() bool {
+	testenv.WaitFor(t, 120*time.Second, "every message to be handled", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		n := 0

@@ -183,18 +183,6 @@ func depth(t testing.TB, c *awssqs.Client, url string) (visible, inflight, delay
 		n(types.QueueAttributeNameApproximateNumberOfMessagesDelayed)
 }
 
-// waitFor polls cond until it holds or d passes.
-func waitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", d, what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
 // running is one consumer's Run in its own goroutine.
 type running struct {
 	cancel context.CancelFunc

@@ -7,6 +7,7 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 // TestLagReportsDepthAndOldestAge: Lag counts the visible and delayed
@@ -55,7 +56,7 @@ func TestLagReportsDepthAndOldestAge(t *testing.T) {
 		t.Fatal(err)
 	}
 	start(t, l, consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }))
-	waitFor(t, 40*time.Second, "the rest to be handled", func() bool { return l.Stats().Acked == int64(25-len(got)) })
+	testenv.WaitFor(t, 40*time.Second, "the rest to be handled", func() bool { return l.Stats().Acked == int64(25-len(got)) })
 	lag, err = l.Lag(ctx)
 	if err != nil {
 		t.Fatal(err)

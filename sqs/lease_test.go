@@ -16,6 +16,7 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/testenv"
 	ferrysqs "github.com/ferrymq/ferry/sqs"
 )
 
@@ -182,7 +183,7 @@ func TestHandlerThreeTimesTheVisibilityGetsOneDelivery(t *testing.T) {
 	if err := b.Publish(context.Background(), name, consumer.Message{Body: []byte("long")}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 30*time.Second, "the message to be deleted", func() bool {
+	testenv.WaitFor(t, 30*time.Second, "the message to be deleted", func() bool {
 		v, f, _ := depth(t, c, url)
 		mu.Lock()
 		defer mu.Unlock()
@@ -246,7 +247,7 @@ func TestExtensionStopsAtTheVisibilityLimit(t *testing.T) {
 	if err := b.Publish(context.Background(), name, consumer.Message{Body: []byte("capped")}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 20*time.Second, "the message to be delivered again after the limit", func() bool { return runs.Load() >= 2 })
+	testenv.WaitFor(t, 20*time.Second, "the message to be delivered again after the limit", func() bool { return runs.Load() >= 2 })
 	close(release)
 	mu.Lock()
 	elapsed := time.Since(first)
@@ -288,7 +289,7 @@ func TestZeroDelayReturnIsNotAHotLoop(t *testing.T) {
 	if err := b.Publish(context.Background(), name, consumer.Message{Body: []byte("again")}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 30*time.Second, "three runs", func() bool {
+	testenv.WaitFor(t, 30*time.Second, "three runs", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return len(at) >= 3

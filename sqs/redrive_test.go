@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 var errDown = errors.New("dependency down")
@@ -38,7 +39,7 @@ func TestNativeRedriveMovesToTheDeadLetterQueue(t *testing.T) {
 	if err := b.Publish(context.Background(), name, consumer.Message{Body: []byte("poison"), Headers: map[string]string{"origin": "test"}}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 30*time.Second, "the message to reach the dead-letter queue", func() bool {
+	testenv.WaitFor(t, 30*time.Second, "the message to reach the dead-letter queue", func() bool {
 		v, _, _ := depth(t, c, dlqURL)
 		return v == 1
 	})
@@ -110,7 +111,7 @@ func TestDeadLetterMiddlewareKeepsTheWholeStory(t *testing.T) {
 	if len(got.Headers) <= 10 {
 		t.Errorf("dead letter carries %d headers; the test wants more than SQS's 10 attributes", len(got.Headers))
 	}
-	waitFor(t, 10*time.Second, "the original to be deleted", func() bool {
+	testenv.WaitFor(t, 10*time.Second, "the original to be deleted", func() bool {
 		v, f, _ := depth(t, c, url)
 		return v+f == 0
 	})
@@ -160,7 +161,7 @@ func TestGoodMessagesNeverDeadLetteredAcrossGracefulRestarts(t *testing.T) {
 		}
 		r := start(t, l, h)
 		target := n * round / 4
-		waitFor(t, 60*time.Second, fmt.Sprintf("%d messages handled in round %d", target, round), func() bool { return count() >= target })
+		testenv.WaitFor(t, 60*time.Second, fmt.Sprintf("%d messages handled in round %d", target, round), func() bool { return count() >= target })
 		r.stop(t) // graceful: runs what it fetched, acks it
 		if round < 4 {
 			if _, inflight, _ := depth(t, c, url); inflight != 0 {

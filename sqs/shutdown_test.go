@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 // TestGracefulShutdownLeavesNothingInvisible: a consumer stopped while it
@@ -46,7 +47,7 @@ func TestGracefulShutdownLeavesNothingInvisible(t *testing.T) {
 		t.Fatal(err)
 	}
 	r := start(t, l, h)
-	waitFor(t, 30*time.Second, "10 messages handled", func() bool { return count() >= 10 })
+	testenv.WaitFor(t, 30*time.Second, "10 messages handled", func() bool { return count() >= 10 })
 	r.stop(t)
 	first := count()
 	if _, inflight, _ := depth(t, c, url); inflight != 0 {
@@ -57,7 +58,7 @@ func TestGracefulShutdownLeavesNothingInvisible(t *testing.T) {
 		t.Fatal(err)
 	}
 	start(t, l2, h)
-	waitFor(t, 30*time.Second, "every message handled", func() bool { return count() == n })
+	testenv.WaitFor(t, 30*time.Second, "every message handled", func() bool { return count() == n })
 	mu.Lock()
 	defer mu.Unlock()
 	for id, ds := range handled {
@@ -97,7 +98,7 @@ func TestShutdownPastTheGraceGivesMessagesBackAtOnce(t *testing.T) {
 		<-ctx.Done()
 		return ctx.Err()
 	}))
-	waitFor(t, 30*time.Second, "two handlers to start", func() bool {
+	testenv.WaitFor(t, 30*time.Second, "two handlers to start", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return started >= 2
@@ -109,7 +110,7 @@ func TestShutdownPastTheGraceGivesMessagesBackAtOnce(t *testing.T) {
 	if visible, _, _ := depth(t, c, url); visible != n-2 {
 		t.Errorf("right after the stop %d messages are visible, want the %d not started", visible, n-2)
 	}
-	waitFor(t, 5*time.Second, "every message to be visible again", func() bool {
+	testenv.WaitFor(t, 5*time.Second, "every message to be visible again", func() bool {
 		visible, inflight, _ := depth(t, c, url)
 		return visible == n && inflight == 0
 	})

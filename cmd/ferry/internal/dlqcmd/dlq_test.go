@@ -60,7 +60,7 @@ func TestPeekShowsTheStoryWithoutConsuming(t *testing.T) {
 				}
 				// SQS: a long poll cut when the peek ended may hide a
 				// message for a few seconds more.
-				waitUntil(t, 10*time.Second, "the peeked messages back in the destination", func() bool { return f.inDLQ(t) == n })
+				testenv.WaitFor(t, 10*time.Second, "the peeked messages back in the destination", func() bool { return f.inDLQ(t) == n })
 			}
 			code, out, errOut := ferryDLQ(t, ctx, "peek", f.dlq, "--broker", f.url, "--wait", "1s", "--limit", "4")
 			if code != 0 {
@@ -85,7 +85,7 @@ func TestPeekShowsTheStoryWithoutConsuming(t *testing.T) {
 			if last := lines[len(lines)-1]; last != of {
 				t.Errorf("the last line is %q, want %q", last, of)
 			}
-			waitUntil(t, 10*time.Second, "the peeked messages back in the destination", func() bool { return f.inDLQ(t) == n })
+			testenv.WaitFor(t, 10*time.Second, "the peeked messages back in the destination", func() bool { return f.inDLQ(t) == n })
 		})
 	}
 }
@@ -113,7 +113,7 @@ func TestPeekTellsWhatDeadLetterWrote(t *testing.T) {
 			return consumer.Permanent(errors.New("order is not JSON"))
 		})))
 	}()
-	waitUntil(t, 10*time.Second, "the dead letter", func() bool { return len(mb.Messages("orders-dlq")) == 1 })
+	testenv.WaitFor(t, 10*time.Second, "the dead letter", func() bool { return len(mb.Messages("orders-dlq")) == 1 })
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatal(err)
@@ -169,7 +169,7 @@ func TestRedriveKilledHalfwayLosesNothing(t *testing.T) {
 			f.seed(t, n)
 			args := []string{"redrive", f.dlq, "--to", f.to, "--broker", f.url, "--rate", "15/s", "--wait", "1s", "--idle", "20s"}
 			cmd, out := child(t, args...)
-			waitUntil(t, 60*time.Second, "a third of the messages at the source", func() bool { return f.depth(t) >= n/3 })
+			testenv.WaitFor(t, 60*time.Second, "a third of the messages at the source", func() bool { return f.depth(t) >= n/3 })
 			if err := cmd.Process.Signal(syscall.SIGKILL); err != nil {
 				t.Fatal(err)
 			}
@@ -228,7 +228,7 @@ func TestRedriveFilterLeavesTheRest(t *testing.T) {
 			if f.kafka {
 				want = 0 // the group passed over them; the topic keeps every record
 			}
-			waitUntil(t, 10*time.Second, "the skipped messages in the destination", func() bool { return f.left(t) == want })
+			testenv.WaitFor(t, 10*time.Second, "the skipped messages in the destination", func() bool { return f.left(t) == want })
 		})
 	}
 }
@@ -519,7 +519,7 @@ func TestRedriveStopsCleanlyOnSIGINTAndSIGTERM(t *testing.T) {
 				const n = 20
 				f.seed(t, n)
 				cmd, out := child(t, "redrive", f.dlq, "--broker", f.url, "--rate", "10/s", "--wait", "1s")
-				waitUntil(t, 60*time.Second, "some messages at the source", func() bool { return f.depth(t) >= 3 })
+				testenv.WaitFor(t, 60*time.Second, "some messages at the source", func() bool { return f.depth(t) >= 3 })
 				if err := cmd.Process.Signal(sig.sig); err != nil {
 					t.Fatal(err)
 				}
@@ -540,7 +540,7 @@ func TestRedriveStopsCleanlyOnSIGINTAndSIGTERM(t *testing.T) {
 					t.Fatalf("the signal came too late: %d moved", moved)
 				}
 				time.Sleep(f.settleIn)
-				waitUntil(t, 10*time.Second, "the rest in the destination", func() bool { return f.left(t) == n-moved })
+				testenv.WaitFor(t, 10*time.Second, "the rest in the destination", func() bool { return f.left(t) == n-moved })
 				checkOnceOf(t, f.drain(t), moved)
 			})
 		}
@@ -578,7 +578,7 @@ func TestRedriveLimitSaysWhatIsLeft(t *testing.T) {
 			if !strings.Contains(out, "moved 2 messages") || !strings.Contains(out, "3 left in "+f.dlq) {
 				t.Errorf("summary: %s", out)
 			}
-			waitUntil(t, 10*time.Second, "3 messages in the destination", func() bool { return f.left(t) == 3 })
+			testenv.WaitFor(t, 10*time.Second, "3 messages in the destination", func() bool { return f.left(t) == 3 })
 		})
 	}
 }
@@ -615,7 +615,7 @@ func TestRedriveDefaultsToEachMessagesSource(t *testing.T) {
 			if f.kafka && !strings.Contains(errOut, "stopped at offset") {
 				t.Errorf("stderr does not say where the partition stopped:\n%s", errOut)
 			}
-			waitUntil(t, 10*time.Second, "the message without a source in the destination", func() bool { return f.left(t) == 1 })
+			testenv.WaitFor(t, 10*time.Second, "the message without a source in the destination", func() bool { return f.left(t) == 1 })
 			if d := f.depth(t); d != n {
 				t.Fatalf("the source holds %d messages, want %d", d, n)
 			}
@@ -678,7 +678,7 @@ func TestRedriveOnRabbitMQToAQueueOrAnExchange(t *testing.T) {
 		if code != 0 || !strings.Contains(out, "moved 1 messages") {
 			t.Fatalf("--to %s: exit %d: %s%s", tc.to, code, out, errOut)
 		}
-		waitUntil(t, 10*time.Second, "the message at "+tc.to, func() bool { return tc.depth() == before+1 })
+		testenv.WaitFor(t, 10*time.Second, "the message at "+tc.to, func() bool { return tc.depth() == before+1 })
 	}
 	// A name that is neither: the publish fails, and the message stays.
 	f.publish(t, deadLetters(f.src, 4, 1)...)
@@ -686,7 +686,7 @@ func TestRedriveOnRabbitMQToAQueueOrAnExchange(t *testing.T) {
 	if code != 1 || !strings.Contains(errOut, "no-such-exchange-or-queue") || !strings.Contains(errOut, "it stays in") {
 		t.Errorf("--to a name that reaches nothing: exit %d: %s%s", code, out, errOut)
 	}
-	waitUntil(t, 10*time.Second, "the message back in the destination", func() bool { return f.left(t) == 1 })
+	testenv.WaitFor(t, 10*time.Second, "the message back in the destination", func() bool { return f.left(t) == 1 })
 }
 
 // On Kafka, peek shows what a redrive would still move: after a redrive,

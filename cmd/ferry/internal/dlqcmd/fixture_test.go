@@ -433,16 +433,5 @@ func openInProcess(ctx context.Context, url string) (ferry.Broker, error) {
 	return cli.Open(ctx, url)
 }
 
-func waitUntil(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", d, what)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-}
-
 // memoryBroker is the memory broker of a memory fixture.
 func memoryBroker(f *fixture) (*memory.Broker, bool) { return ferry.Memory(f.pub) }
