@@ -103,3 +103,15 @@
 // [Middleware] wraps one; [Chain] composes them, the first listed outermost. [JSON]
 // gives a typed handler whose undecodable bodies are permanent errors.
 package consumer
+
+// For maintainers: the words of this package's code. "Run" is the method
+// (Loop.Run, Consumer.Run) and a call of it ("a Run"). A run, lower case, is
+// one run of the handler chain on a message: what Message.Attempt,
+// driver.History.Runs, Stats.Failed and the metrics count, and what a
+// re-run repeats. The dispatcher is the one goroutine of a Run that owns
+// every delivery's state (type dispatcher, receiver dp). A train is the
+// deliveries a worker takes along with the one it was handed, to run after
+// it without a round trip through the dispatcher: the deliveries queued
+// behind an ordered delivery's key (delivery.train), or unordered
+// deliveries ready behind an unordered one (looseTrain), which idle workers
+// may take back.
