@@ -33,8 +33,10 @@
 //   - any other error, or a panic: delivered again after the redelivery
 //     backoff ([WithRedeliveryBackoff]).
 //
-// [IsPermanent], [IsHeld] and [IsDeferred] tell the outcomes apart, as do
-// errors.Is with [ErrPermanent], [ErrHeld] and [ErrDeferred].
+// [IsPermanent], [IsRetryAfter], [IsHeld] and [IsDeferred] tell the outcomes
+// apart, as do errors.Is with [ErrPermanent], [ErrRetryAfter], [ErrHeld] and
+// [ErrDeferred]; errors.As gives the delay ([RetryAfterError], [HeldError],
+// [DeferredError]).
 //
 // Where the broker can take a message back (SQS, RabbitMQ, memory), the loop
 // returns it with the delay. Where it cannot (a Kafka log), or where it would

@@ -11,6 +11,9 @@ import (
 // ErrPermanent matches, through errors.Is, every error made by Permanent.
 var ErrPermanent = errors.New("permanent error")
 
+// ErrRetryAfter matches, through errors.Is, every error made by RetryAfter.
+var ErrRetryAfter = errors.New("retry after a delay")
+
 // ErrHeld matches, through errors.Is, every error made by Hold.
 var ErrHeld = errors.New("message held")
 
@@ -72,6 +75,13 @@ func (e *RetryAfterError) Error() string {
 
 // Unwrap returns the underlying error.
 func (e *RetryAfterError) Unwrap() error { return e.Err }
+
+// Is reports whether target is ErrRetryAfter.
+func (e *RetryAfterError) Is(target error) bool { return target == ErrRetryAfter }
+
+// IsRetryAfter reports whether err, or an error it wraps, was made by
+// RetryAfter. errors.As with a *RetryAfterError gives its Delay.
+func IsRetryAfter(err error) bool { return errors.Is(err, ErrRetryAfter) }
 
 // DeferredError says the handler did not run because the message waits on
 // something else; see Defer.

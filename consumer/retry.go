@@ -295,11 +295,7 @@ func (r *Retry) giveBack(ctx context.Context, m *Message, err error, runs int) e
 
 // stopsRetry reports whether err ends the in-process retries at once.
 func stopsRetry(ctx context.Context, err error) bool {
-	if ctx.Err() != nil || IsPermanent(err) || IsHeld(err) || IsDeferred(err) {
-		return true
-	}
-	var ra *RetryAfterError
-	if errors.As(err, &ra) {
+	if ctx.Err() != nil || IsPermanent(err) || IsHeld(err) || IsDeferred(err) || IsRetryAfter(err) {
 		return true
 	}
 	var dl *DeadLetterError
