@@ -183,39 +183,6 @@ func (w *healthWindow) add(s healthSample) {
 	w.samples = append(w.samples, s)
 }
 
-// WithHealthWindow sets how the loop samples its health: every interval,
-// keeping the last samples (at least 3). Default every 5 s, 12 samples: a
-// minute.
-func WithHealthWindow(interval time.Duration, samples int) Option {
-	return func(c *config) error {
-		if interval <= 0 {
-			return configErr("HealthWindow", "interval must be > 0, got %s", interval)
-		}
-		if samples < 3 {
-			return configErr("HealthWindow", "needs at least 3 samples, got %d", samples)
-		}
-		c.healthInterval, c.healthSamples = interval, samples
-		return nil
-	}
-}
-
-// WithRetention tells the loop how long its source keeps a message (a Kafka
-// topic's retention.ms, an SQS queue's MessageRetentionPeriod) and at what
-// fraction of it the backlog's age is an alarm: past it, Health says
-// HealthBacklogPastRetention. Off by default.
-func WithRetention(retention time.Duration, fraction float64) Option {
-	return func(c *config) error {
-		if retention <= 0 {
-			return configErr("Retention", "must be > 0, got %s", retention)
-		}
-		if fraction <= 0 || fraction > 1 {
-			return configErr("Retention", "fraction must be in (0, 1], got %v", fraction)
-		}
-		c.retention, c.retentionFraction = retention, fraction
-		return nil
-	}
-}
-
 // sampleHealth records samples every interval until ctx ends.
 func (l *Loop) sampleHealth(ctx context.Context) {
 	t := time.NewTicker(l.health.interval)

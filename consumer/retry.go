@@ -42,13 +42,9 @@ import (
 //
 // Build one with NewRetry; its Wrap method is a Middleware.
 type Retry struct {
-	attempts      int
-	maxElapsed    time.Duration
-	redeliveryMax time.Duration
-	b             backoff
-	sleep         func(ctx context.Context, d time.Duration) error // tests replace it
-	logger        *slog.Logger                                     // nil: the Loop's (Logger)
-	logs          *ratelog.Limiter
+	retryConfig
+	sleep func(ctx context.Context, d time.Duration) error // tests replace it
+	logs  *ratelog.Limiter
 
 	registered atomic.Bool  // its metrics were registered by hand (Stack.RegisterMetrics)
 	retries    atomic.Int64 // in-process re-runs
@@ -63,28 +59,37 @@ func (r *Retry) Retries() int64 { return r.retries.Load() }
 func (r *Retry) GivenBack() int64 { return r.givenBack.Load() }
 
 // RetryOption configures NewRetry.
-type RetryOption func(*Retry) error
+type RetryOption func(*retryConfig) error
+
+// retryConfig is what the RetryOptions set.
+type retryConfig struct {
+	attempts      int
+	maxElapsed    time.Duration
+	redeliveryMax time.Duration
+	b             backoff
+	logger        *slog.Logger // nil: the Loop's (Logger)
+}
 
 // RetryAttempts sets how many times a delivery runs the handler in process,
 // the first run included. 1 makes no in-process retry: each failure goes back
 // to the broker with a jittered, growing delay. Default 3.
 func RetryAttempts(n int) RetryOption {
-	return func(r *Retry) error {
+	return func(c *retryConfig) error {
 		if n < 1 {
 			return configErr("Retry.Attempts", "must be >= 1, got %d", n)
 		}
-		r.attempts = n
+		c.attempts = n
 		return nil
 	}
 }
 
 // RetryInitial sets the first backoff step. Default 100ms.
 func RetryInitial(d time.Duration) RetryOption {
-	return func(r *Retry) error {
+	return func(c *retryConfig) error {
 		if d <= 0 {
 			return configErr("Retry.Initial", "must be > 0, got %s", d)
 		}
-		r.b.initial = d
+		c.b.initial = d
 		return nil
 	}
 }
@@ -92,22 +97,22 @@ func RetryInitial(d time.Duration) RetryOption {
 // RetryMultiplier sets the growth of each backoff step over the one before.
 // Default 2.
 func RetryMultiplier(f float64) RetryOption {
-	return func(r *Retry) error {
+	return func(c *retryConfig) error {
 		if !(f >= 1) || f > 1e6 {
 			return configErr("Retry.Multiplier", "must be between 1 and 1e6, got %g", f)
 		}
-		r.b.multiplier = f
+		c.b.multiplier = f
 		return nil
 	}
 }
 
 // RetryMaxInterval caps one in-process backoff step. Default 2s.
 func RetryMaxInterval(d time.Duration) RetryOption {
-	return func(r *Retry) error {
+	return func(c *retryConfig) error {
 		if d <= 0 {
 			return configErr("Retry.MaxInterval", "must be > 0, got %s", d)
 		}
-		r.b.max = d
+		c.b.max = d
 		return nil
 	}
 }
@@ -116,11 +121,11 @@ func RetryMaxInterval(d time.Duration) RetryOption {
 // run starts when its backoff would end past this bound since the first run
 // began, and the message goes back to the broker instead. Default 10s.
 func RetryMaxElapsed(d time.Duration) RetryOption {
-	return func(r *Retry) error {
+	return func(c *retryConfig) error {
 		if d <= 0 {
 			return configErr("Retry.MaxElapsed", "must be > 0, got %s", d)
 		}
-		r.maxElapsed = d
+		c.maxElapsed = d
 		return nil
 	}
 }
@@ -129,11 +134,11 @@ func RetryMaxElapsed(d time.Duration) RetryOption {
 // budget is spent goes back to the broker. Default 1m. (SQS accepts at most
 // 12h.)
 func RetryRedeliveryMax(d time.Duration) RetryOption {
-	return func(r *Retry) error {
+	return func(c *retryConfig) error {
 		if d <= 0 {
 			return configErr("Retry.RedeliveryMax", "must be > 0, got %s", d)
 		}
-		r.redeliveryMax = d
+		c.redeliveryMax = d
 		return nil
 	}
 }
@@ -144,11 +149,11 @@ func RetryRedeliveryMax(d time.Duration) RetryOption {
 // the logger of the Loop running the handler (Logger), or slog.Default()
 // outside one.
 func RetryLogger(l *slog.Logger) RetryOption {
-	return func(r *Retry) error {
+	return func(c *retryConfig) error {
 		if l == nil {
 			return configErr("Retry.Logger", "must not be nil")
 		}
-		r.logger = l
+		c.logger = l
 		return nil
 	}
 }
@@ -158,8 +163,8 @@ func RetryLogger(l *slog.Logger) RetryOption {
 // together; turn it off only to make delays predictable in a test. Default
 // on.
 func RetryJitter(on bool) RetryOption {
-	return func(r *Retry) error {
-		r.b.jitter = on
+	return func(c *retryConfig) error {
+		c.b.jitter = on
 		return nil
 	}
 }
@@ -167,26 +172,24 @@ func RetryJitter(on bool) RetryOption {
 // NewRetry returns a Retry. It fails with a *ConfigError naming the field
 // when an option is invalid, or when MaxInterval is below Initial.
 func NewRetry(opts ...RetryOption) (*Retry, error) {
-	r := &Retry{
+	c := retryConfig{
 		attempts:      3,
 		maxElapsed:    10 * time.Second,
 		redeliveryMax: time.Minute,
 		b:             backoff{initial: 100 * time.Millisecond, multiplier: 2, max: 2 * time.Second, jitter: true},
-		sleep:         sleepCtx,
-		logs:          ratelog.New(5, time.Minute),
 	}
 	for _, o := range opts {
 		if o == nil {
 			continue
 		}
-		if err := o(r); err != nil {
+		if err := o(&c); err != nil {
 			return nil, err
 		}
 	}
-	if r.b.max < r.b.initial {
-		return nil, configErr("Retry.MaxInterval", "%s is below Initial %s", r.b.max, r.b.initial)
+	if c.b.max < c.b.initial {
+		return nil, configErr("Retry.MaxInterval", "%s is below Initial %s", c.b.max, c.b.initial)
 	}
-	return r, nil
+	return &Retry{retryConfig: c, sleep: sleepCtx, logs: ratelog.New(5, time.Minute)}, nil
 }
 
 // Wrap returns next wrapped in the retry behaviour. r.Wrap is a Middleware.

@@ -34,23 +34,6 @@ const (
 	EventDeadLetter = "ferry.dead_letter"
 )
 
-// WithTracerProvider makes the Loop run every handler run in a consumer span
-// of tp named "process SOURCE", the child of the trace context the message
-// carries in its headers (see TracePublisher), with the messaging attributes
-// of the message (system, source, consumer group, message id, partition and
-// offset, body size) and the run's attempt. A failed run marks its span as
-// an error; Retry and DeadLetter add events to it. Without this option the
-// Loop makes no spans and it costs nothing.
-func WithTracerProvider(tp trace.TracerProvider) Option {
-	return func(c *config) error {
-		if tp == nil {
-			return configErr("TracerProvider", "must not be nil")
-		}
-		c.tracerProvider = tp
-		return nil
-	}
-}
-
 // startRun starts the consumer span of one handler run and returns the
 // context the handler gets.
 func (dp *dispatcher) startRun(ctx context.Context, m *Message) (context.Context, trace.Span) {
