@@ -158,7 +158,7 @@ package consumer
 //	timeout.go        Timeout and TimeoutError
 //	recover.go        Recover
 //	json.go           JSON, the typed handler, and DecodeError
-//	health.go         Health, HealthState, Verdict and how the loop judges its health
+//	health.go         Health, HealthState, Verdict, how the loop judges its health, and the probe handlers
 //	connectivity.go   whether the broker answers: the connection phase behind Health and the WARN lines
 //	metrics.go        the loop's metrics
 //	stack_metrics.go  the middleware's metrics, MetricsSource
