@@ -349,35 +349,35 @@ func TestAtMostOnceStagedAckIsWithdrawnAtTheGrace(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := newRun(context.Background(), l, HandlerFunc(func(context.Context, *Message) error { return nil }), nil)
-	defer r.cancelHandler()
-	defer r.io.cancel()
+	dp := newDispatcher(context.Background(), l, HandlerFunc(func(context.Context, *Message) error { return nil }), nil)
+	defer dp.cancelHandler()
+	defer dp.io.cancel()
 	var sd shutdown
 	defer sd.stop()
 	d := newDelivery(new(deliverySlab), &driver.Message{ID: "m", Deliveries: 1, Handle: "m"}, nil)
-	r.l.inflight.Add(1)
-	r.admit(d)
-	r.ready = r.ready[1:]
+	dp.l.inflight.Add(1)
+	dp.admit(d)
+	dp.ready = dp.ready[1:]
 	d.state = stateRunning
-	r.running++
+	dp.running++
 	// The worker asks for the ack; the dispatcher queues it.
 	reply := make(chan error, 1)
-	r.ackFirst(ackRequest{d, reply})
-	r.beginShutdown(&sd)
+	dp.ackFirst(ackRequest{d, reply})
+	dp.beginShutdown(&sd)
 	// Top of the dispatcher's loop: the ack is staged ...
-	if !r.io.stage() {
+	if !dp.io.stage() {
 		t.Fatal("nothing staged")
 	}
 	// ... and the select serves the grace timer before the settle goroutine
 	// takes the job.
-	r.endGrace(&sd)
+	dp.endGrace(&sd)
 	select {
 	case err := <-reply:
 		if err != errNotStarted {
 			t.Fatalf("the worker was told %v, want errNotStarted", err)
 		}
 	default:
-		for _, s := range r.io.settleJob().batch {
+		for _, s := range dp.io.settleJob().batch {
 			if s.Handle == "m" && s.Action == driver.Ack {
 				t.Fatalf("the grace ended before the ack was sent, yet the ack stays staged (to be made after the grace, its handler then starting on a cancelled context)")
 			}

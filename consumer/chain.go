@@ -112,11 +112,11 @@ type reservation struct {
 
 // reserveGates takes one call from every breaker of the chain for d. When
 // one would hold it, it gives back the calls taken and returns the hold.
-func (r *run) reserveGates(d *delivery) error {
-	for _, b := range r.breakers {
+func (dp *dispatcher) reserveGates(d *delivery) error {
+	for _, b := range dp.breakers {
 		call, hold := b.allow(&d.msg, &d.rec)
 		if hold != nil {
-			r.releaseReservations(d)
+			dp.releaseReservations(d)
 			return hold
 		}
 		d.reserved = append(d.reserved, reservation{b: b, call: call})
@@ -125,7 +125,7 @@ func (r *run) reserveGates(d *delivery) error {
 }
 
 // releaseReservations gives back the calls that no breaker took.
-func (r *run) releaseReservations(d *delivery) {
+func (dp *dispatcher) releaseReservations(d *delivery) {
 	for _, res := range d.reserved {
 		if res.call.done != nil {
 			res.call.done(errGateUnused)

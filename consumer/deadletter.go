@@ -123,13 +123,11 @@ const maxErrorHeader = 2 << 10
 //
 // Build one with NewDeadLetter; its Wrap method is a Middleware.
 type DeadLetter struct {
-	pub         Publisher
-	dest        string
-	maxAttempts int
-	name        string
-	host        string
-	logger      *slog.Logger // nil: the Loop's (Logger)
-	logs        *ratelog.Limiter
+	deadLetterConfig
+	pub  Publisher
+	dest string
+	host string
+	logs *ratelog.Limiter
 
 	registered atomic.Bool // its metrics were registered by hand (Stack.RegisterMetrics)
 	count      atomic.Int64
@@ -137,7 +135,14 @@ type DeadLetter struct {
 }
 
 // DeadLetterOption configures NewDeadLetter.
-type DeadLetterOption func(*DeadLetter) error
+type DeadLetterOption func(*deadLetterConfig) error
+
+// deadLetterConfig is what the DeadLetterOptions set.
+type deadLetterConfig struct {
+	maxAttempts int
+	name        string
+	logger      *slog.Logger // nil: the Loop's (Logger)
+}
 
 // DeadLetterMaxAttempts sets after how many failed runs a message is
 // dead-lettered. Default 10: with Retry's default of 3 runs per delivery,
@@ -145,11 +150,11 @@ type DeadLetterOption func(*DeadLetter) error
 // worth, so that a message redelivered after a crash or an outage still
 // has runs left.
 func DeadLetterMaxAttempts(n int) DeadLetterOption {
-	return func(d *DeadLetter) error {
+	return func(c *deadLetterConfig) error {
 		if n < 1 {
 			return configErr("DeadLetter.MaxAttempts", "must be >= 1, got %d", n)
 		}
-		d.maxAttempts = n
+		c.maxAttempts = n
 		return nil
 	}
 }
@@ -158,11 +163,11 @@ func DeadLetterMaxAttempts(n int) DeadLetterOption {
 // HeaderDLQConsumer. Default the name of the Loop running the handler
 // (WithName, read through Name), or "ferry" outside a Loop.
 func DeadLetterConsumerName(name string) DeadLetterOption {
-	return func(d *DeadLetter) error {
+	return func(c *deadLetterConfig) error {
 		if name == "" {
 			return configErr("DeadLetter.ConsumerName", "must not be empty")
 		}
-		d.name = name
+		c.name = name
 		return nil
 	}
 }
@@ -172,11 +177,11 @@ func DeadLetterConsumerName(name string) DeadLetterOption {
 // kind, with the count of those left out. Default the logger of the Loop
 // running the handler (Logger), or slog.Default() outside one.
 func DeadLetterLogger(l *slog.Logger) DeadLetterOption {
-	return func(d *DeadLetter) error {
+	return func(c *deadLetterConfig) error {
 		if l == nil {
 			return configErr("DeadLetter.Logger", "must not be nil")
 		}
-		d.logger = l
+		c.logger = l
 		return nil
 	}
 }
@@ -192,16 +197,16 @@ func NewDeadLetter(pub Publisher, destination string, opts ...DeadLetterOption) 
 		return nil, configErr("DeadLetter.Destination", "must not be empty")
 	}
 	host, _ := os.Hostname()
-	d := &DeadLetter{pub: pub, dest: destination, maxAttempts: 10, host: host, logs: ratelog.New(5, time.Minute)}
+	c := deadLetterConfig{maxAttempts: 10}
 	for _, o := range opts {
 		if o == nil {
 			continue
 		}
-		if err := o(d); err != nil {
+		if err := o(&c); err != nil {
 			return nil, err
 		}
 	}
-	return d, nil
+	return &DeadLetter{deadLetterConfig: c, pub: pub, dest: destination, host: host, logs: ratelog.New(5, time.Minute)}, nil
 }
 
 // Count returns how many messages this DeadLetter has dead-lettered (each

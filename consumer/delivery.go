@@ -16,10 +16,10 @@ import (
 type state uint8
 
 const (
-	stateReady    state = iota // in run.ready, waiting for a free worker
-	stateQueued                // behind a busy key, in run.keys
+	stateReady    state = iota // in dispatcher.ready, waiting for a free worker
+	stateQueued                // behind a busy key, in dispatcher.keys
 	stateRunning               // with a worker (in at-most-once mode, perhaps waiting for its ack)
-	stateWaiting               // in run.waiting until its time comes: an in-place retry, a hold, a deferral
+	stateWaiting               // in dispatcher.waiting until its time comes: an in-place retry, a hold, a deferral
 	stateSettling              // its settlement is decided; it leaves when the settlement is made
 )
 
@@ -47,16 +47,16 @@ type delivery struct {
 	called   bool // the worker called the handler this time (set by the worker)
 	late     bool // the handler returned after the shutdown grace ended (set by the worker)
 
-	// A run: an ordered delivery goes to its worker with the deliveries
-	// queued behind its key (run), which the worker runs after it, in
+	// A train: an ordered delivery goes to its worker with the deliveries
+	// queued behind its key (train), which the worker runs after it, in
 	// order, for as long as each succeeds; where one does not, the worker
-	// hands the rest back unrun in cut. passKey marks a delivery of a run
+	// hands the rest back unrun in cut. passKey marks a delivery of a train
 	// that is not the last: its key passes on to the next one, so its ack
 	// releases nothing.
-	run     []*delivery
+	train   []*delivery
 	cut     []*delivery // set by the worker
 	passKey bool
-	loose   *looseRun // d.run as a run of unordered deliveries, which idle workers may take over
+	loose   *looseTrain // d.train as a train of unordered deliveries, which idle workers may take over
 
 	gen   uint64 // the lane generation it was fetched under (driver.Message.Generation)
 	prior int    // handler runs known before this delivery
@@ -83,7 +83,7 @@ type delivery struct {
 type deliveryRare struct {
 	known   driver.History    // what the broker carried of the runs before this delivery
 	due     time.Time         // when a waiting delivery runs again
-	heapIdx int               // its index in run.waiting, or -1
+	heapIdx int               // its index in dispatcher.waiting, or -1
 	awaited []*revocationWait // revocations waiting for this delivery
 }
 
@@ -95,7 +95,7 @@ func (d *delivery) rare() *deliveryRare {
 	return d.x
 }
 
-// waitingIdx is d's index in run.waiting, or -1 if it is not there.
+// waitingIdx is d's index in dispatcher.waiting, or -1 if it is not there.
 func (d *delivery) waitingIdx() int {
 	if d.x == nil {
 		return -1
@@ -142,12 +142,12 @@ func (s *deliverySlab) next() *delivery {
 // forget drops d's references to what may be large (the body, the headers,
 // the driver's handle) once d has left the loop, so that its slab does not
 // keep them alive. The handler has returned: it must not keep the Message.
-// Its run goes too, loose or not: a run views a ready queue's array, whose
-// deliveries' runs view later arrays, so one delivery held for long (and its
+// Its train goes too, loose or not: a train views a ready queue's array, whose
+// deliveries' trains view later arrays, so one delivery held for long (and its
 // slab's neighbours) would otherwise keep every later delivery reachable.
 func (d *delivery) forget() {
 	d.msg.Body, d.msg.Headers, d.msg.handle = nil, nil, nil
-	d.run, d.cut, d.reserved, d.loose = nil, nil, nil, nil
+	d.train, d.cut, d.reserved, d.loose = nil, nil, nil, nil
 }
 
 // ackRequest is a worker asking for an at-most-once delivery's ack before
@@ -188,17 +188,17 @@ func (c *deliveryCtx) Value(key any) any {
 
 // listPush adds d to the list of everything in flight, which lease
 // extension and revocation walk.
-func (r *run) listPush(d *delivery) {
-	if r.l.extender != nil {
-		d.leaseAt = time.Now().Add(r.l.extender.Lease())
+func (dp *dispatcher) listPush(d *delivery) {
+	if dp.l.extender != nil {
+		d.leaseAt = time.Now().Add(dp.l.extender.Lease())
 	}
-	d.prev = r.head.prev
-	d.next = &r.head
-	r.head.prev.next = d
-	r.head.prev = d
+	d.prev = dp.head.prev
+	d.next = &dp.head
+	dp.head.prev.next = d
+	dp.head.prev = d
 }
 
-func (r *run) listRemove(d *delivery) {
+func (dp *dispatcher) listRemove(d *delivery) {
 	if d.next == nil {
 		return
 	}

@@ -33,8 +33,10 @@
 //   - any other error, or a panic: delivered again after the redelivery
 //     backoff ([WithRedeliveryBackoff]).
 //
-// [IsPermanent], [IsHeld] and [IsDeferred] tell the outcomes apart, as do
-// errors.Is with [ErrPermanent], [ErrHeld] and [ErrDeferred].
+// [IsPermanent], [IsRetryAfter], [IsHeld] and [IsDeferred] tell the outcomes
+// apart, as do errors.Is with [ErrPermanent], [ErrRetryAfter], [ErrHeld] and
+// [ErrDeferred]; errors.As gives the delay ([RetryAfterError], [HeldError],
+// [DeferredError]).
 //
 // Where the broker can take a message back (SQS, RabbitMQ, memory), the loop
 // returns it with the delay. Where it cannot (a Kafka log), or where it would
@@ -102,4 +104,64 @@
 // A Handler is one method; [HandlerFunc] turns a function into one; a
 // [Middleware] wraps one; [Chain] composes them, the first listed outermost. [JSON]
 // gives a typed handler whose undecodable bodies are permanent errors.
+//
+// # Options
+//
+// Every constructor here that takes options takes them one way: a variadic
+// list of its own option type, a function that sets one setting of an
+// unexported configuration, applied in order (a nil option is skipped).
+// Each option checks its value, and a bad one makes the constructor fail
+// with a *[ConfigError] naming the setting; each option's doc says its
+// default. The Loop's options, of type [Option], are named With and the
+// setting ([WithConcurrency], [WithLogger]), as in every broker package; a
+// middleware's are named for the middleware and the setting
+// ([RetryAttempts], [BreakerOpenFor], [DeadLetterMaxAttempts],
+// [StandardTimeout]), since one package holds them all and a WithLogger
+// could mean only one of them. All of New's options are in options.go.
 package consumer
+
+// For maintainers. The words of this package's code: "Run" is the method
+// (Loop.Run, Consumer.Run) and a call of it ("a Run"). A run, lower case, is
+// one run of the handler chain on a message: what Message.Attempt,
+// driver.History.Runs, Stats.Failed and the metrics count, and what a
+// re-run repeats. The dispatcher is the one goroutine of a Run that owns
+// every delivery's state (type dispatcher, receiver dp). A train is the
+// deliveries a worker takes along with the one it was handed, to run after
+// it without a round trip through the dispatcher: the deliveries queued
+// behind an ordered delivery's key (delivery.train), or unordered
+// deliveries ready behind an unordered one (looseTrain), which idle workers
+// may take back.
+//
+// The files:
+//
+//	doc.go            the package doc, these words, this map
+//	message.go        Message, Handler, HandlerFunc, Middleware, Chain, Consumer, Publisher
+//	outcome.go        the outcomes (Permanent, RetryAfter, Hold, Defer), their sentinels and IsX; PanicError, PublishError
+//	options.go        New's Options (every WithX), DeliveryMode, Ordering, ConfigError
+//	loop.go           Loop, New, Run, Stats, Lag
+//	dispatch.go       the dispatcher: admits fetched deliveries, hands them to workers, applies outcomes
+//	workers.go        the goroutines around the dispatcher: the fetcher and the workers
+//	delivery.go       one delivery as the loop holds it: state, context, order key, the in-flight list
+//	waiting.go        deliveries that wait to run again: in-place retries, holds, deferrals
+//	settle.go         settlements (acks, returns) and lease extensions, and their goroutines
+//	revoke.go         lanes the broker takes away
+//	shutdown.go       how a Run ends: the drain, the grace, what goes back
+//	ledger.go         the run counts of messages handed back, for when they come back (SQS counts only deliveries)
+//	chain.go          what the loop learns from the handler chain: nil layers, breakers, reservations
+//	record.go         the per-delivery record the middleware layers share through the context
+//	deadline.go       the cheap deadline context behind Timeout, and the monotonic clock
+//	backoff.go        exponential backoff with full jitter, for Retry and redeliveries
+//	retry.go          Retry and its RetryOptions
+//	breaker.go        Breaker and its BreakerOptions
+//	deadletter.go     DeadLetter, its DeadLetterOptions and the HeaderDLQ headers
+//	standard.go       Standard, the recommended Stack, and its StandardOptions
+//	timeout.go        Timeout and TimeoutError
+//	recover.go        Recover
+//	json.go           JSON, the typed handler, and DecodeError
+//	health.go         Health, HealthState, Verdict, how the loop judges its health, and the probe handlers
+//	connectivity.go   whether the broker answers: the connection phase behind Health and the WARN lines
+//	metrics.go        the loop's metrics
+//	stack_metrics.go  the middleware's metrics, MetricsSource
+//	tracing.go        spans for handler runs (WithTracerProvider) and for publishes (TracePublisher)
+//	driver/           the interface a broker implements beneath the loop
+//	consumertest/     the conformance suite every driver passes

@@ -79,21 +79,20 @@ const (
 	HealthStopped HealthState = "stopped"
 )
 
-// Unhealthy reports whether the state calls for someone to act: every
+// unhealthy reports whether the state calls for someone to act: every
 // state but steady and downstream slow. A consumer in such a state is not
-// ready (Health.Ready); whether it is alive is another question
-// (HealthState.Live).
-func (s HealthState) Unhealthy() bool {
+// ready (Health.Ready); whether it is alive is another question (live).
+func (s HealthState) unhealthy() bool {
 	return s != HealthSteady && s != HealthDownstreamSlow
 }
 
-// Live reports whether a consumer in this state is alive, as a liveness
+// live reports whether a consumer in this state is alive, as a liveness
 // probe asks: only a stopped or wedged consumer is not, because only a
 // restart can help it. An open breaker (protected), a broker that is down
 // (disconnected) or a storm of retries are not cured by a restart; failing
 // liveness there would restart every pod during the very outage the
 // consumer is riding out.
-func (s HealthState) Live() bool {
+func (s HealthState) live() bool {
 	return s != HealthStopped && s != HealthWedged
 }
 
@@ -118,8 +117,8 @@ type Health struct {
 	Source   string      `json:"source,omitempty"` // the topic or queue, where the driver names it
 	State    HealthState `json:"state"`
 	Reason   string      `json:"reason"` // one sentence naming the figures that decided the state
-	Live     bool        `json:"live"`   // State.Live(): what a liveness probe should see
-	Ready    bool        `json:"ready"`  // !State.Unhealthy(): what a readiness probe should see
+	Live     bool        `json:"live"`   // the state is neither stopped nor wedged: what a liveness probe should see
+	Ready    bool        `json:"ready"`  // the state is steady or downstream slow: what a readiness probe should see
 	// Error is the cause of a disconnection, or what Run returned.
 	Error   string    `json:"error,omitempty"`
 	At      time.Time `json:"at"`
@@ -181,39 +180,6 @@ func (w *healthWindow) add(s healthSample) {
 		w.lastProgress = s.at
 	}
 	w.samples = append(w.samples, s)
-}
-
-// WithHealthWindow sets how the loop samples its health: every interval,
-// keeping the last samples (at least 3). Default every 5 s, 12 samples: a
-// minute.
-func WithHealthWindow(interval time.Duration, samples int) Option {
-	return func(c *config) error {
-		if interval <= 0 {
-			return configErr("HealthWindow", "interval must be > 0, got %s", interval)
-		}
-		if samples < 3 {
-			return configErr("HealthWindow", "needs at least 3 samples, got %d", samples)
-		}
-		c.healthInterval, c.healthSamples = interval, samples
-		return nil
-	}
-}
-
-// WithRetention tells the loop how long its source keeps a message (a Kafka
-// topic's retention.ms, an SQS queue's MessageRetentionPeriod) and at what
-// fraction of it the backlog's age is an alarm: past it, Health says
-// HealthBacklogPastRetention. Off by default.
-func WithRetention(retention time.Duration, fraction float64) Option {
-	return func(c *config) error {
-		if retention <= 0 {
-			return configErr("Retention", "must be > 0, got %s", retention)
-		}
-		if fraction <= 0 || fraction > 1 {
-			return configErr("Retention", "fraction must be in (0, 1], got %v", fraction)
-		}
-		c.retention, c.retentionFraction = retention, fraction
-		return nil
-	}
 }
 
 // sampleHealth records samples every interval until ctx ends.
@@ -302,7 +268,7 @@ func (l *Loop) Health() Health {
 	h := judge(l.cfg, samples, parts)
 	h.Source = l.caps.Source
 	l.judgeLink(&h, lastProgress)
-	h.Live, h.Ready = h.State.Live(), !h.State.Unhealthy()
+	h.Live, h.Ready = h.State.live(), !h.State.unhealthy()
 	return h
 }
 
@@ -556,14 +522,6 @@ func Evaluate(lags, positions []int64) Verdict {
 	}
 	return VerdictOK
 }
-
-// HealthHandler serves the Health of each loop as JSON ({"consumers":
-// [...]}), with status 200 when every consumer is ready (steady or
-// downstream slow) and 503 otherwise: a readiness probe, or a /healthz for
-// people and dashboards. It is ReadinessHandler; do not wire it to a
-// liveness probe, which must not fail while a breaker protects the
-// downstream (use LivenessHandler).
-func HealthHandler(loops ...*Loop) http.Handler { return ReadinessHandler(loops...) }
 
 // ReadinessHandler serves the Health of each loop as JSON, with status 200
 // when every consumer is ready (Health.Ready) and 503 when any is not:

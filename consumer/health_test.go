@@ -105,9 +105,9 @@ func (s *healthScenario) waitState(want consumer.HealthState) consumer.Health {
 		h := s.loop.Health()
 		if h.State == want {
 			rec := httptest.NewRecorder()
-			consumer.HealthHandler(s.loop).ServeHTTP(rec, httptest.NewRequest("GET", "/healthz", nil))
+			consumer.ReadinessHandler(s.loop).ServeHTTP(rec, httptest.NewRequest("GET", "/healthz", nil))
 			wantCode := http.StatusOK
-			if want.Unhealthy() {
+			if !h.Ready {
 				wantCode = http.StatusServiceUnavailable
 			}
 			var body struct{ Consumers []consumer.Health }

@@ -207,10 +207,10 @@ func (l *Loop) Run(ctx context.Context, h Handler) (err error) {
 	if l.cfg.mode != AtMostOnce {
 		breakers = nil // only an ack before the run needs to ask them first
 	}
-	r := newRun(ctx, l, h, breakers)
-	defer r.cancelHandler()
+	dp := newDispatcher(ctx, l, h, breakers)
+	defer dp.cancelHandler()
 	l.connStarting()
-	slowStart := time.AfterFunc(l.cfg.reportAfter, func() { l.connSlowStart(r.log) })
+	slowStart := time.AfterFunc(l.cfg.reportAfter, func() { l.connSlowStart(dp.log) })
 	defer slowStart.Stop()
 	defer func() { l.connStopped(err) }()
 
@@ -222,37 +222,37 @@ func (l *Loop) Run(ctx context.Context, h Handler) (err error) {
 	fetchCtx, stopFetch := context.WithCancel(ctx)
 	defer stopFetch()
 	fetcherDone := make(chan struct{})
-	go func() { defer close(fetcherDone); r.fetchLoop(fetchCtx) }()
+	go func() { defer close(fetcherDone); dp.fetchLoop(fetchCtx) }()
 	var workers, io sync.WaitGroup
-	for i := range r.boxes {
+	for i := range dp.boxes {
 		workers.Add(1)
-		go func() { defer workers.Done(); r.worker(&r.boxes[i]) }()
+		go func() { defer workers.Done(); dp.worker(&dp.boxes[i]) }()
 	}
-	for range r.io.settlers {
+	for range dp.io.settlers {
 		io.Add(1)
-		go func() { defer io.Done(); r.io.settleLoop(r.abandon) }()
+		go func() { defer io.Done(); dp.io.settleLoop(dp.abandon) }()
 	}
 	if l.extender != nil {
 		io.Add(1)
-		go func() { defer io.Done(); r.io.extendLoop(r.abandon) }()
+		go func() { defer io.Done(); dp.io.extendLoop(dp.abandon) }()
 	}
 
-	err = r.dispatch(ctx, stopFetch, fetcherDone)
+	err = dp.dispatch(ctx, stopFetch, fetcherDone)
 
 	// Drained, or given up on: let every goroutine go. Calls still with the
 	// driver are cancelled; their results are not waited for.
-	r.io.cancel()
-	close(r.io.settleC)
-	close(r.io.extendC)
-	r.closeRevocations()
-	close(r.abandon)
+	dp.io.cancel()
+	close(dp.io.settleC)
+	close(dp.io.extendC)
+	dp.closeRevocations()
+	close(dp.abandon)
 	<-fetcherDone
-	close(r.work)
-	if r.running == 0 {
+	close(dp.work)
+	if dp.running == 0 {
 		workers.Wait() // otherwise some handler ignored cancellation: do not wait for it
 	}
 	waitTimeout(&io, abandonAfter)
-	r.timer.Stop()
+	dp.timer.Stop()
 	return err
 }
 

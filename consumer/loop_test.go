@@ -511,13 +511,13 @@ func TestMaxInFlightReportsTheBound(t *testing.T) {
 	}
 }
 
-// TestRunsKeepLaneOrder: a worker takes an ordered delivery with the run
-// queued behind its key; the key passes along the run, so that nothing
-// queued after the run starts before the run's last delivery finished.
-// Lanes longer than a run (maxRun) show whether an ack in the middle of a
+// TestTrainsKeepLaneOrder: a worker takes an ordered delivery with the train
+// queued behind its key; the key passes along the train, so that nothing
+// queued after the train starts before the train's last delivery finished.
+// Lanes longer than a train (maxTrain) show whether an ack in the middle of a
 // run lets the next delivery of the key queue start too early.
-func TestRunsKeepLaneOrder(t *testing.T) {
-	const perLane = 3*maxRun + 17
+func TestTrainsKeepLaneOrder(t *testing.T) {
+	const perLane = 3*maxTrain + 17
 	drv := newScriptLog(true)
 	drv.add("a", perLane)
 	drv.add("b", perLane)
@@ -561,10 +561,10 @@ func TestRunsKeepLaneOrder(t *testing.T) {
 	}
 }
 
-// TestRunsTakeTurnsWithOtherLanes: a worker running a lane's run of slow
+// TestTrainsTakeTurnsWithOtherLanes: a worker running a lane's train of slow
 // handlers hands the rest of it back once another delivery waits for a
-// worker, so that one lane does not keep the only worker for a whole run.
-func TestRunsTakeTurnsWithOtherLanes(t *testing.T) {
+// worker, so that one lane does not keep the only worker for a whole train.
+func TestTrainsTakeTurnsWithOtherLanes(t *testing.T) {
 	drv := newScriptLog(false)
 	drv.add("a", 300)
 	drv.add("b", 1)
@@ -587,7 +587,7 @@ func TestRunsTakeTurnsWithOtherLanes(t *testing.T) {
 	}
 	at := slices.Index(order, "b")
 	if at < 0 || at > 100 {
-		t.Errorf("lane b's only message ran after %d of lane a's 300 (a whole run of %d): runs do not take turns", at, maxRun)
+		t.Errorf("lane b's only message ran after %d of lane a's 300 (a whole train of %d): trains do not take turns", at, maxTrain)
 	}
 }
 
@@ -624,12 +624,12 @@ func TestAnAckDoesNotWaitForOtherHandlers(t *testing.T) {
 	}
 }
 
-// Unordered deliveries go to a worker in runs (one hand-off for many), but
-// a slow handler does not keep the rest of its run from idle workers: the
+// Unordered deliveries go to a worker in trains (one hand-off for many), but
+// a slow handler does not keep the rest of its train from idle workers: the
 // worker hands them back as soon as one is slow.
-func TestASlowHandlerHandsBackTheRestOfItsRun(t *testing.T) {
+func TestASlowHandlerHandsBackTheRestOfItsTrain(t *testing.T) {
 	drv := newScriptLog(true)
-	drv.add("", 40) // unlaned: runs of about 19 for each of the 2 workers
+	drv.add("", 40) // unlaned: trains of about 19 for each of the 2 workers
 	l, err := New(drv, WithConcurrency(2), WithLogger(slog.New(slog.DiscardHandler)))
 	if err != nil {
 		t.Fatal(err)

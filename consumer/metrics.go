@@ -55,18 +55,6 @@ func healthLevel(s HealthState) int64 {
 	return 0
 }
 
-// WithMeterProvider sets where the loop reports its metrics. Default the
-// global provider (otel.GetMeterProvider), a no-op until one is installed.
-func WithMeterProvider(mp metric.MeterProvider) Option {
-	return func(c *config) error {
-		if mp == nil {
-			return configErr("MeterProvider", "must not be nil")
-		}
-		c.meterProvider = mp
-		return nil
-	}
-}
-
 // registerMetrics registers the loop's observable instruments, the
 // histograms it records into, and the counters of the middleware in its
 // chain that nobody registered by hand, all on the loop's MeterProvider.

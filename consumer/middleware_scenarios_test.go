@@ -402,7 +402,7 @@ func TestScenarioPoisonMessagesAreDeadLetteredWithTheirStory(t *testing.T) {
 					consumer.RetryMaxInterval(5*time.Millisecond), consumer.RetryRedeliveryMax(20*time.Millisecond)),
 				consumer.StandardBreaker(consumer.BreakerFailures(1000)),
 				consumer.StandardDeadLetter(consumer.DeadLetterMaxAttempts(maxAttempts), consumer.DeadLetterConsumerName("poison-test")))
-			mws := st.Middleware()
+			mws := []consumer.Middleware{st.DeadLetter.Wrap, st.Retry.Wrap, st.Breaker.Wrap, consumer.Timeout(st.Timeout), consumer.Recover()}
 			if order == "deadletter-inside-retry" {
 				mws[0], mws[1] = mws[1], mws[0]
 			}

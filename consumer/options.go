@@ -195,7 +195,8 @@ func WithOrdering(o Ordering) Option {
 	}
 }
 
-// WithDeliveryMode chooses at-least-once (the default) or at-most-once.
+// WithDeliveryMode chooses at-least-once or at-most-once (see AtMostOnce).
+// Default AtLeastOnce.
 func WithDeliveryMode(m DeliveryMode) Option {
 	return func(c *config) error {
 		if m > AtMostOnce {
@@ -284,6 +285,68 @@ func WithWedgedAfter(d time.Duration) Option {
 			return configErr("WedgedAfter", "must be > 0, got %s", d)
 		}
 		c.wedgedAfter = d
+		return nil
+	}
+}
+
+// WithMeterProvider sets where the loop reports its metrics. Default the
+// global provider (otel.GetMeterProvider), a no-op until one is installed.
+func WithMeterProvider(mp metric.MeterProvider) Option {
+	return func(c *config) error {
+		if mp == nil {
+			return configErr("MeterProvider", "must not be nil")
+		}
+		c.meterProvider = mp
+		return nil
+	}
+}
+
+// WithTracerProvider makes the Loop run every handler run in a consumer span
+// of tp named "process SOURCE", the child of the trace context the message
+// carries in its headers (see TracePublisher), with the messaging attributes
+// of the message (system, source, consumer group, message id, partition and
+// offset, body size) and the run's attempt. A failed run marks its span as
+// an error; Retry and DeadLetter add events to it. Default none: the Loop
+// makes no spans, and tracing costs nothing.
+func WithTracerProvider(tp trace.TracerProvider) Option {
+	return func(c *config) error {
+		if tp == nil {
+			return configErr("TracerProvider", "must not be nil")
+		}
+		c.tracerProvider = tp
+		return nil
+	}
+}
+
+// WithHealthWindow sets how the loop samples its health: every interval,
+// keeping the last samples (at least 3). Default every 5 s, 12 samples: a
+// minute.
+func WithHealthWindow(interval time.Duration, samples int) Option {
+	return func(c *config) error {
+		if interval <= 0 {
+			return configErr("HealthWindow", "interval must be > 0, got %s", interval)
+		}
+		if samples < 3 {
+			return configErr("HealthWindow", "needs at least 3 samples, got %d", samples)
+		}
+		c.healthInterval, c.healthSamples = interval, samples
+		return nil
+	}
+}
+
+// WithRetention tells the loop how long its source keeps a message (a Kafka
+// topic's retention.ms, an SQS queue's MessageRetentionPeriod) and at what
+// fraction of it the backlog's age is an alarm: past it, Health says
+// HealthBacklogPastRetention. Default off: no retention is known.
+func WithRetention(retention time.Duration, fraction float64) Option {
+	return func(c *config) error {
+		if retention <= 0 {
+			return configErr("Retention", "must be > 0, got %s", retention)
+		}
+		if fraction <= 0 || fraction > 1 {
+			return configErr("Retention", "fraction must be in (0, 1], got %v", fraction)
+		}
+		c.retention, c.retentionFraction = retention, fraction
 		return nil
 	}
 }

@@ -11,15 +11,18 @@ import (
 // ErrPermanent matches, through errors.Is, every error made by Permanent.
 var ErrPermanent = errors.New("permanent error")
 
+// ErrRetryAfter matches, through errors.Is, every error made by RetryAfter.
+var ErrRetryAfter = errors.New("retry after a delay")
+
 // ErrHeld matches, through errors.Is, every error made by Hold.
 var ErrHeld = errors.New("message held")
 
 // ErrDeferred matches, through errors.Is, every error made by Defer.
 var ErrDeferred = errors.New("message deferred")
 
-// PermanentError marks a failure that no retry can fix, such as a body that
+// permanentError marks a failure that no retry can fix, such as a body that
 // does not decode. The message goes to the dead-letter destination at once.
-type PermanentError struct{ Err error }
+type permanentError struct{ err error }
 
 // Permanent marks err as permanent: the message is never retried and goes to
 // the dead-letter destination with err as its reason. Permanent(nil) is nil.
@@ -27,20 +30,20 @@ func Permanent(err error) error {
 	if err == nil {
 		return nil
 	}
-	var p *PermanentError
+	var p *permanentError
 	if errors.As(err, &p) {
 		return err
 	}
-	return &PermanentError{Err: err}
+	return &permanentError{err: err}
 }
 
-func (e *PermanentError) Error() string { return "permanent: " + e.Err.Error() }
+func (e *permanentError) Error() string { return "permanent: " + e.err.Error() }
 
 // Unwrap returns the marked error.
-func (e *PermanentError) Unwrap() error { return e.Err }
+func (e *permanentError) Unwrap() error { return e.err }
 
 // Is reports whether target is ErrPermanent.
-func (e *PermanentError) Is(target error) bool { return target == ErrPermanent }
+func (e *permanentError) Is(target error) bool { return target == ErrPermanent }
 
 // IsPermanent reports whether err, or an error it wraps, is permanent.
 func IsPermanent(err error) bool { return errors.Is(err, ErrPermanent) }
@@ -72,6 +75,13 @@ func (e *RetryAfterError) Error() string {
 
 // Unwrap returns the underlying error.
 func (e *RetryAfterError) Unwrap() error { return e.Err }
+
+// Is reports whether target is ErrRetryAfter.
+func (e *RetryAfterError) Is(target error) bool { return target == ErrRetryAfter }
+
+// IsRetryAfter reports whether err, or an error it wraps, was made by
+// RetryAfter. errors.As with a *RetryAfterError gives its Delay.
+func IsRetryAfter(err error) bool { return errors.Is(err, ErrRetryAfter) }
 
 // DeferredError says the handler did not run because the message waits on
 // something else; see Defer.

@@ -42,13 +42,9 @@ import (
 //
 // Build one with NewRetry; its Wrap method is a Middleware.
 type Retry struct {
-	attempts      int
-	maxElapsed    time.Duration
-	redeliveryMax time.Duration
-	b             backoff
-	sleep         func(ctx context.Context, d time.Duration) error // tests replace it
-	logger        *slog.Logger                                     // nil: the Loop's (Logger)
-	logs          *ratelog.Limiter
+	retryConfig
+	sleep func(ctx context.Context, d time.Duration) error // tests replace it
+	logs  *ratelog.Limiter
 
 	registered atomic.Bool  // its metrics were registered by hand (Stack.RegisterMetrics)
 	retries    atomic.Int64 // in-process re-runs
@@ -63,28 +59,37 @@ func (r *Retry) Retries() int64 { return r.retries.Load() }
 func (r *Retry) GivenBack() int64 { return r.givenBack.Load() }
 
 // RetryOption configures NewRetry.
-type RetryOption func(*Retry) error
+type RetryOption func(*retryConfig) error
+
+// retryConfig is what the RetryOptions set.
+type retryConfig struct {
+	attempts      int
+	maxElapsed    time.Duration
+	redeliveryMax time.Duration
+	b             backoff
+	logger        *slog.Logger // nil: the Loop's (Logger)
+}
 
 // RetryAttempts sets how many times a delivery runs the handler in process,
 // the first run included. 1 makes no in-process retry: each failure goes back
 // to the broker with a jittered, growing delay. Default 3.
 func RetryAttempts(n int) RetryOption {
-	return func(r *Retry) error {
+	return func(c *retryConfig) error {
 		if n < 1 {
 			return configErr("Retry.Attempts", "must be >= 1, got %d", n)
 		}
-		r.attempts = n
+		c.attempts = n
 		return nil
 	}
 }
 
 // RetryInitial sets the first backoff step. Default 100ms.
 func RetryInitial(d time.Duration) RetryOption {
-	return func(r *Retry) error {
+	return func(c *retryConfig) error {
 		if d <= 0 {
 			return configErr("Retry.Initial", "must be > 0, got %s", d)
 		}
-		r.b.initial = d
+		c.b.initial = d
 		return nil
 	}
 }
@@ -92,22 +97,22 @@ func RetryInitial(d time.Duration) RetryOption {
 // RetryMultiplier sets the growth of each backoff step over the one before.
 // Default 2.
 func RetryMultiplier(f float64) RetryOption {
-	return func(r *Retry) error {
+	return func(c *retryConfig) error {
 		if !(f >= 1) || f > 1e6 {
 			return configErr("Retry.Multiplier", "must be between 1 and 1e6, got %g", f)
 		}
-		r.b.multiplier = f
+		c.b.multiplier = f
 		return nil
 	}
 }
 
 // RetryMaxInterval caps one in-process backoff step. Default 2s.
 func RetryMaxInterval(d time.Duration) RetryOption {
-	return func(r *Retry) error {
+	return func(c *retryConfig) error {
 		if d <= 0 {
 			return configErr("Retry.MaxInterval", "must be > 0, got %s", d)
 		}
-		r.b.max = d
+		c.b.max = d
 		return nil
 	}
 }
@@ -116,11 +121,11 @@ func RetryMaxInterval(d time.Duration) RetryOption {
 // run starts when its backoff would end past this bound since the first run
 // began, and the message goes back to the broker instead. Default 10s.
 func RetryMaxElapsed(d time.Duration) RetryOption {
-	return func(r *Retry) error {
+	return func(c *retryConfig) error {
 		if d <= 0 {
 			return configErr("Retry.MaxElapsed", "must be > 0, got %s", d)
 		}
-		r.maxElapsed = d
+		c.maxElapsed = d
 		return nil
 	}
 }
@@ -129,11 +134,11 @@ func RetryMaxElapsed(d time.Duration) RetryOption {
 // budget is spent goes back to the broker. Default 1m. (SQS accepts at most
 // 12h.)
 func RetryRedeliveryMax(d time.Duration) RetryOption {
-	return func(r *Retry) error {
+	return func(c *retryConfig) error {
 		if d <= 0 {
 			return configErr("Retry.RedeliveryMax", "must be > 0, got %s", d)
 		}
-		r.redeliveryMax = d
+		c.redeliveryMax = d
 		return nil
 	}
 }
@@ -144,11 +149,11 @@ func RetryRedeliveryMax(d time.Duration) RetryOption {
 // the logger of the Loop running the handler (Logger), or slog.Default()
 // outside one.
 func RetryLogger(l *slog.Logger) RetryOption {
-	return func(r *Retry) error {
+	return func(c *retryConfig) error {
 		if l == nil {
 			return configErr("Retry.Logger", "must not be nil")
 		}
-		r.logger = l
+		c.logger = l
 		return nil
 	}
 }
@@ -158,8 +163,8 @@ func RetryLogger(l *slog.Logger) RetryOption {
 // together; turn it off only to make delays predictable in a test. Default
 // on.
 func RetryJitter(on bool) RetryOption {
-	return func(r *Retry) error {
-		r.b.jitter = on
+	return func(c *retryConfig) error {
+		c.b.jitter = on
 		return nil
 	}
 }
@@ -167,26 +172,24 @@ func RetryJitter(on bool) RetryOption {
 // NewRetry returns a Retry. It fails with a *ConfigError naming the field
 // when an option is invalid, or when MaxInterval is below Initial.
 func NewRetry(opts ...RetryOption) (*Retry, error) {
-	r := &Retry{
+	c := retryConfig{
 		attempts:      3,
 		maxElapsed:    10 * time.Second,
 		redeliveryMax: time.Minute,
 		b:             backoff{initial: 100 * time.Millisecond, multiplier: 2, max: 2 * time.Second, jitter: true},
-		sleep:         sleepCtx,
-		logs:          ratelog.New(5, time.Minute),
 	}
 	for _, o := range opts {
 		if o == nil {
 			continue
 		}
-		if err := o(r); err != nil {
+		if err := o(&c); err != nil {
 			return nil, err
 		}
 	}
-	if r.b.max < r.b.initial {
-		return nil, configErr("Retry.MaxInterval", "%s is below Initial %s", r.b.max, r.b.initial)
+	if c.b.max < c.b.initial {
+		return nil, configErr("Retry.MaxInterval", "%s is below Initial %s", c.b.max, c.b.initial)
 	}
-	return r, nil
+	return &Retry{retryConfig: c, sleep: sleepCtx, logs: ratelog.New(5, time.Minute)}, nil
 }
 
 // Wrap returns next wrapped in the retry behaviour. r.Wrap is a Middleware.
@@ -295,11 +298,7 @@ func (r *Retry) giveBack(ctx context.Context, m *Message, err error, runs int) e
 
 // stopsRetry reports whether err ends the in-process retries at once.
 func stopsRetry(ctx context.Context, err error) bool {
-	if ctx.Err() != nil || IsPermanent(err) || IsHeld(err) || IsDeferred(err) {
-		return true
-	}
-	var ra *RetryAfterError
-	if errors.As(err, &ra) {
+	if ctx.Err() != nil || IsPermanent(err) || IsHeld(err) || IsDeferred(err) || IsRetryAfter(err) {
 		return true
 	}
 	var dl *DeadLetterError
@@ -318,75 +317,4 @@ func sleepCtx(ctx context.Context, d time.Duration) error {
 	case <-ctx.Done():
 		return ctx.Err()
 	}
-}
-
-// record is what the layers of one delivery share about its runs:
-// DeadLetter writes its MaxAttempts, so that Retry stops there; Retry and
-// the loop note when runs failed. The delivery loop gives every delivery one
-// in its handler's context, so it reaches every layer whatever order they
-// were composed in and costs no allocation; outside a loop the first layer
-// that needs one adds it.
-type record struct {
-	maxAttempts int // DeadLetter's MaxAttempts; 0 without DeadLetter
-	// deadLettered is set once DeadLetter has published the message: its nil
-	// means "settled", and an outer Timeout must not turn it into a failure.
-	deadLettered bool
-	first, last  time.Time
-	// inPlace is set by the loop when it holds the message in place after a
-	// failure (a broker that cannot redeliver, such as a Kafka partition):
-	// its lane waits for it, and its next runs are made by the loop.
-	inPlace bool
-	// failMark is what a Breaker noted when a run of the message failed
-	// through it: the breaker, and its count of successes then.
-	failMark breakerMark
-	// runStart is when the latest run under a Timeout began (monoNow), as
-	// the Timeout read it for its deadline; Retry above it takes its
-	// MaxElapsed from there instead of reading the clock again.
-	runStart time.Duration
-}
-
-// breakerMark is a Breaker and its count of successful calls at a moment.
-type breakerMark struct {
-	b         *Breaker
-	successes int64
-}
-
-type recordKey struct{}
-
-// recordCtx carries a record outside a Loop; one allocation gives both the
-// context and the record.
-type recordCtx struct {
-	context.Context
-	rec record
-}
-
-func (c *recordCtx) Value(key any) any {
-	if _, ok := key.(recordKey); ok {
-		return &c.rec
-	}
-	return c.Context.Value(key)
-}
-
-// withRecord returns the delivery's record, adding one to ctx when there is
-// none yet.
-func withRecord(ctx context.Context) (context.Context, *record) {
-	if rec, ok := ctx.Value(recordKey{}).(*record); ok {
-		return ctx, rec
-	}
-	c := &recordCtx{Context: ctx}
-	return c, &c.rec
-}
-
-// spent reports whether a DeadLetter's MaxAttempts is reached by the
-// current run.
-func (r *record) spent(m *Message) bool {
-	return r.maxAttempts > 0 && m.Attempt >= r.maxAttempts
-}
-
-// failed notes a failed run at now.
-func (r *record) failed(now time.Time) {
-	if r.first.IsZero() {
-		r.first = now
-	}
-	r.last = now
 }

@@ -23,43 +23,43 @@ type revocationWait struct {
 // waiting ones are dropped. Settlements already decided are still made. Done
 // closes once the running handlers have returned and those settlements are
 // made.
-func (r *run) revoke(rev driver.Revocation) {
-	if ok, left := r.l.logs.Allow("revoke"); ok {
-		r.log.Info("ferry: the broker took lanes away (a rebalance, a lost channel); their running handlers are cancelled and their messages come again",
-			"source", r.l.caps.Source, "lanes", rev.Lanes, "unlogged", left)
+func (dp *dispatcher) revoke(rev driver.Revocation) {
+	if ok, left := dp.l.logs.Allow("revoke"); ok {
+		dp.log.Info("ferry: the broker took lanes away (a rebalance, a lost channel); their running handlers are cancelled and their messages come again",
+			"source", dp.l.caps.Source, "lanes", rev.Lanes, "unlogged", left)
 	}
 	rw := &revocationWait{done: rev.Done}
 	lanes := make(map[string]bool, len(rev.Lanes))
 	for _, lane := range rev.Lanes {
 		lanes[lane] = true
-		if rev.Before > r.revokedGen[lane] {
-			if r.revokedGen == nil {
-				r.revokedGen = make(map[string]uint64)
+		if rev.Before > dp.revokedGen[lane] {
+			if dp.revokedGen == nil {
+				dp.revokedGen = make(map[string]uint64)
 			}
-			r.revokedGen[lane] = rev.Before
+			dp.revokedGen[lane] = rev.Before
 		}
-		if ls := r.lanes[lane]; ls != nil {
+		if ls := dp.lanes[lane]; ls != nil {
 			ls.cancel()
-			delete(r.lanes, lane)
+			delete(dp.lanes, lane)
 		}
 	}
-	// What no worker has started of a run of unordered deliveries comes
+	// What no worker has started of a train of unordered deliveries comes
 	// back first, to be let go (or offered again) like what is ready: a
 	// revocation waits only for handlers that run, not for a slow handler
-	// of another lane ahead of them in a run.
-	r.takeBackLoose()
+	// of another lane ahead of them in a train.
+	dp.takeBackLoose()
 	dropped := false
-	for d := r.head.next; d != &r.head; {
+	for d := dp.head.next; d != &dp.head; {
 		next := d.next
 		if lanes[d.msg.Lane] {
 			switch d.state {
 			case stateReady, stateQueued, stateWaiting:
 				if d.state == stateWaiting {
-					r.unwait(d)
+					dp.unwait(d)
 				}
 				d.revoked = true
 				dropped = true
-				r.drop(d)
+				dp.drop(d)
 			case stateRunning:
 				// Perhaps revoked already by an earlier revocation; this
 				// one waits for it too.
@@ -74,28 +74,28 @@ func (r *run) revoke(rev driver.Revocation) {
 		d = next
 	}
 	if dropped {
-		r.ready = slices.DeleteFunc(r.ready, func(d *delivery) bool { return d.revoked })
+		dp.ready = slices.DeleteFunc(dp.ready, func(d *delivery) bool { return d.revoked })
 	}
-	for k, q := range r.keys {
+	for k, q := range dp.keys {
 		if lanes[k.lane] {
-			r.queued -= len(q)
-			delete(r.keys, k)
+			dp.queued -= len(q)
+			delete(dp.keys, k)
 		}
 	}
-	r.revocations = append(r.revocations, rw)
-	r.checkRevocations()
+	dp.revocations = append(dp.revocations, rw)
+	dp.checkRevocations()
 }
 
 // drop lets a revoked delivery go without settling it.
-func (r *run) drop(d *delivery) {
-	r.l.stats.revoked.Add(1)
-	r.leave(d)
+func (dp *dispatcher) drop(d *delivery) {
+	dp.l.stats.revoked.Add(1)
+	dp.leave(d)
 }
 
 // checkRevocations closes the Done of every revocation that has nothing
 // left to wait for.
-func (r *run) checkRevocations() {
-	r.revocations = slices.DeleteFunc(r.revocations, func(rw *revocationWait) bool {
+func (dp *dispatcher) checkRevocations() {
+	dp.revocations = slices.DeleteFunc(dp.revocations, func(rw *revocationWait) bool {
 		if rw.pending > 0 {
 			return false
 		}
@@ -108,11 +108,11 @@ func (r *run) checkRevocations() {
 
 // closeRevocations closes what revocations still wait when Run ends: the
 // handlers they wait for were abandoned.
-func (r *run) closeRevocations() {
-	for _, rw := range r.revocations {
+func (dp *dispatcher) closeRevocations() {
+	for _, rw := range dp.revocations {
 		if rw.done != nil {
 			close(rw.done)
 		}
 	}
-	r.revocations = nil
+	dp.revocations = nil
 }

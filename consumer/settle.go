@@ -205,60 +205,60 @@ func (q *ioQueue) extendLoop(abandon <-chan struct{}) {
 // job, and d leaves the loop once it is made. A returned message takes what
 // waits behind its key along, so that nothing overtakes it; an acked one
 // lets the next of its key run.
-func (r *run) settle(d *delivery, a driver.Action, delay time.Duration) {
+func (dp *dispatcher) settle(d *delivery, a driver.Action, delay time.Duration) {
 	s := driver.Settlement{Handle: d.msg.handle, Action: a, Delay: delay, NotAttempted: d.runs == d.prior}
 	if a != driver.Ack {
 		s.History = d.history()
-		if r.ledger != nil {
-			r.ledger.put(ledgerKey{d.msg.Source, d.msg.ID}, s.History)
+		if dp.ledger != nil {
+			dp.ledger.put(ledgerKey{d.msg.Source, d.msg.ID}, s.History)
 		}
 	}
 	if d.deferred {
-		r.undefer(d)
+		dp.undefer(d)
 	}
 	d.state = stateSettling
-	r.io.add(d, s)
+	dp.io.add(d, s)
 	if a == driver.Ack {
-		r.releaseKey(d)
+		dp.releaseKey(d)
 		return
 	}
-	if r.shutting && d.ordered {
+	if dp.shutting && d.ordered {
 		// Its key stays closed for the rest of the Run: a delivery of it
 		// fetched as the Run stopped must not overtake it (see admit).
-		if r.closedKeys == nil {
-			r.closedKeys = make(map[orderKey]bool)
+		if dp.closedKeys == nil {
+			dp.closedKeys = make(map[orderKey]bool)
 		}
-		r.closedKeys[r.orderKey(d)] = true
+		dp.closedKeys[dp.orderKey(d)] = true
 	}
-	for _, f := range r.takeFollowers(d) {
-		r.settle(f, driver.Return, delay)
+	for _, f := range dp.takeFollowers(d) {
+		dp.settle(f, driver.Return, delay)
 	}
 }
 
 // ackFirst queues the ack of an at-most-once delivery that a worker is about
 // to run; the worker waits until the ack is made. A delivery whose lane was
 // revoked, or asked for after the grace ended, is refused: it does not run.
-func (r *run) ackFirst(req ackRequest) {
+func (dp *dispatcher) ackFirst(req ackRequest) {
 	d := req.d
-	if d.revoked || r.graceOver.Load() {
+	if d.revoked || dp.graceOver.Load() {
 		req.reply <- errNotStarted
 		return
 	}
 	d.acked = true
 	d.ackWait = req.reply
-	r.io.add(d, driver.Settlement{Handle: d.msg.handle, Action: driver.Ack, BeforeRun: true})
+	dp.io.add(d, driver.Settlement{Handle: d.msg.handle, Action: driver.Ack, BeforeRun: true})
 }
 
 // withdrawAcks takes back the at-most-once acks that are decided and not yet
 // sent (pending or staged), when the grace ends: their handlers would start
 // on a cancelled context, so the messages go back not attempted instead.
-func (r *run) withdrawAcks() {
-	q := &r.io
-	q.pending = r.withdrawFrom(q.pending)
-	q.staged = r.withdrawFrom(q.staged)
+func (dp *dispatcher) withdrawAcks() {
+	q := &dp.io
+	q.pending = dp.withdrawFrom(q.pending)
+	q.staged = dp.withdrawFrom(q.staged)
 }
 
-func (r *run) withdrawFrom(job settleJob) settleJob {
+func (dp *dispatcher) withdrawFrom(job settleJob) settleJob {
 	kept := 0
 	for i, d := range job.ds {
 		if d.ackWait == nil {
@@ -267,7 +267,7 @@ func (r *run) withdrawFrom(job settleJob) settleJob {
 			continue
 		}
 		if d.extending {
-			r.io.blocked--
+			dp.io.blocked--
 		}
 		d.settleSent = false
 		d.acked = false
@@ -281,15 +281,15 @@ func (r *run) withdrawFrom(job settleJob) settleJob {
 }
 
 // settled takes back a settle job the driver is done with.
-func (r *run) settled(job settleJob) {
-	q := &r.io
+func (dp *dispatcher) settled(job settleJob) {
+	q := &dp.io
 	q.settling--
 	q.out -= len(job.ds)
 	failed := failedSettlements(job.err, len(job.batch))
 	if job.err != nil {
-		r.l.stats.settleErrors.Add(1)
-		if ok, left := r.l.logs.Allow("settle"); ok {
-			r.log.Warn("ferry: settling failed; the broker redelivers those messages after their lease",
+		dp.l.stats.settleErrors.Add(1)
+		if ok, left := dp.l.logs.Allow("settle"); ok {
+			dp.log.Warn("ferry: settling failed; the broker redelivers those messages after their lease",
 				"err", job.err, "failed", failed.count(len(job.batch)), "count", len(job.batch), "unlogged", left)
 		}
 	}
@@ -319,15 +319,15 @@ func (r *run) settled(job settleJob) {
 			d.ackWait = nil
 			continue
 		}
-		awaited = r.release(d) || awaited
+		awaited = dp.release(d) || awaited
 		left++
 	}
 	// The counters and the fetcher's wake-up once a job, not once a delivery.
-	r.l.stats.acked.Add(acked)
-	r.l.stats.returned.Add(returned)
-	r.freed(left)
+	dp.l.stats.acked.Add(acked)
+	dp.l.stats.returned.Add(returned)
+	dp.freed(left)
 	if awaited {
-		r.checkRevocations()
+		dp.checkRevocations()
 	}
 	clear(job.batch)
 	clear(job.ds)
@@ -366,33 +366,33 @@ func (f failedSet) count(n int) int {
 
 // leave lets d go: out of the in-flight list, its slot freed, and the
 // revocations waiting for it told.
-func (r *run) leave(d *delivery) {
-	awaited := r.release(d)
-	r.freed(1)
+func (dp *dispatcher) leave(d *delivery) {
+	awaited := dp.release(d)
+	dp.freed(1)
 	if awaited {
-		r.checkRevocations()
+		dp.checkRevocations()
 	}
 }
 
 // freed frees n slots in flight, of deliveries released, and wakes the
 // fetcher if it waits for room.
-func (r *run) freed(n int64) {
+func (dp *dispatcher) freed(n int64) {
 	if n == 0 {
 		return
 	}
-	r.l.inflight.Add(-n)
-	r.l.signalSpace()
+	dp.l.inflight.Add(-n)
+	dp.l.signalSpace()
 }
 
 // release takes d out of the loop (see leave) but for its slot in flight,
 // which the caller frees before it checks the revocations (release reports
 // whether any waited for d): a revocation is done only once its deliveries
 // are out of the count in flight.
-func (r *run) release(d *delivery) (awaited bool) {
-	r.listRemove(d)
+func (dp *dispatcher) release(d *delivery) (awaited bool) {
+	dp.listRemove(d)
 	d.forget()
 	if d.deferred {
-		r.undefer(d)
+		dp.undefer(d)
 	}
 	if d.x == nil || len(d.x.awaited) == 0 {
 		return false
@@ -407,15 +407,15 @@ func (r *run) release(d *delivery) (awaited bool) {
 // extendLeases collects, for the next extension, every delivery whose lease
 // is two thirds gone: running, queued, waiting to run again, or waiting for
 // its settlement to be sent. A round waits for the one before it.
-func (r *run) extendLeases() {
-	q := &r.io
+func (dp *dispatcher) extendLeases() {
+	q := &dp.io
 	if q.extending || len(q.ext.ds) > 0 {
 		return
 	}
-	lease := r.l.extender.Lease()
+	lease := dp.l.extender.Lease()
 	now := time.Now()
 	renewBefore := now.Add(lease * 2 / 3)
-	for d := r.head.next; d != &r.head; d = d.next {
+	for d := dp.head.next; d != &dp.head; d = d.next {
 		// An at-most-once ack that is queued and not yet made keeps its
 		// lease, like any settlement waiting to be sent.
 		if d.settleSent || (d.acked && d.ackWait == nil) || d.leaseAt.After(renewBefore) {
@@ -432,14 +432,14 @@ func (r *run) extendLeases() {
 }
 
 // extended takes back an extend job the driver is done with.
-func (r *run) extended(job extendJob) {
-	q := &r.io
+func (dp *dispatcher) extended(job extendJob) {
+	q := &dp.io
 	q.extending = false
 	failed := job.err != nil
 	if failed {
-		r.l.stats.settleErrors.Add(1)
-		if ok, left := r.l.logs.Allow("extend"); ok {
-			r.log.Warn("ferry: extending leases failed; trying again at the next tick (a lease that runs out lets the broker hand the message to another consumer)",
+		dp.l.stats.settleErrors.Add(1)
+		if ok, left := dp.l.logs.Allow("extend"); ok {
+			dp.log.Warn("ferry: extending leases failed; trying again at the next tick (a lease that runs out lets the broker hand the message to another consumer)",
 				"err", job.err, "count", len(job.handles), "unlogged", left)
 		}
 	}

@@ -180,28 +180,28 @@ func TestExtensionRacingAnAtMostOnceAckRequestLeavesNothingBlocked(t *testing.T)
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := newRun(context.Background(), l, HandlerFunc(func(context.Context, *Message) error { return nil }), nil)
-	defer r.cancelHandler()
-	defer r.io.cancel()
+	dp := newDispatcher(context.Background(), l, HandlerFunc(func(context.Context, *Message) error { return nil }), nil)
+	defer dp.cancelHandler()
+	defer dp.io.cancel()
 	d := newDelivery(new(deliverySlab), &driver.Message{ID: "m", Deliveries: 1, Handle: "m"}, nil)
-	r.l.inflight.Add(1)
-	r.admit(d)
+	dp.l.inflight.Add(1)
+	dp.admit(d)
 	// The dispatcher hands it to a worker.
-	r.ready = r.ready[1:]
+	dp.ready = dp.ready[1:]
 	d.state = stateRunning
-	r.running++
+	dp.running++
 	d.leaseAt = time.Now() // its lease is due for extension
 	// The worker, in runAtMostOnce, blocks on r.ackReq while the
 	// dispatcher serves the extend tick first,
-	r.extendLeases()
-	job := r.io.extendJob()
-	r.io.extendSent()
+	dp.extendLeases()
+	job := dp.io.extendJob()
+	dp.io.extendSent()
 	// then the ack request,
-	r.ackFirst(ackRequest{d, make(chan error, 1)})
+	dp.ackFirst(ackRequest{d, make(chan error, 1)})
 	// then the extension comes back.
-	r.extended(job)
-	if r.io.blocked != 0 || !r.io.stage() {
-		t.Fatalf("after the extension returned: blocked = %d, nothing staged; the ack can never be sent", r.io.blocked)
+	dp.extended(job)
+	if dp.io.blocked != 0 || !dp.io.stage() {
+		t.Fatalf("after the extension returned: blocked = %d, nothing staged; the ack can never be sent", dp.io.blocked)
 	}
 }
 
@@ -281,7 +281,7 @@ func (f *failingSettleLog) Settle(context.Context, []driver.Settlement) error {
 
 // Stats.Acked (and the ferry.consumer.acked metric, "Messages acknowledged
 // after their handler succeeded") is counted when an at-least-once ack is
-// decided (settle.go:178-179, run.settle), not when it is made. The fix
+// decided (dispatcher.settle in settle.go), not when it is made. The fix
 // for at-most-once moved the count to settled(), where the ack is known to
 // be made ("Acked counts acks made"), but left the at-least-once path as it
 // was: with a broker that refuses every ack, Acked grows as if all were

@@ -37,69 +37,69 @@ func (s *shutdown) stop() {
 // ignore their cancelled context and for settlements still being made.
 const abandonAfter = time.Second
 
-func (r *run) beginShutdown(s *shutdown) {
-	if r.shutting {
+func (dp *dispatcher) beginShutdown(s *shutdown) {
+	if dp.shutting {
 		return
 	}
-	r.shutting = true
+	dp.shutting = true
 	// The last settlements go out as they come, not held for full batches:
 	// the grace is no time to gather them.
-	r.io.flush = true
+	dp.io.flush = true
 	// What waits to run later goes back now, with what waits behind it.
-	waiting := r.waiting
-	r.waiting = nil
-	r.timer.Stop()
+	waiting := dp.waiting
+	dp.waiting = nil
+	dp.timer.Stop()
 	for _, d := range waiting {
 		d.x.heapIdx = -1
-		r.settle(d, driver.Return, max(time.Until(d.x.due), 0))
+		dp.settle(d, driver.Return, max(time.Until(d.x.due), 0))
 	}
-	s.grace = time.NewTimer(r.l.cfg.grace)
+	s.grace = time.NewTimer(dp.l.cfg.grace)
 	s.graceC = s.grace.C
 }
 
 // endGrace cancels the running handlers and hands back what has not
 // started.
-func (r *run) endGrace(s *shutdown) {
+func (dp *dispatcher) endGrace(s *shutdown) {
 	s.graceC = nil
-	r.graceOver.Store(true)
-	if r.running > 0 {
-		r.log.Warn("ferry: shutdown grace over; cancelling running handlers", "running", r.running)
+	dp.graceOver.Store(true)
+	if dp.running > 0 {
+		dp.log.Warn("ferry: shutdown grace over; cancelling running handlers", "running", dp.running)
 	}
-	r.cancelHandler()
-	r.withdrawAcks()
+	dp.cancelHandler()
+	dp.withdrawAcks()
 	// Take the key queues away first, so that returning a ready delivery
 	// does not promote the one behind it into the ready queue.
-	keys := r.keys
-	r.keys = make(map[orderKey][]*delivery)
-	r.queued = 0
+	keys := dp.keys
+	dp.keys = make(map[orderKey][]*delivery)
+	dp.queued = 0
 	for _, q := range keys {
 		for _, d := range q {
-			r.settle(d, driver.Return, 0)
+			dp.settle(d, driver.Return, 0)
 		}
 	}
-	// With what is ready, the unclaimed rest of every run of unordered
+	// With what is ready, the unclaimed rest of every train of unordered
 	// deliveries: a worker stuck in a handler would never start them, and
 	// one that returns claims nothing more.
-	r.takeBackLoose()
-	for _, d := range r.ready {
-		r.settle(d, driver.Return, 0)
+	dp.takeBackLoose()
+	for _, d := range dp.ready {
+		dp.settle(d, driver.Return, 0)
 	}
-	r.ready = nil
+	dp.ready = nil
 	// And what sits in the work queue, which a worker stuck in a handler
 	// that ignores its cancelled context would never take.
 	for reclaimed := true; reclaimed; {
 		select {
-		case d := <-r.work:
-			unstarted := d.run
+		case d := <-dp.work:
+			unstarted := d.train
 			if d.loose != nil {
-				// An unordered run: what of it was unclaimed went back
-				// above (takeBackLoose), or before (rebalance), so d.run
+				// An unordered train: what of it was unclaimed went back
+				// above (takeBackLoose), or before (rebalance), so d.train
 				// is no longer all its own.
 				unstarted = d.loose.rest()
 			}
-			r.returnUnstarted(d)
+			dp.returnUnstarted(d)
 			for _, f := range unstarted {
-				r.returnUnstarted(f)
+				dp.returnUnstarted(f)
 			}
 		default:
 			reclaimed = false
@@ -111,18 +111,18 @@ func (r *run) endGrace(s *shutdown) {
 
 // returnUnstarted gives back a delivery taken from a worker before it
 // started (see endGrace).
-func (r *run) returnUnstarted(d *delivery) {
-	r.running--
+func (dp *dispatcher) returnUnstarted(d *delivery) {
+	dp.running--
 	d.passKey = false
 	if d.revoked {
 		// Its lane was taken away: nothing of it is settled.
-		r.drop(d)
+		dp.drop(d)
 		return
 	}
-	r.settle(d, driver.Return, 0)
+	dp.settle(d, driver.Return, 0)
 }
 
 // drained reports whether nothing is left to run or settle.
-func (r *run) drained() bool {
-	return r.running == 0 && len(r.ready) == 0 && r.queued == 0 && len(r.waiting) == 0 && r.io.idle()
+func (dp *dispatcher) drained() bool {
+	return dp.running == 0 && len(dp.ready) == 0 && dp.queued == 0 && len(dp.waiting) == 0 && dp.io.idle()
 }

@@ -86,8 +86,8 @@ func TestShutdownKeepsLaneOrderForALateBatch(t *testing.T) {
 
 // TestRevokedRunInTheWorkQueueAtTheGrace: the only worker is stuck in a
 // handler that ignores cancellation; lane 0's head waits in the work queue
-// with its run. Lane 0 is revoked (its Done must wait for them), then the
-// grace ends: endGrace reclaims the head and its run; none of lane 0 is
+// with its train. Lane 0 is revoked (its Done must wait for them), then the
+// grace ends: endGrace reclaims the head and its train; none of lane 0 is
 // settled, the revocation's Done closes, and nothing stays in flight.
 func TestRevokedRunInTheWorkQueueAtTheGrace(t *testing.T) {
 	drv := newScriptLog(false)
@@ -112,7 +112,7 @@ func TestRevokedRunInTheWorkQueueAtTheGrace(t *testing.T) {
 	<-stuck
 	drv.add("0", 10)
 	eventually(t, "lane 0 fetched", func() bool { return l.Stats().Fetched == 11 })
-	time.Sleep(20 * time.Millisecond) // its head goes to the work queue with its run
+	time.Sleep(20 * time.Millisecond) // its head goes to the work queue with its train
 	done := make(chan struct{})
 	drv.revCh <- driver.Revocation{Lanes: []string{"0"}, Done: done}
 	cancel()

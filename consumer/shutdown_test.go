@@ -298,27 +298,27 @@ func TestHandlerThatFinishedBeforeTheGraceIsAcked(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := newRun(context.Background(), l, HandlerFunc(func(context.Context, *Message) error { return nil }), nil)
-	defer r.cancelHandler()
-	defer r.io.cancel()
+	dp := newDispatcher(context.Background(), l, HandlerFunc(func(context.Context, *Message) error { return nil }), nil)
+	defer dp.cancelHandler()
+	defer dp.io.cancel()
 	var sd shutdown
 	defer sd.stop()
 	d := newDelivery(new(deliverySlab), &driver.Message{ID: "m", Deliveries: 1, Handle: "m"}, nil)
-	r.l.inflight.Add(1)
-	r.admit(d)
-	r.ready = r.ready[1:]
+	dp.l.inflight.Add(1)
+	dp.admit(d)
+	dp.ready = dp.ready[1:]
 	d.state = stateRunning
-	r.running++
-	r.beginShutdown(&sd)
+	dp.running++
+	dp.beginShutdown(&sd)
 	// The worker ran the handler (as worker() does), which returned nil
 	// with its context still live, and put d in its box ...
-	_, d.err = r.call(d, monoNow())
+	_, d.err = dp.call(d, monoNow())
 	// ... but the dispatcher served the grace timer first.
-	r.endGrace(&sd)
-	r.running--
-	r.finish(d)
-	if n := len(r.io.pending.batch); n != 1 || r.io.pending.batch[0].Action != driver.Ack {
-		t.Fatalf("a handler that returned nil before the grace ended was settled %+v, want an ack", r.io.pending.batch)
+	dp.endGrace(&sd)
+	dp.running--
+	dp.finish(d)
+	if n := len(dp.io.pending.batch); n != 1 || dp.io.pending.batch[0].Action != driver.Ack {
+		t.Fatalf("a handler that returned nil before the grace ended was settled %+v, want an ack", dp.io.pending.batch)
 	}
 }
 

@@ -137,9 +137,9 @@ func Standard(pub Publisher, dlqDestination string, opts ...StandardOption) (*St
 	return &Stack{DeadLetter: dl, Retry: rt, Breaker: br, Timeout: c.timeout}, nil
 }
 
-// Middleware returns the stack's layers, outermost first, for Chain. A nil
+// layers returns the stack's layers, outermost first, for Chain. A nil
 // part is left out, so a Stack literal may hold only the parts it wants.
-func (s *Stack) Middleware() []Middleware {
+func (s *Stack) layers() []Middleware {
 	mws := make([]Middleware, 0, 5)
 	if s.DeadLetter != nil {
 		mws = append(mws, s.DeadLetter.Wrap)
@@ -155,5 +155,5 @@ func (s *Stack) Middleware() []Middleware {
 
 // Wrap returns h wrapped in the stack. s.Wrap is a Middleware.
 func (s *Stack) Wrap(h Handler) Handler {
-	return Chain(h, s.Middleware()...)
+	return Chain(h, s.layers()...)
 }

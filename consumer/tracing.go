@@ -34,38 +34,21 @@ const (
 	EventDeadLetter = "ferry.dead_letter"
 )
 
-// WithTracerProvider makes the Loop run every handler run in a consumer span
-// of tp named "process SOURCE", the child of the trace context the message
-// carries in its headers (see TracePublisher), with the messaging attributes
-// of the message (system, source, consumer group, message id, partition and
-// offset, body size) and the run's attempt. A failed run marks its span as
-// an error; Retry and DeadLetter add events to it. Without this option the
-// Loop makes no spans and it costs nothing.
-func WithTracerProvider(tp trace.TracerProvider) Option {
-	return func(c *config) error {
-		if tp == nil {
-			return configErr("TracerProvider", "must not be nil")
-		}
-		c.tracerProvider = tp
-		return nil
-	}
-}
-
 // startRun starts the consumer span of one handler run and returns the
 // context the handler gets.
-func (r *run) startRun(ctx context.Context, m *Message) (context.Context, trace.Span) {
+func (dp *dispatcher) startRun(ctx context.Context, m *Message) (context.Context, trace.Span) {
 	parent := traceContext.Extract(ctx, propagation.MapCarrier(m.Headers))
 	attrs := make([]attribute.KeyValue, 0, 10)
 	attrs = append(attrs,
 		attribute.String("messaging.operation.name", "process"),
 		attribute.String("messaging.operation.type", "process"),
 		attribute.String("messaging.destination.name", m.Source),
-		attribute.String("messaging.consumer.group.name", r.l.cfg.name),
+		attribute.String("messaging.consumer.group.name", dp.l.cfg.name),
 		attribute.Int("messaging.message.body.size", len(m.Body)),
 		attribute.Int("ferry.attempt", m.Attempt),
 		attribute.Int("ferry.deliveries", m.Deliveries),
 	)
-	if s := r.l.caps.System; s != "" {
+	if s := dp.l.caps.System; s != "" {
 		attrs = append(attrs, attribute.String("messaging.system", s))
 	}
 	if m.ID != "" {
@@ -79,7 +62,7 @@ func (r *run) startRun(ctx context.Context, m *Message) (context.Context, trace.
 	}
 	// The handler's context stays the delivery's own (its record, its
 	// reservations, its lane's cancellation), with the span added.
-	return r.l.tracer.Start(parent, "process "+m.Source,
+	return dp.l.tracer.Start(parent, "process "+m.Source,
 		trace.WithSpanKind(trace.SpanKindConsumer), trace.WithAttributes(attrs...))
 }
 

@@ -30,42 +30,42 @@ func (h *dueHeap) Pop() any {
 }
 
 // wait parks a delivery until 'until', keeping its key busy.
-func (r *run) wait(d *delivery, until time.Time) {
+func (dp *dispatcher) wait(d *delivery, until time.Time) {
 	d.state = stateWaiting
 	d.rare().due = until
-	heap.Push(&r.waiting, d)
-	r.resetTimer()
+	heap.Push(&dp.waiting, d)
+	dp.resetTimer()
 }
 
 // unwait takes a delivery out of the waiting heap.
-func (r *run) unwait(d *delivery) {
+func (dp *dispatcher) unwait(d *delivery) {
 	if i := d.waitingIdx(); i >= 0 {
-		heap.Remove(&r.waiting, i)
+		heap.Remove(&dp.waiting, i)
 	}
-	r.resetTimer()
+	dp.resetTimer()
 }
 
-func (r *run) resetTimer() {
-	if len(r.waiting) == 0 {
-		r.timer.Stop()
+func (dp *dispatcher) resetTimer() {
+	if len(dp.waiting) == 0 {
+		dp.timer.Stop()
 		return
 	}
-	r.timer.Reset(max(time.Until(r.waiting[0].x.due), 0))
+	dp.timer.Reset(max(time.Until(dp.waiting[0].x.due), 0))
 }
 
 // wakeDue moves every waiting delivery whose time has come to the ready
 // queue.
-func (r *run) wakeDue() {
+func (dp *dispatcher) wakeDue() {
 	now := time.Now()
-	for len(r.waiting) > 0 && !r.waiting[0].x.due.After(now) {
-		d := heap.Pop(&r.waiting).(*delivery)
+	for len(dp.waiting) > 0 && !dp.waiting[0].x.due.After(now) {
+		d := heap.Pop(&dp.waiting).(*delivery)
 		if d.deferred {
-			r.undefer(d)
+			dp.undefer(d)
 		}
 		d.state = stateReady
-		r.ready = append(r.ready, d)
+		dp.ready = append(dp.ready, d)
 	}
-	r.resetTimer()
+	dp.resetTimer()
 }
 
 // deferRun keeps a deferred delivery and runs it again after delay. Deferred
@@ -76,27 +76,27 @@ func (r *run) wakeDue() {
 // messages back gets them back with the delay, not attempted; a log, which
 // cannot take one back, keeps it waiting here inside the bound. When
 // stopping, it goes back to the broker with its delay.
-func (r *run) deferRun(d *delivery, delay time.Duration) {
-	r.l.stats.deferred.Add(1)
+func (dp *dispatcher) deferRun(d *delivery, delay time.Duration) {
+	dp.l.stats.deferred.Add(1)
 	switch {
-	case r.shutting:
-		r.settle(d, driver.Return, delay)
-	case r.deferred < r.l.cfg.maxInFlight:
+	case dp.shutting:
+		dp.settle(d, driver.Return, delay)
+	case dp.deferred < dp.l.cfg.maxInFlight:
 		d.deferred = true
-		r.deferred++
-		r.l.deferredNow.Add(1)
-		r.l.signalSpace()
-		r.wait(d, time.Now().Add(delay))
-	case r.l.caps.Redelivers:
-		r.settle(d, driver.Return, delay)
+		dp.deferred++
+		dp.l.deferredNow.Add(1)
+		dp.l.signalSpace()
+		dp.wait(d, time.Now().Add(delay))
+	case dp.l.caps.Redelivers:
+		dp.settle(d, driver.Return, delay)
 	default:
-		r.wait(d, time.Now().Add(delay))
+		dp.wait(d, time.Now().Add(delay))
 	}
 }
 
 // undefer counts a deferred delivery back into the in-flight bound.
-func (r *run) undefer(d *delivery) {
+func (dp *dispatcher) undefer(d *delivery) {
 	d.deferred = false
-	r.deferred--
-	r.l.deferredNow.Add(-1)
+	dp.deferred--
+	dp.l.deferredNow.Add(-1)
 }

@@ -51,7 +51,7 @@ func TestDeferredMessagesDoNotStarveFreshOnes(t *testing.T) {
 
 // On a broker that cannot take a message back (a Kafka log), a Return is a
 // no-op until the lane changes hands. deferRun returns a deferred record
-// once r.deferred reaches the bound, without looking at
+// once dp.deferred reaches the bound, without looking at
 // Capabilities.Redelivers: the record is never run again here, its key is
 // freed, and later records of its lane run (and commit) past it.
 func TestDeferBeyondTheBoundOnALogIsRunAgainInPlace(t *testing.T) {

@@ -34,74 +34,74 @@ type doneBox struct {
 // was empty. A box that was not empty has a wake-up coming: the one sent
 // when it was last found empty, which the dispatcher has not yet answered
 // by emptying it.
-func (r *run) handBack(b *doneBox, d *delivery) {
+func (dp *dispatcher) handBack(b *doneBox, d *delivery) {
 	b.mu.Lock()
 	first := len(b.ds) == 0
 	b.ds = append(b.ds, d)
 	b.mu.Unlock()
 	if first {
 		select {
-		case r.doneSig <- struct{}{}:
+		case dp.doneSig <- struct{}{}:
 		default:
 		}
 	}
 }
 
 // worker runs handlers; box is its own doneBox.
-func (r *run) worker(box *doneBox) {
-	atMostOnce := r.l.cfg.mode == AtMostOnce
+func (dp *dispatcher) worker(box *doneBox) {
+	atMostOnce := dp.l.cfg.mode == AtMostOnce
 	var ack chan error
 	if atMostOnce {
 		ack = make(chan error, 1)
 	}
-	for d := range r.work {
-		r.idle.Add(-1)
-		// d, then its run in order while each succeeds (see delivery.run);
+	for d := range dp.work {
+		dp.idle.Add(-1)
+		// d, then its train in order while each succeeds (see delivery.train);
 		// each goes back as it finishes, so that its ack is not held. A
-		// run of unordered deliveries is claimed one at a time (the
+		// train of unordered deliveries is claimed one at a time (the
 		// dispatcher may take back what is unclaimed), and handed back
 		// as soon as one of it is slow.
-		run, next, loose := d.run, 0, d.loose
+		train, next, loose := d.train, 0, d.loose
 		// One clock reading a delivery: the end of one run is the start
-		// of the next, for the process-duration metric and the run slice.
+		// of the next, for the process-duration metric and the train slice.
 		began := monoNow()
 		now := began
 		for {
 			ran := now // when d's run began
 			switch {
-			case r.graceOver.Load():
+			case dp.graceOver.Load():
 				// The shutdown grace ended while it sat in the work queue.
 				d.err = errNotStarted
 			case d.ctx.Err() != nil:
 				// Its lane was revoked while it queued: do not start it.
 				d.err = errNotStarted
 			case atMostOnce:
-				now, d.err = r.runAtMostOnce(d, ack)
+				now, d.err = dp.runAtMostOnce(d, ack)
 			default:
-				now, d.err = r.call(d, now)
+				now, d.err = dp.call(d, now)
 			}
 			if !d.called {
 				// Calls reserved at a breaker that no run will take.
-				r.releaseReservations(d)
+				dp.releaseReservations(d)
 			}
 			var follow *delivery
-			stop := d.err != nil || d.late || r.yieldRun(began, now)
+			stop := d.err != nil || d.late || dp.yieldTrain(began, now)
 			switch {
-			case loose != nil && (stop || now-ran > looseRunSlow):
+			case loose != nil && (stop || now-ran > looseTrainSlow):
 				d.cut = loose.rest()
 			case loose != nil:
 				follow = loose.claim()
-			case next < len(run) && stop:
+			case next < len(train) && stop:
 				// What follows must not overtake it (or others wait for a
 				// worker): hand the rest back, to the head of its key.
-				d.cut = run[next:]
-			case next < len(run):
-				follow, next = run[next], next+1
+				d.cut = train[next:]
+			case next < len(train):
+				follow, next = train[next], next+1
 			}
 			if follow == nil {
-				r.idle.Add(1) // before the hand-back, which the dispatcher rebalances after
+				dp.idle.Add(1) // before the hand-back, which the dispatcher rebalances after
 			}
-			r.handBack(box, d)
+			dp.handBack(box, d)
 			if follow == nil {
 				break
 			}
@@ -110,35 +110,35 @@ func (r *run) worker(box *doneBox) {
 	}
 }
 
-// runSlice is how long a worker keeps to one run while other deliveries
-// wait for a worker: a run is for handlers quick enough that the round
+// trainSlice is how long a worker keeps to one train while other deliveries
+// wait for a worker: a train is for handlers quick enough that the round
 // trip through the dispatcher would cost more than they do; slow ones take
 // turns with other lanes as single deliveries do.
-const runSlice = 5 * time.Millisecond
+const trainSlice = 5 * time.Millisecond
 
-// looseRunSlow is how long a handler of a run of unordered deliveries may
-// take before the worker hands the rest of the run back, for other workers
-// to take: runs of them are for handlers quick enough that a hand-off each
+// looseTrainSlow is how long a handler of a train of unordered deliveries may
+// take before the worker hands the rest of the train back, for other workers
+// to take: trains of them are for handlers quick enough that a hand-off each
 // would cost more than they do, and must not keep work from idle workers.
-const looseRunSlow = 20 * time.Microsecond
+const looseTrainSlow = 20 * time.Microsecond
 
-// yieldRun reports whether a run begun at began should end now, for other
+// yieldTrain reports whether a train begun at began should end now, for other
 // deliveries waiting in the work queue.
-func (r *run) yieldRun(began, now time.Duration) bool {
-	return len(r.work) > 0 && now-began > runSlice
+func (dp *dispatcher) yieldTrain(began, now time.Duration) bool {
+	return len(dp.work) > 0 && now-began > trainSlice
 }
 
 // runAtMostOnce asks the breakers in the chain first, so that a message they
 // would hold is kept rather than acked and dropped; then it has the message
 // acked, waits until the ack is made, and only then runs the handler.
 // It returns the clock as it returned, and the run's outcome.
-func (r *run) runAtMostOnce(d *delivery, ack chan error) (time.Duration, error) {
-	if hold := r.reserveGates(d); hold != nil {
+func (dp *dispatcher) runAtMostOnce(d *delivery, ack chan error) (time.Duration, error) {
+	if hold := dp.reserveGates(d); hold != nil {
 		return monoNow(), hold
 	}
 	select {
-	case r.ackReq <- ackRequest{d, ack}:
-	case <-r.abandon:
+	case dp.ackReq <- ackRequest{d, ack}:
+	case <-dp.abandon:
 		return monoNow(), errAckFailed
 	}
 	select {
@@ -146,22 +146,22 @@ func (r *run) runAtMostOnce(d *delivery, ack chan error) (time.Duration, error) 
 		if err != nil {
 			return monoNow(), err
 		}
-	case <-r.abandon:
+	case <-dp.abandon:
 		return monoNow(), errAckFailed
 	}
 	// Timed from here: the wait for the ack is not the handler's.
-	return r.call(d, monoNow())
+	return dp.call(d, monoNow())
 }
 
 // call runs the handler chain on d, begun at start (monoNow), and returns
 // the clock as it returned and its outcome (a panic made a PanicError).
-func (r *run) call(d *delivery, start time.Duration) (end time.Duration, err error) {
+func (dp *dispatcher) call(d *delivery, start time.Duration) (end time.Duration, err error) {
 	var span trace.Span
-	if r.l.tracer != nil {
+	if dp.l.tracer != nil {
 		// Deferred first, so it runs last: after a panic became err.
 		defer func() { endRun(span, err) }()
 	}
-	s := &r.l.stats
+	s := &dp.l.stats
 	s.running.Add(1)
 	defer func() {
 		s.running.Add(-1)
@@ -169,7 +169,7 @@ func (r *run) call(d *delivery, start time.Duration) (end time.Duration, err err
 			err = &PanicError{Value: v, Stack: debug.Stack()}
 		}
 		end = monoNow()
-		if li := r.l.instruments; li != nil {
+		if li := dp.l.instruments; li != nil {
 			li.recordProcess(end-start, err)
 		}
 	}()
@@ -179,22 +179,22 @@ func (r *run) call(d *delivery, start time.Duration) (end time.Duration, err err
 	defer func() {
 		// Noted as it returns: a handler that finished before the grace
 		// ended did its work on a live context.
-		d.late = r.graceOver.Load()
+		d.late = dp.graceOver.Load()
 	}()
-	if r.l.tracer != nil {
+	if dp.l.tracer != nil {
 		var ctx context.Context
-		ctx, span = r.startRun(&d.ctx, &d.msg)
-		return 0, r.h.Handle(ctx, &d.msg)
+		ctx, span = dp.startRun(&d.ctx, &d.msg)
+		return 0, dp.h.Handle(ctx, &d.msg)
 	}
-	return 0, r.h.Handle(&d.ctx, &d.msg)
+	return 0, dp.h.Handle(&d.ctx, &d.msg)
 }
 
 // fetchLoop takes batches from the driver whenever there is room in flight
 // and fetching is not paused, and hands them to the dispatcher. A batch
 // fetched as Run stops is handed over all the same: only the dispatcher
 // decides what becomes of a delivery.
-func (r *run) fetchLoop(ctx context.Context) {
-	l := r.l
+func (dp *dispatcher) fetchLoop(ctx context.Context) {
+	l := dp.l
 	aser, _ := l.drv.(driver.Aser)
 	var (
 		buf      []driver.Message
@@ -205,7 +205,7 @@ func (r *run) fetchLoop(ctx context.Context) {
 	// Two batches take turns: the fetcher fills one while the dispatcher
 	// admits the other, rather than waiting for the dispatcher to hand its
 	// batch back before it fetches again.
-	r.back <- make([]*delivery, 0, l.cfg.fetchBatch)
+	dp.back <- make([]*delivery, 0, l.cfg.fetchBatch)
 	defer func() {
 		// Stopped (not abandoned): what the broker pushed ahead of Fetch
 		// runs in the drain rather than going back to it.
@@ -220,7 +220,7 @@ func (r *run) fetchLoop(ctx context.Context) {
 		defer cancel()
 		buf, err := dr.Drain(dctx, buf[:0])
 		if err != nil {
-			r.log.Warn("ferry: draining what the broker pushed ahead failed; it goes back to the broker", "err", err)
+			dp.log.Warn("ferry: draining what the broker pushed ahead failed; it goes back to the broker", "err", err)
 		}
 		if len(buf) == 0 {
 			return
@@ -232,11 +232,11 @@ func (r *run) fetchLoop(ctx context.Context) {
 			batch = append(batch, newDelivery(&slab, &buf[i], aser))
 		}
 		select {
-		case r.fetched <- batch:
-		case <-r.abandon:
+		case dp.fetched <- batch:
+		case <-dp.abandon:
 		}
 	}()
-	if !r.connect(ctx) {
+	if !dp.connect(ctx) {
 		return
 	}
 	for ctx.Err() == nil {
@@ -272,13 +272,13 @@ func (r *run) fetchLoop(ctx context.Context) {
 				buf[i] = driver.Message{}
 			}
 			select {
-			case r.fetched <- batch:
-			case <-r.abandon:
+			case dp.fetched <- batch:
+			case <-dp.abandon:
 				return // Run gave up; the broker redelivers these after their lease
 			}
 			select {
-			case batch = <-r.back:
-			case <-r.abandon:
+			case batch = <-dp.back:
+			case <-dp.abandon:
 				return
 			}
 		}
@@ -287,12 +287,12 @@ func (r *run) fetchLoop(ctx context.Context) {
 				return
 			}
 			if driver.IsFatal(err) {
-				r.fatal <- err
+				dp.fatal <- err
 				return
 			}
 			failures++
 			wait := fetchDelay(failures, l.cfg.fetchBackoff)
-			l.connFailed(r.log, err, wait)
+			l.connFailed(dp.log, err, wait)
 			if !sleep(ctx, wait) {
 				return
 			}
@@ -300,7 +300,7 @@ func (r *run) fetchLoop(ctx context.Context) {
 		}
 		failures = 0
 		if !l.conn.ok.Load() {
-			l.connAnswered(r.log)
+			l.connAnswered(dp.log)
 		}
 	}
 }
@@ -308,8 +308,8 @@ func (r *run) fetchLoop(ctx context.Context) {
 // connect calls the driver's Connect, when it has one, until it succeeds,
 // with the fetch backoff between failures. It reports false when the
 // fetcher should stop: ctx ended, or the error was fatal.
-func (r *run) connect(ctx context.Context) bool {
-	l := r.l
+func (dp *dispatcher) connect(ctx context.Context) bool {
+	l := dp.l
 	c, ok := l.drv.(driver.Connector)
 	if !ok {
 		return true
@@ -320,16 +320,16 @@ func (r *run) connect(ctx context.Context) bool {
 		cancel()
 		switch {
 		case err == nil:
-			l.connAnswered(r.log)
+			l.connAnswered(dp.log)
 			return true
 		case ctx.Err() != nil:
 			return false
 		case driver.IsFatal(err):
-			r.fatal <- err
+			dp.fatal <- err
 			return false
 		}
 		wait := fetchDelay(failures, l.cfg.fetchBackoff)
-		l.connFailed(r.log, err, wait)
+		l.connFailed(dp.log, err, wait)
 		if !sleep(ctx, wait) {
 			return false
 		}

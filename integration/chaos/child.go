@@ -450,7 +450,7 @@ func runBilling(ctx context.Context, cfg childConfig, log *slog.Logger) error {
 			return next.Handle(ctx, m)
 		})
 	}
-	h := consumer.Chain(count(inner), append(stack.Middleware(), record)...)
+	h := consumer.Chain(count(inner), stack.Wrap, record)
 
 	// Each order is its own key: per-key order lets a Kafka partition run
 	// many orders at once, so the slow consumer does not stall its

@@ -87,7 +87,7 @@ func (b *billing) setUp(ctx context.Context, c Config, pub consumer.Publisher, d
 	b.stack = stack
 
 	pay := consumer.JSON(b.pay)
-	mws := append([]consumer.Middleware{b.recordDelivery}, stack.Middleware()...)
+	mws := []consumer.Middleware{b.recordDelivery, stack.Wrap}
 	if c.DisableIdempotency {
 		b.handler = consumer.Chain(pay, mws...)
 		return nil

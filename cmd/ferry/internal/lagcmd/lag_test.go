@@ -430,7 +430,7 @@ func TestLagIsOneNumberOnSQS(t *testing.T) {
 	}
 
 	rec := httptest.NewRecorder()
-	consumer.HealthHandler(l).ServeHTTP(rec, httptest.NewRequest("GET", "/healthz", nil))
+	consumer.ReadinessHandler(l).ServeHTTP(rec, httptest.NewRequest("GET", "/healthz", nil))
 	var healthz struct {
 		Consumers []consumer.Health `json:"consumers"`
 	}

@@ -13,14 +13,14 @@ import (
 	"github.com/ferrymq/ferry/consumer/driver"
 )
 
-// The unordered messages that went to a worker with a run ahead of them
+// The unordered messages that went to a worker with a train ahead of them
 // and never started go back when the grace ends, even when the handler at
-// the head of the run ignores its cancelled context and never returns: they
+// the head of the train ignores its cancelled context and never returns: they
 // are messages not yet started (see the package doc), not the stuck
 // handler's, and must not be left to their lease.
-func TestGraceEndReturnsTheUnstartedRestOfAStuckWorkersRun(t *testing.T) {
+func TestGraceEndReturnsTheUnstartedRestOfAStuckWorkersTrain(t *testing.T) {
 	drv := newScriptLog(true)
-	drv.add("", 6) // unlaned: /0 goes to the only worker with /1../5 as its run
+	drv.add("", 6) // unlaned: /0 goes to the only worker with /1../5 as its train
 	l, err := New(drv, WithConcurrency(1), WithMaxInFlight(16), WithShutdownGrace(50*time.Millisecond),
 		WithLogger(slog.New(slog.DiscardHandler)))
 	if err != nil {
@@ -36,7 +36,7 @@ func TestGraceEndReturnsTheUnstartedRestOfAStuckWorkersRun(t *testing.T) {
 	}))
 	first := <-started
 	eventually(t, "all six to be fetched", func() bool { return l.Stats().Fetched == 6 })
-	time.Sleep(20 * time.Millisecond) // the rest reaches the worker's run or the work queue
+	time.Sleep(20 * time.Millisecond) // the rest reaches the worker's train or the work queue
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -108,18 +108,18 @@ func TestALongHeldDeliveryDoesNotKeepLaterDeliveriesAlive(t *testing.T) {
 }
 
 // When the grace ends, a delivery still in the work queue goes back with
-// what of its run of unordered deliveries is still its own: the part taken
+// what of its train of unordered deliveries is still its own: the part taken
 // back from it (by a revocation, as here, or by rebalance) is in the ready
 // queue, or with another worker, and is settled from there, once. The
 // state is the dispatcher's own, built by its own steps.
-func TestGraceEndSettlesATakenBackRunOnce(t *testing.T) {
+func TestGraceEndSettlesATakenBackTrainOnce(t *testing.T) {
 	drv := newScriptLog(true)
 	l, err := New(drv, WithConcurrency(3), WithOrdering(OrderByKey), WithLogger(slog.New(slog.DiscardHandler)))
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := newRun(context.Background(), l, HandlerFunc(func(context.Context, *Message) error { return nil }), nil)
-	defer r.cancelHandler()
+	dp := newDispatcher(context.Background(), l, HandlerFunc(func(context.Context, *Message) error { return nil }), nil)
+	defer dp.cancelHandler()
 	var slab deliverySlab
 	for i := range 9 { // keyless, so unordered: 0..6 on lane a, 7 and 8 on lane b
 		lane := "a"
@@ -128,23 +128,23 @@ func TestGraceEndSettlesATakenBackRunOnce(t *testing.T) {
 		}
 		m := driver.Message{ID: strconv.Itoa(i), Lane: lane, Deliveries: 1, Handle: strconv.Itoa(i)}
 		l.inflight.Add(1)
-		r.admit(newDelivery(&slab, &m, nil))
+		dp.admit(newDelivery(&slab, &m, nil))
 	}
-	r.sendReady() // 0+[1 2], 3+[4], 5+[6] fill the work queue; 7 and 8 stay ready
-	if len(r.work) != 3 || len(r.ready) != 2 {
-		t.Fatalf("work queue %d, ready %d: not the state this test builds", len(r.work), len(r.ready))
+	dp.sendReady() // 0+[1 2], 3+[4], 5+[6] fill the work queue; 7 and 8 stay ready
+	if len(dp.work) != 3 || len(dp.ready) != 2 {
+		t.Fatalf("work queue %d, ready %d: not the state this test builds", len(dp.work), len(dp.ready))
 	}
-	// Lane b goes; the runs' unclaimed rests come back to the ready
+	// Lane b goes; the trains' unclaimed rests come back to the ready
 	// queue (revoke takes them back; before it did, a takeDone's
 	// rebalance did, with a worker idle).
-	r.revoke(driver.Revocation{Lanes: []string{"b"}, Done: make(chan struct{})})
-	taken := <-r.work // a worker takes 0
-	r.takeDone()
+	dp.revoke(driver.Revocation{Lanes: []string{"b"}, Done: make(chan struct{})})
+	taken := <-dp.work // a worker takes 0
+	dp.takeDone()
 	var sd shutdown
 	defer sd.stop()
-	r.endGrace(&sd)
+	dp.endGrace(&sd)
 	count := map[string]int{}
-	for _, job := range []settleJob{r.io.pending, r.io.staged} {
+	for _, job := range []settleJob{dp.io.pending, dp.io.staged} {
 		for _, s := range job.batch {
 			count[s.Handle.(string)]++
 		}
@@ -154,21 +154,21 @@ func TestGraceEndSettlesATakenBackRunOnce(t *testing.T) {
 			t.Errorf("%s settled %d times when the grace ended", id, n)
 		}
 	}
-	if r.running != 1 {
-		t.Errorf("running = %d after the grace ended, want 1 (%s, with its worker)", r.running, taken.msg.ID)
+	if dp.running != 1 {
+		t.Errorf("running = %d after the grace ended, want 1 (%s, with its worker)", dp.running, taken.msg.ID)
 	}
 }
 
 // A revocation waits for the running handlers of its lanes, not for
-// deliveries of them that never started: those in a run of unordered
+// deliveries of them that never started: those in a train of unordered
 // deliveries behind a slow handler of another lane are let go at once, as
 // they are from the ready queue, so that a handler elsewhere (here one that
 // does not return until the test ends) does not hold the broker's
 // rebalance up.
-func TestRevocationDoesNotWaitForTheUnstartedRestOfARun(t *testing.T) {
+func TestRevocationDoesNotWaitForTheUnstartedRestOfATrain(t *testing.T) {
 	drv := newScriptLog(false)
-	// Keyless, so unordered: "slow" takes the rest as its run. (Without
-	// runs, "other" would wait in the work queue and lane 1 in the ready
+	// Keyless, so unordered: "slow" takes the rest as its train. (Without
+	// trains, "other" would wait in the work queue and lane 1 in the ready
 	// queue.)
 	msgs := []driver.Message{
 		{ID: "slow", Lane: "0", Deliveries: 1, Handle: "slow"},
