@@ -135,7 +135,8 @@ package consumer
 // The files:
 //
 //	doc.go            the package doc, these words, this map
-//	message.go        Message, Handler, HandlerFunc, Middleware, Chain, Consumer, Publisher
+//	message.go        Message, Handler, HandlerFunc, Middleware, Chain, Consumer, Publisher, EventIDHeader
+//	broker.go         the broker contract: Broker, NewOn, and the optional Admin, Peeker, SystemNamer
 //	outcome.go        the outcomes (Permanent, RetryAfter, Hold, Defer), their sentinels and IsX; PanicError, PublishError
 //	options.go        New's Options (every WithX), DeliveryMode, Ordering, ConfigError
 //	loop.go           Loop, New, Run, Stats, Lag
