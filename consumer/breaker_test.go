@@ -359,7 +359,12 @@ func TestBreakerStaysClosedForAPoisonOnOneLaneOfALog(t *testing.T) {
 	drv.add("poisoned", 1)
 	drv.add("flowing", 2000)
 	b := mustBreaker(t, BreakerFailures(3), BreakerOpenFor(time.Hour))
-	l, err := New(drv, WithConcurrency(2), WithRedeliveryBackoff(time.Millisecond, 2*time.Millisecond),
+	// The poison's re-runs are 20-40 ms apart, as a real backoff spaces
+	// them (100 ms and up by default): a re-run counts as evidence only
+	// when nothing succeeded since the last one, and a loaded machine can
+	// stall the flowing lane for a millisecond or two, but not for 60 ms
+	// of three re-runs in a row.
+	l, err := New(drv, WithConcurrency(2), WithRedeliveryBackoff(20*time.Millisecond, 40*time.Millisecond),
 		WithLogger(slog.New(slog.DiscardHandler)))
 	if err != nil {
 		t.Fatal(err)
