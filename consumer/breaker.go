@@ -9,8 +9,9 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/ferrymq/ferry/internal/ratelog"
 	"github.com/sony/gobreaker/v2"
+
+	"github.com/ferrymq/ferry/internal/ratelog"
 )
 
 // ErrBreakerOpen matches, through errors.Is, the error inside the Hold that
@@ -143,7 +144,7 @@ type breakerConfig struct {
 func BreakerName(name string) BreakerOption {
 	return func(c *breakerConfig) error {
 		if name == "" {
-			return configErr("Breaker.Name", "must not be empty")
+			return ConfigErrorf("Breaker.Name", "must not be empty")
 		}
 		c.name = name
 		return nil
@@ -156,7 +157,7 @@ func BreakerName(name string) BreakerOption {
 func BreakerFailures(n int) BreakerOption {
 	return func(c *breakerConfig) error {
 		if n < 1 {
-			return configErr("Breaker.Failures", "must be >= 1, got %d", n)
+			return ConfigErrorf("Breaker.Failures", "must be >= 1, got %d", n)
 		}
 		c.failures = n
 		return nil
@@ -171,7 +172,7 @@ func BreakerFailures(n int) BreakerOption {
 func BreakerFailureRatio(r float64) BreakerOption {
 	return func(c *breakerConfig) error {
 		if !(r > 0 && r <= 1) {
-			return configErr("Breaker.FailureRatio", "must be in (0, 1], got %v", r)
+			return ConfigErrorf("Breaker.FailureRatio", "must be in (0, 1], got %v", r)
 		}
 		c.ratio = r
 		return nil
@@ -183,7 +184,7 @@ func BreakerFailureRatio(r float64) BreakerOption {
 func BreakerWindow(d time.Duration) BreakerOption {
 	return func(c *breakerConfig) error {
 		if d <= 0 {
-			return configErr("Breaker.Window", "must be > 0, got %s", d)
+			return ConfigErrorf("Breaker.Window", "must be > 0, got %s", d)
 		}
 		c.window = d
 		return nil
@@ -195,7 +196,7 @@ func BreakerWindow(d time.Duration) BreakerOption {
 func BreakerOpenFor(d time.Duration) BreakerOption {
 	return func(c *breakerConfig) error {
 		if d <= 0 {
-			return configErr("Breaker.OpenFor", "must be > 0, got %s", d)
+			return ConfigErrorf("Breaker.OpenFor", "must be > 0, got %s", d)
 		}
 		c.openFor = d
 		return nil
@@ -207,7 +208,7 @@ func BreakerOpenFor(d time.Duration) BreakerOption {
 func BreakerTrials(n int) BreakerOption {
 	return func(c *breakerConfig) error {
 		if n < 1 || n > 1<<20 {
-			return configErr("Breaker.Trials", "must be between 1 and 2^20, got %d", n)
+			return ConfigErrorf("Breaker.Trials", "must be between 1 and 2^20, got %d", n)
 		}
 		c.trials = n
 		return nil
@@ -220,7 +221,7 @@ func BreakerTrials(n int) BreakerOption {
 func BreakerCounts(counts func(err error) bool) BreakerOption {
 	return func(c *breakerConfig) error {
 		if counts == nil {
-			return configErr("Breaker.Counts", "must not be nil")
+			return ConfigErrorf("Breaker.Counts", "must not be nil")
 		}
 		c.counts = counts
 		return nil
@@ -244,7 +245,7 @@ func BreakerOnStateChange(f func(from, to BreakerState)) BreakerOption {
 func BreakerLogger(l *slog.Logger) BreakerOption {
 	return func(c *breakerConfig) error {
 		if l == nil {
-			return configErr("Breaker.Logger", "must not be nil")
+			return ConfigErrorf("Breaker.Logger", "must not be nil")
 		}
 		c.logger = l
 		return nil

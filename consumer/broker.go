@@ -38,7 +38,7 @@ type Broker interface {
 // *ConfigError when an option is invalid, and with Driver's error.
 func NewOn(ctx context.Context, o driver.Opener, source string, opts ...Option) (*Loop, error) {
 	if o == nil {
-		return nil, configErr("Opener", "must not be nil")
+		return nil, ConfigErrorf("Opener", "must not be nil")
 	}
 	cfg, err := buildConfig(opts)
 	if err != nil {
@@ -53,7 +53,7 @@ func NewOn(ctx context.Context, o driver.Opener, source string, opts ...Option) 
 		return nil, err
 	}
 	if d == nil {
-		return nil, configErr("Driver", "the opener returned no driver and no error for %q", source)
+		return nil, ConfigErrorf("Driver", "the opener returned no driver and no error for %q", source)
 	}
 	l, err := newLoop(d, cfg)
 	if err != nil {

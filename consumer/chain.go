@@ -57,16 +57,16 @@ func inspectChain(h Handler) (chainParts, error) {
 		switch f := h.(type) {
 		case nil:
 			if depth == 0 {
-				return p, configErr("Handler", "must not be nil")
+				return p, ConfigErrorf("Handler", "must not be nil")
 			}
-			return p, configErr("Handler", "middleware at depth %d wraps a nil Handler", depth)
+			return p, ConfigErrorf("Handler", "middleware at depth %d wraps a nil Handler", depth)
 		case HandlerFunc:
 			if f == nil {
-				return p, configErr("Handler", "is a nil HandlerFunc (at depth %d)", depth)
+				return p, ConfigErrorf("Handler", "is a nil HandlerFunc (at depth %d)", depth)
 			}
 		}
 		if n, ok := h.(nilHandler); ok && n.isNil() {
-			return p, configErr("Handler", "calls a nil function (at depth %d)", depth)
+			return p, ConfigErrorf("Handler", "calls a nil function (at depth %d)", depth)
 		}
 		if g, ok := h.(gate); ok {
 			p.breakers = appendOnce(p.breakers, g.breaker())

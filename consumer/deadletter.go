@@ -13,11 +13,12 @@ import (
 	"time"
 	"unicode/utf8"
 
-	"github.com/ferrymq/ferry/internal/msgmetrics"
-	"github.com/ferrymq/ferry/internal/ratelog"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/ferrymq/ferry/internal/msgmetrics"
+	"github.com/ferrymq/ferry/internal/ratelog"
 )
 
 // Headers that DeadLetter adds to a dead-lettered message. The body, the key
@@ -152,7 +153,7 @@ type deadLetterConfig struct {
 func DeadLetterMaxAttempts(n int) DeadLetterOption {
 	return func(c *deadLetterConfig) error {
 		if n < 1 {
-			return configErr("DeadLetter.MaxAttempts", "must be >= 1, got %d", n)
+			return ConfigErrorf("DeadLetter.MaxAttempts", "must be >= 1, got %d", n)
 		}
 		c.maxAttempts = n
 		return nil
@@ -165,7 +166,7 @@ func DeadLetterMaxAttempts(n int) DeadLetterOption {
 func DeadLetterConsumerName(name string) DeadLetterOption {
 	return func(c *deadLetterConfig) error {
 		if name == "" {
-			return configErr("DeadLetter.ConsumerName", "must not be empty")
+			return ConfigErrorf("DeadLetter.ConsumerName", "must not be empty")
 		}
 		c.name = name
 		return nil
@@ -179,7 +180,7 @@ func DeadLetterConsumerName(name string) DeadLetterOption {
 func DeadLetterLogger(l *slog.Logger) DeadLetterOption {
 	return func(c *deadLetterConfig) error {
 		if l == nil {
-			return configErr("DeadLetter.Logger", "must not be nil")
+			return ConfigErrorf("DeadLetter.Logger", "must not be nil")
 		}
 		c.logger = l
 		return nil
@@ -191,10 +192,10 @@ func DeadLetterLogger(l *slog.Logger) DeadLetterOption {
 // nil, destination is empty or an option is invalid.
 func NewDeadLetter(pub Publisher, destination string, opts ...DeadLetterOption) (*DeadLetter, error) {
 	if pub == nil {
-		return nil, configErr("DeadLetter.Publisher", "must not be nil")
+		return nil, ConfigErrorf("DeadLetter.Publisher", "must not be nil")
 	}
 	if destination == "" {
-		return nil, configErr("DeadLetter.Destination", "must not be empty")
+		return nil, ConfigErrorf("DeadLetter.Destination", "must not be empty")
 	}
 	host, _ := os.Hostname()
 	c := deadLetterConfig{maxAttempts: 10}

@@ -75,7 +75,7 @@ type Stats struct {
 // than driver.MinLease.
 func New(drv driver.Driver, opts ...Option) (*Loop, error) {
 	if drv == nil {
-		return nil, configErr("Driver", "must not be nil")
+		return nil, ConfigErrorf("Driver", "must not be nil")
 	}
 	cfg, err := buildConfig(opts)
 	if err != nil {
@@ -88,7 +88,7 @@ func newLoop(drv driver.Driver, cfg config) (*Loop, error) {
 	l := &Loop{drv: drv, cfg: cfg, caps: drv.Capabilities(), space: make(chan struct{}, 1), logs: ratelog.New(5, time.Minute)}
 	if e, ok := drv.(driver.Extender); ok && e.Lease() > 0 {
 		if e.Lease() < driver.MinLease {
-			return nil, configErr("Lease", "%s is too short to keep extended; at least %s (a visibility timeout, on SQS)", e.Lease(), driver.MinLease)
+			return nil, ConfigErrorf("Lease", "%s is too short to keep extended; at least %s (a visibility timeout, on SQS)", e.Lease(), driver.MinLease)
 		}
 		l.extender = e
 	}

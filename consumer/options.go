@@ -78,7 +78,15 @@ func (e *ConfigError) Error() string {
 // Is reports whether target is ErrInvalidConfig.
 func (e *ConfigError) Is(target error) bool { return target == ErrInvalidConfig }
 
-func configErr(field, format string, args ...any) error {
+// ConfigErrorf returns a *ConfigError for field, with its reason formatted
+// as fmt.Sprintf formats it: the error every constructor and option of
+// Ferry's packages returns for a bad setting, and the one for an adapter
+// of one's own. Field names the setting as Go code spells it: an option by
+// its name without With ("Concurrency" for WithConcurrency), a field of a
+// configuration struct as Type.Field ("QueueConfig.DeadLetterQueue"), a
+// middleware's option by the middleware and the option ("Retry.Initial"
+// for RetryInitial), and an argument by its parameter's name ("topic").
+func ConfigErrorf(field, format string, args ...any) error {
 	return &ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
 }
 
@@ -136,7 +144,7 @@ func defaultConfig() config {
 func WithName(name string) Option {
 	return func(c *config) error {
 		if name == "" {
-			return configErr("Name", "must not be empty")
+			return ConfigErrorf("Name", "must not be empty")
 		}
 		c.name, c.named = name, true
 		return nil
@@ -147,7 +155,7 @@ func WithName(name string) Option {
 func WithConcurrency(n int) Option {
 	return func(c *config) error {
 		if n <= 0 {
-			return configErr("Concurrency", "must be > 0, got %d", n)
+			return ConfigErrorf("Concurrency", "must be > 0, got %d", n)
 		}
 		c.concurrency = n
 		return nil
@@ -163,7 +171,7 @@ func WithConcurrency(n int) Option {
 func WithMaxInFlight(n int) Option {
 	return func(c *config) error {
 		if n <= 0 {
-			return configErr("MaxInFlight", "must be > 0, got %d", n)
+			return ConfigErrorf("MaxInFlight", "must be > 0, got %d", n)
 		}
 		c.maxInFlight = n
 		c.maxInFlightOK = true
@@ -176,7 +184,7 @@ func WithMaxInFlight(n int) Option {
 func WithFetchBatch(n int) Option {
 	return func(c *config) error {
 		if n <= 0 {
-			return configErr("FetchBatch", "must be > 0, got %d", n)
+			return ConfigErrorf("FetchBatch", "must be > 0, got %d", n)
 		}
 		c.fetchBatch = n
 		c.fetchBatchOK = true
@@ -188,7 +196,7 @@ func WithFetchBatch(n int) Option {
 func WithOrdering(o Ordering) Option {
 	return func(c *config) error {
 		if o > Unordered {
-			return configErr("Ordering", "unknown value %d", o)
+			return ConfigErrorf("Ordering", "unknown value %d", o)
 		}
 		c.ordering = o
 		return nil
@@ -200,7 +208,7 @@ func WithOrdering(o Ordering) Option {
 func WithDeliveryMode(m DeliveryMode) Option {
 	return func(c *config) error {
 		if m > AtMostOnce {
-			return configErr("DeliveryMode", "unknown value %d", m)
+			return ConfigErrorf("DeliveryMode", "unknown value %d", m)
 		}
 		c.mode = m
 		return nil
@@ -213,7 +221,7 @@ func WithDeliveryMode(m DeliveryMode) Option {
 func WithShutdownGrace(d time.Duration) Option {
 	return func(c *config) error {
 		if d < 0 {
-			return configErr("ShutdownGrace", "must be >= 0, got %s", d)
+			return ConfigErrorf("ShutdownGrace", "must be >= 0, got %s", d)
 		}
 		c.grace = d
 		return nil
@@ -224,7 +232,7 @@ func WithShutdownGrace(d time.Duration) Option {
 func WithLogger(l *slog.Logger) Option {
 	return func(c *config) error {
 		if l == nil {
-			return configErr("Logger", "must not be nil")
+			return ConfigErrorf("Logger", "must not be nil")
 		}
 		c.logger = l
 		return nil
@@ -238,10 +246,10 @@ func WithLogger(l *slog.Logger) Option {
 func WithRedeliveryBackoff(min, max time.Duration) Option {
 	return func(c *config) error {
 		if min < 0 {
-			return configErr("RedeliveryBackoff", "min must be >= 0, got %s", min)
+			return ConfigErrorf("RedeliveryBackoff", "min must be >= 0, got %s", min)
 		}
 		if max < min {
-			return configErr("RedeliveryBackoff", "max %s is below min %s", max, min)
+			return ConfigErrorf("RedeliveryBackoff", "max %s is below min %s", max, min)
 		}
 		c.backoffMin, c.backoffMax = min, max
 		return nil
@@ -253,7 +261,7 @@ func WithRedeliveryBackoff(min, max time.Duration) Option {
 func WithFetchBackoff(max time.Duration) Option {
 	return func(c *config) error {
 		if max <= 0 {
-			return configErr("FetchBackoff", "must be > 0, got %s", max)
+			return ConfigErrorf("FetchBackoff", "must be > 0, got %s", max)
 		}
 		c.fetchBackoff = max
 		return nil
@@ -267,7 +275,7 @@ func WithFetchBackoff(max time.Duration) Option {
 func WithReportAfter(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {
-			return configErr("ReportAfter", "must be > 0, got %s", d)
+			return ConfigErrorf("ReportAfter", "must be > 0, got %s", d)
 		}
 		c.reportAfter = d
 		return nil
@@ -282,7 +290,7 @@ func WithReportAfter(d time.Duration) Option {
 func WithWedgedAfter(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {
-			return configErr("WedgedAfter", "must be > 0, got %s", d)
+			return ConfigErrorf("WedgedAfter", "must be > 0, got %s", d)
 		}
 		c.wedgedAfter = d
 		return nil
@@ -294,7 +302,7 @@ func WithWedgedAfter(d time.Duration) Option {
 func WithMeterProvider(mp metric.MeterProvider) Option {
 	return func(c *config) error {
 		if mp == nil {
-			return configErr("MeterProvider", "must not be nil")
+			return ConfigErrorf("MeterProvider", "must not be nil")
 		}
 		c.meterProvider = mp
 		return nil
@@ -311,7 +319,7 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 func WithTracerProvider(tp trace.TracerProvider) Option {
 	return func(c *config) error {
 		if tp == nil {
-			return configErr("TracerProvider", "must not be nil")
+			return ConfigErrorf("TracerProvider", "must not be nil")
 		}
 		c.tracerProvider = tp
 		return nil
@@ -324,10 +332,10 @@ func WithTracerProvider(tp trace.TracerProvider) Option {
 func WithHealthWindow(interval time.Duration, samples int) Option {
 	return func(c *config) error {
 		if interval <= 0 {
-			return configErr("HealthWindow", "interval must be > 0, got %s", interval)
+			return ConfigErrorf("HealthWindow", "interval must be > 0, got %s", interval)
 		}
 		if samples < 3 {
-			return configErr("HealthWindow", "needs at least 3 samples, got %d", samples)
+			return ConfigErrorf("HealthWindow", "needs at least 3 samples, got %d", samples)
 		}
 		c.healthInterval, c.healthSamples = interval, samples
 		return nil
@@ -341,10 +349,10 @@ func WithHealthWindow(interval time.Duration, samples int) Option {
 func WithRetention(retention time.Duration, fraction float64) Option {
 	return func(c *config) error {
 		if retention <= 0 {
-			return configErr("Retention", "must be > 0, got %s", retention)
+			return ConfigErrorf("Retention", "must be > 0, got %s", retention)
 		}
 		if fraction <= 0 || fraction > 1 {
-			return configErr("Retention", "fraction must be in (0, 1], got %v", fraction)
+			return ConfigErrorf("Retention", "fraction must be in (0, 1], got %v", fraction)
 		}
 		c.retention, c.retentionFraction = retention, fraction
 		return nil
@@ -365,7 +373,7 @@ func buildConfig(opts []Option) (config, error) {
 		c.maxInFlight = 4 * c.concurrency
 	}
 	if c.maxInFlight < c.concurrency {
-		return c, configErr("MaxInFlight", "%d is below Concurrency %d", c.maxInFlight, c.concurrency)
+		return c, ConfigErrorf("MaxInFlight", "%d is below Concurrency %d", c.maxInFlight, c.concurrency)
 	}
 	if !c.fetchBatchOK {
 		c.fetchBatch = min(c.maxInFlight, 256)

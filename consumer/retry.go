@@ -7,8 +7,9 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/ferrymq/ferry/internal/ratelog"
 	"go.opentelemetry.io/otel/attribute"
+
+	"github.com/ferrymq/ferry/internal/ratelog"
 )
 
 // Retry runs a failing handler again within one delivery, with exponential
@@ -76,7 +77,7 @@ type retryConfig struct {
 func RetryAttempts(n int) RetryOption {
 	return func(c *retryConfig) error {
 		if n < 1 {
-			return configErr("Retry.Attempts", "must be >= 1, got %d", n)
+			return ConfigErrorf("Retry.Attempts", "must be >= 1, got %d", n)
 		}
 		c.attempts = n
 		return nil
@@ -87,7 +88,7 @@ func RetryAttempts(n int) RetryOption {
 func RetryInitial(d time.Duration) RetryOption {
 	return func(c *retryConfig) error {
 		if d <= 0 {
-			return configErr("Retry.Initial", "must be > 0, got %s", d)
+			return ConfigErrorf("Retry.Initial", "must be > 0, got %s", d)
 		}
 		c.b.initial = d
 		return nil
@@ -99,7 +100,7 @@ func RetryInitial(d time.Duration) RetryOption {
 func RetryMultiplier(f float64) RetryOption {
 	return func(c *retryConfig) error {
 		if !(f >= 1) || f > 1e6 {
-			return configErr("Retry.Multiplier", "must be between 1 and 1e6, got %g", f)
+			return ConfigErrorf("Retry.Multiplier", "must be between 1 and 1e6, got %g", f)
 		}
 		c.b.multiplier = f
 		return nil
@@ -110,7 +111,7 @@ func RetryMultiplier(f float64) RetryOption {
 func RetryMaxInterval(d time.Duration) RetryOption {
 	return func(c *retryConfig) error {
 		if d <= 0 {
-			return configErr("Retry.MaxInterval", "must be > 0, got %s", d)
+			return ConfigErrorf("Retry.MaxInterval", "must be > 0, got %s", d)
 		}
 		c.b.max = d
 		return nil
@@ -123,7 +124,7 @@ func RetryMaxInterval(d time.Duration) RetryOption {
 func RetryMaxElapsed(d time.Duration) RetryOption {
 	return func(c *retryConfig) error {
 		if d <= 0 {
-			return configErr("Retry.MaxElapsed", "must be > 0, got %s", d)
+			return ConfigErrorf("Retry.MaxElapsed", "must be > 0, got %s", d)
 		}
 		c.maxElapsed = d
 		return nil
@@ -136,7 +137,7 @@ func RetryMaxElapsed(d time.Duration) RetryOption {
 func RetryRedeliveryMax(d time.Duration) RetryOption {
 	return func(c *retryConfig) error {
 		if d <= 0 {
-			return configErr("Retry.RedeliveryMax", "must be > 0, got %s", d)
+			return ConfigErrorf("Retry.RedeliveryMax", "must be > 0, got %s", d)
 		}
 		c.redeliveryMax = d
 		return nil
@@ -151,7 +152,7 @@ func RetryRedeliveryMax(d time.Duration) RetryOption {
 func RetryLogger(l *slog.Logger) RetryOption {
 	return func(c *retryConfig) error {
 		if l == nil {
-			return configErr("Retry.Logger", "must not be nil")
+			return ConfigErrorf("Retry.Logger", "must not be nil")
 		}
 		c.logger = l
 		return nil
@@ -187,7 +188,7 @@ func NewRetry(opts ...RetryOption) (*Retry, error) {
 		}
 	}
 	if c.b.max < c.b.initial {
-		return nil, configErr("Retry.MaxInterval", "%s is below Initial %s", c.b.max, c.b.initial)
+		return nil, ConfigErrorf("Retry.MaxInterval", "%s is below Initial %s", c.b.max, c.b.initial)
 	}
 	return &Retry{retryConfig: c, sleep: sleepCtx, logs: ratelog.New(5, time.Minute)}, nil
 }

@@ -31,7 +31,7 @@ const (
 // again by a Loop.
 func (s *Stack) RegisterMetrics(mp metric.MeterProvider, name string) (metric.Registration, error) {
 	if mp == nil {
-		return nil, configErr("MeterProvider", "must not be nil")
+		return nil, ConfigErrorf("MeterProvider", "must not be nil")
 	}
 	p := chainParts{}
 	if s.DeadLetter != nil {

@@ -76,7 +76,7 @@ func StandardBreaker(opts ...BreakerOption) StandardOption {
 func StandardUseBreaker(b *Breaker) StandardOption {
 	return func(c *standardConfig) error {
 		if b == nil {
-			return configErr("Standard.Breaker", "must not be nil")
+			return ConfigErrorf("Standard.Breaker", "must not be nil")
 		}
 		c.shared = b
 		return nil
@@ -97,7 +97,7 @@ func StandardDeadLetter(opts ...DeadLetterOption) StandardOption {
 func StandardTimeout(d time.Duration) StandardOption {
 	return func(c *standardConfig) error {
 		if d < 0 {
-			return configErr("Standard.Timeout", "must be >= 0, got %s", d)
+			return ConfigErrorf("Standard.Timeout", "must be >= 0, got %s", d)
 		}
 		c.timeout = d
 		return nil
@@ -118,7 +118,7 @@ func Standard(pub Publisher, dlqDestination string, opts ...StandardOption) (*St
 		}
 	}
 	if c.shared != nil && len(c.breaker) > 0 {
-		return nil, configErr("Standard.Breaker", "options given together with a shared breaker")
+		return nil, ConfigErrorf("Standard.Breaker", "options given together with a shared breaker")
 	}
 	dl, err := NewDeadLetter(pub, dlqDestination, c.deadLetter...)
 	if err != nil {

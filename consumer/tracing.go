@@ -158,14 +158,14 @@ func systemOf(p Publisher) string {
 // error span.
 func TracePublisher(p Publisher, tp trace.TracerProvider) (Publisher, error) {
 	if p == nil {
-		return nil, configErr("Publisher", "must not be nil")
+		return nil, ConfigErrorf("Publisher", "must not be nil")
 	}
 	if tp == nil {
-		return nil, configErr("TracerProvider", "must not be nil")
+		return nil, ConfigErrorf("TracerProvider", "must not be nil")
 	}
 	system := systemOf(p)
 	if system == "" {
-		return nil, configErr("Publisher", "%T names no messaging system: it is not a SystemNamer, nor does it wrap one (Unwrap() Publisher)", p)
+		return nil, ConfigErrorf("Publisher", "%T names no messaging system: it is not a SystemNamer, nor does it wrap one (Unwrap() Publisher)", p)
 	}
 	return &tracePublisher{next: p, tracer: tp.Tracer(tracerName), system: system}, nil
 }

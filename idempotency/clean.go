@@ -4,6 +4,8 @@ import (
 	"context"
 	"log/slog"
 	"time"
+
+	"github.com/ferrymq/ferry/consumer"
 )
 
 // CleanEvery runs c.Cleanup every interval until ctx ends, logging failures
@@ -12,10 +14,10 @@ import (
 // ctx's error. Any number of processes may clean one shared store at once.
 func CleanEvery(ctx context.Context, c Cleaner, interval time.Duration, logger *slog.Logger) error {
 	if c == nil {
-		return configErr("Cleaner", "must not be nil")
+		return consumer.ConfigErrorf("Cleaner", "must not be nil")
 	}
 	if interval <= 0 {
-		return configErr("Interval", "must be > 0, got %s", interval)
+		return consumer.ConfigErrorf("Interval", "must be > 0, got %s", interval)
 	}
 	if logger == nil {
 		logger = slog.Default()

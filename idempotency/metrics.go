@@ -46,7 +46,7 @@ func (h *handler) MetricsSource() consumer.MetricsSource { return h.d }
 
 func (d *Dedup) registerMetrics(mp metric.MeterProvider, name string) (metric.Registration, error) {
 	if mp == nil {
-		return nil, configErr("MeterProvider", "must not be nil")
+		return nil, consumer.ConfigErrorf("MeterProvider", "must not be nil")
 	}
 	m := mp.Meter("github.com/ferrymq/ferry/idempotency")
 	var errs []error

@@ -70,16 +70,12 @@ type config struct {
 	logger     *slog.Logger
 }
 
-func configErr(field, format string, args ...any) error {
-	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
-}
-
 // WithKey sets how the key is derived from a message. Default DefaultKey
 // (the EventIDHeader, else the broker's message id).
 func WithKey(f KeyFunc) Option {
 	return func(c *config) error {
 		if f == nil {
-			return configErr("Key", "must not be nil")
+			return consumer.ConfigErrorf("Key", "must not be nil")
 		}
 		c.key = f
 		return nil
@@ -92,7 +88,7 @@ func WithKey(f KeyFunc) Option {
 func WithLease(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {
-			return configErr("Lease", "must be > 0, got %s", d)
+			return consumer.ConfigErrorf("Lease", "must be > 0, got %s", d)
 		}
 		c.lease = d
 		return nil
@@ -105,7 +101,7 @@ func WithLease(d time.Duration) Option {
 func WithRetention(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {
-			return configErr("Retention", "must be > 0, got %s", d)
+			return consumer.ConfigErrorf("Retention", "must be > 0, got %s", d)
 		}
 		c.retention = d
 		return nil
@@ -118,7 +114,7 @@ func WithRetention(d time.Duration) Option {
 func WithInProgressDelay(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {
-			return configErr("InProgressDelay", "must be > 0, got %s", d)
+			return consumer.ConfigErrorf("InProgressDelay", "must be > 0, got %s", d)
 		}
 		c.inProgress = d
 		return nil
@@ -133,7 +129,7 @@ func WithInProgressDelay(d time.Duration) Option {
 func WithLogger(l *slog.Logger) Option {
 	return func(c *config) error {
 		if l == nil {
-			return configErr("Logger", "must not be nil")
+			return consumer.ConfigErrorf("Logger", "must not be nil")
 		}
 		c.logger = l
 		return nil
@@ -192,13 +188,13 @@ func (d *Dedup) warn(ctx context.Context, kind, msg string, args ...any) {
 // See the package documentation for what happens to each delivery.
 func New(store Store, namespace string, opts ...Option) (*Dedup, error) {
 	if store == nil {
-		return nil, configErr("Store", "must not be nil")
+		return nil, consumer.ConfigErrorf("Store", "must not be nil")
 	}
 	if namespace == "" {
-		return nil, configErr("Namespace", "must not be empty")
+		return nil, consumer.ConfigErrorf("Namespace", "must not be empty")
 	}
 	if strings.Contains(namespace, ":") {
-		return nil, configErr("Namespace", "must not contain ':', got %q", namespace)
+		return nil, consumer.ConfigErrorf("Namespace", "must not contain ':', got %q", namespace)
 	}
 	c := config{
 		key:        DefaultKey,

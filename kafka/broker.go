@@ -115,7 +115,7 @@ type config struct {
 func WithMeterProvider(mp metric.MeterProvider) Option {
 	return func(c *config) error {
 		if mp == nil {
-			return configErr("MeterProvider", "must not be nil")
+			return consumer.ConfigErrorf("MeterProvider", "must not be nil")
 		}
 		c.meters = mp
 		return nil
@@ -125,10 +125,6 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 // Option configures a Broker. An option given a bad value makes New fail
 // with a *consumer.ConfigError naming the field.
 type Option func(*config) error
-
-func configErr(field, format string, args ...any) error {
-	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
-}
 
 // WithClientOpts passes franz-go options through to every client the Broker
 // makes (producer, consumers, admin): fetch and batch sizes, timeouts,
@@ -147,7 +143,7 @@ func WithClientOpts(opts ...kgo.Opt) Option {
 	return func(c *config) error {
 		for _, o := range opts {
 			if o == nil {
-				return configErr("ClientOpts", "must not contain nil")
+				return consumer.ConfigErrorf("ClientOpts", "must not contain nil")
 			}
 		}
 		c.kopts = append(c.kopts, opts...)
@@ -164,7 +160,7 @@ func WithClientOpts(opts ...kgo.Opt) Option {
 func WithTLS(cfg *tls.Config) Option {
 	return func(c *config) error {
 		if cfg == nil {
-			return configErr("TLS", "must not be nil")
+			return consumer.ConfigErrorf("TLS", "must not be nil")
 		}
 		c.tls = cfg
 		return nil
@@ -178,7 +174,7 @@ func WithTLS(cfg *tls.Config) Option {
 func WithSASL(m sasl.Mechanism) Option {
 	return func(c *config) error {
 		if m == nil {
-			return configErr("SASL", "must not be nil")
+			return consumer.ConfigErrorf("SASL", "must not be nil")
 		}
 		c.kopts = append(c.kopts, kgo.SASL(m))
 		return nil
@@ -190,7 +186,7 @@ func WithSASL(m sasl.Mechanism) Option {
 func WithClientID(id string) Option {
 	return func(c *config) error {
 		if id == "" {
-			return configErr("ClientID", "must not be empty")
+			return consumer.ConfigErrorf("ClientID", "must not be empty")
 		}
 		c.kopts = append(c.kopts, kgo.ClientID(id))
 		return nil
@@ -202,7 +198,7 @@ func WithClientID(id string) Option {
 func WithLogger(l *slog.Logger) Option {
 	return func(c *config) error {
 		if l == nil {
-			return configErr("Logger", "must not be nil")
+			return consumer.ConfigErrorf("Logger", "must not be nil")
 		}
 		c.logger = l
 		return nil
@@ -214,7 +210,7 @@ func WithLogger(l *slog.Logger) Option {
 func WithGroupProtocol(p GroupProtocol) Option {
 	return func(c *config) error {
 		if p != Classic && p != NextGen {
-			return configErr("GroupProtocol", "must be Classic or NextGen, got %d", p)
+			return consumer.ConfigErrorf("GroupProtocol", "must be Classic or NextGen, got %d", p)
 		}
 		c.protocol = p
 		return nil
@@ -228,7 +224,7 @@ func WithGroupProtocol(p GroupProtocol) Option {
 func WithCommitInterval(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {
-			return configErr("CommitInterval", "must be > 0, got %s", d)
+			return consumer.ConfigErrorf("CommitInterval", "must be > 0, got %s", d)
 		}
 		c.commitInterval = d
 		return nil
@@ -249,7 +245,7 @@ func WithCommitInterval(d time.Duration) Option {
 func WithPartitionBuffer(n int) Option {
 	return func(c *config) error {
 		if n <= 0 {
-			return configErr("PartitionBuffer", "must be > 0, got %d", n)
+			return consumer.ConfigErrorf("PartitionBuffer", "must be > 0, got %d", n)
 		}
 		c.partitionBuffer = n
 		return nil
@@ -266,7 +262,7 @@ func WithPartitionBuffer(n int) Option {
 func WithSessionTimeout(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {
-			return configErr("SessionTimeout", "must be > 0, got %s", d)
+			return consumer.ConfigErrorf("SessionTimeout", "must be > 0, got %s", d)
 		}
 		c.sessionTimeout = d
 		return nil
@@ -281,7 +277,7 @@ func WithSessionTimeout(d time.Duration) Option {
 func WithRebalanceTimeout(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {
-			return configErr("RebalanceTimeout", "must be > 0, got %s", d)
+			return consumer.ConfigErrorf("RebalanceTimeout", "must be > 0, got %s", d)
 		}
 		c.rebalanceTO = d
 		return nil
@@ -303,7 +299,7 @@ type CommitEvent struct {
 func WithCommitHook(fn func(CommitEvent)) Option {
 	return func(c *config) error {
 		if fn == nil {
-			return configErr("CommitHook", "must not be nil")
+			return consumer.ConfigErrorf("CommitHook", "must not be nil")
 		}
 		c.commitHook = fn
 		return nil
@@ -329,7 +325,7 @@ type RebalanceEvent struct {
 func WithRebalanceHook(fn func(RebalanceEvent)) Option {
 	return func(c *config) error {
 		if fn == nil {
-			return configErr("RebalanceHook", "must not be nil")
+			return consumer.ConfigErrorf("RebalanceHook", "must not be nil")
 		}
 		c.rebalanceHook = fn
 		return nil
@@ -375,11 +371,11 @@ func (b *Broker) System() string { return "kafka" }
 // cluster to answer (the first Publish, Fetch or admin call does).
 func New(seeds []string, opts ...Option) (*Broker, error) {
 	if len(seeds) == 0 {
-		return nil, configErr("Seeds", "must name at least one broker address")
+		return nil, consumer.ConfigErrorf("Seeds", "must name at least one broker address")
 	}
 	for _, s := range seeds {
 		if s == "" {
-			return nil, configErr("Seeds", "must not contain an empty address")
+			return nil, consumer.ConfigErrorf("Seeds", "must not contain an empty address")
 		}
 	}
 	cfg := config{
@@ -476,10 +472,12 @@ func checkClientOpts(seeds []string, c *config) error {
 	const probeGroup = "ferry.probe.group"
 	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(seeds...), kgo.ConsumerGroup(probeGroup)}, opts...)...)
 	if err != nil {
-		return configErr("ClientOpts", "%v", err)
+		return consumer.ConfigErrorf("ClientOpts", "%v", err)
 	}
 	defer cl.Close()
-	refuse := func(name, why string) error { return configErr("ClientOpts", "%s is not allowed: %s", name, why) }
+	refuse := func(name, why string) error {
+		return consumer.ConfigErrorf("ClientOpts", "%s is not allowed: %s", name, why)
+	}
 	if t, _ := cl.OptValue(kgo.DialTLSConfig).(*tls.Config); t != c.tls {
 		c.dial = nil // a TLS config of the user's: franz-go dials
 	} else if d, ok := cl.OptValue(kgo.DialTimeout).(time.Duration); ok && d > 0 {
@@ -604,7 +602,7 @@ func (b *Broker) publish(ctx context.Context, topic string, msgs []consumer.Mess
 		return fmt.Errorf("kafka: publish to %q: %w", topic, ErrClosed)
 	}
 	if topic == "" {
-		return configErr("topic", "must not be empty")
+		return consumer.ConfigErrorf("topic", "must not be empty")
 	}
 	if len(msgs) == 0 {
 		return nil
@@ -917,10 +915,10 @@ type TopicConfig struct {
 // is left as it is).
 func (b *Broker) CreateTopic(ctx context.Context, topic string, cfg TopicConfig) error {
 	if topic == "" {
-		return configErr("topic", "must not be empty")
+		return consumer.ConfigErrorf("topic", "must not be empty")
 	}
 	if cfg.Partitions < 0 {
-		return configErr("TopicConfig.Partitions", "must be >= 0, got %d", cfg.Partitions)
+		return consumer.ConfigErrorf("TopicConfig.Partitions", "must be >= 0, got %d", cfg.Partitions)
 	}
 	if cfg.Partitions == 0 {
 		cfg.Partitions = 1
@@ -1012,7 +1010,7 @@ func (b *Broker) NewConsumer(ctx context.Context, topic string, opts ...consumer
 // "Name".
 func (b *Broker) Driver(_ context.Context, topic string, cfg driver.Config) (driver.Driver, error) {
 	if cfg.Name == "" {
-		return nil, configErr("Name", "must be set with consumer.WithName: on Kafka the consumer's name is its group id, "+
+		return nil, consumer.ConfigErrorf("Name", "must be set with consumer.WithName: on Kafka the consumer's name is its group id, "+
 			"and consumers of one topic with one name share its partitions")
 	}
 	d, err := b.newDriver(topic)

@@ -118,7 +118,7 @@ type handle struct {
 
 func (b *Broker) newDriver(topic string) (*kafkaDriver, error) {
 	if topic == "" {
-		return nil, configErr("topic", "must not be empty")
+		return nil, consumer.ConfigErrorf("topic", "must not be empty")
 	}
 	if b.isClosed() {
 		return nil, fmt.Errorf("kafka: consumer of %q: %w", topic, ErrClosed)
@@ -141,7 +141,7 @@ func (b *Broker) newDriver(topic string) (*kafkaDriver, error) {
 // Fetch), once a loop runs to hear of revocations.
 func (d *kafkaDriver) start(group string) error {
 	if group == "" {
-		return configErr("group", "must not be empty")
+		return consumer.ConfigErrorf("group", "must not be empty")
 	}
 	d.group = group
 	d.log = d.b.log.With("topic", d.topic, "group", group)

@@ -39,10 +39,10 @@ import (
 // the answer.
 func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int) ([]consumer.Message, error) {
 	if topic == "" {
-		return nil, configErr("topic", "must not be empty")
+		return nil, consumer.ConfigErrorf("topic", "must not be empty")
 	}
 	if perPartition < 0 {
-		return nil, configErr("perPartition", "must not be negative, got %d", perPartition)
+		return nil, consumer.ConfigErrorf("perPartition", "must not be negative, got %d", perPartition)
 	}
 	if b.isClosed() {
 		return nil, fmt.Errorf("kafka: peek %q: %w", topic, ErrClosed)

@@ -129,7 +129,7 @@ type config struct {
 func WithMeterProvider(mp metric.MeterProvider) Option {
 	return func(c *config) error {
 		if mp == nil {
-			return fieldErr("MeterProvider", "must not be nil")
+			return consumer.ConfigErrorf("MeterProvider", "must not be nil")
 		}
 		c.meterProvider = mp
 		return nil
@@ -153,7 +153,7 @@ func WithAutoCreate(enabled bool) Option {
 func WithDedupWindow(d time.Duration) Option {
 	return func(c *config) error {
 		if d < 0 {
-			return fieldErr("DedupWindow", fmt.Sprintf("must be >= 0 (0 turns deduplication off), got %v", d))
+			return consumer.ConfigErrorf("DedupWindow", "must be >= 0 (0 turns deduplication off), got %v", d)
 		}
 		c.dedupWindow = d
 		return nil
@@ -244,35 +244,31 @@ func (b *Broker) Close() error {
 	return nil
 }
 
-func fieldErr(field, reason string) error {
-	return &consumer.ConfigError{Field: field, Reason: reason}
-}
-
 // CreateQueue creates the queue name. Creating a queue that exists with the
 // same configuration does nothing; with a different one it fails with
 // ErrQueueExists. An invalid configuration fails with a *consumer.ConfigError
 // naming the field.
 func (b *Broker) CreateQueue(name string, cfg QueueConfig) error {
 	if name == "" {
-		return fieldErr("queue", "name must not be empty")
+		return consumer.ConfigErrorf("queue", "name must not be empty")
 	}
 	if cfg.VisibilityTimeout < 0 {
-		return fieldErr("QueueConfig.VisibilityTimeout", "must be >= 0, got "+cfg.VisibilityTimeout.String())
+		return consumer.ConfigErrorf("QueueConfig.VisibilityTimeout", "must be >= 0, got %s", cfg.VisibilityTimeout)
 	}
 	if cfg.VisibilityTimeout == 0 {
 		cfg.VisibilityTimeout = DefaultVisibilityTimeout
 	}
 	if cfg.MaxReceiveCount < 0 {
-		return fieldErr("QueueConfig.MaxReceiveCount", "must be >= 0, got "+strconv.Itoa(cfg.MaxReceiveCount))
+		return consumer.ConfigErrorf("QueueConfig.MaxReceiveCount", "must be >= 0, got %d", cfg.MaxReceiveCount)
 	}
 	if cfg.MaxReceiveCount > 0 && cfg.DeadLetterQueue == "" {
-		return fieldErr("QueueConfig.DeadLetterQueue", "is required when MaxReceiveCount > 0")
+		return consumer.ConfigErrorf("QueueConfig.DeadLetterQueue", "is required when MaxReceiveCount > 0")
 	}
 	if cfg.MaxReceiveCount == 0 && cfg.DeadLetterQueue != "" {
-		return fieldErr("QueueConfig.MaxReceiveCount", "must be > 0 when DeadLetterQueue is set")
+		return consumer.ConfigErrorf("QueueConfig.MaxReceiveCount", "must be > 0 when DeadLetterQueue is set")
 	}
 	if cfg.DeadLetterQueue == name {
-		return fieldErr("QueueConfig.DeadLetterQueue", "must not be the queue itself")
+		return consumer.ConfigErrorf("QueueConfig.DeadLetterQueue", "must not be the queue itself")
 	}
 	if b.isClosed() {
 		return fmt.Errorf("memory: create queue %q: %w", name, ErrClosed)
@@ -283,10 +279,10 @@ func (b *Broker) CreateQueue(name string, cfg QueueConfig) error {
 	if cfg.DeadLetterQueue != "" {
 		dlq = b.queues[cfg.DeadLetterQueue]
 		if dlq == nil {
-			return fieldErr("QueueConfig.DeadLetterQueue", fmt.Sprintf("names queue %q, which does not exist", cfg.DeadLetterQueue))
+			return consumer.ConfigErrorf("QueueConfig.DeadLetterQueue", "names queue %q, which does not exist", cfg.DeadLetterQueue)
 		}
 		if dlq.cfg.FIFO != cfg.FIFO {
-			return fieldErr("QueueConfig.DeadLetterQueue", fmt.Sprintf("queue %q must be FIFO exactly when %q is", cfg.DeadLetterQueue, name))
+			return consumer.ConfigErrorf("QueueConfig.DeadLetterQueue", "queue %q must be FIFO exactly when %q is", cfg.DeadLetterQueue, name)
 		}
 	}
 	if q := b.queues[name]; q != nil {
@@ -302,7 +298,7 @@ func (b *Broker) CreateQueue(name string, cfg QueueConfig) error {
 // queue finds a queue, creating it when the broker auto-creates.
 func (b *Broker) queue(name string) (*queue, error) {
 	if name == "" {
-		return nil, fieldErr("queue", "name must not be empty")
+		return nil, consumer.ConfigErrorf("queue", "name must not be empty")
 	}
 	b.mu.RLock()
 	q := b.queues[name]

@@ -8,6 +8,8 @@ import (
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
+
+	"github.com/ferrymq/ferry/consumer"
 )
 
 // Metric instrument names. They are observed from the relay's counters and
@@ -30,7 +32,7 @@ const (
 func WithMeterProvider(mp metric.MeterProvider) Option {
 	return func(c *relayConfig) error {
 		if mp == nil {
-			return cfgErr("MeterProvider", "must not be nil")
+			return consumer.ConfigErrorf("MeterProvider", "must not be nil")
 		}
 		c.meterProvider = mp
 		return nil

@@ -42,10 +42,6 @@ type relayConfig struct {
 	meterProvider  metric.MeterProvider
 }
 
-func cfgErr(field, format string, args ...any) error {
-	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
-}
-
 // WithName names the relay in the lanes table, in logs and in metrics. Names
 // must differ between relays of one outbox; a name is text (UTF-8 without
 // NUL) of at most 200 bytes. Default the host name, the process id and a
@@ -54,11 +50,11 @@ func WithName(name string) Option {
 	return func(c *relayConfig) error {
 		switch {
 		case name == "":
-			return cfgErr("Name", "must not be empty")
+			return consumer.ConfigErrorf("Name", "must not be empty")
 		case len(name) > 200:
-			return cfgErr("Name", "is %d bytes long, more than 200", len(name))
+			return consumer.ConfigErrorf("Name", "is %d bytes long, more than 200", len(name))
 		case !utf8.ValidString(name) || strings.IndexByte(name, 0) >= 0:
-			return cfgErr("Name", "%q is not text: invalid UTF-8 or NUL", name)
+			return consumer.ConfigErrorf("Name", "%q is not text: invalid UTF-8 or NUL", name)
 		}
 		c.name = name
 		return nil
@@ -70,7 +66,7 @@ func WithName(name string) Option {
 func WithBatchSize(n int) Option {
 	return func(c *relayConfig) error {
 		if n <= 0 {
-			return cfgErr("BatchSize", "must be > 0, got %d", n)
+			return consumer.ConfigErrorf("BatchSize", "must be > 0, got %d", n)
 		}
 		c.batch = n
 		return nil
@@ -82,7 +78,7 @@ func WithBatchSize(n int) Option {
 func WithPollInterval(d time.Duration) Option {
 	return func(c *relayConfig) error {
 		if d <= 0 {
-			return cfgErr("PollInterval", "must be > 0, got %s", d)
+			return consumer.ConfigErrorf("PollInterval", "must be > 0, got %s", d)
 		}
 		c.poll = d
 		return nil
@@ -98,7 +94,7 @@ func WithPollInterval(d time.Duration) Option {
 func WithLeaseTTL(d time.Duration) Option {
 	return func(c *relayConfig) error {
 		if d < 100*time.Millisecond {
-			return cfgErr("LeaseTTL", "must be >= 100ms, got %s", d)
+			return consumer.ConfigErrorf("LeaseTTL", "must be >= 100ms, got %s", d)
 		}
 		c.ttl = d
 		return nil
@@ -112,10 +108,10 @@ func WithLeaseTTL(d time.Duration) Option {
 func WithBackoff(min, max time.Duration) Option {
 	return func(c *relayConfig) error {
 		if min <= 0 {
-			return cfgErr("Backoff", "min must be > 0, got %s", min)
+			return consumer.ConfigErrorf("Backoff", "min must be > 0, got %s", min)
 		}
 		if max < min {
-			return cfgErr("Backoff", "max %s is below min %s", max, min)
+			return consumer.ConfigErrorf("Backoff", "max %s is below min %s", max, min)
 		}
 		c.backoffMin, c.backoffMax = min, max
 		return nil
@@ -134,7 +130,7 @@ func WithBackoff(min, max time.Duration) Option {
 func WithPublishTimeout(d time.Duration) Option {
 	return func(c *relayConfig) error {
 		if d <= 0 {
-			return cfgErr("PublishTimeout", "must be > 0, got %s", d)
+			return consumer.ConfigErrorf("PublishTimeout", "must be > 0, got %s", d)
 		}
 		c.publishTimeout = d
 		return nil
@@ -155,7 +151,7 @@ func WithListen(on bool) Option {
 func WithLogger(l *slog.Logger) Option {
 	return func(c *relayConfig) error {
 		if l == nil {
-			return cfgErr("Logger", "must not be nil")
+			return consumer.ConfigErrorf("Logger", "must not be nil")
 		}
 		c.logger = l
 		return nil
@@ -196,10 +192,10 @@ type Relay struct {
 // store or pub is nil or an option is invalid.
 func NewRelay(store Store, pub consumer.Publisher, opts ...Option) (*Relay, error) {
 	if store == nil {
-		return nil, cfgErr("Store", "must not be nil")
+		return nil, consumer.ConfigErrorf("Store", "must not be nil")
 	}
 	if pub == nil {
-		return nil, cfgErr("Publisher", "must not be nil")
+		return nil, consumer.ConfigErrorf("Publisher", "must not be nil")
 	}
 	host, _ := os.Hostname()
 	c := relayConfig{
@@ -223,7 +219,7 @@ func NewRelay(store Store, pub consumer.Publisher, opts ...Option) (*Relay, erro
 		c.publishTimeout = c.ttl / 2
 	}
 	if limit := c.ttl * 4 / 5; c.publishTimeout > limit {
-		return nil, cfgErr("PublishTimeout", "%s does not fit in the lease TTL %s: must be at most %s (four fifths of it); raise WithLeaseTTL or lower WithPublishTimeout",
+		return nil, consumer.ConfigErrorf("PublishTimeout", "%s does not fit in the lease TTL %s: must be at most %s (four fifths of it); raise WithLeaseTTL or lower WithPublishTimeout",
 			c.publishTimeout, c.ttl, limit)
 	}
 	if c.logger == nil {

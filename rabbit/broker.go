@@ -109,10 +109,6 @@ type config struct {
 	meters      metric.MeterProvider
 }
 
-func fieldErr(field, format string, args ...any) error {
-	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
-}
-
 // WithMeterProvider sets where Publish reports its calls, as the
 // OpenTelemetry messaging conventions name them
 // (messaging.client.operation.duration and messaging.client.sent.messages,
@@ -122,7 +118,7 @@ func fieldErr(field, format string, args ...any) error {
 func WithMeterProvider(mp metric.MeterProvider) Option {
 	return func(c *config) error {
 		if mp == nil {
-			return fieldErr("MeterProvider", "must not be nil")
+			return consumer.ConfigErrorf("MeterProvider", "must not be nil")
 		}
 		c.meters = mp
 		return nil
@@ -134,7 +130,7 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 func WithLogger(l *slog.Logger) Option {
 	return func(c *config) error {
 		if l == nil {
-			return fieldErr("Logger", "must not be nil")
+			return consumer.ConfigErrorf("Logger", "must not be nil")
 		}
 		c.logger = l
 		return nil
@@ -159,7 +155,7 @@ func WithTopology(t Topology) Option {
 func WithConfirmWindow(n int) Option {
 	return func(c *config) error {
 		if n < 1 {
-			return fieldErr("ConfirmWindow", "must be >= 1, got %d", n)
+			return consumer.ConfigErrorf("ConfirmWindow", "must be >= 1, got %d", n)
 		}
 		c.window = n
 		return nil
@@ -171,7 +167,7 @@ func WithConfirmWindow(n int) Option {
 func WithTLS(cfg *tls.Config) Option {
 	return func(c *config) error {
 		if cfg == nil {
-			return fieldErr("TLS", "must not be nil")
+			return consumer.ConfigErrorf("TLS", "must not be nil")
 		}
 		c.tls = cfg
 		return nil
@@ -183,7 +179,7 @@ func WithTLS(cfg *tls.Config) Option {
 func WithDialTimeout(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {
-			return fieldErr("DialTimeout", "must be > 0, got %v", d)
+			return consumer.ConfigErrorf("DialTimeout", "must be > 0, got %v", d)
 		}
 		c.dialTimeout = d
 		return nil
@@ -195,7 +191,7 @@ func WithDialTimeout(d time.Duration) Option {
 func WithHeartbeat(d time.Duration) Option {
 	return func(c *config) error {
 		if d < time.Second {
-			return fieldErr("Heartbeat", "must be >= 1s, got %v", d)
+			return consumer.ConfigErrorf("Heartbeat", "must be >= 1s, got %v", d)
 		}
 		c.heartbeat = d
 		return nil
@@ -208,7 +204,7 @@ func WithHeartbeat(d time.Duration) Option {
 func WithReconnectBackoff(min, max time.Duration) Option {
 	return func(c *config) error {
 		if min <= 0 || max < min {
-			return fieldErr("ReconnectBackoff", "needs 0 < min <= max, got %v and %v", min, max)
+			return consumer.ConfigErrorf("ReconnectBackoff", "needs 0 < min <= max, got %v and %v", min, max)
 		}
 		c.backoffMin, c.backoffMax = min, max
 		return nil
@@ -221,11 +217,11 @@ func WithReconnectBackoff(min, max time.Duration) Option {
 func WithRetryDelays(delays ...time.Duration) Option {
 	return func(c *config) error {
 		if len(delays) == 0 {
-			return fieldErr("RetryDelays", "must not be empty")
+			return consumer.ConfigErrorf("RetryDelays", "must not be empty")
 		}
 		for i, d := range delays {
 			if d < time.Millisecond || (i > 0 && d <= delays[i-1]) {
-				return fieldErr("RetryDelays", "must be ascending and each >= 1ms, got %v", delays)
+				return consumer.ConfigErrorf("RetryDelays", "must be ascending and each >= 1ms, got %v", delays)
 			}
 		}
 		c.retryDelays = append([]time.Duration(nil), delays...)
@@ -345,7 +341,7 @@ func Dial(rawURL string, opts ...Option) (*Broker, error) {
 	if err := urlsecret.Check(rawURL); err != nil {
 		// url.Parse would read a part of the password as the host, the
 		// vhost or the query, and errors quote those.
-		return nil, fieldErr("URL", "%s: the user and password %v", redacted, err)
+		return nil, consumer.ConfigErrorf("URL", "%s: the user and password %v", redacted, err)
 	}
 	uri, err := amqp.ParseURI(rawURL)
 	if err != nil {
@@ -356,7 +352,7 @@ func Dial(rawURL string, opts ...Option) (*Broker, error) {
 		if errors.As(err, &ue) {
 			err = errors.New("it does not parse as a URL (reserved characters such as / @ : in the user or password must be percent-escaped)")
 		}
-		return nil, fieldErr("URL", "%s is not an AMQP URL: %v", redacted, scrub(err, rawURL))
+		return nil, consumer.ConfigErrorf("URL", "%s is not an AMQP URL: %v", redacted, scrub(err, rawURL))
 	}
 	if c.meters == nil {
 		c.meters = otel.GetMeterProvider()

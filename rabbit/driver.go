@@ -112,7 +112,7 @@ type handle struct {
 // connection, and reopens it (and the connection) when it is lost.
 func (b *Broker) Driver(_ context.Context, queue string, cfg driver.Config) (driver.Driver, error) {
 	if queue == "" {
-		return nil, fieldErr("queue", "name must not be empty")
+		return nil, consumer.ConfigErrorf("queue", "name must not be empty")
 	}
 	if b.isClosed() {
 		return nil, fmt.Errorf("rabbit: driver for %q: %w", queue, ErrClosed)
@@ -131,7 +131,7 @@ func (b *Broker) Driver(_ context.Context, queue string, cfg driver.Config) (dri
 	d.laneKey = d.declared && d.q.SingleActiveConsumer
 	switch {
 	case cfg.MaxInFlight < 0:
-		return nil, fieldErr("MaxInFlight", "must not be negative, got %d", cfg.MaxInFlight)
+		return nil, consumer.ConfigErrorf("MaxInFlight", "must not be negative, got %d", cfg.MaxInFlight)
 	case cfg.MaxInFlight > 0:
 		d.prefetch = min(cfg.MaxInFlight, 65535)
 	}

@@ -125,7 +125,7 @@ func (e *LimitError) Is(target error) bool {
 func WithMaxMessageSize(n int) Option {
 	return func(c *config) error {
 		if n < 1 || n > largestMaxMessageSize {
-			return fieldErr("MaxMessageSize", "must be in [1, %d] (512 MiB), got %d", largestMaxMessageSize, n)
+			return consumer.ConfigErrorf("MaxMessageSize", "must be in [1, %d] (512 MiB), got %d", largestMaxMessageSize, n)
 		}
 		c.maxMessage = n
 		return nil

@@ -7,6 +7,8 @@ import (
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/ferrymq/ferry/consumer"
 )
 
 // Topology is the exchanges, queues and bindings a Broker declares when it
@@ -116,23 +118,23 @@ func (t Topology) Merge(o Topology) Topology {
 func (t Topology) validate() error {
 	for i, e := range t.Exchanges {
 		if e.Name == "" {
-			return fieldErr(fmt.Sprintf("Topology.Exchanges[%d].Name", i), "must not be empty")
+			return consumer.ConfigErrorf(fmt.Sprintf("Topology.Exchanges[%d].Name", i), "must not be empty")
 		}
 	}
 	for i, q := range t.Queues {
 		if q.Name == "" {
-			return fieldErr(fmt.Sprintf("Topology.Queues[%d].Name", i), "must not be empty")
+			return consumer.ConfigErrorf(fmt.Sprintf("Topology.Queues[%d].Name", i), "must not be empty")
 		}
 		if q.DeliveryLimit < 0 {
-			return fieldErr(fmt.Sprintf("Topology.Queues[%d].DeliveryLimit", i), "must be >= 0, got %d", q.DeliveryLimit)
+			return consumer.ConfigErrorf(fmt.Sprintf("Topology.Queues[%d].DeliveryLimit", i), "must be >= 0, got %d", q.DeliveryLimit)
 		}
 		if q.Classic && q.DeliveryLimit > 0 {
-			return fieldErr(fmt.Sprintf("Topology.Queues[%d].DeliveryLimit", i), "needs a quorum queue (Classic is set)")
+			return consumer.ConfigErrorf(fmt.Sprintf("Topology.Queues[%d].DeliveryLimit", i), "needs a quorum queue (Classic is set)")
 		}
 	}
 	for i, b := range t.Bindings {
 		if b.Exchange == "" || b.Queue == "" {
-			return fieldErr(fmt.Sprintf("Topology.Bindings[%d]", i), "needs an Exchange and a Queue")
+			return consumer.ConfigErrorf(fmt.Sprintf("Topology.Bindings[%d]", i), "needs an Exchange and a Queue")
 		}
 	}
 	return nil

@@ -113,7 +113,7 @@ type config struct {
 func WithMeterProvider(mp metric.MeterProvider) Option {
 	return func(c *config) error {
 		if mp == nil {
-			return configErr("MeterProvider", "must not be nil")
+			return consumer.ConfigErrorf("MeterProvider", "must not be nil")
 		}
 		c.meters = mp
 		return nil
@@ -124,16 +124,12 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 // *consumer.ConfigError naming the field.
 type Option func(*config) error
 
-func configErr(field, format string, args ...any) error {
-	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
-}
-
 // WithLogger sets where the broker and its drivers log. Default
 // slog.Default().
 func WithLogger(l *slog.Logger) Option {
 	return func(c *config) error {
 		if l == nil {
-			return configErr("sqs.Logger", "must not be nil")
+			return consumer.ConfigErrorf("Logger", "must not be nil")
 		}
 		c.logger = l
 		return nil
@@ -150,7 +146,7 @@ func WithLogger(l *slog.Logger) Option {
 func WithWaitTime(d time.Duration) Option {
 	return func(c *config) error {
 		if d < time.Second || d > MaxWaitTime || d%time.Second != 0 {
-			return configErr("sqs.WaitTime", "must be whole seconds from 1s to %s (a longer poll would hide an outage past %s), got %s", MaxWaitTime, driver.ReportWithin, d)
+			return consumer.ConfigErrorf("WaitTime", "must be whole seconds from 1s to %s (a longer poll would hide an outage past %s), got %s", MaxWaitTime, driver.ReportWithin, d)
 		}
 		c.waitTime = d
 		return nil
@@ -165,7 +161,7 @@ func WithWaitTime(d time.Duration) Option {
 func WithSettleWindow(d time.Duration) Option {
 	return func(c *config) error {
 		if d < 0 || d > time.Second {
-			return configErr("sqs.SettleWindow", "must be from 0 to 1s, got %s", d)
+			return consumer.ConfigErrorf("SettleWindow", "must be from 0 to 1s, got %s", d)
 		}
 		c.settleWindow = d
 		return nil
@@ -178,7 +174,7 @@ func WithSettleWindow(d time.Duration) Option {
 func WithPublishConcurrency(n int) Option {
 	return func(c *config) error {
 		if n < 1 {
-			return configErr("sqs.PublishConcurrency", "must be >= 1, got %d", n)
+			return consumer.ConfigErrorf("PublishConcurrency", "must be >= 1, got %d", n)
 		}
 		c.publishParallel = n
 		return nil
@@ -193,7 +189,7 @@ func WithPublishConcurrency(n int) Option {
 func WithMaxReceivers(n int) Option {
 	return func(c *config) error {
 		if n < 1 {
-			return configErr("sqs.MaxReceivers", "must be >= 1, got %d", n)
+			return consumer.ConfigErrorf("MaxReceivers", "must be >= 1, got %d", n)
 		}
 		c.receivers = n
 		return nil
@@ -217,7 +213,7 @@ func (b *Broker) System() string { return "aws_sqs" }
 // with a *consumer.ConfigError when client is nil or an option is invalid.
 func New(client *awssqs.Client, opts ...Option) (*Broker, error) {
 	if client == nil {
-		return nil, configErr("sqs.Client", "must not be nil")
+		return nil, consumer.ConfigErrorf("client", "must not be nil")
 	}
 	c := config{waitTime: MaxWaitTime, settleWindow: 10 * time.Millisecond, publishParallel: 8, receivers: 32}
 	for _, o := range opts {
@@ -305,12 +301,12 @@ var queueAttributes = []types.QueueAttributeName{
 // URL, names, or a *consumer.ConfigError when it names none.
 func queueName(queue string) (string, error) {
 	if queue == "" {
-		return "", configErr("sqs.Queue", "must not be empty")
+		return "", consumer.ConfigErrorf("queue", "must not be empty")
 	}
 	if strings.HasPrefix(queue, "https://") || strings.HasPrefix(queue, "http://") {
 		u, err := url.Parse(queue)
 		if err != nil || path.Base(u.Path) == "" || path.Base(u.Path) == "/" || path.Base(u.Path) == "." {
-			return "", configErr("sqs.Queue", "%q is not a queue URL", queue)
+			return "", consumer.ConfigErrorf("queue", "%q is not a queue URL", queue)
 		}
 		return path.Base(u.Path), nil
 	}

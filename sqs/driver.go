@@ -17,6 +17,7 @@ import (
 	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 
+	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
 )
 
@@ -268,7 +269,7 @@ func (d *sqsDriver) lookUp(ctx context.Context) (*queueInfo, error) {
 		// loop has counted with it since, and every receive asks for it,
 		// whatever the queue's attribute says later.
 		if q.visibility < driver.MinLease {
-			return nil, driver.Fatal(configErr("sqs.VisibilityTimeout", "of queue %q is %s; a consumer needs at least %s to keep its messages", q.name, q.visibility, driver.MinLease))
+			return nil, driver.Fatal(consumer.ConfigErrorf("VisibilityTimeout", "of queue %q is %s; a consumer needs at least %s to keep its messages", q.name, q.visibility, driver.MinLease))
 		}
 		d.lease.Store(int64(q.visibility))
 		d.leased = true

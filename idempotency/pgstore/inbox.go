@@ -31,10 +31,10 @@ type inbox struct {
 
 func newInbox(namespace string, opts []Option) (inbox, error) {
 	if namespace == "" {
-		return inbox{}, configErr("Namespace", "must not be empty")
+		return inbox{}, consumer.ConfigErrorf("Namespace", "must not be empty")
 	}
 	if strings.Contains(namespace, ":") {
-		return inbox{}, configErr("Namespace", "must not contain ':', got %q", namespace)
+		return inbox{}, consumer.ConfigErrorf("Namespace", "must not contain ':', got %q", namespace)
 	}
 	c, err := buildConfig(opts)
 	if err != nil {
@@ -77,10 +77,10 @@ func (in inbox) keyOf(m *consumer.Message) (string, error) {
 // permanent error wrapping idempotency.ErrNoKey.
 func NewInbox(db DB, namespace string, h TxHandler, opts ...Option) (consumer.Handler, error) {
 	if db == nil {
-		return nil, configErr("DB", "must not be nil")
+		return nil, consumer.ConfigErrorf("DB", "must not be nil")
 	}
 	if h == nil {
-		return nil, configErr("Handler", "must not be nil")
+		return nil, consumer.ConfigErrorf("Handler", "must not be nil")
 	}
 	in, err := newInbox(namespace, opts)
 	if err != nil {
@@ -121,10 +121,10 @@ func NewInbox(db DB, namespace string, h TxHandler, opts ...Option) (consumer.Ha
 // driver, lib/pq): the same table, the same guarantee, with a *sql.Tx.
 func NewSQLInbox(db *sql.DB, namespace string, h SQLTxHandler, opts ...Option) (consumer.Handler, error) {
 	if db == nil {
-		return nil, configErr("DB", "must not be nil")
+		return nil, consumer.ConfigErrorf("DB", "must not be nil")
 	}
 	if h == nil {
-		return nil, configErr("Handler", "must not be nil")
+		return nil, consumer.ConfigErrorf("Handler", "must not be nil")
 	}
 	in, err := newInbox(namespace, opts)
 	if err != nil {

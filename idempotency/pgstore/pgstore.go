@@ -138,7 +138,7 @@ const migrateLock = "SELECT pg_advisory_xact_lock(hashtext('ferry-idempotency-mi
 // serialises on an advisory lock) and to call again.
 func Migrate(ctx context.Context, db DB, opts ...Option) error {
 	if db == nil {
-		return configErr("DB", "must not be nil")
+		return consumer.ConfigErrorf("DB", "must not be nil")
 	}
 	c, schema, err := migration(opts)
 	if err != nil {
@@ -161,7 +161,7 @@ func Migrate(ctx context.Context, db DB, opts ...Option) error {
 // driver, lib/pq).
 func MigrateSQL(ctx context.Context, db *sql.DB, opts ...Option) error {
 	if db == nil {
-		return configErr("DB", "must not be nil")
+		return consumer.ConfigErrorf("DB", "must not be nil")
 	}
 	c, schema, err := migration(opts)
 	if err != nil {
@@ -215,7 +215,7 @@ var _ interface {
 // created. Of the options, only WithTable applies.
 func NewStore(db DB, opts ...Option) (*Store, error) {
 	if db == nil {
-		return nil, configErr("DB", "must not be nil")
+		return nil, consumer.ConfigErrorf("DB", "must not be nil")
 	}
 	c, err := buildConfig(opts)
 	if err != nil {
@@ -298,10 +298,6 @@ func (s *Store) Cleanup(ctx context.Context) (int64, error) {
 		return 0, storeErr("cleanup", err)
 	}
 	return tag.RowsAffected(), nil
-}
-
-func configErr(field, format string, args ...any) error {
-	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
 }
 
 // sqlStater is what the errors of PostgreSQL drivers have in common

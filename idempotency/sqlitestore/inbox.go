@@ -32,16 +32,16 @@ type TxHandler func(ctx context.Context, tx *sql.Tx, m *consumer.Message) error
 // a key is a permanent error wrapping idempotency.ErrNoKey.
 func NewInbox(db *sql.DB, namespace string, h TxHandler, opts ...Option) (consumer.Handler, error) {
 	if db == nil {
-		return nil, configErr("DB", "must not be nil")
+		return nil, consumer.ConfigErrorf("DB", "must not be nil")
 	}
 	if h == nil {
-		return nil, configErr("Handler", "must not be nil")
+		return nil, consumer.ConfigErrorf("Handler", "must not be nil")
 	}
 	if namespace == "" {
-		return nil, configErr("Namespace", "must not be empty")
+		return nil, consumer.ConfigErrorf("Namespace", "must not be empty")
 	}
 	if strings.Contains(namespace, ":") {
-		return nil, configErr("Namespace", "must not contain ':', got %q", namespace)
+		return nil, consumer.ConfigErrorf("Namespace", "must not contain ':', got %q", namespace)
 	}
 	c, err := buildConfig(opts)
 	if err != nil {

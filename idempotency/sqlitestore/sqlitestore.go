@@ -128,7 +128,7 @@ func render(table string) (string, error) {
 // transaction. It is safe to call again.
 func Migrate(ctx context.Context, db *sql.DB, opts ...Option) error {
 	if db == nil {
-		return configErr("DB", "must not be nil")
+		return consumer.ConfigErrorf("DB", "must not be nil")
 	}
 	c, err := buildConfig(opts)
 	if err != nil {
@@ -171,7 +171,7 @@ var _ interface {
 // statements.
 func NewStore(db *sql.DB, opts ...Option) (*Store, error) {
 	if db == nil {
-		return nil, configErr("DB", "must not be nil")
+		return nil, consumer.ConfigErrorf("DB", "must not be nil")
 	}
 	c, err := buildConfig(opts)
 	if err != nil {
@@ -289,10 +289,6 @@ func (s *Store) Cleanup(ctx context.Context) (int64, error) {
 			return total, nil
 		}
 	}
-}
-
-func configErr(field, format string, args ...any) error {
-	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
 }
 
 // unfixable reports whether err is an SQLite error that running the

@@ -9,6 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/outbox"
 	"github.com/ferrymq/ferry/outbox/internal/row"
 )
@@ -29,7 +30,7 @@ var (
 // pool is nil.
 func NewStore(pool *pgxpool.Pool) (*Store, error) {
 	if pool == nil {
-		return nil, configErr("Pool", "must not be nil")
+		return nil, consumer.ConfigErrorf("Pool", "must not be nil")
 	}
 	return &Store{pool: pool}, nil
 }

@@ -5,7 +5,6 @@ package keytable
 
 import (
 	"crypto/sha256"
-	"fmt"
 	"io/fs"
 	"regexp"
 	"sort"
@@ -28,10 +27,6 @@ type Config struct {
 // naming it.
 type Option func(*Config) error
 
-func configErr(field, format string, args ...any) error {
-	return &consumer.ConfigError{Field: field, Reason: fmt.Sprintf(format, args...)}
-}
-
 var tableName = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,39}$`)
 
 // Table sets the keys table: lower-case letters, digits and '_', at most 40
@@ -39,7 +34,7 @@ var tableName = regexp.MustCompile(`^[a-z_][a-z0-9_]{0,39}$`)
 func Table(name string) Option {
 	return func(c *Config) error {
 		if !tableName.MatchString(name) {
-			return configErr("Table", "must match %s, got %q", tableName, name)
+			return consumer.ConfigErrorf("Table", "must match %s, got %q", tableName, name)
 		}
 		c.Table = name
 		return nil
@@ -50,7 +45,7 @@ func Table(name string) Option {
 func Retention(d time.Duration) Option {
 	return func(c *Config) error {
 		if d <= 0 {
-			return configErr("Retention", "must be > 0, got %s", d)
+			return consumer.ConfigErrorf("Retention", "must be > 0, got %s", d)
 		}
 		c.Retention = d
 		return nil
@@ -61,7 +56,7 @@ func Retention(d time.Duration) Option {
 func Key(f idempotency.KeyFunc) Option {
 	return func(c *Config) error {
 		if f == nil {
-			return configErr("Key", "must not be nil")
+			return consumer.ConfigErrorf("Key", "must not be nil")
 		}
 		c.Key = f
 		return nil

@@ -78,8 +78,8 @@ group's offset stays before it), so nothing behind it is passed over, and
 a run with --to moves it. SOURCE is a queue (SQS, RabbitMQ) or a topic
 (Kafka); on RabbitMQ a name that is not a queue's is an exchange's (the
 message's key is the routing key), and amq.exchange/EXCHANGE names an
-exchange outright. On Kafka, "removed" means the redrive's consumer group (--group)
-commits past the record: the topic keeps it, and a second redrive with
+exchange outright. On Kafka, "removed" means the redrive's consumer group
+(--group) commits past the record: the topic keeps it, and a second redrive with
 the same group starts where the first stopped (ferry dlq peek shows what
 is left past it).
 
