@@ -161,3 +161,54 @@ func TestLagReportsReadyAndUnacked(t *testing.T) {
 		return l.Messages == 24 && l.InFlight == 5
 	})
 }
+
+// TestDeletedDelayQueueIsDeclaredAgain: once a delay queue is gone
+// (deleted by an operator or a cleanup script), every delayed retry of the
+// source queue is requeued at once, with no delay, for as long as the
+// publishing connection lives: the delay queue is never declared again.
+//
+// driver.go:962-966: declareDelay remembers a delay queue as declared per
+// publishing connection and skips the declare; the copy published to the
+// missing queue is returned (unroutable), retryLater marks the original
+// kindReject (driver.go:939-947) and Settle requeues it immediately
+// (driver.go:755-756). A handler asking for a 1s (or 30 min) back-off
+// against a struggling dependency then spins at full speed: a retry storm,
+// and on a quorum queue each requeue counts a delivery toward the limit.
+func TestDeletedDelayQueueIsDeclaredAgain(t *testing.T) {
+	name := testenv.UniqueName(t, "rv-delay")
+	deleteLater(t, []string{name}, nil)
+	b := dial(t, rabbit.WithRetryDelays(time.Second),
+		rabbit.WithTopology(rabbit.Topology{Queues: []rabbit.Queue{{Name: name, Classic: true}}}))
+	must(t, b.Publish(testenv.Context(t, 5*time.Second), name, consumer.Message{ID: "m1", Body: []byte("x")}))
+	d, err := openDriver(t, b, name, driver.Config{MaxInFlight: 1})
+	must(t, err)
+	t.Cleanup(func() { d.Close() })
+	fetch := func() driver.Message {
+		t.Helper()
+		ms, err := d.Fetch(testenv.Context(t, 10*time.Second), nil, 1)
+		if err != nil || len(ms) != 1 {
+			t.Fatalf("Fetch = %d messages, %v", len(ms), err)
+		}
+		return ms[0]
+	}
+	retry := func(m driver.Message) error {
+		return d.Settle(testenv.Context(t, 15*time.Second), []driver.Settlement{{Handle: m.Handle, Action: driver.Return, Delay: time.Second}})
+	}
+	// The first delayed retry declares the delay queue and goes through it.
+	must(t, retry(fetch()))
+	m := fetch()
+
+	// The delay queue is deleted; the next delayed retry must still wait.
+	ch := rawChannel(t)
+	if _, err := ch.QueueDelete(name+".ferry-delay.1000ms", false, false, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := retry(m); err != nil {
+		t.Errorf("a delayed retry after the delay queue was deleted: %v", err)
+	}
+	start := time.Now()
+	fetch()
+	if took := time.Since(start); took < 800*time.Millisecond {
+		t.Errorf("the message asked back after 1s came back after %s", took.Round(time.Millisecond))
+	}
+}

@@ -3,6 +3,7 @@ package rabbit_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
@@ -140,5 +141,63 @@ func TestPublishMoreThanTheWindowInOneCall(t *testing.T) {
 	must(t, err)
 	if qi.Messages != 50 {
 		t.Errorf("%d messages in the queue, want 50", qi.Messages)
+	}
+}
+
+// TestUnroutableNeverReportedAsPublished: an unroutable (mandatory,
+// returned) message is sometimes reported as published (nil error) when it
+// is not the first message of its Publish call.
+//
+// publish.go:341-347: publishRaw syncs with the drain goroutine (the
+// barrier that makes sure every basic.return handed to drain is recorded)
+// only once per channel per call, right after the FIRST confirm of the
+// call. The returns of the later messages arrive after that barrier: the
+// library's reader hands basic.return to drain (unbuffered) and then
+// resolves the confirm; the publishing goroutine, woken by the confirm, can
+// read pd.returned (publish.go:345-346) before drain has run markReturned
+// (publish.go:181). The message is then reported confirmed although the
+// broker dropped it: a silent loss (an outbox relay deletes the row).
+func TestUnroutableNeverReportedAsPublished(t *testing.T) {
+	ex := testenv.UniqueName(t, "rv-ret")
+	q := ex + "-a"
+	deleteLater(t, []string{q}, []string{ex})
+	b := dial(t, rabbit.WithTopology(rabbit.Topology{
+		Exchanges: []rabbit.Exchange{{Name: ex, Kind: "direct"}},
+		Queues:    []rabbit.Queue{{Name: q, Classic: true}},
+		Bindings:  []rabbit.Binding{{Exchange: ex, Queue: q, Key: "a"}},
+	}))
+	const calls, per = 30, 200
+	missed := 0
+	for c := range calls {
+		// Message 0 is routable; messages 1..per are keyless (routing key
+		// ""), which nothing is bound to: every one of them is returned.
+		msgs := make([]consumer.Message, per+1)
+		msgs[0] = consumer.Message{Key: "a", Body: []byte("routable")}
+		for i := 1; i <= per; i++ {
+			msgs[i] = consumer.Message{Body: []byte(fmt.Sprintf("unroutable %d/%d", c, i))}
+		}
+		err := b.Publish(testenv.Context(t, 20*time.Second), rabbit.ToExchange(ex), msgs...)
+		var pe *consumer.PublishError
+		if !errors.As(err, &pe) {
+			t.Fatalf("call %d: Publish = %v, want a *consumer.PublishError", c, err)
+		}
+		failed := map[int]bool{}
+		for _, f := range pe.Failed {
+			if !errors.Is(f.Err, rabbit.ErrUnroutable) {
+				t.Fatalf("call %d: message %d failed with %v, want ErrUnroutable", c, f.Index, f.Err)
+			}
+			failed[f.Index] = true
+		}
+		for i := 1; i <= per; i++ {
+			if !failed[i] {
+				missed++
+			}
+		}
+		if failed[0] {
+			t.Fatalf("call %d: the routable message failed", c)
+		}
+	}
+	if missed > 0 {
+		t.Errorf("%d of %d unroutable messages were reported as published (nil error): lost without an error", missed, calls*per)
 	}
 }
