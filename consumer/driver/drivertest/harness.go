@@ -97,6 +97,11 @@ type Capabilities struct {
 	// NotAttemptedUncounted is true when a return marked NotAttempted
 	// gives the message back without raising its Deliveries.
 	NotAttemptedUncounted bool
+
+	// KnownDefects maps the name of a clause (a subtest of Run) the driver
+	// is known to fail to why; the clause is skipped saying so, so that a
+	// defect waiting for its fix is visible without failing every run.
+	KnownDefects map[string]string
 }
 
 // Revoking is implemented by harnesses that can make the broker take
