@@ -1,0 +1,181 @@
+package drivertest_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/consumer/driver/drivertest"
+	"github.com/ferrymq/ferry/memory"
+)
+
+// The suite is only worth running if it fails for a driver that breaks
+// the contract. Each sabotage below wraps the memory broker's driver to
+// break one clause on purpose, and TestSuiteCatchesSabotage runs the
+// subtest of that clause in a child process (a failing subtest cannot be
+// watched from the same test binary without failing its parent) and
+// expects it to fail.
+
+const sabotageEnv = "FERRY_DRIVERTEST_SABOTAGE"
+
+// sabotages maps a sabotage to the clause that must catch it.
+var sabotages = map[string]string{
+	"fetch-over-max":  "FetchReturnsPublishedMessagesUpToMax",
+	"fetch-drops-dst": "FetchReturnsPublishedMessagesUpToMax",
+	"no-source":       "FetchReturnsPublishedMessagesUpToMax",
+	"ctx-swallowed":   "FetchReturnsPromptlyWhenContextEnds",
+	"ack-returns":     "AckedMessageNeverComesAgain",
+	"delay-dropped":   "ReturnComesBackAfterItsDelay",
+	"history-dropped": "ReturnComesBackAfterItsDelay",
+	"extend-noop":     "ExtendedDeliveryIsNotGivenToASecondDriver",
+	"closed-retried":  "FetchAfterCloseIsFatalAndCloseTwiceIsSafe",
+}
+
+// broken is the memory driver with one sabotage.
+type broken struct {
+	d   driver.Driver
+	how string
+}
+
+func (b *broken) Fetch(ctx context.Context, dst []driver.Message, max int) ([]driver.Message, error) {
+	n := len(dst)
+	switch b.how {
+	case "fetch-over-max":
+		max *= 3
+	case "fetch-drops-dst":
+		dst = nil
+	}
+	out, err := b.d.Fetch(ctx, dst, max)
+	switch {
+	case b.how == "no-source":
+		for i := n; i < len(out); i++ {
+			out[i].Source = ""
+		}
+	case b.how == "ctx-swallowed" && ctx.Err() != nil:
+		err = nil
+	case b.how == "closed-retried" && driver.IsFatal(err):
+		err = errors.Unwrap(err)
+	}
+	return out, err
+}
+
+func (b *broken) Settle(ctx context.Context, batch []driver.Settlement) error {
+	batch = append([]driver.Settlement(nil), batch...)
+	for i := range batch {
+		switch b.how {
+		case "ack-returns":
+			batch[i].Action = driver.Return
+		case "delay-dropped":
+			batch[i].Delay = 0
+		case "history-dropped":
+			batch[i].History = driver.History{}
+		}
+	}
+	return b.d.Settle(ctx, batch)
+}
+
+func (b *broken) Capabilities() driver.Capabilities { return b.d.Capabilities() }
+func (b *broken) Close() error                      { return b.d.Close() }
+func (b *broken) Lease() time.Duration              { return b.d.(driver.Extender).Lease() }
+
+func (b *broken) Extend(ctx context.Context, handles []any, d time.Duration) error {
+	if b.how == "extend-noop" {
+		return nil
+	}
+	return b.d.(driver.Extender).Extend(ctx, handles, d)
+}
+
+type harness struct {
+	b   *memory.Broker
+	how string
+	seq atomic.Int64
+}
+
+func (h *harness) NewSource(t *testing.T, cfg drivertest.SourceConfig) string {
+	name := "sabotage-" + strconv.FormatInt(h.seq.Add(1), 10)
+	if err := h.b.CreateQueue(name, memory.QueueConfig{VisibilityTimeout: cfg.Lease}); err != nil {
+		t.Fatal(err)
+	}
+	return name
+}
+
+func (h *harness) Publisher(*testing.T) consumer.Publisher { return h.b }
+
+func (h *harness) Opener(*testing.T, string) driver.Opener { return opener{h} }
+
+type opener struct{ h *harness }
+
+func (o opener) Driver(ctx context.Context, source string, cfg driver.Config) (driver.Driver, error) {
+	d, err := o.h.b.Driver(ctx, source, cfg)
+	if err != nil {
+		return nil, err
+	}
+	return &broken{d: d, how: o.h.how}, nil
+}
+
+func (h *harness) Capabilities() drivertest.Capabilities {
+	return drivertest.Capabilities{Redelivers: true, Lease: time.Second, CountsDeliveries: true, CarriesHistory: true}
+}
+
+// TestUnbrokenPasses runs the suite over the wrapper with no sabotage: the
+// wrapper itself breaks nothing.
+func TestUnbrokenPasses(t *testing.T) {
+	if testing.Short() {
+		t.Skip("the whole suite; skipped with -short")
+	}
+	b, err := memory.New(memory.WithAutoCreate(false))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = b.Close() })
+	drivertest.Run(t, &harness{b: b})
+}
+
+func TestSabotaged(t *testing.T) {
+	how := os.Getenv(sabotageEnv)
+	if how == "" {
+		t.Skip("runs only as a child of TestSuiteCatchesSabotage")
+	}
+	b, err := memory.New(memory.WithAutoCreate(false))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = b.Close() })
+	drivertest.Run(t, &harness{b: b, how: how})
+}
+
+func TestSuiteCatchesSabotage(t *testing.T) {
+	if os.Getenv(sabotageEnv) != "" {
+		t.Skip("already a child")
+	}
+	if testing.Short() {
+		t.Skip("runs the suite in child processes; skipped with -short")
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for how, clause := range sabotages {
+		t.Run(how, func(t *testing.T) {
+			t.Parallel()
+			cmd := exec.CommandContext(t.Context(), exe, "-test.run=^TestSabotaged$/^"+clause+"$", "-test.count=1", "-test.v")
+			cmd.Env = append(os.Environ(), sabotageEnv+"="+how)
+			out, err := cmd.CombinedOutput()
+			var exit *exec.ExitError
+			if !errors.As(err, &exit) {
+				t.Fatalf("under sabotage %q: want a failing exit, got %v\n%s", how, err, out)
+			}
+			if want := "--- FAIL: TestSabotaged/" + clause; !strings.Contains(string(out), want) {
+				t.Fatalf("sabotage %q: the child failed, but not in %s:\n%s", how, clause, out)
+			}
+		})
+	}
+}
