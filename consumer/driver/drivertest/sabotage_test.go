@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -37,12 +38,44 @@ var sabotages = map[string]string{
 	"history-dropped": "ReturnComesBackAfterItsDelay",
 	"extend-noop":     "ExtendedDeliveryIsNotGivenToASecondDriver",
 	"closed-retried":  "FetchAfterCloseIsFatalAndCloseTwiceIsSafe",
+	// A stale handle settles the message's current delivery (a delivery
+	// tag taken for the same tag on the next channel).
+	"stale-acks-current": "StaleHandlesAfterRevocationAckNothing",
 }
 
-// broken is the memory driver with one sabotage.
+// broken is the memory driver with one sabotage. It is a Revoker too:
+// revoke gives back every delivery it handed out and not settled, so
+// that their handles go stale, and says so.
 type broken struct {
-	d   driver.Driver
-	how string
+	d       driver.Driver
+	how     string
+	revoked chan driver.Revocation
+
+	mu     sync.Mutex
+	ids    map[any]string // every handle handed out, to its message's id
+	open   map[any]bool   // handles handed out and not settled
+	latest map[string]any // each message id's last handle
+}
+
+var (
+	_ driver.Revoker  = (*broken)(nil)
+	_ driver.Extender = (*broken)(nil)
+)
+
+func (b *broken) Revoked() <-chan driver.Revocation { return b.revoked }
+
+func (b *broken) revoke(t *testing.T) {
+	b.mu.Lock()
+	var batch []driver.Settlement
+	for h := range b.open {
+		batch = append(batch, driver.Settlement{Handle: h, Action: driver.Return})
+	}
+	clear(b.open)
+	b.mu.Unlock()
+	if err := b.d.Settle(context.Background(), batch); err != nil {
+		t.Fatalf("give back %d deliveries: %v", len(batch), err)
+	}
+	b.revoked <- driver.Revocation{Lanes: []string{""}, Done: make(chan struct{})}
 }
 
 func (b *broken) Fetch(ctx context.Context, dst []driver.Message, max int) ([]driver.Message, error) {
@@ -54,6 +87,13 @@ func (b *broken) Fetch(ctx context.Context, dst []driver.Message, max int) ([]dr
 		dst = nil
 	}
 	out, err := b.d.Fetch(ctx, dst, max)
+	b.mu.Lock()
+	for _, m := range out[min(n, len(out)):] {
+		b.ids[m.Handle] = m.ID
+		b.open[m.Handle] = true
+		b.latest[m.ID] = m.Handle
+	}
+	b.mu.Unlock()
 	switch {
 	case b.how == "no-source":
 		for i := n; i < len(out); i++ {
@@ -69,6 +109,15 @@ func (b *broken) Fetch(ctx context.Context, dst []driver.Message, max int) ([]dr
 
 func (b *broken) Settle(ctx context.Context, batch []driver.Settlement) error {
 	batch = append([]driver.Settlement(nil), batch...)
+	b.mu.Lock()
+	for i := range batch {
+		h := batch[i].Handle
+		delete(b.open, h)
+		if b.how == "stale-acks-current" {
+			batch[i].Handle = b.latest[b.ids[h]]
+		}
+	}
+	b.mu.Unlock()
 	for i := range batch {
 		switch b.how {
 		case "ack-returns":
@@ -83,8 +132,21 @@ func (b *broken) Settle(ctx context.Context, batch []driver.Settlement) error {
 }
 
 func (b *broken) Capabilities() driver.Capabilities { return b.d.Capabilities() }
-func (b *broken) Close() error                      { return b.d.Close() }
-func (b *broken) Lease() time.Duration              { return b.d.(driver.Extender).Lease() }
+
+// Close gives back what was handed out and not settled first, as
+// RabbitMQ does: the next driver need not wait out the lease.
+func (b *broken) Close() error {
+	b.mu.Lock()
+	var batch []driver.Settlement
+	for h := range b.open {
+		batch = append(batch, driver.Settlement{Handle: h, Action: driver.Return})
+	}
+	clear(b.open)
+	b.mu.Unlock()
+	_ = b.d.Settle(context.Background(), batch)
+	return b.d.Close()
+}
+func (b *broken) Lease() time.Duration { return b.d.(driver.Extender).Lease() }
 
 func (b *broken) Extend(ctx context.Context, handles []any, d time.Duration) error {
 	if b.how == "extend-noop" {
@@ -107,6 +169,12 @@ func (h *harness) NewSource(t *testing.T, cfg drivertest.SourceConfig) string {
 	return name
 }
 
+// Revoke has d give back what it holds and revoke it.
+func (h *harness) Revoke(t *testing.T, _ string, _ driver.Config, d driver.Driver) driver.Driver {
+	d.(*broken).revoke(t)
+	return nil
+}
+
 func (h *harness) Publisher(*testing.T) consumer.Publisher { return h.b }
 
 func (h *harness) Opener(*testing.T, string) driver.Opener { return opener{h} }
@@ -118,7 +186,10 @@ func (o opener) Driver(ctx context.Context, source string, cfg driver.Config) (d
 	if err != nil {
 		return nil, err
 	}
-	return &broken{d: d, how: o.h.how}, nil
+	return &broken{
+		d: d, how: o.h.how, revoked: make(chan driver.Revocation, 1),
+		ids: make(map[any]string), open: make(map[any]bool), latest: make(map[string]any),
+	}, nil
 }
 
 func (h *harness) Capabilities() drivertest.Capabilities {
@@ -149,6 +220,7 @@ func TestSabotaged(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = b.Close() })
+	t.Cleanup(drivertest.SetWait(10 * time.Second))
 	drivertest.Run(t, &harness{b: b, how: how})
 }
 
