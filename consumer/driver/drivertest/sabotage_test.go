@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -41,15 +42,22 @@ var sabotages = map[string]string{
 	// A stale handle settles the message's current delivery (a delivery
 	// tag taken for the same tag on the next channel).
 	"stale-acks-current": "StaleHandlesAfterRevocationAckNothing",
+	// Drain drops what was fetched ahead (it comes back after its lease).
+	"drain-drops": "DrainHandsOverWhatWasPushedAndLosesNothing",
+	// Drain hands over again what Fetch handed over last.
+	"drain-repeats": "DrainHandsOverWhatWasPushedAndLosesNothing",
 }
 
 // broken is the memory driver with one sabotage. It is a Revoker too:
 // revoke gives back every delivery it handed out and not settled, so
-// that their handles go stale, and says so.
+// that their handles go stale, and says so. And a Drainer: each Fetch
+// takes two more than asked, ahead, and Drain hands those over.
 type broken struct {
 	d       driver.Driver
 	how     string
 	revoked chan driver.Revocation
+	ahead   []driver.Message // fetched ahead; only Fetch and Drain touch it
+	last    []driver.Message // what the last Fetch handed over
 
 	mu     sync.Mutex
 	ids    map[any]string // every handle handed out, to its message's id
@@ -60,6 +68,7 @@ type broken struct {
 var (
 	_ driver.Revoker  = (*broken)(nil)
 	_ driver.Extender = (*broken)(nil)
+	_ driver.Drainer  = (*broken)(nil)
 )
 
 func (b *broken) Revoked() <-chan driver.Revocation { return b.revoked }
@@ -86,9 +95,22 @@ func (b *broken) Fetch(ctx context.Context, dst []driver.Message, max int) ([]dr
 	case "fetch-drops-dst":
 		dst = nil
 	}
-	out, err := b.d.Fetch(ctx, dst, max)
+	var out []driver.Message
+	var err error
+	if len(b.ahead) > 0 {
+		k := min(max, len(b.ahead))
+		out = append(dst, b.ahead[:k]...)
+		b.ahead = b.ahead[k:]
+	} else {
+		out, err = b.d.Fetch(ctx, dst, max+2)
+		if len(out)-n > max {
+			b.ahead = append(b.ahead, out[n+max:]...)
+			out = out[:n+max]
+		}
+	}
+	b.last = slices.Clone(out[min(n, len(out)):])
 	b.mu.Lock()
-	for _, m := range out[min(n, len(out)):] {
+	for _, m := range slices.Concat(out[min(n, len(out)):], b.ahead) {
 		b.ids[m.Handle] = m.ID
 		b.open[m.Handle] = true
 		b.latest[m.ID] = m.Handle
@@ -132,6 +154,24 @@ func (b *broken) Settle(ctx context.Context, batch []driver.Settlement) error {
 }
 
 func (b *broken) Capabilities() driver.Capabilities { return b.d.Capabilities() }
+
+// Drain hands over what was fetched ahead.
+func (b *broken) Drain(_ context.Context, dst []driver.Message) ([]driver.Message, error) {
+	ahead := b.ahead
+	b.ahead = nil
+	switch b.how {
+	case "drain-drops":
+		b.mu.Lock()
+		for _, m := range ahead {
+			delete(b.open, m.Handle) // not given back on Close either
+		}
+		b.mu.Unlock()
+		return dst, nil
+	case "drain-repeats":
+		dst = append(dst, b.last...)
+	}
+	return append(dst, ahead...), nil
+}
 
 // Close gives back what was handed out and not settled first, as
 // RabbitMQ does: the next driver need not wait out the lease.
