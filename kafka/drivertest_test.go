@@ -13,9 +13,13 @@ import (
 
 // TestDriverConformance runs the driver-level conformance suite against
 // the Kafka driver, one topic of four partitions per test, every driver of
-// a topic in one group.
+// a topic in one group, under both group protocols.
 func TestDriverConformance(t *testing.T) {
-	drivertest.Run(t, &driverHarness{b: newBroker(t)})
+	for _, p := range []kafka.GroupProtocol{kafka.Classic, kafka.NextGen} {
+		t.Run(p.String(), func(t *testing.T) {
+			drivertest.Run(t, &driverHarness{b: newBroker(t, kafka.WithGroupProtocol(p))})
+		})
+	}
 }
 
 type driverHarness struct {
