@@ -23,8 +23,14 @@
 //     nor acks the message now delivered to someone else;
 //   - a Drainer's Drain hands over what the broker pushed ahead, stops it
 //     pushing more, and loses nothing;
-//   - Fetch after Close fails with an error marked driver.Fatal, and Close
-//     twice is safe.
+//   - Fetch after Close fails with an error marked driver.Fatal, Close
+//     twice is safe, and Close ends a Fetch waiting on an empty source
+//     (the driver's first Fetch too).
+//
+// What the suite does not ask: that a driver fetches again after a Fetch
+// whose context ended (the loop ends a Fetch's context only when it stops,
+// and the SQS driver then stops receiving for good), nor that returns
+// keep a lane's order (Kafka does not take messages back at all).
 //
 // Each clause needing an optional interface is skipped, saying which,
 // when the driver does not implement it; one needing the harness's help
