@@ -511,8 +511,15 @@ func pump(in <-chan amqp.Delivery, out chan<- amqp.Delivery, dead <-chan struct{
 // queue is empty.
 func (d *queueDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([]driver.Message, error) {
 	d.startOnce.Do(func() {
-		d.wg.Add(1)
-		go d.supervise()
+		// Under d.mu, as Close closes d.stop: either supervise is added
+		// before Close waits for it, or it is never started. (An Add
+		// concurrent with the Wait was a race.)
+		d.mu.Lock()
+		if !d.stopped() {
+			d.wg.Add(1)
+			go d.supervise()
+		}
+		d.mu.Unlock()
 	})
 	if max <= 0 {
 		max = 1
@@ -1291,7 +1298,9 @@ func (d *queueDriver) Close() error {
 
 func (d *queueDriver) close(closeCh bool) {
 	d.closeOnce.Do(func() {
+		d.mu.Lock()
 		close(d.stop)
+		d.mu.Unlock()
 		d.wg.Wait()
 		d.mu.Lock()
 		s := d.cur

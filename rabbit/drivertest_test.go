@@ -72,13 +72,5 @@ func (h *driverHarness) Capabilities() drivertest.Capabilities {
 		// A delay rounds up to the next delay queue: never sooner.
 		CountsDeliveries: true, // carried in a header through the delay queue
 		CarriesHistory:   true,
-		KnownDefects: map[string]string{
-			// Fetch's first call does d.wg.Add(1) (starting supervise)
-			// while Close does d.wg.Wait(): a WaitGroup Add concurrent
-			// with Wait, which the race detector reports. The loop never
-			// closes a driver during a Fetch, so only a driver used
-			// directly hits it.
-			"CloseEndsTheFirstFetch": "rabbit: Close during the driver's first Fetch races with it (sync.WaitGroup Add concurrent with Wait)",
-		},
 	}
 }
