@@ -2,6 +2,11 @@
 // its topics and subscriptions: one line of configuration picks the broker,
 // and the code that publishes and consumes stays the same.
 //
+//	import (
+//		"github.com/ferrymq/ferry"
+//		_ "github.com/ferrymq/ferry/brokers" // every broker; or only the one you run on, such as _ "github.com/ferrymq/ferry/kafka"
+//	)
+//
 //	b, err := ferry.Open(ctx, os.Getenv("BROKER_URL")) // mem://, kafka://, sqs://, amqp://, amqps://
 //	if err != nil {
 //		return err
@@ -10,15 +15,15 @@
 //	err = b.Publish(ctx, "orders", consumer.Message{Key: "o-1", Body: body})
 //	c, err := b.NewConsumer(ctx, "orders", consumer.WithName("billing"))
 //
-// The URL forms, each described in a section below with every query
-// parameter it takes:
+// The URL forms, and the package that opens each (the section Opening from
+// a URL of its doc gives every query parameter it takes):
 //
 //	mem://                          a new in-process broker (package memory)
 //	mem://NAME                      the in-process broker NAME, shared within the process
 //	kafka://HOST:PORT[,HOST:PORT]   Apache Kafka (package kafka)
 //	sqs://                          Amazon SQS (package sqs)
 //	sqs://HOST:PORT                 an SQS-compatible server: the host is the endpoint
-//	https://sqs.REGION.amazonaws.com/ACCOUNT/QUEUE   an SQS queue URL
+//	https://sqs.REGION.amazonaws.com/ACCOUNT/QUEUE   an SQS queue URL (package sqs)
 //	amqp://USER:PASSWORD@HOST:PORT/VHOST, amqps://...  RabbitMQ (package rabbit)
 //
 // A query parameter a scheme does not take is an error, as is a value a
@@ -29,6 +34,21 @@
 // A URL that is wrong gets a *URLError naming the part that is wrong. A
 // password in a URL never appears in an error or a log line: see
 // [Redact].
+//
+// # Linking the brokers
+//
+// This package opens mem:// itself. Every other scheme is registered by
+// its broker's package when the program imports it, as database/sql
+// drivers are, so that a program links only the SDKs it uses: a service
+// that imports package kafka (or blank-imports it for Open) links
+// franz-go, and neither the AWS SDK nor amqp091-go. Package
+// [github.com/ferrymq/ferry/brokers] imports all of them, for a program
+// that takes any broker's URL. Open of a URL whose package the program
+// does not import fails with a *URLError saying which to import:
+//
+//	kafka://                   import _ "github.com/ferrymq/ferry/kafka"
+//	sqs://, an SQS queue URL   import _ "github.com/ferrymq/ferry/sqs"
+//	amqp://, amqps://          import _ "github.com/ferrymq/ferry/rabbit"
 //
 // # Memory
 //
@@ -45,67 +65,6 @@
 //   - dedup_window=DURATION: how long a FIFO queue remembers the IDs of
 //     published messages to drop duplicates, a duration such as 5m; 0
 //     turns deduplication off. Default 5m, as on SQS.
-//
-// # Kafka
-//
-//	kafka://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...][?PARAMETERS]
-//
-// Apache Kafka (package kafka), through the seed brokers listed; each
-// needs its port. A NewConsumer source is a topic. Query parameters:
-//
-//   - client_id=NAME: the client id the brokers see in their logs and
-//     quotas. Default "ferry".
-//   - group_protocol=classic|consumer: the consumer group protocol,
-//     classic (the default) or consumer, the KIP-848 protocol of Kafka 4.
-//   - tls=true|false: connect with TLS, trusting the system's roots (or
-//     ca_file's). Default false.
-//   - ca_file=FILE: a PEM file of the CA to trust instead of the system's;
-//     implies tls=true.
-//   - sasl=MECHANISM: authenticate with the URL's user and password, by
-//     SCRAM-SHA-512, SCRAM-SHA-256 or PLAIN. A user without sasl is an
-//     error; use TLS with it, or the password crosses the network in
-//     clear (PLAIN) or the session is not private (SCRAM).
-//
-// # SQS
-//
-//	sqs://[KEY:SECRET@][HOST:PORT][?region=REGION&tls=false]
-//	https://sqs.REGION.amazonaws.com/ACCOUNT/QUEUE
-//
-// Amazon SQS or a server that speaks its API (package sqs). A NewConsumer
-// source, and a Publish destination, is a queue's name or URL.
-//
-// sqs:// without a host is Amazon SQS, in the region of the default AWS
-// configuration (AWS_REGION, ~/.aws/config) or of the region parameter,
-// with the default credential chain. With HOST:PORT, the host is the
-// endpoint: an SQS-compatible server such as ElasticMQ or LocalStack at
-// https://HOST:PORT, or http://HOST:PORT with tls=false. (There is no
-// endpoint parameter: the host is it.) KEY:SECRET, when given, are static
-// credentials (an access key id and its secret) instead of the default
-// chain. Query parameters of sqs://:
-//
-//   - region=REGION: the AWS region to sign for, such as eu-west-1.
-//     Default the AWS configuration's; one of the two is needed.
-//   - tls=true|false: false speaks plain http to HOST:PORT. Default true.
-//
-// An SQS queue URL, https://sqs.REGION.amazonaws.com/ACCOUNT/QUEUE, opens
-// Amazon SQS in that region with the default credential chain; it takes no
-// query parameters.
-//
-// # RabbitMQ
-//
-//	amqp://USER:PASSWORD@HOST[:PORT]/VHOST
-//	amqps://USER:PASSWORD@HOST[:PORT]/VHOST[?ca_file=FILE]
-//
-// RabbitMQ over AMQP 0-9-1 (package rabbit, through rabbit.Dial with
-// rabbit.WithLazyConnect: it connects on first use, as Kafka and SQS do):
-// amqps:// over TLS. The path is the vhost ("/" or
-// none is the default vhost; %2F escapes a "/" in a vhost's name). A
-// NewConsumer source is a queue, and a Publish destination the queue of
-// that name, as on the other brokers; rabbit.ToExchange(exchange) names an
-// exchange. Query parameters:
-//
-//   - ca_file=FILE: a PEM file of the CA to trust instead of the system's
-//     (amqps only). The certificate must name HOST.
 //
 // # Passwords in URLs
 //
@@ -135,6 +94,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/brokerurl"
 	"github.com/ferrymq/ferry/internal/urlsecret"
 	"github.com/ferrymq/ferry/memory"
 )
@@ -147,85 +107,54 @@ import (
 type Broker = consumer.Broker
 
 // ErrBadURL matches every *URLError through errors.Is.
-var ErrBadURL = errors.New("ferry: bad broker URL")
+var ErrBadURL = brokerurl.ErrBadURL
 
-// URLError says what is wrong with a broker URL. Its URL has any password
-// replaced with "xxxxx", and neither its Reason nor its Err holds the
-// password.
-type URLError struct {
-	URL    string
-	Part   string // the part that is wrong: "scheme", "host", "query parameter region", ...
-	Reason string
-	Err    error // the underlying error, if any
+// URLError says what is wrong with a broker URL: its fields are URL (with
+// any password replaced with "xxxxx"), Part (the part that is wrong:
+// "scheme", "host", "query parameter region", ...), Reason, and Err (the
+// underlying error, if any). Neither its Reason nor its Err holds the
+// password. It is errors.Is ErrBadURL.
+//
+// The adapters' parsers return it too, from a package of Ferry's own that
+// both they and this one import: this name is the one to use.
+type URLError = brokerurl.URLError
+
+// adapters names, for each scheme an adapter registers, the package that
+// registers it and the scheme's URL form, so that Open can say which
+// import a URL needs in a program that does not link that package.
+var adapters = map[string]struct{ pkg, form string }{
+	"kafka":         {"github.com/ferrymq/ferry/kafka", "kafka://"},
+	"sqs":           {"github.com/ferrymq/ferry/sqs", "sqs://"},
+	"sqs-queue-url": {"github.com/ferrymq/ferry/sqs", "an SQS queue URL"},
+	"amqp":          {"github.com/ferrymq/ferry/rabbit", "amqp://"},
+	"amqps":         {"github.com/ferrymq/ferry/rabbit", "amqps://"},
 }
 
-func (e *URLError) Error() string {
-	s := "ferry: broker URL " + strconv.Quote(e.URL) + ": " + e.Part + " " + e.Reason
-	if e.Err != nil {
-		s += ": " + Redact(e.Err.Error())
-	}
-	return s
+// The package doc's section Memory describes mem:// and its parameters
+// (doc_test.go holds it to them); each adapter registers its own schemes
+// from its init.
+func init() {
+	brokerurl.Register("mem", brokerurl.Scheme{Open: openMem, Package: "github.com/ferrymq/ferry",
+		Section: "Memory", Form: "mem://", Params: []string{"autocreate", "dedup_window"}})
 }
 
-// Is reports whether target is ErrBadURL.
-func (e *URLError) Is(target error) bool { return target == ErrBadURL }
-
-// Unwrap returns the underlying error.
-func (e *URLError) Unwrap() error { return e.Err }
-
-// opener opens the broker of one scheme, given its URL, the URL's query
-// (holding only the scheme's parameters) and the URL as errors show it.
-type opener func(ctx context.Context, u *url.URL, q url.Values, shown string) (Broker, error)
-
-// scheme is a kind of URL Open takes.
-type scheme struct {
-	open opener
-	// section is the heading of the package doc's section that describes
-	// the scheme, form the URL form it gives there, and params the query
-	// parameters the scheme takes, each listed in that section as
-	// "name=..." (doc_test.go checks all three against the package doc).
-	section string
-	form    string
-	params  []string
-}
-
-var (
-	schemesMu sync.RWMutex
-	schemes   = map[string]scheme{
-		"mem": {open: openMem, section: "Memory", form: "mem://", params: []string{"autocreate", "dedup_window"}},
-	}
-)
-
-// register adds a scheme: name is the URL's scheme, or a name of its own
-// for a kind of URL that Open recognizes otherwise (sqs-queue-url).
-func register(name string, s scheme) {
-	schemesMu.Lock()
-	defer schemesMu.Unlock()
-	schemes[name] = s
-}
-
-// schemeForms lists the URL form of every scheme, for an error saying
-// which URLs Open takes.
-func schemeForms() string {
-	schemesMu.RLock()
-	defer schemesMu.RUnlock()
-	forms := make([]string, 0, len(schemes))
-	for _, n := range slices.Sorted(maps.Keys(schemes)) {
-		forms = append(forms, schemes[n].form)
-	}
-	return strings.Join(forms, ", ")
-}
+// schemeForms lists the URL form of every scheme this program links, for
+// an error saying which URLs Open takes.
+func schemeForms() string { return strings.Join(brokerurl.Forms(), ", ") }
 
 // Open opens the broker a URL names: mem://, kafka://, sqs://, an SQS queue
-// URL, amqp:// or amqps://. The package doc describes each form and every
-// query parameter it takes.
+// URL, amqp:// or amqps://. Each is opened by the package of its broker,
+// which the program must import (package brokers imports them all): the
+// package doc says which, and where each form's query parameters are
+// described.
 //
 // A URL that is wrong fails with a *URLError (errors.Is ErrBadURL) naming
-// the part that is wrong. Open needs no broker to be up: every broker
-// connects on first use, so that a consumer started while its broker is
-// down says so (its Health, a WARN line) and consumes once the broker
-// comes, and a Publish fails saying why it cannot get through. No error
-// Open returns holds the URL's password, in any spelling of it.
+// the part that is wrong; so does one whose broker's package the program
+// does not import, saying which to import. Open needs no broker to be up:
+// every broker connects on first use, so that a consumer started while
+// its broker is down says so (its Health, a WARN line) and consumes once
+// the broker comes, and a Publish fails saying why it cannot get through.
+// No error Open returns holds the URL's password, in any spelling of it.
 func Open(ctx context.Context, rawURL string) (Broker, error) {
 	b, err := open(ctx, rawURL)
 	if err != nil {
@@ -260,17 +189,18 @@ func open(ctx context.Context, rawURL string) (Broker, error) {
 	if (name == "https" || name == "http") && isSQSQueueURL(u) {
 		name = "sqs-queue-url"
 	}
-	schemesMu.RLock()
-	s, ok := schemes[name]
-	schemesMu.RUnlock()
+	s, ok := brokerurl.Lookup(name)
 	if !ok {
+		if a, known := adapters[name]; known {
+			return nil, &URLError{URL: shown, Part: "scheme", Reason: fmt.Sprintf("%s needs import _ %q (or %q for every broker) in the program", a.form, a.pkg, "github.com/ferrymq/ferry/brokers")}
+		}
 		return nil, &URLError{URL: shown, Part: "scheme", Reason: fmt.Sprintf("%q is not one Ferry opens (%s)", u.Scheme, schemeForms())}
 	}
-	q, err := query(u, shown, s.params)
+	q, err := query(u, shown, s.Params)
 	if err != nil {
 		return nil, err
 	}
-	return s.open(ctx, u, q, shown)
+	return s.Open(ctx, u, q, shown)
 }
 
 // isSQSQueueURL reports whether u looks like an SQS queue URL:

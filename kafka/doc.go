@@ -172,6 +172,28 @@
 // or a TLS/plaintext mismatch makes Publish fail and Run return within
 // seconds (see above).
 //
+// # Opening from a URL
+//
+//	kafka://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...][?PARAMETERS]
+//
+// ferry.Open opens Kafka from a URL in a program that imports this
+// package (blank, or github.com/ferrymq/ferry/brokers, when the program
+// names no kafka identifier): New, through the seed brokers listed; each
+// needs its port. A NewConsumer source is a topic. Query parameters:
+//
+//   - client_id=NAME: the client id the brokers see in their logs and
+//     quotas. Default "ferry".
+//   - group_protocol=classic|consumer: the consumer group protocol,
+//     classic (the default) or consumer, the KIP-848 protocol of Kafka 4.
+//   - tls=true|false: connect with TLS, trusting the system's roots (or
+//     ca_file's). Default false.
+//   - ca_file=FILE: a PEM file of the CA to trust instead of the system's;
+//     implies tls=true.
+//   - sasl=MECHANISM: authenticate with the URL's user and password, by
+//     SCRAM-SHA-512, SCRAM-SHA-256 or PLAIN. A user without sasl is an
+//     error; use TLS with it, or the password crosses the network in
+//     clear (PLAIN) or the session is not private (SCRAM).
+//
 // CreateTopic and DeleteTopic manage topics for tests and for users' own
 // integration tests.
 package kafka

@@ -133,6 +133,24 @@
 // set by a policy still draws the warning, and a queue outside the
 // Topology, whose arguments the Broker does not know, never does.
 //
+// # Opening from a URL
+//
+//	amqp://USER:PASSWORD@HOST[:PORT]/VHOST
+//	amqps://USER:PASSWORD@HOST[:PORT]/VHOST[?ca_file=FILE]
+//
+// ferry.Open opens RabbitMQ from a URL in a program that imports this
+// package (blank, or github.com/ferrymq/ferry/brokers, when the program
+// names no rabbit identifier), through Dial with WithLazyConnect: it
+// connects on first use, as Kafka and SQS do; amqps:// over TLS. The
+// path is the vhost ("/" or none is the default vhost; %2F escapes a "/"
+// in a vhost's name). A NewConsumer source is a queue, and a Publish
+// destination the queue of that name, as on the other brokers;
+// ToExchange(exchange) names an exchange.
+// Query parameters:
+//
+//   - ca_file=FILE: a PEM file of the CA to trust instead of the system's
+//     (amqps only). The certificate must name HOST.
+//
 // # When it cannot consume
 //
 // A consumer never looks healthy while it cannot consume, and reports why

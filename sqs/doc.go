@@ -206,4 +206,32 @@
 // are closed and opened all the time, and a receive whose answer is cut on
 // a closing connection leaves its messages invisible until their
 // visibility timeout (aws-sdk-go-v2 issue 2737).
+//
+// # Opening from a URL
+//
+//	sqs://[KEY:SECRET@][HOST:PORT][?region=REGION&tls=false]
+//	https://sqs.REGION.amazonaws.com/ACCOUNT/QUEUE
+//
+// ferry.Open opens SQS, or a server that speaks its API, from a URL in a
+// program that imports this package (blank, or
+// github.com/ferrymq/ferry/brokers, when the program names no sqs
+// identifier), with a client built as above. A NewConsumer source, and a
+// Publish destination, is a queue's name or URL.
+//
+// sqs:// without a host is Amazon SQS, in the region of the default AWS
+// configuration (AWS_REGION, ~/.aws/config) or of the region parameter,
+// with the default credential chain. With HOST:PORT, the host is the
+// endpoint: an SQS-compatible server such as ElasticMQ or LocalStack at
+// https://HOST:PORT, or http://HOST:PORT with tls=false. (There is no
+// endpoint parameter: the host is it.) KEY:SECRET, when given, are static
+// credentials (an access key id and its secret) instead of the default
+// chain. Query parameters of sqs://:
+//
+//   - region=REGION: the AWS region to sign for, such as eu-west-1.
+//     Default the AWS configuration's; one of the two is needed.
+//   - tls=true|false: false speaks plain http to HOST:PORT. Default true.
+//
+// An SQS queue URL, https://sqs.REGION.amazonaws.com/ACCOUNT/QUEUE, opens
+// Amazon SQS in that region with the default credential chain; it takes no
+// query parameters.
 package sqs

@@ -59,6 +59,7 @@ import (
 	"strings"
 
 	ferrymq "github.com/ferrymq/ferry"
+	_ "github.com/ferrymq/ferry/brokers" // --broker takes any broker's URL
 	"github.com/ferrymq/ferry/cmd/ferry/internal/cli"
 	"github.com/ferrymq/ferry/cmd/ferry/internal/demo"
 	"github.com/ferrymq/ferry/cmd/ferry/internal/dlqcmd"

@@ -67,6 +67,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry"
+	_ "github.com/ferrymq/ferry/brokers" // FERRY_BROKER_URL may name any broker; a service on one imports only its package, such as _ ".../kafka"
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/idempotency"
 	"github.com/ferrymq/ferry/outbox"
