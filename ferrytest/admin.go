@@ -155,7 +155,7 @@ type kafkaBroker interface {
 	CreateTopic(ctx context.Context, topic string, cfg kafka.TopicConfig) error
 	DeleteTopic(ctx context.Context, topic string) error
 	Admin() *kadm.Client
-	Peek(ctx context.Context, topic, group string, perPartition int) ([]consumer.Message, error)
+	PeekGroup(ctx context.Context, topic, group string, perPartition int) ([]consumer.Message, error)
 }
 
 type kafkaAdmin struct{ b kafkaBroker }
@@ -199,7 +199,7 @@ func (a *kafkaAdmin) exists(ctx context.Context, name string) (bool, error) {
 // and settling nothing. (A consumer group's driver would stop at its
 // partition buffer: records never settled hold it full.)
 func (a *kafkaAdmin) peek(ctx context.Context, q *Queue) ([]consumer.Message, error) {
-	return a.b.Peek(ctx, q.Name, "", 0)
+	return a.b.PeekGroup(ctx, q.Name, "", 0)
 }
 
 func (a *kafkaAdmin) close() error { return nil }

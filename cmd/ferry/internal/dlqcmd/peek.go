@@ -12,6 +12,8 @@ import (
 	"github.com/ferrymq/ferry/cmd/ferry/internal/cli"
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/driverpeek"
+	"github.com/ferrymq/ferry/kafka"
 )
 
 // PeekOptions says what Peek reads.
@@ -85,7 +87,7 @@ func Peek(ctx context.Context, b ferry.Broker, destination string, o PeekOptions
 		}
 		return Peeked{Messages: msgs[:min(len(msgs), limit)], Total: Count{N: int64(len(msgs))}}, nil
 	}
-	if k, ok := b.(kafkaBroker); ok {
+	if k, ok := b.(*kafka.Broker); ok {
 		return peekKafka(ctx, k, destination, o)
 	}
 	kind := cli.Kind(b)
@@ -157,10 +159,7 @@ func Peek(ctx context.Context, b ferry.Broker, destination string, o PeekOptions
 			continue
 		}
 		seen[m.ID] = true
-		out = append(out, consumer.Message{
-			ID: m.ID, Key: m.Key, Body: m.Body, Headers: m.Headers, Source: m.Source,
-			Lane: m.Lane, Offset: m.Offset, PublishedAt: m.PublishedAt, Deliveries: m.Deliveries,
-		})
+		out = append(out, driverpeek.Message(m))
 	}
 	p := Peeked{Messages: out, Total: total}
 	if err := giveBack(); err != nil {
@@ -170,7 +169,7 @@ func Peek(ctx context.Context, b ferry.Broker, destination string, o PeekOptions
 }
 
 // peekKafka is Peek on Kafka.
-func peekKafka(ctx context.Context, k kafkaBroker, topic string, o PeekOptions) (Peeked, error) {
+func peekKafka(ctx context.Context, k *kafka.Broker, topic string, o PeekOptions) (Peeked, error) {
 	group, why := o.Group, "past the committed offsets of group "+strconv.Quote(o.Group)
 	if group == "" && !o.FromStart {
 		has, err := hasCommits(ctx, k.Admin(), topic, DefaultGroup)
@@ -189,7 +188,7 @@ func peekKafka(ctx context.Context, k kafkaBroker, topic string, o PeekOptions) 
 	if err != nil {
 		return Peeked{}, fmt.Errorf("offsets: %w", err)
 	}
-	msgs, err := k.Peek(ctx, topic, group, o.Limit)
+	msgs, err := k.PeekGroup(ctx, topic, group, o.Limit)
 	if err != nil {
 		return Peeked{}, err
 	}
