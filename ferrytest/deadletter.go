@@ -116,9 +116,9 @@ func ParseDeadLetter(m consumer.Message) (DeadLetter, error) {
 	return d, errors.Join(errs...)
 }
 
-// Peek returns the messages the queue holds, in the order the broker gives
-// them (a Kafka topic's by partition and offset), and leaves them there: a
-// Kafka topic is read with kafka.Broker.Peek, in no consumer group, from
+// Peek returns the messages the queue holds, oldest first (a Kafka topic's
+// by record timestamp across partitions), and leaves them there, through
+// the broker's consumer.Peeker: a Kafka topic is read in no consumer group, from
 // each partition's start to its end offset as the call began (when the
 // partitions not yet read stop moving for 5 s, it fails with
 // kafka.ErrPeekShort, except on a compacted topic, where what came is

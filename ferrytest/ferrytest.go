@@ -52,8 +52,8 @@
 //
 // Removing a queue deletes the topic (Kafka, with the consumer groups this
 // package made for it), the queue (SQS) or the queue and its delay queues
-// (RabbitMQ, those of rabbit.DefaultRetryDelays). A memory broker's queues
-// go with the broker, when it is closed.
+// (RabbitMQ, those of rabbit.DefaultRetryDelays), or the memory broker's
+// queue: consumer.Admin's DeleteSource on each.
 package ferrytest
 
 import (

@@ -17,7 +17,32 @@ import (
 	"github.com/ferrymq/ferry/consumer"
 )
 
-// Peek reads records of topic without joining a consumer group and
+var _ consumer.Peeker = (*Broker)(nil)
+
+// Peek returns up to max records of topic from the earliest each partition
+// retains, oldest first by record timestamp across partitions (ties in
+// partition, then offset order), without joining a consumer group and
+// without committing anything (consumer.Peeker). It is PeekGroup with no
+// group and max records of each partition, merged and cut to max. A max
+// below 1 is a *consumer.ConfigError.
+func (b *Broker) Peek(ctx context.Context, topic string, max int) ([]consumer.Message, error) {
+	if max < 1 {
+		return nil, consumer.ConfigErrorf("max", "must be >= 1, got %d", max)
+	}
+	msgs, err := b.PeekGroup(ctx, topic, "", max)
+	if err != nil {
+		return nil, err
+	}
+	// PeekGroup's messages come partition by partition, each in offset
+	// order: a stable sort by time keeps that order among equal times.
+	slices.SortStableFunc(msgs, func(a, b consumer.Message) int { return a.PublishedAt.Compare(b.PublishedAt) })
+	if len(msgs) > max {
+		msgs = msgs[:max:max]
+	}
+	return msgs, nil
+}
+
+// PeekGroup reads records of topic without joining a consumer group and
 // without committing anything, for tools that look at a topic (a
 // dead-letter topic, the backlog behind a group) and must leave it as it
 // is. Each partition is read from group's committed offset, or from the
@@ -33,11 +58,11 @@ import (
 // When a partition cannot be read to its end (none of those not yet read
 // to their end moves for a few seconds: a stalled broker, or records past
 // an open transaction when the broker's client options read committed
-// records only), Peek fails with an error wrapping ErrPeekShort rather
+// records only), PeekGroup fails with an error wrapping ErrPeekShort rather
 // than return part of the topic. A compacted topic is the exception: its
 // last offsets may hold no record any more, so there what came by then is
 // the answer.
-func (b *Broker) Peek(ctx context.Context, topic, group string, perPartition int) ([]consumer.Message, error) {
+func (b *Broker) PeekGroup(ctx context.Context, topic, group string, perPartition int) ([]consumer.Message, error) {
 	if topic == "" {
 		return nil, consumer.ConfigErrorf("topic", "must not be empty")
 	}

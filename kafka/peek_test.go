@@ -30,7 +30,7 @@ func TestPeekReadsWithoutJoiningOrCommitting(t *testing.T) {
 	if err := b.Publish(ctx, topic, msgs...); err != nil {
 		t.Fatal(err)
 	}
-	all, err := b.Peek(ctx, topic, "", 0)
+	all, err := b.PeekGroup(ctx, topic, "", 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -50,14 +50,14 @@ func TestPeekReadsWithoutJoiningOrCommitting(t *testing.T) {
 		t.Fatal(err)
 	}
 	before := committed(t, b.Admin(), group, topic)
-	rest, err := b.Peek(ctx, topic, group, 0)
+	rest, err := b.PeekGroup(ctx, topic, group, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(rest) != len(msgs)-1 {
 		t.Errorf("Peek from the group's offsets read %d records, want %d (one of partition 0 committed)", len(rest), len(msgs)-1)
 	}
-	one, err := b.Peek(ctx, topic, group, 1)
+	one, err := b.PeekGroup(ctx, topic, group, 1)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -129,7 +129,7 @@ func TestPeekFailsShortOfAnOpenTransaction(t *testing.T) {
 				}
 			}()
 			committedOnly := newBroker(t, kafka.WithClientOpts(kgo.FetchIsolationLevel(kgo.ReadCommitted())))
-			got, err := committedOnly.Peek(ctx, topic, "", 0)
+			got, err := committedOnly.PeekGroup(ctx, topic, "", 0)
 			stopBusy()
 			wg.Wait()
 			if policy == "compact" {
@@ -146,7 +146,7 @@ func TestPeekFailsShortOfAnOpenTransaction(t *testing.T) {
 				t.Fatal(err)
 			}
 			for _, br := range []*kafka.Broker{committedOnly, b} {
-				got, err = br.Peek(ctx, topic, "", 0)
+				got, err = br.PeekGroup(ctx, topic, "", 0)
 				if err != nil || len(got) < 3 || string(got[len(got)-1].Body) != "c" || got[len(got)-1].Lane != "1" {
 					t.Fatalf("Peek after the commit = %d records, %v; want a, b, the later ones and c", len(got), err)
 				}
@@ -186,11 +186,11 @@ func TestPeekCountsMessagesNotMarkers(t *testing.T) {
 	if _, err := b.Admin().CommitOffsets(ctx, group, off); err != nil {
 		t.Fatal(err)
 	}
-	got, err := b.Peek(ctx, topic, group, 1)
+	got, err := b.PeekGroup(ctx, topic, group, 1)
 	if err != nil || len(got) != 1 || string(got[0].Body) != "b" || got[0].Offset != 2 {
 		t.Fatalf("Peek of one message past the group's offset = %v, %v; want b at offset 2", got, err)
 	}
-	all, err := b.Peek(ctx, topic, "", 0)
+	all, err := b.PeekGroup(ctx, topic, "", 0)
 	if err != nil || len(all) != 2 {
 		t.Fatalf("Peek of the whole topic = %d messages, %v; want a and b", len(all), err)
 	}

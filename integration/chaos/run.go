@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"io"
 	mrand "math/rand/v2"
@@ -23,6 +22,7 @@ import (
 	"github.com/ferrymq/ferry/ferrytest"
 	"github.com/ferrymq/ferry/idempotency/pgstore"
 	"github.com/ferrymq/ferry/outbox/pgoutbox"
+	ferrysqs "github.com/ferrymq/ferry/sqs"
 )
 
 // sqsVisibility is the visibility timeout of the run's SQS queue: the
@@ -498,9 +498,9 @@ func pgoutboxBacklog(ctx context.Context, pool *pgxpool.Pool) (int64, error) {
 
 // setVisibility sets the visibility timeout of an SQS queue.
 func setVisibility(ctx context.Context, tb *ferrytest.Broker, queue string, seconds int) error {
-	sb, ok := tb.Broker.(interface{ Client() *awssqs.Client })
+	sb, ok := tb.Broker.(*ferrysqs.Broker)
 	if !ok {
-		return errors.New("sqs: the broker has no Client")
+		return fmt.Errorf("sqs: the broker is a %T, not an *sqs.Broker", tb.Broker)
 	}
 	u, err := sb.Client().GetQueueUrl(ctx, &awssqs.GetQueueUrlInput{QueueName: aws.String(queue)})
 	if err != nil {

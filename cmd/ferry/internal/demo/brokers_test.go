@@ -17,6 +17,8 @@ import (
 
 	"github.com/ferrymq/ferry"
 	"github.com/ferrymq/ferry/internal/testenv"
+	"github.com/ferrymq/ferry/kafka"
+	"github.com/ferrymq/ferry/sqs"
 )
 
 // brokerURLs returns the URL of each real broker, from the environment
@@ -135,13 +137,13 @@ func queueExists(t *testing.T, rawURL, name string) bool {
 	}
 	defer b.Close()
 	switch k := b.(type) {
-	case kafkaBroker:
+	case *kafka.Broker:
 		topics, err := k.Admin().ListTopics(ctx, name)
 		if err != nil {
 			t.Fatal(err)
 		}
 		return topics.Has(name)
-	case sqsBroker:
+	case *sqs.Broker:
 		_, err := k.Client().GetQueueUrl(ctx, &awssqs.GetQueueUrlInput{QueueName: aws.String(name)})
 		var missing *types.QueueDoesNotExist
 		if errors.As(err, &missing) {

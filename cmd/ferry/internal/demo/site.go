@@ -33,6 +33,7 @@ import (
 	"github.com/ferrymq/ferry/kafka"
 	"github.com/ferrymq/ferry/memory"
 	"github.com/ferrymq/ferry/rabbit"
+	"github.com/ferrymq/ferry/sqs"
 )
 
 // This file is where a run's messages live: the broker opened from
@@ -60,20 +61,6 @@ func (k brokerKind) String() string {
 	}
 	return "the memory broker"
 }
-
-// The broker packages' own methods a site needs, beyond ferry.Broker. The
-// Broker that ferry.Open returns carries them (it embeds the package's
-// Broker); these interfaces reach them without naming its type.
-type (
-	kafkaBroker interface {
-		CreateTopic(ctx context.Context, topic string, cfg kafka.TopicConfig) error
-		DeleteTopic(ctx context.Context, topic string) error
-		Admin() *kadm.Client
-	}
-	sqsBroker interface {
-		Client() *awssqs.Client
-	}
-)
 
 // site is the broker of a run and its two queues: the source of the orders
 // and the dead-letter queue. On Kafka they are topics and the two billing
@@ -169,21 +156,23 @@ func (s *site) createMemory() error {
 const ordersPartitions = 6
 
 func (s *site) createKafka(ctx context.Context) error {
-	k, ok := s.b.(kafkaBroker)
+	k, ok := s.b.(consumer.Admin)
 	if !ok {
 		return fmt.Errorf("%w (Kafka)", errUnknownBroker)
 	}
-	if err := k.CreateTopic(ctx, s.dlq, kafka.TopicConfig{Partitions: 1}); err != nil {
+	if err := k.CreateSource(ctx, s.dlq, consumer.SourceConfig{Partitions: 1}); err != nil {
 		return fmt.Errorf("demo: %w", err)
 	}
-	if err := k.CreateTopic(ctx, s.orders, kafka.TopicConfig{Partitions: ordersPartitions}); err != nil {
+	if err := k.CreateSource(ctx, s.orders, consumer.SourceConfig{Partitions: ordersPartitions}); err != nil {
 		return fmt.Errorf("demo: %w", err)
 	}
 	return nil
 }
 
 func (s *site) createSQS(ctx context.Context) error {
-	q, ok := s.b.(sqsBroker)
+	// The orders queue's visibility timeout is SQS's own, beyond
+	// consumer.SourceConfig: the SDK client of the SQS broker makes it.
+	q, ok := s.b.(*sqs.Broker)
 	if !ok {
 		return fmt.Errorf("%w (SQS)", errUnknownBroker)
 	}
@@ -268,21 +257,18 @@ func onChannel(conn *amqp.Connection, f func(ch *amqp.Channel) error) error {
 }
 
 func (s *site) createRabbit(ctx context.Context) error {
-	if s.kind != onRabbitMQ {
+	r, ok := s.b.(consumer.Admin)
+	if s.kind != onRabbitMQ || !ok {
 		return fmt.Errorf("%w (RabbitMQ)", errUnknownBroker)
 	}
-	return s.rabbitConn(ctx, func(conn *amqp.Connection) error {
-		return onChannel(conn, func(ch *amqp.Channel) error {
-			for _, q := range []string{s.dlq, s.orders} {
-				// Quorum queues, as the rabbit package declares by default:
-				// they count deliveries (x-delivery-count).
-				if _, err := ch.QueueDeclare(q, true, false, false, false, amqp.Table{"x-queue-type": "quorum"}); err != nil {
-					return fmt.Errorf("demo: declare RabbitMQ queue %s: %w", q, err)
-				}
-			}
-			return nil
-		})
-	})
+	for _, q := range []string{s.dlq, s.orders} {
+		// Quorum queues, as the rabbit package declares by default: they
+		// count deliveries (x-delivery-count).
+		if err := r.CreateSource(ctx, q, consumer.SourceConfig{}); err != nil {
+			return fmt.Errorf("demo: declare RabbitMQ queue %s: %w", q, err)
+		}
+	}
+	return nil
 }
 
 // delayQueues are the queues the rabbit package routes delayed retries of
@@ -352,7 +338,7 @@ func (s *site) left(ctx context.Context, loop *consumer.Loop) (int64, error) {
 	case onKafka:
 		return s.kafkaLag(ctx)
 	case onSQS:
-		out, err := s.b.(sqsBroker).Client().GetQueueAttributes(ctx, &awssqs.GetQueueAttributesInput{
+		out, err := s.b.(*sqs.Broker).Client().GetQueueAttributes(ctx, &awssqs.GetQueueAttributesInput{
 			QueueUrl: aws.String(s.sqsURLs[s.orders]),
 			AttributeNames: []types.QueueAttributeName{
 				types.QueueAttributeNameApproximateNumberOfMessages,
@@ -408,7 +394,7 @@ func (s *site) left(ctx context.Context, loop *consumer.Loop) (int64, error) {
 // kafkaLag is the billing group's lag on the orders topic: the end offsets
 // minus the committed ones.
 func (s *site) kafkaLag(ctx context.Context) (int64, error) {
-	adm := s.b.(kafkaBroker).Admin()
+	adm := s.b.(*kafka.Broker).Admin()
 	commits, err := adm.FetchOffsets(ctx, s.group)
 	if err != nil {
 		return 0, fmt.Errorf("demo: committed offsets of %s: %w", s.group, err)
@@ -487,27 +473,13 @@ func (s *site) close(ctx context.Context) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
-	switch s.kind {
-	case onKafka:
-		k := s.b.(kafkaBroker)
-		_ = k.DeleteTopic(ctx, s.orders)
-		_ = k.DeleteTopic(ctx, s.dlq)
+	if adm, ok := s.b.(consumer.Admin); ok && s.kind != onMemory {
+		// On RabbitMQ with the orders queue's delay queues.
+		_ = adm.DeleteSource(ctx, s.orders)
+		_ = adm.DeleteSource(ctx, s.dlq)
+	}
+	if k, ok := s.b.(*kafka.Broker); ok {
 		_, _ = k.Admin().DeleteGroups(ctx, s.group, s.dlqGroup)
-	case onSQS:
-		c := s.b.(sqsBroker).Client()
-		for _, u := range s.sqsURLs {
-			_, _ = c.DeleteQueue(ctx, &awssqs.DeleteQueueInput{QueueUrl: aws.String(u)})
-		}
-	case onRabbitMQ:
-		_ = s.rabbitConn(ctx, func(conn *amqp.Connection) error {
-			for _, q := range append([]string{s.orders, s.dlq}, s.delayQueues()...) {
-				_ = onChannel(conn, func(ch *amqp.Channel) error {
-					_, err := ch.QueueDelete(q, false, false, false)
-					return err
-				})
-			}
-			return nil
-		})
 	}
 	_ = s.b.Close()
 }

@@ -250,7 +250,7 @@ func kafkaFixture(t *testing.T) *fixture {
 	}
 	f.depth = func(*testing.T) int { return ends(f.to) }
 	f.drain = func(t *testing.T) map[string]int {
-		msgs, err := kb.Peek(context.Background(), f.to, "", 0)
+		msgs, err := kb.PeekGroup(context.Background(), f.to, "", 0)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -261,7 +261,7 @@ func kafkaFixture(t *testing.T) *fixture {
 		return out
 	}
 	f.left = func(t *testing.T) int {
-		msgs, err := kb.Peek(context.Background(), f.dlq, DefaultGroup, 0)
+		msgs, err := kb.PeekGroup(context.Background(), f.dlq, DefaultGroup, 0)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -13,14 +13,8 @@ import (
 	"github.com/ferrymq/ferry"
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/kafka"
 )
-
-// kafkaBroker is what a redrive on Kafka uses of a kafka.Broker.
-type kafkaBroker interface {
-	ferry.Broker
-	Peek(ctx context.Context, topic, group string, perPartition int) ([]consumer.Message, error)
-	Admin() *kadm.Client
-}
 
 // ErrGroupInUse is returned by a redrive on Kafka whose group has members.
 var ErrGroupInUse = errors.New("the redrive's consumer group is in use")
@@ -41,7 +35,7 @@ const kafkaChunk = 100
 // past it would pass it over for good (the next redrive of the group
 // starts past it), so the group's offset stays before it and the rest of
 // that partition waits for a run that says where it goes (--to).
-func redriveKafka(ctx context.Context, b kafkaBroker, cfg RedriveConfig, rt *router, res *Result, bar *progress) error {
+func redriveKafka(ctx context.Context, b *kafka.Broker, cfg RedriveConfig, rt *router, res *Result, bar *progress) error {
 	adm := b.Admin()
 	commit := func(m consumer.Message) error {
 		p, err := strconv.ParseInt(m.Lane, 10, 32)
@@ -75,7 +69,7 @@ func redriveKafka(ctx context.Context, b kafkaBroker, cfg RedriveConfig, rt *rou
 	var next time.Time
 	stopped := map[string]bool{} // partitions stopped at a record that names no source
 	for {
-		msgs, err := b.Peek(ctx, cfg.Destination, cfg.Group, kafkaChunk)
+		msgs, err := b.PeekGroup(ctx, cfg.Destination, cfg.Group, kafkaChunk)
 		if err != nil {
 			if ctx.Err() != nil && errors.Is(err, context.Canceled) {
 				res.Interrupted = true

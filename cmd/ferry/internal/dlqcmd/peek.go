@@ -2,7 +2,6 @@ package dlqcmd
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strconv"
 	"strings"
@@ -12,6 +11,8 @@ import (
 	"github.com/ferrymq/ferry/cmd/ferry/internal/cli"
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/driverpeek"
+	"github.com/ferrymq/ferry/kafka"
 )
 
 // PeekOptions says what Peek reads.
@@ -49,7 +50,7 @@ type Peeked struct {
 //
 //   - memory: the queue's messages as they are (memory.Broker.Messages);
 //   - Kafka: the records read without a consumer group and without
-//     committing (kafka.Broker.Peek), past the committed offsets of
+//     committing (kafka.Broker.PeekGroup), past the committed offsets of
 //     o.Group (by default the redrive's, when it has any), or from the log
 //     start; counted by offsets;
 //   - SQS: received, then made visible again at once (visibility changed
@@ -85,7 +86,7 @@ func Peek(ctx context.Context, b ferry.Broker, destination string, o PeekOptions
 		}
 		return Peeked{Messages: msgs[:min(len(msgs), limit)], Total: Count{N: int64(len(msgs))}}, nil
 	}
-	if k, ok := b.(kafkaBroker); ok {
+	if k, ok := b.(*kafka.Broker); ok {
 		return peekKafka(ctx, k, destination, o)
 	}
 	kind := cli.Kind(b)
@@ -106,71 +107,15 @@ func Peek(ctx context.Context, b ferry.Broker, destination string, o PeekOptions
 		}
 		total = Count{N: l.Messages + max(l.InFlight, 0), Approx: kind == "sqs"}
 	}
-	var (
-		got     []driver.Message
-		settled bool
-	)
-	giveBack := func() error {
-		if settled || len(got) == 0 {
-			return nil
-		}
-		settled = true
-		back := make([]driver.Settlement, len(got))
-		for i, m := range got {
-			back[i] = driver.Settlement{Handle: m.Handle, Action: driver.Return, NotAttempted: true}
-		}
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-		defer cancel()
-		if err := d.Settle(sctx, back); err != nil {
-			return fmt.Errorf("giving the peeked messages back (they come back after their lease): %w", err)
-		}
-		return nil
+	msgs, err := driverpeek.Peek(ctx, d, limit, wait)
+	if err != nil {
+		return Peeked{}, err
 	}
-	defer giveBack()
-	seen := map[string]bool{}
-	for len(got) < limit {
-		fctx, cancel := context.WithTimeout(ctx, wait)
-		batch, err := d.Fetch(fctx, nil, limit-len(got))
-		cancel()
-		got = append(got, batch...)
-		if ctx.Err() != nil {
-			return Peeked{}, ctx.Err()
-		}
-		if err != nil && !errors.Is(err, context.DeadlineExceeded) {
-			return Peeked{}, err
-		}
-		fresh := 0
-		for _, m := range batch {
-			if !seen[m.ID] {
-				seen[m.ID] = true
-				fresh++
-			}
-		}
-		if fresh == 0 {
-			break
-		}
-	}
-	out := make([]consumer.Message, 0, len(got))
-	seen = map[string]bool{}
-	for _, m := range got {
-		if seen[m.ID] {
-			continue
-		}
-		seen[m.ID] = true
-		out = append(out, consumer.Message{
-			ID: m.ID, Key: m.Key, Body: m.Body, Headers: m.Headers, Source: m.Source,
-			Lane: m.Lane, Offset: m.Offset, PublishedAt: m.PublishedAt, Deliveries: m.Deliveries,
-		})
-	}
-	p := Peeked{Messages: out, Total: total}
-	if err := giveBack(); err != nil {
-		return p, err
-	}
-	return p, nil
+	return Peeked{Messages: msgs, Total: total}, nil
 }
 
 // peekKafka is Peek on Kafka.
-func peekKafka(ctx context.Context, k kafkaBroker, topic string, o PeekOptions) (Peeked, error) {
+func peekKafka(ctx context.Context, k *kafka.Broker, topic string, o PeekOptions) (Peeked, error) {
 	group, why := o.Group, "past the committed offsets of group "+strconv.Quote(o.Group)
 	if group == "" && !o.FromStart {
 		has, err := hasCommits(ctx, k.Admin(), topic, DefaultGroup)
@@ -189,7 +134,7 @@ func peekKafka(ctx context.Context, k kafkaBroker, topic string, o PeekOptions) 
 	if err != nil {
 		return Peeked{}, fmt.Errorf("offsets: %w", err)
 	}
-	msgs, err := k.Peek(ctx, topic, group, o.Limit)
+	msgs, err := k.PeekGroup(ctx, topic, group, o.Limit)
 	if err != nil {
 		return Peeked{}, err
 	}

@@ -19,6 +19,7 @@ import (
 	"github.com/ferrymq/ferry/cmd/ferry/internal/cli"
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/kafka"
 )
 
 // HeaderRedrivenFrom is added to every redriven message: the dead-letter
@@ -267,7 +268,7 @@ func Redrive(ctx context.Context, b ferry.Broker, cfg RedriveConfig) (Result, er
 			return res, err
 		}
 	}
-	if kb, ok := b.(kafkaBroker); ok {
+	if kb, ok := b.(*kafka.Broker); ok {
 		left := kafkaLeft(ctx, kb.Admin(), cfg.Destination, cfg.Group)
 		bar := newProgress(cfg, left)
 		err := redriveKafka(ctx, kb, cfg, rt, &res, bar)

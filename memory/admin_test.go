@@ -1,0 +1,75 @@
+package memory_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/memory"
+)
+
+// CreateSource makes a FIFO queue that dead-letters to a queue it makes too
+// after MaxDeliveries receives; making it again is not an error, making it
+// otherwise is; DeleteSource removes the queue and its messages, and
+// deleting a queue that is gone is not an error.
+func TestAdminCreatesAndDeletesQueues(t *testing.T) {
+	b := newBroker(t, memory.WithAutoCreate(false))
+	var adm consumer.Admin = b
+	ctx := context.Background()
+	cfg := consumer.SourceConfig{FIFO: true, DeadLetter: "orders-dlq", MaxDeliveries: 1}
+	if err := adm.CreateSource(ctx, "orders", cfg); err != nil {
+		t.Fatal(err)
+	}
+	if err := adm.CreateSource(ctx, "orders", cfg); err != nil {
+		t.Fatalf("creating the queue again: %v", err)
+	}
+	if err := adm.CreateSource(ctx, "orders", consumer.SourceConfig{}); !errors.Is(err, memory.ErrQueueExists) {
+		t.Fatalf("creating it as a standard queue = %v, want ErrQueueExists", err)
+	}
+	publish(t, b, "orders", consumer.Message{ID: "m-1", Key: "k", Body: []byte("one")})
+	d := newDriver(t, b, "orders")
+	m := fetch(t, d, 10)[0]
+	if m.Lane != "k" {
+		t.Fatalf("Lane = %q, want the key: a FIFO queue's lane is its group", m.Lane)
+	}
+	settle(t, d, ret(m, 0))
+	// Past MaxDeliveries the next fetch moves the message to the
+	// dead-letter queue instead of delivering it again.
+	fetchNothing(t, d, 50*time.Millisecond)
+	if got := b.Messages("orders-dlq"); len(got) != 1 || got[0].ID != "m-1" {
+		t.Fatalf("the dead-letter queue holds %v, want m-1", got)
+	}
+
+	publish(t, b, "orders", consumer.Message{ID: "m-2", Key: "k", Body: []byte("two")})
+	if err := adm.DeleteSource(ctx, "orders"); err != nil {
+		t.Fatal(err)
+	}
+	if got := b.Messages("orders"); got != nil {
+		t.Fatalf("the deleted queue still holds %v", got)
+	}
+	err := b.Publish(ctx, "orders", consumer.Message{Key: "k", Body: []byte("three")})
+	if !errors.Is(err, memory.ErrQueueNotFound) {
+		t.Fatalf("Publish to the deleted queue = %v, want ErrQueueNotFound", err)
+	}
+	if err := adm.DeleteSource(ctx, "orders"); err != nil {
+		t.Fatalf("deleting a queue that is gone: %v", err)
+	}
+}
+
+// A delivery limit with nowhere to dead-letter to is refused.
+func TestAdminRefusesDeliveryLimitWithoutDeadLetter(t *testing.T) {
+	b := newBroker(t)
+	err := b.CreateSource(context.Background(), "orders", consumer.SourceConfig{MaxDeliveries: 2})
+	var ce *consumer.ConfigError
+	if !errors.As(err, &ce) {
+		t.Fatalf("CreateSource = %v, want a *consumer.ConfigError", err)
+	}
+	if b.Messages("orders") != nil {
+		t.Fatal("a refused CreateSource made the queue")
+	}
+}
+
+var _ driver.Opener = (*memory.Broker)(nil)

@@ -1,0 +1,124 @@
+package rabbit_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
+	"github.com/ferrymq/ferry/rabbit"
+)
+
+// CreateSource declares a quorum queue with a single active consumer, a
+// dead-letter target it declares too, a delivery limit and a message TTL;
+// declaring it again is not an error; a message rejected dead-letters to
+// the target; DeleteSource removes the queue, and deleting a queue that is
+// gone is not an error.
+func TestAdminCreatesAndDeletesQueues(t *testing.T) {
+	b := dial(t)
+	var adm consumer.Admin = b
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	name := testenv.UniqueName(t, "admin")
+	dlq := name + "-dlq"
+	deleteLater(t, []string{name, dlq}, nil)
+	cfg := consumer.SourceConfig{FIFO: true, DeadLetter: dlq, MaxDeliveries: 3, Retention: time.Hour}
+	if err := adm.CreateSource(ctx, name, cfg); err != nil {
+		t.Fatal(err)
+	}
+	if err := adm.CreateSource(ctx, name, cfg); err != nil {
+		t.Fatalf("declaring the queue again: %v", err)
+	}
+
+	// The arguments are the broker's: declaring the queue with exactly
+	// these succeeds, and without the TTL it is refused.
+	ch := rawChannel(t)
+	want := amqp.Table{
+		"x-queue-type": "quorum", "x-single-active-consumer": true,
+		"x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq,
+		"x-delivery-limit": int64(3), "x-message-ttl": int64(3600000),
+	}
+	if _, err := ch.QueueDeclare(name, true, false, false, false, want); err != nil {
+		t.Fatalf("the queue's arguments are not %v: %v", want, err)
+	}
+	delete(want, "x-message-ttl")
+	if _, err := ch.QueueDeclare(name, true, false, false, false, want); err == nil {
+		t.Fatal("the queue was declared without x-message-ttl")
+	}
+	ch = rawChannel(t)
+	if _, err := ch.QueueDeclarePassive(dlq, true, false, false, false, nil); err != nil {
+		t.Fatalf("the dead-letter queue was not declared: %v", err)
+	}
+
+	if err := b.Publish(ctx, rabbit.ToQueue(name), consumer.Message{ID: "m-1", Key: "k", Body: []byte("one")}); err != nil {
+		t.Fatal(err)
+	}
+	// basic.get is refused on a single-active-consumer queue: consume.
+	deliveries, err := ch.Consume(name, "", false, false, false, false, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var d amqp.Delivery
+	select {
+	case d = <-deliveries:
+	case <-ctx.Done():
+		t.Fatal("no delivery of the message published")
+	}
+	if string(d.Body) != "one" {
+		t.Fatalf("got %q, want the message published", d.Body)
+	}
+	if err := d.Reject(false); err != nil {
+		t.Fatal(err)
+	}
+	if d := getOne(t, ch, dlq); string(d.Body) != "one" {
+		t.Fatalf("the dead-letter queue got %q, want the message rejected", d.Body)
+	}
+
+	if err := adm.DeleteSource(ctx, name); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ch.QueueDeclarePassive(name, true, false, false, false, nil); err == nil {
+		t.Fatalf("queue %q is still there", name)
+	}
+	if err := adm.DeleteSource(ctx, name); err != nil {
+		t.Fatalf("deleting a queue that is gone: %v", err)
+	}
+}
+
+// A delivery limit without a dead-letter target would drop messages: it
+// is refused before anything is declared.
+func TestAdminRefusesDeliveryLimitWithoutDeadLetter(t *testing.T) {
+	b := dial(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	name := testenv.UniqueName(t, "admin-nodlq")
+	deleteLater(t, []string{name}, nil)
+	err := b.CreateSource(ctx, name, consumer.SourceConfig{MaxDeliveries: 3})
+	var ce *consumer.ConfigError
+	if !errors.As(err, &ce) {
+		t.Fatalf("CreateSource = %v, want a *consumer.ConfigError", err)
+	}
+	if _, err := rawChannel(t).QueueDeclarePassive(name, true, false, false, false, nil); err == nil {
+		t.Fatalf("a refused CreateSource declared %q", name)
+	}
+}
+
+// getOne takes one message of queue, unacked, waiting for it to be there.
+func getOne(t *testing.T, ch *amqp.Channel, queue string) amqp.Delivery {
+	t.Helper()
+	for start := time.Now(); time.Since(start) < 30*time.Second; time.Sleep(20 * time.Millisecond) {
+		d, ok, err := ch.Get(queue, false)
+		if err != nil {
+			t.Fatalf("get from %q: %v", queue, err)
+		}
+		if ok {
+			return d
+		}
+	}
+	t.Fatalf("no message in %q within 30s", queue)
+	return amqp.Delivery{}
+}
