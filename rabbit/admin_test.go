@@ -10,7 +10,6 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/internal/testenv"
-	"github.com/ferrymq/ferry/rabbit"
 )
 
 // CreateSource declares a quorum queue with a single active consumer, a
@@ -54,7 +53,7 @@ func TestAdminCreatesAndDeletesQueues(t *testing.T) {
 		t.Fatalf("the dead-letter queue was not declared: %v", err)
 	}
 
-	if err := b.Publish(ctx, rabbit.ToQueue(name), consumer.Message{ID: "m-1", Key: "k", Body: []byte("one")}); err != nil {
+	if err := b.Publish(ctx, name, consumer.Message{ID: "m-1", Key: "k", Body: []byte("one")}); err != nil {
 		t.Fatal(err)
 	}
 	// basic.get is refused on a single-active-consumer queue: consume.

@@ -8,7 +8,6 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/internal/testenv"
-	"github.com/ferrymq/ferry/rabbit"
 )
 
 // Peek returns the ready messages of a queue oldest first and hands them
@@ -27,7 +26,7 @@ func TestPeekerGivesTheMessagesBack(t *testing.T) {
 	for _, id := range []string{"a", "b", "c"} {
 		msgs = append(msgs, consumer.Message{ID: id, Key: id, Body: []byte(id)})
 	}
-	if err := b.Publish(ctx, rabbit.ToQueue(name), msgs...); err != nil {
+	if err := b.Publish(ctx, name, msgs...); err != nil {
 		t.Fatal(err)
 	}
 	for range 2 {
