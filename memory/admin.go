@@ -3,6 +3,7 @@ package memory
 import (
 	"context"
 	"fmt"
+	"time"
 
 	"github.com/ferrymq/ferry/consumer"
 )
@@ -62,5 +63,84 @@ func (b *Broker) DeleteSource(_ context.Context, name string) error {
 	b.mu.Lock()
 	delete(b.queues, name)
 	b.mu.Unlock()
+	return nil
+}
+
+// QueueConfig configures one queue. The zero value is a standard queue with a
+// 30s visibility timeout and no dead-letter queue.
+type QueueConfig struct {
+	// VisibilityTimeout is how long a fetched message stays hidden from other
+	// fetches before it is delivered again, unless it is settled or its lease
+	// is extended first. Default 30s (DefaultVisibilityTimeout).
+	VisibilityTimeout time.Duration
+
+	// FIFO makes the queue keep order per message group, like an SQS FIFO
+	// queue: the group is Message.Key (which must not be empty), messages of a
+	// group are delivered one at a time in publish order, and a message ID
+	// published again within DefaultDedupWindow is dropped. Default false: a
+	// standard queue, delivering in roughly publish order with no ordering
+	// guarantee after redeliveries.
+	FIFO bool
+
+	// MaxReceiveCount moves a message to DeadLetterQueue instead of
+	// delivering it for the (MaxReceiveCount+1)-th time, as SQS redrive
+	// does. Default 0: messages are delivered again for ever.
+	MaxReceiveCount int
+
+	// DeadLetterQueue names the queue that takes messages past
+	// MaxReceiveCount. Required when MaxReceiveCount > 0, and only then. It
+	// must already exist, must differ from the queue itself, and must be
+	// FIFO exactly when the queue is.
+	DeadLetterQueue string
+}
+
+// CreateQueue creates the queue name. Creating a queue that exists with the
+// same configuration does nothing; with a different one it fails with
+// ErrQueueExists. An invalid configuration fails with a *consumer.ConfigError
+// naming the field.
+func (b *Broker) CreateQueue(name string, cfg QueueConfig) error {
+	if name == "" {
+		return consumer.ConfigErrorf("queue", "name must not be empty")
+	}
+	if cfg.VisibilityTimeout < 0 {
+		return consumer.ConfigErrorf("QueueConfig.VisibilityTimeout", "must be >= 0, got %s", cfg.VisibilityTimeout)
+	}
+	if cfg.VisibilityTimeout == 0 {
+		cfg.VisibilityTimeout = DefaultVisibilityTimeout
+	}
+	if cfg.MaxReceiveCount < 0 {
+		return consumer.ConfigErrorf("QueueConfig.MaxReceiveCount", "must be >= 0, got %d", cfg.MaxReceiveCount)
+	}
+	if cfg.MaxReceiveCount > 0 && cfg.DeadLetterQueue == "" {
+		return consumer.ConfigErrorf("QueueConfig.DeadLetterQueue", "is required when MaxReceiveCount > 0")
+	}
+	if cfg.MaxReceiveCount == 0 && cfg.DeadLetterQueue != "" {
+		return consumer.ConfigErrorf("QueueConfig.MaxReceiveCount", "must be > 0 when DeadLetterQueue is set")
+	}
+	if cfg.DeadLetterQueue == name {
+		return consumer.ConfigErrorf("QueueConfig.DeadLetterQueue", "must not be the queue itself")
+	}
+	if b.isClosed() {
+		return fmt.Errorf("memory: create queue %q: %w", name, ErrClosed)
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var dlq *queue
+	if cfg.DeadLetterQueue != "" {
+		dlq = b.queues[cfg.DeadLetterQueue]
+		if dlq == nil {
+			return consumer.ConfigErrorf("QueueConfig.DeadLetterQueue", "names queue %q, which does not exist", cfg.DeadLetterQueue)
+		}
+		if dlq.cfg.FIFO != cfg.FIFO {
+			return consumer.ConfigErrorf("QueueConfig.DeadLetterQueue", "queue %q must be FIFO exactly when %q is", cfg.DeadLetterQueue, name)
+		}
+	}
+	if q := b.queues[name]; q != nil {
+		if q.cfg != cfg {
+			return fmt.Errorf("memory: create queue %q: %w", name, ErrQueueExists)
+		}
+		return nil
+	}
+	b.queues[name] = newQueue(b, name, cfg, dlq)
 	return nil
 }

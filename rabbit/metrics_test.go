@@ -4,11 +4,12 @@ import (
 	"context"
 	"testing"
 
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/internal/tracecheck"
 	"github.com/ferrymq/ferry/rabbit"
-	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 )
 
 // Publish reports each call as the messaging conventions name it: its

@@ -5,10 +5,11 @@ import (
 	"testing"
 	"time"
 
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/internal/tracecheck"
 	ferrysqs "github.com/ferrymq/ferry/sqs"
-	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 )
 
 // Publish reports each call as the messaging conventions name it: its

@@ -1,0 +1,305 @@
+package kafka
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kbin"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/ferrymq/ferry/consumer"
+)
+
+// Publish sends msgs to topic and returns nil once all in-sync replicas
+// have every record (acks=all, idempotent producer). Key is the record key
+// and picks the partition as the Java client does (murmur2), so Ferry and
+// Java producers agree; an empty Key is no key (records spread over
+// partitions). Headers become record headers; ID, when set, travels in the
+// header HeaderMessageID. Records of one key are produced in the order given,
+// within a call and across calls.
+//
+// Records the cluster refused are reported in a *consumer.PublishError,
+// each wrapping franz-go's error (kerr errors match with errors.Is). The
+// cluster refuses whole batches: a record it refuses (larger than the
+// topic's max.message.bytes, say) fails the records of its partition sent
+// in the same batch with it, which may be records of other calls made at
+// the same time (the producer lingers to batch them), and each call
+// reports its own. Each record is checked before it is sent (its size
+// counted as franz-go counts it), and the records of one key are sent
+// one after another: a record that fails, refused here (larger than the
+// producer's batch limit) or by the cluster, fails every later record of
+// its key in the call, without sending them.
+func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Message) error {
+	start := time.Now()
+	err := b.publish(ctx, topic, msgs)
+	if len(msgs) > 0 {
+		b.metrics.Record(ctx, topic, len(msgs), start, err)
+	}
+	return err
+}
+
+func (b *Broker) publish(ctx context.Context, topic string, msgs []consumer.Message) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if b.isClosed() {
+		return fmt.Errorf("kafka: publish to %q: %w", topic, ErrClosed)
+	}
+	if topic == "" {
+		return consumer.ConfigErrorf("topic", "must not be empty")
+	}
+	if len(msgs) == 0 {
+		return nil
+	}
+	if err := b.checkAccess(ctx); err != nil {
+		return fmt.Errorf("kafka: publish to %q: %w", topic, err)
+	}
+	maxBytes := b.maxRecordFor(topic)
+	var (
+		failed []consumer.FailedMessage
+		dead   map[string]bool // keys with a failed record: their later records are not sent
+	)
+	fail := func(i int, err error) {
+		failed = append(failed, consumer.FailedMessage{Index: i, Err: err})
+	}
+	kill := func(key string) {
+		if key == "" {
+			return
+		}
+		if dead == nil {
+			dead = make(map[string]bool)
+		}
+		dead[key] = true
+	}
+	// Each record is checked before it is sent, and the records of a
+	// key are sent one after another (the next once the cluster has the
+	// previous): a record of a key that fails, here or in the cluster,
+	// fails the key's later records of the call without sending them.
+	recs := make([]kgo.Record, len(msgs))
+	// The keys' and header values' bytes share one buffer, and the
+	// headers one slice: a few allocations a call rather than a few a
+	// record.
+	nbytes, nheaders := 0, 0
+	for i := range msgs {
+		m := &msgs[i]
+		nbytes += len(m.Key) + len(m.ID)
+		nheaders += len(m.Headers)
+		if m.ID != "" {
+			nheaders++
+		}
+		for _, v := range m.Headers {
+			nbytes += len(v)
+		}
+	}
+	buf := make([]byte, 0, nbytes)
+	bytesOf := func(s string) []byte {
+		n := len(buf)
+		buf = append(buf, s...)
+		return buf[n:len(buf):len(buf)]
+	}
+	headers := make([]kgo.RecordHeader, 0, nheaders)
+	var (
+		wave  = make([]int, 0, len(msgs)) // sent together: keyless records, and the first of each key
+		queue map[string][]int            // each key's later records, in order; nil when no key repeats
+		keys  map[string]struct{}         // the keys seen, until one repeats
+		twice bool                        // a key repeats
+	)
+	for i := range msgs {
+		m := &msgs[i]
+		r := &recs[i]
+		r.Topic = topic
+		if m.Key != "" {
+			r.Key = bytesOf(m.Key)
+		}
+		r.Value = m.Body
+		if len(m.Headers) > 0 || m.ID != "" {
+			h0 := len(headers)
+			if m.ID != "" {
+				headers = append(headers, kgo.RecordHeader{Key: HeaderMessageID, Value: bytesOf(m.ID)})
+			}
+			for k, v := range m.Headers {
+				if k == HeaderMessageID && m.ID != "" {
+					continue
+				}
+				headers = append(headers, kgo.RecordHeader{Key: k, Value: bytesOf(v)})
+			}
+			r.Headers = headers[h0:len(headers):len(headers)]
+		}
+		if m.Key != "" && !twice {
+			if keys == nil {
+				keys = make(map[string]struct{}, len(msgs))
+			}
+			_, twice = keys[m.Key]
+			keys[m.Key] = struct{}{}
+		}
+	}
+	// Most calls repeat no key: then every record goes in one wave.
+	for i := range msgs {
+		key := msgs[i].Key
+		switch {
+		case !twice || key == "":
+			wave = append(wave, i)
+		case queue[key] != nil:
+			queue[key] = append(queue[key], i)
+		default:
+			if queue == nil {
+				queue = make(map[string][]int, len(keys))
+			}
+			queue[key] = []int{}
+			wave = append(wave, i)
+		}
+	}
+	var (
+		sendable []int
+		batch    []*kgo.Record
+		index    map[*kgo.Record]int // a record's place in recs, made on the first failure
+	)
+	for len(wave) > 0 {
+		sendable = sendable[:0]
+		for _, i := range wave {
+			r, key := &recs[i], msgs[i].Key
+			switch {
+			case dead[key]:
+				fail(i, fmt.Errorf("kafka: not sent: an earlier record of key %q in this call failed", key))
+			case maxBytes > 0 && recordSize(r) > int(maxBytes):
+				fail(i, fmt.Errorf("kafka: record of about %d bytes exceeds the producer's batch limit of %d bytes: %w", recordSize(r), maxBytes, kerr.MessageTooLarge))
+				kill(key)
+			default:
+				sendable = append(sendable, i)
+			}
+		}
+		// ProduceSync rather than Produce and a wait: it ends the linger
+		// of the partitions it wrote to once every record is buffered, so
+		// a caller waiting for its acks does not also wait out the linger
+		// that batches concurrent callers' records.
+		batch = batch[:0]
+		for _, i := range sendable {
+			batch = append(batch, &recs[i])
+		}
+		for _, res := range b.prod.ProduceSync(ctx, batch...) {
+			if res.Err == nil {
+				continue
+			}
+			if index == nil {
+				index = make(map[*kgo.Record]int, len(recs))
+				for i := range recs {
+					index[&recs[i]] = i
+				}
+			}
+			i := index[res.Record]
+			fail(i, b.publishErr(topic, res.Err))
+			kill(msgs[i].Key)
+		}
+		wave = wave[:0]
+		for key, rest := range queue {
+			if len(rest) == 0 {
+				delete(queue, key)
+				continue
+			}
+			wave = append(wave, rest[0])
+			queue[key] = rest[1:]
+		}
+		slices.Sort(wave)
+	}
+	if len(failed) == 0 {
+		return nil
+	}
+	sortFailed(failed)
+	if len(failed) == len(msgs) {
+		if err := ctx.Err(); err != nil {
+			return b.deadlineErr(topic, err)
+		}
+	}
+	return &consumer.PublishError{Failed: failed}
+}
+
+// checkAccess makes sure the producer gets through before records wait
+// on a connection that never comes: franz-go retries a refused SASL
+// handshake until the records' delivery timeout, and a TLS/plaintext
+// mismatch for as long as it is asked to, so a wrong password or a wrong
+// port would otherwise look like a hang. A cluster that does not answer
+// is no such refusal: Publish waits for it, up to its context. Once the
+// producer got through, it is not asked again.
+func (b *Broker) checkAccess(ctx context.Context) error {
+	if b.authOK.Load() {
+		return nil
+	}
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	err := b.prod.Ping(pctx)
+	switch {
+	case err == nil:
+		b.authOK.Store(true)
+		return nil
+	case refusedBy(&b.plink, err):
+		addr, _ := b.plink.last()
+		return refused(b.addrOr(addr), err)
+	}
+	return nil // not answering for now: the producer keeps trying, as it should
+}
+
+// deadlineErr is the error of a Publish to topic whose every record failed
+// as its context ended with ctxErr: that error, and what the producer
+// last saw of the cluster when it had not got through since.
+func (b *Broker) deadlineErr(topic string, ctxErr error) error {
+	addr, seen := b.plink.last()
+	if seen == nil {
+		return fmt.Errorf("kafka: publish to %q: %w", topic, ctxErr)
+	}
+	why := unreachable(addr, seen)
+	if refusedBy(&b.plink, seen) {
+		why = refused(addr, seen)
+	}
+	return fmt.Errorf("kafka: publish to %q: %w; the client last saw: %w", topic, ctxErr, why)
+}
+
+func (b *Broker) publishErr(topic string, err error) error {
+	if isRefusal(err) {
+		addr, _ := b.plink.last()
+		return fmt.Errorf("kafka: publish to %q: %w", topic, refused(b.addrOr(addr), err))
+	}
+	return fmt.Errorf("kafka: publish to %q: %w", topic, err)
+}
+
+func sortFailed(f []consumer.FailedMessage) {
+	for i := 1; i < len(f); i++ {
+		for j := i; j > 0 && f[j].Index < f[j-1].Index; j-- {
+			f[j], f[j-1] = f[j-1], f[j]
+		}
+	}
+}
+
+// recordSize is the size of a batch holding r alone, as franz-go counts it
+// before it refuses a record as too large (a v2 batch header, and the
+// record's varint-framed encoding), plus a small margin.
+func recordSize(r *kgo.Record) int {
+	const (
+		batchHeader = 61 // franz-go's recordBatchOverhead
+		margin      = 16
+	)
+	l := 1 + 1 + 1 + // attributes, timestamp delta, offset delta (first of its batch)
+		kbin.VarintLen(int32(len(r.Key))) + len(r.Key) +
+		kbin.VarintLen(int32(len(r.Value))) + len(r.Value) +
+		kbin.VarintLen(int32(len(r.Headers)))
+	for _, h := range r.Headers {
+		l += kbin.VarintLen(int32(len(h.Key))) + len(h.Key) + kbin.VarintLen(int32(len(h.Value))) + len(h.Value)
+	}
+	return batchHeader + kbin.VarintLen(int32(l)) + l + margin
+}
+
+// maxRecordFor is the largest batch the producer sends to topic: its batch
+// limit, or less when its request limit leaves less room.
+func (b *Broker) maxRecordFor(topic string) int32 {
+	m := b.maxRecord
+	if b.maxWrite > 0 {
+		// A produce request's own header, the topic and the partition
+		// come out of the request limit; 512 bytes is more than those.
+		if w := b.maxWrite - 512 - int32(len(topic)); m <= 0 || w < m {
+			m = w
+		}
+	}
+	return m
+}

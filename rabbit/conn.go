@@ -1,0 +1,302 @@
+package rabbit
+
+import (
+	"context"
+	"crypto/tls"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	amqp "github.com/rabbitmq/amqp091-go"
+
+	"github.com/ferrymq/ferry/consumer"
+)
+
+// connMgr owns one connection of the Broker and opens a new one when it is
+// lost, declaring the topology on it.
+type connMgr struct {
+	b    *Broker
+	role string
+
+	mu       sync.Mutex
+	conn     *amqp.Connection
+	gen      uint64
+	dead     chan struct{} // closed when conn is lost
+	blocked  atomic.Pointer[blockState]
+	unblockC chan struct{} // closed when the connection is unblocked; replaced on block
+	watchers sync.WaitGroup
+
+	dialing  *dialCall // the dial under way, nil when none
+	failures int       // dials failed in a row
+	lastErr  error     // of the last failed dial
+	nextDial time.Time // no dial before this after a failure (backoff)
+}
+
+// dialCall is one dial, which every caller needing the connection waits
+// for with its own context.
+type dialCall struct {
+	done chan struct{}
+	conn *amqp.Connection
+	err  error
+}
+
+type blockState struct{ reason string }
+
+func newConnMgr(b *Broker, role string) *connMgr {
+	return &connMgr{b: b, role: role}
+}
+
+// get returns the live connection, dialing (and declaring the topology) when
+// there is none. The dial runs on its own goroutine, bounded by the dial
+// timeout and by Close, and no lock is held meanwhile: every caller waits
+// for it (one dial for all) only as long as its own ctx allows. After a
+// failed dial the next one waits a backoff shared by all callers.
+func (m *connMgr) get(ctx context.Context) (*amqp.Connection, error) {
+	m.mu.Lock()
+	if m.b.isClosed() {
+		m.mu.Unlock()
+		return nil, ErrClosed
+	}
+	if m.conn != nil && !m.conn.IsClosed() {
+		conn := m.conn
+		m.mu.Unlock()
+		return conn, nil
+	}
+	if err := ctx.Err(); err != nil {
+		m.mu.Unlock()
+		return nil, err
+	}
+	dc := m.dialing
+	if dc == nil {
+		dc = &dialCall{done: make(chan struct{})}
+		m.dialing = dc
+		wait := time.Until(m.nextDial)
+		m.watchers.Go(func() { m.dial(dc, wait) })
+	}
+	m.mu.Unlock()
+	select {
+	case <-dc.done:
+		return dc.conn, dc.err
+	case <-ctx.Done():
+		m.mu.Lock()
+		last := m.lastErr
+		m.mu.Unlock()
+		if last != nil {
+			// last says what kind of failure it was.
+			return nil, fmt.Errorf("rabbit: connect to %s: %w (the last attempt: %w)", m.b.redacted, ctx.Err(), last)
+		}
+		return nil, fmt.Errorf("rabbit: connect to %s: %w: %w", m.b.redacted, consumer.ErrUnreachable, ctx.Err())
+	case <-m.b.closed:
+		return nil, ErrClosed
+	}
+}
+
+// dial waits out the backoff, dials and records the outcome in dc.
+func (m *connMgr) dial(dc *dialCall, wait time.Duration) {
+	var conn *amqp.Connection
+	err := ErrClosed
+	if wait <= 0 || m.b.sleep(m.b.life, wait, nil) {
+		conn, err = m.connect()
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.dialing = nil
+	if err != nil {
+		m.failures++
+		m.lastErr = err
+		m.nextDial = time.Now().Add(m.b.backoff(m.failures - 1))
+		dc.err = err
+		close(dc.done)
+		return
+	}
+	if m.b.isClosed() {
+		_ = conn.CloseDeadline(time.Now().Add(closeWait))
+		dc.err = ErrClosed
+		close(dc.done)
+		return
+	}
+	m.failures, m.lastErr, m.nextDial = 0, nil, time.Time{}
+	m.b.connected.Store(true)
+	m.gen++
+	m.conn = conn
+	m.dead = make(chan struct{})
+	m.unblockC = make(chan struct{})
+	m.blocked.Store(nil)
+	closes := conn.NotifyClose(make(chan *amqp.Error, 1))
+	blocks := conn.NotifyBlocked(make(chan amqp.Blocking, 4))
+	dead := m.dead
+	gen := m.gen
+	m.watchers.Go(func() { m.watch(conn, gen, dead, closes, blocks) })
+	if gen > 1 {
+		m.b.log.Info("rabbit: reconnected", "connection", m.role, "generation", gen)
+	}
+	dc.conn = conn
+	close(dc.done)
+}
+
+// connect opens a connection and declares the topology on it, within the
+// dial timeout and until Close: the TCP connect with the context, the TLS
+// and AMQP handshakes and the declarations under a deadline that Close
+// brings forward.
+func (m *connMgr) connect() (*amqp.Connection, error) {
+	ctx, cancel := context.WithTimeout(m.b.life, m.b.cfg.dialTimeout)
+	defer cancel()
+	var mu sync.Mutex
+	var netConn net.Conn
+	stop := context.AfterFunc(ctx, func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if netConn != nil {
+			_ = netConn.SetDeadline(time.Now()) // ends the handshake or a declaration
+		}
+	})
+	cfg := amqp.Config{
+		Heartbeat:  m.b.cfg.heartbeat,
+		Locale:     "en_US",
+		Properties: amqp.Table{"connection_name": m.b.cfg.name + " " + m.role},
+		Dial: func(network, addr string) (net.Conn, error) {
+			var d net.Dialer
+			c, err := d.DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			// amqp091 clears the deadline once the AMQP handshake is done.
+			deadline, _ := ctx.Deadline()
+			if err := c.SetDeadline(deadline); err != nil {
+				c.Close()
+				return nil, err
+			}
+			mu.Lock()
+			netConn = c
+			mu.Unlock()
+			if ctx.Err() != nil {
+				c.Close()
+				return nil, ctx.Err()
+			}
+			return c, nil
+		},
+	}
+	if m.b.uri.Scheme == "amqps" {
+		t := m.b.cfg.tls
+		if t == nil {
+			t = &tls.Config{}
+		}
+		t = t.Clone()
+		if t.ServerName == "" {
+			t.ServerName = m.b.uri.Host
+		}
+		cfg.TLSClientConfig = t
+	}
+	conn, err := amqp.DialConfig(m.b.uri.String(), cfg)
+	if err != nil {
+		if ctx.Err() != nil && m.b.isClosed() {
+			return nil, ErrClosed
+		}
+		kind := classify(err, stageHandshake, m.b.connected.Load())
+		return nil, fmt.Errorf("rabbit: connect to %s: %w: %w", m.b.redacted, kind, scrub(err, m.b.uri.String()))
+	}
+	err = m.b.cfg.topology.declare(conn)
+	if !stop() {
+		// The deadline was brought forward: the connection is unusable.
+		err = errors.Join(err, ctx.Err())
+	}
+	if err != nil {
+		_ = conn.CloseDeadline(time.Now().Add(closeWait))
+		if m.b.isClosed() {
+			return nil, ErrClosed
+		}
+		return nil, fmt.Errorf("rabbit: declare topology on %s: %w", m.b.redacted, withKind(err, stageDeclare, true))
+	}
+	return conn, nil
+}
+
+// watch drains the connection's notifications until both channels close,
+// so the library's reader never waits on us.
+func (m *connMgr) watch(conn *amqp.Connection, gen uint64, dead chan struct{}, closes chan *amqp.Error, blocks chan amqp.Blocking) {
+	for closes != nil || blocks != nil {
+		select {
+		case e, ok := <-closes:
+			if !ok {
+				closes = nil
+				m.markDead(dead)
+				continue
+			}
+			if e != nil && !m.b.isClosed() {
+				m.b.log.Warn("rabbit: connection lost", "connection", m.role, "generation", gen, "err", e)
+			}
+		case bl, ok := <-blocks:
+			if !ok {
+				blocks = nil
+				continue
+			}
+			m.setBlocked(bl)
+		}
+	}
+}
+
+func (m *connMgr) markDead(dead chan struct{}) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	select {
+	case <-dead:
+	default:
+		close(dead)
+	}
+	if m.blocked.Load() != nil {
+		m.blocked.Store(nil)
+		close(m.unblockC)
+		m.unblockC = make(chan struct{})
+	}
+}
+
+func (m *connMgr) setBlocked(bl amqp.Blocking) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if bl.Active {
+		if m.blocked.Load() == nil {
+			m.b.log.Warn("rabbit: broker blocked the connection", "connection", m.role, "reason", bl.Reason)
+		}
+		m.blocked.Store(&blockState{reason: bl.Reason})
+		return
+	}
+	if m.blocked.Load() != nil {
+		m.b.log.Info("rabbit: broker unblocked the connection", "connection", m.role)
+		m.blocked.Store(nil)
+		close(m.unblockC)
+		m.unblockC = make(chan struct{})
+	}
+}
+
+// blockedWait returns the reason the connection is blocked and a channel
+// closed when it is unblocked, or "" and nil when it is not blocked.
+func (m *connMgr) blockedWait() (string, <-chan struct{}) {
+	st := m.blocked.Load()
+	if st == nil {
+		return "", nil
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	st = m.blocked.Load()
+	if st == nil {
+		return "", nil
+	}
+	return st.reason, m.unblockC
+}
+
+// closeWait is how long a close waits for the broker's answer.
+const closeWait = 400 * time.Millisecond
+
+// close closes the connection, cutting it after closeWait when the broker
+// does not answer (a blocked connection), and waits for the watcher.
+func (m *connMgr) close() {
+	m.mu.Lock()
+	conn := m.conn
+	m.mu.Unlock()
+	if conn != nil && !conn.IsClosed() {
+		_ = conn.CloseDeadline(time.Now().Add(closeWait))
+	}
+	m.watchers.Wait()
+}
