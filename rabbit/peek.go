@@ -2,6 +2,7 @@ package rabbit
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -39,6 +40,12 @@ func (b *Broker) Peek(ctx context.Context, queue string, max int) ([]consumer.Me
 		return nil, consumer.ConfigErrorf("max", "must be >= 1, got %d", max)
 	}
 	depth, err := b.depth(ctx, queue)
+	if errors.Is(err, driverpeek.ErrNotHandedBack) {
+		// The read stands: what was not handed back comes back after its
+		// lease. Said, not failed.
+		b.log.Warn("rabbit: peek: the messages read were not all handed back; they come back after their lease", "queue", queue, "err", err)
+		err = nil
+	}
 	if err != nil {
 		return nil, fmt.Errorf("rabbit: peek %q: %w", queue, err)
 	}

@@ -2,6 +2,7 @@ package sqs
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"time"
@@ -64,6 +65,12 @@ func (b *Broker) Peek(ctx context.Context, queue string, max int) ([]consumer.Me
 	msgs, err := driverpeek.Peek(ctx, d, min(depth, max), peekIdle)
 	if cerr := d.Close(); err == nil && cerr != nil {
 		err = cerr
+	}
+	if errors.Is(err, driverpeek.ErrNotHandedBack) {
+		// The read stands: what was not handed back comes back after its
+		// lease. Said, not failed.
+		b.cfg.logger.Warn("sqs: peek: the messages read were not all handed back; they come back after their lease", "queue", q.name, "err", err)
+		err = nil
 	}
 	if err != nil {
 		return nil, fmt.Errorf("sqs: peek %q: %w", q.name, err)

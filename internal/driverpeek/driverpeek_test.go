@@ -2,6 +2,8 @@ package driverpeek_test
 
 import (
 	"context"
+	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -41,5 +43,76 @@ func TestPeekStopsWhenNothingNewComesAndHandsBack(t *testing.T) {
 	}
 	if st := b.Stats("q"); st.Visible != 3 || st.InFlight != 0 {
 		t.Fatalf("after Peek the queue has %+v, want the 3 visible and none in flight", st)
+	}
+}
+
+// A message whose lease runs out during the read is delivered again; Peek
+// shows it once and hands back only its latest delivery (the first one's
+// handle is stale: settling it fails), so the read succeeds and the queue
+// holds every message visible again.
+func TestPeekHandsBackOnlyTheLatestDeliveryOfAMessage(t *testing.T) {
+	b, err := memory.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	if err := b.CreateQueue("q", memory.QueueConfig{VisibilityTimeout: 50 * time.Millisecond}); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := b.Publish(ctx, "q", consumer.Message{ID: "a", Body: []byte("a")}); err != nil {
+		t.Fatal(err)
+	}
+	d, err := b.Driver(ctx, "q", driver.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	// An idle wait longer than the lease: "a" comes again within it.
+	got, err := driverpeek.Peek(ctx, d, 10, 300*time.Millisecond)
+	if err != nil {
+		t.Fatalf("Peek = %v, want the read to succeed", err)
+	}
+	if len(got) != 1 || got[0].ID != "a" {
+		t.Fatalf("Peek = %+v, want a once", got)
+	}
+	if st := b.Stats("q"); st.Visible != 1 || st.InFlight != 0 {
+		t.Fatalf("after Peek the queue has %+v, want a visible and none in flight", st)
+	}
+}
+
+// refusingSettle is a driver whose hand-back fails.
+type refusingSettle struct{ driver.Driver }
+
+func (refusingSettle) Settle(context.Context, []driver.Settlement) error {
+	return errors.New("settle refused")
+}
+
+// A read whose hand-back fails still stands: Peek returns the messages,
+// with an error wrapping ErrNotHandedBack (they come back after their
+// lease), for the caller to say so rather than fail the read.
+func TestPeekReturnsWhatItReadWhenTheHandBackFails(t *testing.T) {
+	b, err := memory.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := b.Publish(ctx, "q", consumer.Message{ID: "a", Body: []byte("a")}); err != nil {
+		t.Fatal(err)
+	}
+	d, err := b.Driver(ctx, "q", driver.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	got, err := driverpeek.Peek(ctx, refusingSettle{d}, 10, 50*time.Millisecond)
+	if !errors.Is(err, driverpeek.ErrNotHandedBack) || !strings.Contains(err.Error(), "settle refused") {
+		t.Fatalf("Peek error = %v, want one wrapping ErrNotHandedBack and the cause", err)
+	}
+	if len(got) != 1 || got[0].ID != "a" {
+		t.Fatalf("Peek = %+v, want a with the error", got)
 	}
 }

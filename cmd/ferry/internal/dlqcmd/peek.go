@@ -2,7 +2,9 @@ package dlqcmd
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"log/slog"
 	"strconv"
 	"strings"
 	"time"
@@ -108,6 +110,12 @@ func Peek(ctx context.Context, b ferry.Broker, destination string, o PeekOptions
 		total = Count{N: l.Messages + max(l.InFlight, 0), Approx: kind == "sqs"}
 	}
 	msgs, err := driverpeek.Peek(ctx, d, limit, wait)
+	if errors.Is(err, driverpeek.ErrNotHandedBack) {
+		// What was read stands; what was not handed back comes back after
+		// its lease. A WARN line on stderr says so.
+		slog.Warn("ferry dlq peek: the messages read were not all handed back; they come back after their lease", "destination", destination, "err", err)
+		err = nil
+	}
 	if err != nil {
 		return Peeked{}, err
 	}
