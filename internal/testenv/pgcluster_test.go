@@ -1,7 +1,6 @@
 package testenv
 
 import (
-	"context"
 	"errors"
 	"os"
 	"strconv"
@@ -13,15 +12,9 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-func pgCtx(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	t.Cleanup(cancel)
-	return ctx
-}
-
 func TestPostgresClusterKeepsDataOverStopStartAndRestart(t *testing.T) {
 	c := StartPostgresCluster(t)
-	ctx := pgCtx(t)
+	ctx := Context(t, 3*time.Minute)
 	if !strings.HasPrefix(c.URL(), "postgres://postgres@127.0.0.1:") || strings.HasSuffix(c.Addr(), ":5432") {
 		t.Fatalf("URL %s, Addr %s: want a port of its own on 127.0.0.1", c.URL(), c.Addr())
 	}
