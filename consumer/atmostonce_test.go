@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 // In at-most-once mode a breaker's hold still pauses fetching, so an open
@@ -201,7 +202,7 @@ func TestAtMostOnceAckNotSentWhenTheGraceEndsIsNotMade(t *testing.T) {
 	}()
 	<-drv.began // 1's ack is with the driver
 	drv.push(driver.Message{ID: "2", Deliveries: 1, Handle: "2"})
-	eventually(t, "2 to be fetched", func() bool { return l.Stats().Fetched == 2 })
+	testenv.WaitFor(t, 20*time.Second, "2 to be fetched", func() bool { return l.Stats().Fetched == 2 })
 	time.Sleep(100 * time.Millisecond) // its worker asks for its ack, which queues behind 1's
 	cancel()
 	time.Sleep(200 * time.Millisecond) // the grace is over
@@ -230,7 +231,7 @@ func TestAtMostOnceFailedAckIsNeitherAckedNorAFailureInStats(t *testing.T) {
 	}
 	var ran atomic.Int32
 	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { ran.Add(1); return nil }))
-	eventually(t, "the message to leave", func() bool { return l.Stats().Fetched == 1 && l.Stats().InFlight == 0 })
+	testenv.WaitFor(t, 20*time.Second, "the message to leave", func() bool { return l.Stats().Fetched == 1 && l.Stats().InFlight == 0 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -313,13 +314,13 @@ func TestAtMostOnceAckQueuedBehindASlowSettleKeepsItsLease(t *testing.T) {
 			close(drv.holdOnce)
 		}
 	}()
-	eventually(t, "1's ack to be with the driver", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "1's ack to be with the driver", func() bool {
 		drv.mu.Lock()
 		defer drv.mu.Unlock()
 		return drv.settleNum == 1
 	})
 	drv.push(driver.Message{ID: "2", Deliveries: 1, Handle: "2"})
-	eventually(t, "2 to be fetched", func() bool { return l.Stats().Fetched == 2 })
+	testenv.WaitFor(t, 20*time.Second, "2 to be fetched", func() bool { return l.Stats().Fetched == 2 })
 	// 2's worker asks for its ack at once; the ack queues behind 1's. Wait
 	// two leases: 2's lease must have been extended meanwhile.
 	time.Sleep(2 * time.Second)
@@ -415,7 +416,7 @@ func TestAnAckBeforeTheRunSaysSo(t *testing.T) {
 		ran := make(chan struct{}, 1)
 		stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { ran <- struct{}{}; return nil }))
 		<-ran
-		eventually(t, "the ack", func() bool { drv.mu.Lock(); defer drv.mu.Unlock(); return len(drv.got) == 1 })
+		testenv.WaitFor(t, 20*time.Second, "the ack", func() bool { drv.mu.Lock(); defer drv.mu.Unlock(); return len(drv.got) == 1 })
 		if err := stop(); err != nil {
 			t.Fatal(err)
 		}
@@ -465,7 +466,7 @@ func TestAtMostOnceMessageHeldAfterItsAckIsCountedAndLoggedAsDropped(t *testing.
 		runs.Add(1)
 		return errors.New("dependency down")
 	}), rt.Wrap, b.Wrap))
-	waitFor(t, "the message to be dropped", func() bool { return l.Stats().Dropped == 1 })
+	testenv.WaitFor(t, 20*time.Second, "the message to be dropped", func() bool { return l.Stats().Dropped == 1 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -491,7 +492,7 @@ func TestAtMostOnceDroppedMessagesAreLoggedRateLimited(t *testing.T) {
 		t.Fatal(err)
 	}
 	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return errors.New("sink down") }))
-	waitFor(t, "every message to be dropped", func() bool { return l.Stats().Dropped == 500 })
+	testenv.WaitFor(t, 20*time.Second, "every message to be dropped", func() bool { return l.Stats().Dropped == 500 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}

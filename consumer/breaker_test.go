@@ -9,6 +9,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 func mustBreaker(t *testing.T, opts ...BreakerOption) *Breaker {
@@ -18,24 +20,6 @@ func mustBreaker(t *testing.T, opts ...BreakerOption) *Breaker {
 		t.Fatal(err)
 	}
 	return b
-}
-
-// waitFor polls cond for up to 20s.
-// waitFor waits up to 20 s for cond; on a timeout, the failure says what
-// each of state says then.
-func waitFor(t *testing.T, what string, cond func() bool, state ...func() string) {
-	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			var seen []string
-			for _, s := range state {
-				seen = append(seen, s())
-			}
-			t.Fatalf("timed out waiting for %s %v", what, seen)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
 }
 
 func TestBreakerOpensAfterFailuresAndHoldsWithoutCallingTheHandler(t *testing.T) {
@@ -119,14 +103,14 @@ func TestBreakerTrialClosesItOrOpensItAgain(t *testing.T) {
 		return nil
 	}))
 	_ = h.Handle(context.Background(), &Message{})
-	waitFor(t, "half-open", func() bool { return b.State() == BreakerHalfOpen })
+	testenv.WaitFor(t, 20*time.Second, "half-open", func() bool { return b.State() == BreakerHalfOpen })
 	if err := h.Handle(context.Background(), &Message{}); err != errDown {
 		t.Fatalf("failed trial = %v", err)
 	}
 	if b.State() != BreakerOpen || b.Opened() != 2 {
 		t.Fatalf("state = %s, opened %d after a failed trial; want open, 2", b.State(), b.Opened())
 	}
-	waitFor(t, "half-open again", func() bool { return b.State() == BreakerHalfOpen })
+	testenv.WaitFor(t, 20*time.Second, "half-open again", func() bool { return b.State() == BreakerHalfOpen })
 	fail = false
 	if err := h.Handle(context.Background(), &Message{}); err != nil {
 		t.Fatalf("good trial = %v", err)
@@ -139,7 +123,7 @@ func TestBreakerTrialClosesItOrOpensItAgain(t *testing.T) {
 func TestBreakerHalfOpenLetsOnlyTheTrialsThrough(t *testing.T) {
 	b := mustBreaker(t, BreakerFailures(1), BreakerOpenFor(20*time.Millisecond), BreakerTrials(1))
 	_ = b.Wrap(HandlerFunc(func(context.Context, *Message) error { return errDown })).Handle(context.Background(), &Message{})
-	waitFor(t, "half-open", func() bool { return b.State() == BreakerHalfOpen })
+	testenv.WaitFor(t, 20*time.Second, "half-open", func() bool { return b.State() == BreakerHalfOpen })
 
 	inTrial, release := make(chan struct{}), make(chan struct{})
 	trial := b.Wrap(HandlerFunc(func(context.Context, *Message) error { close(inTrial); <-release; return nil }))
@@ -215,7 +199,7 @@ func TestBreakerHalfOpenTrialIsNotSpentOnAMessageThatFailed(t *testing.T) {
 		return nil
 	}))
 	_ = h.Handle(context.Background(), &Message{ID: "poison", Attempt: 1})
-	waitFor(t, "half-open", func() bool { return b.State() == BreakerHalfOpen })
+	testenv.WaitFor(t, 20*time.Second, "half-open", func() bool { return b.State() == BreakerHalfOpen })
 	err := h.Handle(context.Background(), &Message{ID: "poison", Attempt: 2})
 	var held *HeldError
 	if !errors.As(err, &held) || calls["poison"] != 1 {
@@ -236,7 +220,7 @@ func TestBreakerHalfOpenTrialFallsBackToARerun(t *testing.T) {
 	b := mustBreaker(t, BreakerFailures(1), BreakerOpenFor(40*time.Millisecond))
 	fail := b.Wrap(HandlerFunc(func(context.Context, *Message) error { return errDown }))
 	_ = fail.Handle(context.Background(), &Message{ID: "victim", Attempt: 1})
-	waitFor(t, "half-open", func() bool { return b.State() == BreakerHalfOpen })
+	testenv.WaitFor(t, 20*time.Second, "half-open", func() bool { return b.State() == BreakerHalfOpen })
 	victim := &Message{ID: "victim", Attempt: 2}
 	err := fail.Handle(context.Background(), victim)
 	var held *HeldError
@@ -345,7 +329,7 @@ func TestBreakerOpensOnAStuckLaneOfALog(t *testing.T) {
 		t.Fatal(err)
 	}
 	stop := runLoop(t, l, b.Wrap(HandlerFunc(func(context.Context, *Message) error { return errDown })))
-	waitFor(t, "the breaker to open", func() bool { return b.State() == BreakerOpen })
+	testenv.WaitFor(t, 20*time.Second, "the breaker to open", func() bool { return b.State() == BreakerOpen })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -378,7 +362,7 @@ func TestBreakerStaysClosedForAPoisonOnOneLaneOfALog(t *testing.T) {
 		time.Sleep(100 * time.Microsecond)
 		return nil
 	})))
-	waitFor(t, "the flowing lane to be done", func() bool { return l.Stats().Acked == 2000 },
+	testenv.WaitFor(t, 20*time.Second, "the flowing lane to be done", func() bool { return l.Stats().Acked == 2000 },
 		func() string {
 			return fmt.Sprintf("stats %+v, breaker %s opened %d times", l.Stats(), b.State(), b.Opened())
 		})

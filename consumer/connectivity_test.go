@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 // connectLog is a scriptLog whose Connect fails while down is set, with
@@ -50,7 +51,7 @@ func probe(l *Loop) (live, ready int) {
 func waitHealth(t *testing.T, l *Loop, want HealthState) Health {
 	t.Helper()
 	var h Health
-	waitFor(t, fmt.Sprintf("health %q", want), func() bool { h = l.Health(); return h.State == want })
+	testenv.WaitFor(t, 20*time.Second, fmt.Sprintf("health %q", want), func() bool { h = l.Health(); return h.State == want })
 	return h
 }
 
@@ -79,7 +80,7 @@ func TestUnreachableBrokerAtStartIsReportedAndRetried(t *testing.T) {
 	if live, ready := probe(l); live != http.StatusOK || ready != http.StatusServiceUnavailable {
 		t.Fatalf("disconnected: liveness %d, readiness %d; want 200, 503", live, ready)
 	}
-	waitFor(t, "a few retries", func() bool { return drv.connects.Load() >= 5 })
+	testenv.WaitFor(t, 20*time.Second, "a few retries", func() bool { return drv.connects.Load() >= 5 })
 	out := logs.String()
 	if n := strings.Count(out, "cannot consume: the broker is unreachable"); n < 1 || n > 5 {
 		t.Fatalf("%d WARN lines for %d failed connects, want 1 to 5 (rate-limited):\n%s", n, drv.connects.Load(), out)
@@ -92,7 +93,7 @@ func TestUnreachableBrokerAtStartIsReportedAndRetried(t *testing.T) {
 	}
 	drv.down.Store(false)
 	drv.add("", 3)
-	waitFor(t, "the messages to be acked", func() bool { return l.Stats().Acked == 3 })
+	testenv.WaitFor(t, 20*time.Second, "the messages to be acked", func() bool { return l.Stats().Acked == 3 })
 	if h := l.Health(); h.State == HealthDisconnected || h.State == HealthStarting || h.Error != "" {
 		t.Fatalf("after the broker came: %+v", h)
 	}
@@ -114,7 +115,7 @@ func TestFetchFailureMidRunIsDisconnectedUntilAFetchAnswers(t *testing.T) {
 	}
 	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return nil }))
 	drv.add("", 1)
-	waitFor(t, "the first ack", func() bool { return l.Stats().Acked == 1 })
+	testenv.WaitFor(t, 20*time.Second, "the first ack", func() bool { return l.Stats().Acked == 1 })
 	drv.mu.Lock()
 	for range 50 {
 		drv.fetchErrs = append(drv.fetchErrs, fmt.Errorf("read: connection reset: %w", ErrUnreachable))
@@ -126,7 +127,7 @@ func TestFetchFailureMidRunIsDisconnectedUntilAFetchAnswers(t *testing.T) {
 		t.Fatalf("reason %q does not name the cause", h.Reason)
 	}
 	drv.add("", 1)
-	waitFor(t, "the second ack", func() bool { return l.Stats().Acked == 2 })
+	testenv.WaitFor(t, 20*time.Second, "the second ack", func() bool { return l.Stats().Acked == 2 })
 	if h := l.Health(); h.State == HealthDisconnected {
 		t.Fatalf("still disconnected after a fetch answered: %+v", h)
 	}
@@ -168,7 +169,7 @@ func TestSilentStartIsReportedAfterTheReportDelay(t *testing.T) {
 		t.Fatal(err)
 	}
 	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return nil }))
-	waitFor(t, "the WARN line", func() bool { return strings.Contains(logs.String(), "has not answered since the start") })
+	testenv.WaitFor(t, 20*time.Second, "the WARN line", func() bool { return strings.Contains(logs.String(), "has not answered since the start") })
 	if h := l.Health(); h.State != HealthStarting || h.Ready || !h.Live {
 		t.Fatalf("silent start: %+v, want starting, not ready, live", h)
 	}
@@ -215,7 +216,7 @@ func TestHangingHandlerIsWedgedAndFailsLiveness(t *testing.T) {
 		t.Fatal(err)
 	}
 	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { <-release; return nil }))
-	waitFor(t, "the handler to hang", func() bool { return l.Stats().Running == 1 })
+	testenv.WaitFor(t, 20*time.Second, "the handler to hang", func() bool { return l.Stats().Running == 1 })
 	if live, _ := probe(l); live != http.StatusOK {
 		t.Fatalf("liveness %d while the hang is younger than WithWedgedAfter, want 200", live)
 	}
@@ -227,7 +228,7 @@ func TestHangingHandlerIsWedgedAndFailsLiveness(t *testing.T) {
 		t.Fatalf("wedged: liveness %d, want 503", live)
 	}
 	once.Do(func() { close(release) })
-	waitFor(t, "progress again", func() bool { return l.Health().State != HealthWedged })
+	testenv.WaitFor(t, 20*time.Second, "progress again", func() bool { return l.Health().State != HealthWedged })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -304,10 +305,10 @@ func TestFailingExtensionsAndSettlementsAreLoggedRateLimited(t *testing.T) {
 		}
 		return nil
 	}))
-	waitFor(t, "extensions to fail", func() bool { return strings.Count(logs.String(), "extending leases failed") >= 1 })
+	testenv.WaitFor(t, 20*time.Second, "extensions to fail", func() bool { return strings.Count(logs.String(), "extending leases failed") >= 1 })
 	time.Sleep(2 * time.Second) // more ticks, more failures
 	close(release)
-	waitFor(t, "settlements to fail", func() bool { return l.Stats().SettleErrors >= 10 })
+	testenv.WaitFor(t, 20*time.Second, "settlements to fail", func() bool { return l.Stats().SettleErrors >= 10 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 // scriptLog is a driver shaped like a partitioned log (it cannot take a
@@ -105,17 +106,6 @@ func (s *scriptLog) outcomes() map[string][]driver.Action {
 	return out
 }
 
-func eventually(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting until %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 func runLoop(t *testing.T, l *Loop, h Handler) (stop func() error) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
@@ -154,7 +144,7 @@ func TestInPlaceRetryKeepsLaneOrder(t *testing.T) {
 		seen[m.Lane] = append(seen[m.Lane], m.Offset)
 		return nil
 	}))
-	eventually(t, "every record is acked", func() bool { return l.Stats().Acked == 40 })
+	testenv.WaitFor(t, 20*time.Second, "every record is acked", func() bool { return l.Stats().Acked == 40 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -198,7 +188,7 @@ func TestHoldKeepsAttemptAndPausesFetching(t *testing.T) {
 		}
 		return nil
 	}))
-	eventually(t, "the held message is acked", func() bool { return l.Stats().Acked >= 1 })
+	testenv.WaitFor(t, 20*time.Second, "the held message is acked", func() bool { return l.Stats().Acked >= 1 })
 	mu.Lock()
 	first3 := append([]int(nil), attempts[:3]...)
 	mu.Unlock()
@@ -210,7 +200,7 @@ func TestHoldKeepsAttemptAndPausesFetching(t *testing.T) {
 	if got := l.Stats().Held; got != 2 {
 		t.Fatalf("Held = %d, want 2", got)
 	}
-	eventually(t, "the rest drains", func() bool { return l.Stats().Acked == 3 })
+	testenv.WaitFor(t, 20*time.Second, "the rest drains", func() bool { return l.Stats().Acked == 3 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -233,7 +223,7 @@ func TestFetchErrorsAreRetriedAndFatalEndsRun(t *testing.T) {
 	go func() {
 		errc <- l.Run(ctx, HandlerFunc(func(context.Context, *Message) error { return nil }))
 	}()
-	eventually(t, "messages are acked after the failures", func() bool { return l.Stats().Acked == 3 })
+	testenv.WaitFor(t, 20*time.Second, "messages are acked after the failures", func() bool { return l.Stats().Acked == 3 })
 	if got := l.Stats().FetchErrors; got != 2 {
 		t.Fatalf("FetchErrors = %d, want 2", got)
 	}
@@ -317,7 +307,7 @@ func TestOrderByKeyRunsKeysInParallelInsideOneLane(t *testing.T) {
 		mu.Unlock()
 		return nil
 	}))
-	eventually(t, "all acked", func() bool { return l.Stats().Acked == 40 })
+	testenv.WaitFor(t, 20*time.Second, "all acked", func() bool { return l.Stats().Acked == 40 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -393,9 +383,9 @@ func TestOrderByKeyLeavesMessagesWithoutAKeyUnordered(t *testing.T) {
 		running.Add(-1)
 		return nil
 	}))
-	eventually(t, "four keyless messages to run at once", func() bool { return peak.Load() == 4 })
+	testenv.WaitFor(t, 20*time.Second, "four keyless messages to run at once", func() bool { return peak.Load() == 4 })
 	close(release)
-	eventually(t, "all acked", func() bool { return l.Stats().Acked == 8 })
+	testenv.WaitFor(t, 20*time.Second, "all acked", func() bool { return l.Stats().Acked == 8 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -463,7 +453,7 @@ func TestReturnedMessageComingBackCountsItsRunsExactly(t *testing.T) {
 		}
 		return nil
 	}))
-	eventually(t, "the message to be acked", func() bool { return l.Stats().Acked == 1 })
+	testenv.WaitFor(t, 20*time.Second, "the message to be acked", func() bool { return l.Stats().Acked == 1 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -545,7 +535,7 @@ func TestTrainsKeepLaneOrder(t *testing.T) {
 		mu.Unlock()
 		return nil
 	}))
-	eventually(t, "every message acked", func() bool { return l.Stats().Acked == 2*perLane })
+	testenv.WaitFor(t, 20*time.Second, "every message acked", func() bool { return l.Stats().Acked == 2*perLane })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -581,7 +571,7 @@ func TestTrainsTakeTurnsWithOtherLanes(t *testing.T) {
 		mu.Unlock()
 		return nil
 	}))
-	eventually(t, "all acked", func() bool { return l.Stats().Acked == 301 })
+	testenv.WaitFor(t, 20*time.Second, "all acked", func() bool { return l.Stats().Acked == 301 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -611,14 +601,14 @@ func TestAnAckDoesNotWaitForOtherHandlers(t *testing.T) {
 		}
 		return nil
 	}))
-	eventually(t, "the quick message is acked while the others run", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "the quick message is acked while the others run", func() bool {
 		return slices.Equal(drv.outcomes()["/1"], []driver.Action{driver.Ack})
 	})
 	if got := l.Stats(); got.Running != 2 {
 		t.Errorf("Running = %d when the quick message was acked, want the two slow ones", got.Running)
 	}
 	close(release)
-	eventually(t, "every message is acked", func() bool { return len(drv.outcomes()) == 3 })
+	testenv.WaitFor(t, 20*time.Second, "every message is acked", func() bool { return len(drv.outcomes()) == 3 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -644,9 +634,9 @@ func TestASlowHandlerHandsBackTheRestOfItsTrain(t *testing.T) {
 		}
 		return nil
 	}))
-	eventually(t, "the other 39 are acked while the first runs", func() bool { return len(drv.outcomes()) == 39 })
+	testenv.WaitFor(t, 20*time.Second, "the other 39 are acked while the first runs", func() bool { return len(drv.outcomes()) == 39 })
 	close(release)
-	eventually(t, "every message is acked", func() bool { return len(drv.outcomes()) == 40 })
+	testenv.WaitFor(t, 20*time.Second, "every message is acked", func() bool { return len(drv.outcomes()) == 40 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}

@@ -11,6 +11,7 @@ import (
 	"weak"
 
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 // The unordered messages that went to a worker with a train ahead of them
@@ -35,7 +36,7 @@ func TestGraceEndReturnsTheUnstartedRestOfAStuckWorkersTrain(t *testing.T) {
 		return nil
 	}))
 	first := <-started
-	eventually(t, "all six to be fetched", func() bool { return l.Stats().Fetched == 6 })
+	testenv.WaitFor(t, 20*time.Second, "all six to be fetched", func() bool { return l.Stats().Fetched == 6 })
 	time.Sleep(20 * time.Millisecond) // the rest reaches the worker's train or the work queue
 	if err := stop(); err != nil {
 		t.Fatal(err)
@@ -90,7 +91,7 @@ func TestALongHeldDeliveryDoesNotKeepLaterDeliveriesAlive(t *testing.T) {
 			t.Error(err)
 		}
 	}()
-	eventually(t, "every other message to be acked", func() bool { return l.Stats().Acked == n-1 })
+	testenv.WaitFor(t, 20*time.Second, "every other message to be acked", func() bool { return l.Stats().Acked == n-1 })
 	close(seen)
 	runtime.GC()
 	runtime.GC()
@@ -197,7 +198,7 @@ func TestRevocationDoesNotWaitForTheUnstartedRestOfATrain(t *testing.T) {
 	if id := <-started; id != "slow" {
 		t.Fatalf("%s ran first, want slow", id)
 	}
-	eventually(t, "all seven to be fetched", func() bool { return l.Stats().Fetched == 7 })
+	testenv.WaitFor(t, 20*time.Second, "all seven to be fetched", func() bool { return l.Stats().Fetched == 7 })
 	time.Sleep(20 * time.Millisecond)
 	done := make(chan struct{})
 	drv.revCh <- driver.Revocation{Lanes: []string{"1"}, Done: done}

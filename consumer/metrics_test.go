@@ -6,9 +6,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ferrymq/ferry/consumer/driver"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+
+	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 func TestMetricsReportTheLoopsCounters(t *testing.T) {
@@ -23,7 +25,7 @@ func TestMetricsReportTheLoopsCounters(t *testing.T) {
 		t.Fatal(err)
 	}
 	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return nil }))
-	eventually(t, "all acked", func() bool { return l.Stats().Acked == 7 })
+	testenv.WaitFor(t, 20*time.Second, "all acked", func() bool { return l.Stats().Acked == 7 })
 
 	var rm metricdata.ResourceMetrics
 	if err := reader.Collect(context.Background(), &rm); err != nil {
@@ -76,7 +78,7 @@ func TestMetricsReuseTheHealthSamplersLag(t *testing.T) {
 	}
 	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return nil }))
 	defer stop()
-	eventually(t, "the first health sample", func() bool { return l.Health().Samples == 1 })
+	testenv.WaitFor(t, 20*time.Second, "the first health sample", func() bool { return l.Health().Samples == 1 })
 	asked := drv.asks.Load()
 
 	for range 5 {
@@ -135,7 +137,7 @@ func TestLagIsOneNumberForQueuesAndLogs(t *testing.T) {
 			}
 			stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return nil }))
 			defer stop()
-			eventually(t, "the first health sample", func() bool { return l.Health().Samples == 1 })
+			testenv.WaitFor(t, 20*time.Second, "the first health sample", func() bool { return l.Health().Samples == 1 })
 			var rm metricdata.ResourceMetrics
 			if err := reader.Collect(context.Background(), &rm); err != nil {
 				t.Fatal(err)

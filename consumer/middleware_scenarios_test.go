@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/memory"
 )
 
@@ -86,18 +87,6 @@ func (s *scenario) run(h consumer.Handler, opts ...consumer.Option) (loop *consu
 	return l, stop
 }
 
-// waitFor polls cond every few milliseconds for up to 30s.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after 30s waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
-
 // counter counts calls per message id.
 type counter struct {
 	mu sync.Mutex
@@ -147,7 +136,7 @@ func TestScenarioSteadyEveryMessageAckedOnce(t *testing.T) {
 		seen.add(m.ID)
 		return nil
 	})))
-	waitFor(t, "10k acks", func() bool { return s.b.Stats(s.queue).Acked == n })
+	testenv.WaitFor(t, 30*time.Second, "10k acks", func() bool { return s.b.Stats(s.queue).Acked == n })
 	stop()
 	if seen.len() != n {
 		t.Errorf("handled %d distinct messages, want %d", seen.len(), n)
@@ -194,13 +183,13 @@ func TestScenarioSlowDownstreamShowsLagWithoutErrors(t *testing.T) {
 		t.Errorf("lag right after publishing = %d messages, want at least %d waiting", first.Messages, n/2)
 	}
 	var grown consumer.Lag
-	waitFor(t, "the oldest message to age past 400ms", func() bool {
+	testenv.WaitFor(t, 30*time.Second, "the oldest message to age past 400ms", func() bool {
 		grown, err = loop.Lag(context.Background())
 		return err == nil && grown.OldestAge > first.OldestAge+400*time.Millisecond && grown.Messages > 0
 	})
 	t.Logf("lag: %d waiting, oldest %s; later %d waiting, oldest %s", first.Messages, first.OldestAge, grown.Messages, grown.OldestAge)
 
-	waitFor(t, "the backlog to drain", func() bool { return s.b.Stats(s.queue).Acked == n })
+	testenv.WaitFor(t, 30*time.Second, "the backlog to drain", func() bool { return s.b.Stats(s.queue).Acked == n })
 	if ls := loop.Stats(); ls.Failed != 0 || ls.Returned != 0 || ls.Held != 0 {
 		t.Errorf("loop stats %+v: a slow dependency must cause no failures", ls)
 	}
@@ -318,7 +307,7 @@ func TestScenarioRetryStormIsBoundedByBreakerAndNothingIsLost(t *testing.T) {
 		return nil
 	})), consumer.WithConcurrency(concurrency))
 
-	waitFor(t, "the breaker to open", func() bool { return st.Breaker.State() == consumer.BreakerOpen })
+	testenv.WaitFor(t, 30*time.Second, "the breaker to open", func() bool { return st.Breaker.State() == consumer.BreakerOpen })
 	time.Sleep(outage) // the outage itself, not a synchronisation
 	unprotected.setDown(false)
 	protected.setDown(false)
@@ -338,8 +327,8 @@ func TestScenarioRetryStormIsBoundedByBreakerAndNothingIsLost(t *testing.T) {
 		t.Error("the breaker held no message while the dependency was down")
 	}
 
-	waitFor(t, "every protected message to be processed", func() bool { return sp.b.Stats(sp.queue).Acked == n })
-	waitFor(t, "every unprotected message to be processed", func() bool { return su.b.Stats(su.queue).Acked == n })
+	testenv.WaitFor(t, 30*time.Second, "every protected message to be processed", func() bool { return sp.b.Stats(sp.queue).Acked == n })
+	testenv.WaitFor(t, 30*time.Second, "every unprotected message to be processed", func() bool { return su.b.Stats(su.queue).Acked == n })
 	if st.DeadLetter.Count() != 0 || len(sp.b.Messages(sp.dlq)) != 0 {
 		t.Errorf("dead-lettered %d during an outage, want 0", st.DeadLetter.Count())
 	}
@@ -409,7 +398,7 @@ func TestScenarioPoisonMessagesAreDeadLetteredWithTheirStory(t *testing.T) {
 			var calls counter
 			s.run(consumer.Chain(poisonHandler(&calls), mws...), consumer.WithConcurrency(4))
 
-			waitFor(t, "three dead letters and every good message acked", func() bool {
+			testenv.WaitFor(t, 30*time.Second, "three dead letters and every good message acked", func() bool {
 				return len(s.b.Messages(s.dlq)) == 3 && s.b.Stats(s.queue).Acked == good+3
 			})
 			want := map[string]struct {
@@ -512,7 +501,7 @@ func TestScenarioDeadLetterPublisherDownAcksNothingAndLosesNothing(t *testing.T)
 		t.Fatal(err)
 	}
 
-	waitFor(t, "several failed dead-letter publishes for each poison message", func() bool {
+	testenv.WaitFor(t, 30*time.Second, "several failed dead-letter publishes for each poison message", func() bool {
 		return st.DeadLetter.PublishFailures() >= 6 && calls.get("bad-input") >= 3
 	})
 	if q := s.b.Stats(s.queue); q.Acked != 10 {
@@ -530,7 +519,7 @@ func TestScenarioDeadLetterPublisherDownAcksNothingAndLosesNothing(t *testing.T)
 	}
 
 	pub.down.Store(false)
-	waitFor(t, "both poison messages dead-lettered and acked", func() bool {
+	testenv.WaitFor(t, 30*time.Second, "both poison messages dead-lettered and acked", func() bool {
 		return len(s.b.Messages(s.dlq)) == 2 && s.b.Stats(s.queue).Acked == 12
 	})
 	if left := s.b.Messages(s.queue); len(left) != 0 {

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/memory"
 )
 
@@ -89,10 +90,10 @@ func TestAnOutageIsLoggedOnceAndDoesNotFlood(t *testing.T) {
 	if err := b.Publish(context.Background(), "orders", msgs...); err != nil {
 		t.Fatal(err)
 	}
-	waitUntil(t, "the breaker to open", func() bool { return stack.Breaker.Opened() >= 2 })
+	testenv.WaitFor(t, 30*time.Second, "the breaker to open", func() bool { return stack.Breaker.Opened() >= 2 })
 	time.Sleep(500 * time.Millisecond) // the outage goes on: holds, trials, re-openings
 	down.Store(false)
-	waitUntil(t, "every message to be handled", func() bool { return done.Load() == n })
+	testenv.WaitFor(t, 30*time.Second, "every message to be handled", func() bool { return done.Load() == n })
 	cancel()
 	if err := <-runErr; err != nil {
 		t.Fatal(err)
@@ -167,7 +168,7 @@ func TestRepeatingFailuresAreLoggedRateLimited(t *testing.T) {
 	if err := b.Publish(context.Background(), "orders", msgs...); err != nil {
 		t.Fatal(err)
 	}
-	waitUntil(t, "every message to be dead-lettered", func() bool { return stack.DeadLetter.Count() == n })
+	testenv.WaitFor(t, 30*time.Second, "every message to be dead-lettered", func() bool { return stack.DeadLetter.Count() == n })
 	cancel()
 	if err := <-runErr; err != nil {
 		t.Fatal(err)
@@ -183,16 +184,5 @@ func TestRepeatingFailuresAreLoggedRateLimited(t *testing.T) {
 	}
 	if !strings.Contains(logs.String(), "unlogged=") {
 		t.Errorf("no line says how many were left out")
-	}
-}
-
-func waitUntil(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 // Three graceful restarts with every message fetched and none finished
@@ -33,7 +34,7 @@ func TestGracefulRestartsCostNoRetries(t *testing.T) {
 			return ctx.Err()
 		}), opts...)
 		<-started
-		waitFor(t, "all 24 to be fetched", func() bool { return l.Stats().Fetched == 24 })
+		testenv.WaitFor(t, 30*time.Second, "all 24 to be fetched", func() bool { return l.Stats().Fetched == 24 })
 		stop()
 	}
 
@@ -55,7 +56,7 @@ func TestGracefulRestartsCostNoRetries(t *testing.T) {
 		handled.add(m.ID)
 		return nil
 	})), consumer.WithConcurrency(4))
-	waitFor(t, "all 24 handled", func() bool { return handled.len() == 24 })
+	testenv.WaitFor(t, 30*time.Second, "all 24 handled", func() bool { return handled.len() == 24 })
 	if n := len(s.b.Messages(s.dlq)); n != 0 {
 		t.Fatalf("%d of 24 good messages dead-lettered after three graceful restarts and one transient failure", n)
 	}
@@ -97,11 +98,11 @@ func TestDeadLetteredAttemptsAreHandlerRunsAcrossRestarts(t *testing.T) {
 			<-ctx.Done()
 			return ctx.Err()
 		}), consumer.WithConcurrency(1), consumer.WithShutdownGrace(time.Millisecond))
-		waitFor(t, "both fetched", func() bool { return l.Stats().Fetched == 2 })
+		testenv.WaitFor(t, 30*time.Second, "both fetched", func() bool { return l.Stats().Fetched == 2 })
 		stop()
 	}
 	s.run(h, consumer.WithConcurrency(1))
-	waitFor(t, "the message to be dead-lettered", func() bool { return len(s.b.Messages(s.dlq)) == 1 })
+	testenv.WaitFor(t, 30*time.Second, "the message to be dead-lettered", func() bool { return len(s.b.Messages(s.dlq)) == 1 })
 	dead := s.b.Messages(s.dlq)[0]
 	mu.Lock()
 	defer mu.Unlock()
@@ -138,7 +139,7 @@ func TestAtMostOnceBreakerHoldsBeforeTheAck(t *testing.T) {
 		return nil
 	}), breaker.Wrap, consumer.Recover())
 	l, _ := s.run(h, consumer.WithDeliveryMode(consumer.AtMostOnce), consumer.WithConcurrency(4))
-	waitFor(t, "every message acked", func() bool { return s.b.Stats(s.queue).Acked == 200 })
+	testenv.WaitFor(t, 30*time.Second, "every message acked", func() bool { return s.b.Stats(s.queue).Acked == 200 })
 	if ran.len() != 200 {
 		t.Fatalf("%d of 200 messages ran, yet all were acked: %d acked and dropped while the breaker was open", ran.len(), 200-ran.len())
 	}
@@ -181,7 +182,7 @@ func TestLedgerLendsNoRunsToAFreshMessageWithTheSameID(t *testing.T) {
 		return nil
 	}))
 	<-returned
-	waitFor(t, "a to be returned", func() bool { return l.Stats().Returned == 1 })
+	testenv.WaitFor(t, 30*time.Second, "a to be returned", func() bool { return l.Stats().Returned == 1 })
 	pub("b")
 	attempt := <-got
 	stop()

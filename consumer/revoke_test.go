@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 // A running delivery revoked twice (a lost channel, then a lost connection)
@@ -84,10 +85,10 @@ func TestRevocationDoneWaitsForDecidedAcks(t *testing.T) {
 	}
 	var handled atomic.Int32
 	stop := runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error { handled.Add(1); return nil }))
-	eventually(t, "X handled", func() bool { return handled.Load() == 1 })
+	testenv.WaitFor(t, 20*time.Second, "X handled", func() bool { return handled.Load() == 1 })
 	time.Sleep(20 * time.Millisecond) // X's ack is decided; the settler is now stuck in the first Settle
 	drv.push(driver.Message{ID: "A", Lane: "0", Deliveries: 1, Handle: "A"})
-	eventually(t, "A's handler succeeded", func() bool { return handled.Load() == 2 })
+	testenv.WaitFor(t, 20*time.Second, "A's handler succeeded", func() bool { return handled.Load() == 2 })
 	time.Sleep(20 * time.Millisecond) // A's ack is decided, queued behind the slow Settle
 	done := make(chan struct{})
 	drv.mu.Lock()
@@ -141,7 +142,7 @@ func TestRevocationCancelsHandlersAndSettlesNothing(t *testing.T) {
 		t.Fatal("revocation was never completed")
 	}
 	drv.add("1", 5)
-	eventually(t, "lane 1 is acked", func() bool { return l.Stats().Acked == 5 })
+	testenv.WaitFor(t, 20*time.Second, "lane 1 is acked", func() bool { return l.Stats().Acked == 5 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -256,7 +257,7 @@ func TestMessagesOfARevokedGenerationAreDropped(t *testing.T) {
 	drv.revCh <- driver.Revocation{Lanes: []string{"0"}, Done: done, Before: 2}
 	<-done
 	close(drv.release)
-	eventually(t, "both messages admitted", func() bool { return l.Stats().Fetched == 2 && l.Stats().InFlight == 0 })
+	testenv.WaitFor(t, 20*time.Second, "both messages admitted", func() bool { return l.Stats().Fetched == 2 && l.Stats().InFlight == 0 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}

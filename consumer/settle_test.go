@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 type concSettle struct {
@@ -144,17 +145,17 @@ func TestSettlementsWaitingBehindAHungSettleKeepTheirLeases(t *testing.T) {
 		t.Fatal(err)
 	}
 	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return nil }))
-	eventually(t, "the first ack to be with the driver", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "the first ack to be with the driver", func() bool {
 		drv.mu.Lock()
 		defer drv.mu.Unlock()
 		return drv.settleNum == 1
 	})
 	drv.push(driver.Message{ID: "x1", Deliveries: 1, Handle: "x1"}, driver.Message{ID: "x2", Deliveries: 1, Handle: "x2"})
-	eventually(t, "the waiting messages to be extended twice", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "the waiting messages to be extended twice", func() bool {
 		return drv.extensions("x1") >= 2 && drv.extensions("x2") >= 2
 	})
 	close(drv.holdOnce)
-	eventually(t, "every message acked", func() bool { return l.Stats().Acked == 3 })
+	testenv.WaitFor(t, 20*time.Second, "every message acked", func() bool { return l.Stats().Acked == 3 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -258,9 +259,9 @@ func TestAHungExtendDoesNotHoldBackOtherAcks(t *testing.T) {
 		handled.Add(1)
 		return nil
 	}))
-	eventually(t, "A handled", func() bool { return handled.Load() == 1 })
+	testenv.WaitFor(t, 20*time.Second, "A handled", func() bool { return handled.Load() == 1 })
 	drv.push(driver.Message{ID: "B", Deliveries: 1, Handle: "B"})
-	eventually(t, "B handled", func() bool { return handled.Load() == 2 })
+	testenv.WaitFor(t, 20*time.Second, "B handled", func() bool { return handled.Load() == 2 })
 	time.Sleep(time.Second)
 	out := drv.outcomes()
 	close(drv.release)
@@ -295,7 +296,7 @@ func TestFailedAtLeastOnceAckIsNotCountedAcked(t *testing.T) {
 		t.Fatal(err)
 	}
 	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return nil }))
-	eventually(t, "the failed ack to be back", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "the failed ack to be back", func() bool {
 		s := l.Stats()
 		return s.Fetched == 1 && s.InFlight == 0 && s.SettleErrors >= 1
 	})

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 // heldSettler is a queue-shaped scriptLog whose Settle calls wait until
@@ -80,7 +81,7 @@ func runWithOneCallOut(t *testing.T, drv *heldSettler) (l *Loop, handled *atomic
 	handled = new(atomic.Int64)
 	stop = runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { handled.Add(1); return nil }))
 	drv.add("a", 1)
-	eventually(t, "the first Settle call to be out", func() bool { out, _, _ := drv.state(); return out == 1 })
+	testenv.WaitFor(t, 20*time.Second, "the first Settle call to be out", func() bool { out, _, _ := drv.state(); return out == 1 })
 	return l, handled, stop
 }
 
@@ -92,21 +93,21 @@ func TestConcurrentSettleOnlyForAFullBatch(t *testing.T) {
 	drv := newHeldSettler(2, 5)
 	l, handled, stop := runWithOneCallOut(t, drv)
 	drv.add("b", 4) // four acks while the first call is out: less than a batch
-	eventually(t, "the four to be handled", func() bool { return handled.Load() == 5 })
+	testenv.WaitFor(t, 20*time.Second, "the four to be handled", func() bool { return handled.Load() == 5 })
 	time.Sleep(100 * time.Millisecond) // for the dispatcher to decide their acks
 	if out, _, sizes := drv.state(); out != 1 {
 		t.Fatalf("%d Settle calls out (sizes %v) with four acks waiting: a second call went out for less than a batch of 5", out, sizes)
 	}
 	drv.add("c", 1) // the fifth fills a batch
-	eventually(t, "a second Settle call with the five acks", func() bool { out, _, _ := drv.state(); return out == 2 })
+	testenv.WaitFor(t, 20*time.Second, "a second Settle call with the five acks", func() bool { out, _, _ := drv.state(); return out == 2 })
 	drv.add("d", 10) // no third call: the driver takes two at once
-	eventually(t, "the ten to be handled", func() bool { return handled.Load() == 16 })
+	testenv.WaitFor(t, 20*time.Second, "the ten to be handled", func() bool { return handled.Load() == 16 })
 	time.Sleep(100 * time.Millisecond)
 	if _, maxOut, sizes := drv.state(); maxOut != 2 || len(sizes) != 2 || sizes[0] != 1 || sizes[1] != 5 {
 		t.Fatalf("calls of %v, at most %d out at once; want calls of 1 and 5, two out at once", sizes, maxOut)
 	}
 	close(drv.release)
-	eventually(t, "every message settled", func() bool { return l.Stats().Acked == 16 })
+	testenv.WaitFor(t, 20*time.Second, "every message settled", func() bool { return l.Stats().Acked == 16 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -121,18 +122,18 @@ func TestConcurrentSettleSendsWholeBatches(t *testing.T) {
 	drv := newHeldSettler(2, 5)
 	l, handled, stop := runWithOneCallOut(t, drv)
 	drv.add("b", 5) // a second call, of a full batch: both settlers busy
-	eventually(t, "a second Settle call", func() bool { out, _, _ := drv.state(); return out == 2 })
+	testenv.WaitFor(t, 20*time.Second, "a second Settle call", func() bool { out, _, _ := drv.state(); return out == 2 })
 	drv.add("c", 7) // seven acks waiting, with no settler free
-	eventually(t, "the seven to be handled", func() bool { return handled.Load() == 13 })
+	testenv.WaitFor(t, 20*time.Second, "the seven to be handled", func() bool { return handled.Load() == 13 })
 	time.Sleep(100 * time.Millisecond) // for the dispatcher to decide their acks
 	drv.release <- struct{}{}          // one call returns: the seven may go
-	eventually(t, "a third Settle call", func() bool { _, _, sizes := drv.state(); return len(sizes) == 3 })
+	testenv.WaitFor(t, 20*time.Second, "a third Settle call", func() bool { _, _, sizes := drv.state(); return len(sizes) == 3 })
 	time.Sleep(100 * time.Millisecond)
 	if _, _, sizes := drv.state(); sizes[2] != 5 {
 		t.Fatalf("calls of %v: the seven waiting acks went in a call of %d, want a whole batch of 5", sizes, sizes[2])
 	}
 	close(drv.release)
-	eventually(t, "every message settled", func() bool { return l.Stats().Acked == 13 })
+	testenv.WaitFor(t, 20*time.Second, "every message settled", func() bool { return l.Stats().Acked == 13 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -149,13 +150,13 @@ func TestOneSettlerSettlesOneCallAtATime(t *testing.T) {
 	drv := newHeldSettler(0, 0)
 	l, handled, stop := runWithOneCallOut(t, drv)
 	drv.add("b", 30)
-	eventually(t, "the rest to be handled", func() bool { return handled.Load() == 31 })
+	testenv.WaitFor(t, 20*time.Second, "the rest to be handled", func() bool { return handled.Load() == 31 })
 	time.Sleep(100 * time.Millisecond) // for the dispatcher to decide their acks
 	if out, _, sizes := drv.state(); out != 1 || len(sizes) != 1 {
 		t.Fatalf("%d Settle calls out, calls of %v: a driver of one settler got a second call while one was out", out, sizes)
 	}
 	close(drv.release)
-	eventually(t, "every message settled", func() bool { return l.Stats().Acked == 31 })
+	testenv.WaitFor(t, 20*time.Second, "every message settled", func() bool { return l.Stats().Acked == 31 })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
@@ -189,14 +190,14 @@ func TestShutdownSendsTheLastAcksWithoutAFullBatch(t *testing.T) {
 		}))
 	}()
 	drv.add("a", 1)
-	eventually(t, "the first Settle call to be out", func() bool { out, _, _ := drv.state(); return out == 1 })
+	testenv.WaitFor(t, 20*time.Second, "the first Settle call to be out", func() bool { out, _, _ := drv.state(); return out == 1 })
 	drv.add("b", 1)
 	drv.add("c", 1)
-	eventually(t, "the two handlers to be running", func() bool { return running.Load() == 2 })
+	testenv.WaitFor(t, 20*time.Second, "the two handlers to be running", func() bool { return running.Load() == 2 })
 	cancel() // the shutdown begins, with a call out and two handlers running
 	time.Sleep(100 * time.Millisecond)
 	close(gate)
-	eventually(t, "the two acks to go out beside the call that is out", func() bool { out, _, _ := drv.state(); return out == 2 })
+	testenv.WaitFor(t, 20*time.Second, "the two acks to go out beside the call that is out", func() bool { out, _, _ := drv.state(); return out == 2 })
 	close(drv.release)
 	select {
 	case err := <-errc:

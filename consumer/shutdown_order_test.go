@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 // lateBatchLog hands out A and B of lane 0 at once; its next Fetch returns
@@ -111,7 +112,7 @@ func TestRevokedRunInTheWorkQueueAtTheGrace(t *testing.T) {
 	}()
 	<-stuck
 	drv.add("0", 10)
-	eventually(t, "lane 0 fetched", func() bool { return l.Stats().Fetched == 11 })
+	testenv.WaitFor(t, 20*time.Second, "lane 0 fetched", func() bool { return l.Stats().Fetched == 11 })
 	time.Sleep(20 * time.Millisecond) // its head goes to the work queue with its train
 	done := make(chan struct{})
 	drv.revCh <- driver.Revocation{Lanes: []string{"0"}, Done: done}

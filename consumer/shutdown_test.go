@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 // A handler that returns nil after the shutdown grace cancelled it may have
@@ -151,7 +152,7 @@ func TestShutdownRunsWhatWasFetched(t *testing.T) {
 			return nil
 		}))
 	}()
-	eventually(t, "all nine to be fetched", func() bool { return l.Stats().Fetched == 9 })
+	testenv.WaitFor(t, 20*time.Second, "all nine to be fetched", func() bool { return l.Stats().Fetched == 9 })
 	cancel()
 	time.Sleep(50 * time.Millisecond) // let the loop see the cancellation first
 	close(release)
@@ -200,7 +201,7 @@ func TestGraceEndHandsBackWhatDidNotStartNotAttempted(t *testing.T) {
 		}))
 	}()
 	first := <-started
-	eventually(t, "all six to be fetched", func() bool { return l.Stats().Fetched == 6 })
+	testenv.WaitFor(t, 20*time.Second, "all six to be fetched", func() bool { return l.Stats().Fetched == 6 })
 	cancel()
 	if err := <-errc; err != nil {
 		t.Fatal(err)
@@ -238,7 +239,7 @@ func TestShutdownReturnsWaitingMessagesAtOnceWithTheirDelay(t *testing.T) {
 		return Hold(errors.New("dependency down"), time.Minute)
 	}))
 	<-held
-	eventually(t, "the hold to be applied", func() bool { return l.Stats().Held == 1 })
+	testenv.WaitFor(t, 20*time.Second, "the hold to be applied", func() bool { return l.Stats().Held == 1 })
 	start := time.Now()
 	if err := stop(); err != nil {
 		t.Fatal(err)
@@ -274,7 +275,7 @@ func TestShutdownDoesNotWaitOnAHungSettle(t *testing.T) {
 		t.Fatal(err)
 	}
 	stop := runLoop(t, l, HandlerFunc(func(context.Context, *Message) error { return nil }))
-	eventually(t, "the ack to reach Settle", func() bool { return drv.calls.Load() == 1 })
+	testenv.WaitFor(t, 20*time.Second, "the ack to reach Settle", func() bool { return drv.calls.Load() == 1 })
 	start := time.Now()
 	if err := stop(); err != nil {
 		t.Fatal(err)
@@ -351,7 +352,7 @@ func TestRevokedDeliveryInTheWorkQueueIsNotSettledAtTheGrace(t *testing.T) {
 	if id := <-started; id != "A" {
 		t.Fatalf("%s ran first, want A", id)
 	}
-	eventually(t, "B to be fetched", func() bool { return l.Stats().Fetched == 2 })
+	testenv.WaitFor(t, 20*time.Second, "B to be fetched", func() bool { return l.Stats().Fetched == 2 })
 	time.Sleep(50 * time.Millisecond) // B goes into the work queue (room for one), behind the stuck worker
 	done := make(chan struct{})
 	drv.revCh <- driver.Revocation{Lanes: []string{"1"}, Done: done}
@@ -394,7 +395,7 @@ func TestStoppingRunsWhatTheBrokerPushedAhead(t *testing.T) {
 		mu.Unlock()
 		return nil
 	}))
-	eventually(t, "the fetched message to run", func() bool { mu.Lock(); defer mu.Unlock(); return ran["fetched"] })
+	testenv.WaitFor(t, 20*time.Second, "the fetched message to run", func() bool { mu.Lock(); defer mu.Unlock(); return ran["fetched"] })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}

@@ -16,6 +16,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/memory"
 )
 
@@ -167,7 +168,7 @@ func TestADeadLetterContinuesTheTraceOfTheRunThatGaveUp(t *testing.T) {
 			return consumer.Permanent(errors.New("not an order"))
 		})))
 	}()
-	waitFor(t, "the dead letter", func() bool { return b.Stats("orders-dlq").Visible == 1 })
+	testenv.WaitFor(t, 30*time.Second, "the dead letter", func() bool { return b.Stats("orders-dlq").Visible == 1 })
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatal(err)

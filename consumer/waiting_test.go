@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/testenv"
 )
 
 // Duplicates deferred behind a claim held elsewhere do not take the room
@@ -31,7 +32,7 @@ func TestDeferredMessagesDoNotStarveFreshOnes(t *testing.T) {
 		close(fresh)
 		return nil
 	}))
-	eventually(t, "four deferrals", func() bool { return l.Stats().Deferred == 4 })
+	testenv.WaitFor(t, 20*time.Second, "four deferrals", func() bool { return l.Stats().Deferred == 4 })
 	drv.push(driver.Message{ID: "fresh", Deliveries: 1, Handle: "fresh"})
 	select {
 	case <-fresh:
@@ -73,7 +74,7 @@ func TestDeferBeyondTheBoundOnALogIsRunAgainInPlace(t *testing.T) {
 		}
 		return nil
 	}))
-	eventually(t, "both records deferred once", func() bool {
+	testenv.WaitFor(t, 20*time.Second, "both records deferred once", func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return runs["0/0"] >= 1 && runs["1/0"] >= 1
