@@ -27,12 +27,6 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-func ctxFor(t testing.TB) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	t.Cleanup(cancel)
-	return ctx
-}
-
 func newPool(t testing.TB, url string, conns int32) *pgxpool.Pool {
 	t.Helper()
 	cfg, err := pgxpool.ParseConfig(url)
@@ -58,7 +52,7 @@ func testPool(t testing.TB) *pgxpool.Pool {
 func freshTable(t testing.TB, p *pgxpool.Pool) string {
 	t.Helper()
 	name := strings.ReplaceAll(testenv.UniqueName(t, "idem"), "-", "_")
-	if err := pgstore.Migrate(ctxFor(t), p, pgstore.WithTable(name)); err != nil {
+	if err := pgstore.Migrate(testenv.Context(t, 2*time.Minute), p, pgstore.WithTable(name)); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _, _ = p.Exec(context.Background(), "DROP TABLE IF EXISTS "+name) })
@@ -76,7 +70,7 @@ type effectTable struct {
 func newEffect(t testing.TB, p *pgxpool.Pool) *effectTable {
 	t.Helper()
 	name := strings.ReplaceAll(testenv.UniqueName(t, "effect"), "-", "_")
-	if _, err := p.Exec(ctxFor(t), "CREATE TABLE "+name+" (key bytea NOT NULL, at timestamptz NOT NULL DEFAULT now())"); err != nil {
+	if _, err := p.Exec(testenv.Context(t, 2*time.Minute), "CREATE TABLE "+name+" (key bytea NOT NULL, at timestamptz NOT NULL DEFAULT now())"); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _, _ = p.Exec(context.Background(), "DROP TABLE IF EXISTS "+name) })
@@ -146,7 +140,7 @@ func TestSQLInboxExactlyOnce(t *testing.T) {
 
 func TestInboxHandlerErrorRollsBackKeyAndWrites(t *testing.T) {
 	p := testPool(t)
-	ctx := ctxFor(t)
+	ctx := testenv.Context(t, 2*time.Minute)
 	e := newEffect(t, p)
 	boom := consumer.Permanent(errors.New("boom"))
 	var calls atomic.Int32
@@ -181,7 +175,7 @@ func TestInboxHandlerErrorRollsBackKeyAndWrites(t *testing.T) {
 
 func TestInboxDuplicateWaitsForOpenTransaction(t *testing.T) {
 	p := testPool(t)
-	ctx := ctxFor(t)
+	ctx := testenv.Context(t, 2*time.Minute)
 	e := newEffect(t, p)
 	entered := make(chan struct{})
 	proceed := make(chan struct{})
@@ -232,7 +226,7 @@ WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO ' || $1::text || '%'`
 
 func TestInboxDuplicateOfCommittedKeySkipsHandler(t *testing.T) {
 	p := testPool(t)
-	ctx := ctxFor(t)
+	ctx := testenv.Context(t, 2*time.Minute)
 	var calls atomic.Int32
 	h, err := pgstore.NewInbox(p, "inbox", func(context.Context, pgx.Tx, *consumer.Message) error {
 		calls.Add(1)
@@ -257,7 +251,7 @@ const deadURL = "postgres://ferry:ferry@127.0.0.1:1/ferry?sslmode=disable&connec
 
 func TestUnreachablePostgresIsNotAckedAndHandlerNotCalled(t *testing.T) {
 	p := newPool(t, deadURL, 2)
-	ctx := ctxFor(t)
+	ctx := testenv.Context(t, 2*time.Minute)
 	s, err := pgstore.NewStore(p)
 	if err != nil {
 		t.Fatal(err)
@@ -296,7 +290,7 @@ func TestUnreachablePostgresThroughDeliveryLoop(t *testing.T) {
 
 func TestMigrateIsRepeatableAndConcurrent(t *testing.T) {
 	p := testPool(t)
-	ctx := ctxFor(t)
+	ctx := testenv.Context(t, 2*time.Minute)
 	name := freshTable(t, p)
 	db := stdlib.OpenDBFromPool(p)
 	t.Cleanup(func() { db.Close() })
@@ -327,7 +321,7 @@ func TestMigrateIsRepeatableAndConcurrent(t *testing.T) {
 // table the store works with.
 func TestMigrateSQLAndMigrateInATransaction(t *testing.T) {
 	p := testPool(t)
-	ctx := ctxFor(t)
+	ctx := testenv.Context(t, 2*time.Minute)
 	db := stdlib.OpenDBFromPool(p)
 	t.Cleanup(func() { db.Close() })
 	viaSQL := strings.ReplaceAll(testenv.UniqueName(t, "idem_sql"), "-", "_")
@@ -398,7 +392,7 @@ func refuseKey(t *testing.T, p *pgxpool.Pool, table, key string) {
 	t.Helper()
 	sum := sha256.Sum256([]byte(key))
 	fn := table + "_refuse"
-	_, err := p.Exec(ctxFor(t), `CREATE FUNCTION `+fn+`() RETURNS trigger LANGUAGE plpgsql AS $$
+	_, err := p.Exec(testenv.Context(t, 2*time.Minute), `CREATE FUNCTION `+fn+`() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
   IF NEW.key_hash = '\x`+hex.EncodeToString(sum[:])+`'::bytea THEN
     RAISE EXCEPTION 'refused key' USING ERRCODE = '22023';
@@ -460,7 +454,7 @@ func TestDataExceptionIsPermanentAndNeverOpensTheBreaker(t *testing.T) {
 			refuseKey(t, p, table, idempotency.Key("orders-consumer", "refused"))
 			h := c.handler(t, table)
 
-			err := h.Handle(ctxFor(t), storetest.Message("refused", 1))
+			err := h.Handle(testenv.Context(t, 2*time.Minute), storetest.Message("refused", 1))
 			var pe *pgconn.PgError
 			if !consumer.IsPermanent(err) || !errors.As(err, &pe) || pe.Code != "22023" {
 				t.Fatalf("refused key = %v, want a permanent error wrapping SQLSTATE 22023", err)
