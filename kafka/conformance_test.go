@@ -10,12 +10,14 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/consumertest"
-	"github.com/ferrymq/ferry/consumer/driver"
 	"github.com/ferrymq/ferry/kafka"
 )
 
 // TestConformance runs the conformance suite against the real Kafka, with
-// every consumer of a source in one group, under both group protocols.
+// every consumer of a source in one group, under both group protocols. Its
+// consumers are made the way a user makes them, kafka.New then
+// Broker.NewConsumer with consumer.WithName(group); the driver alone, as
+// Broker.Driver returns it, is what TestDriverConformance runs.
 func TestConformance(t *testing.T) {
 	for _, p := range []kafka.GroupProtocol{kafka.Classic, kafka.NextGen} {
 		t.Run(p.String(), func(t *testing.T) {
@@ -38,15 +40,15 @@ func (h *harness) NewSource(t *testing.T, cfg consumertest.SourceConfig) string 
 
 func (h *harness) Publisher(t *testing.T) consumer.Publisher { return h.b }
 
+// NewConsumer makes the consumer as a user does, with Broker.NewConsumer
+// and the group as its name: every consumer of a source joins the group
+// source+"-group", whatever name the suite gives it (the last WithName
+// wins), so that two consumers of one source share its partitions.
 func (h *harness) NewConsumer(t *testing.T, source string, opts ...consumer.Option) consumer.Consumer {
-	d, err := h.b.Driver(t.Context(), source, driver.Config{Name: source + "-group"})
+	opts = append(opts[:len(opts):len(opts)], consumer.WithName(source+"-group"))
+	c, err := h.b.NewConsumer(t.Context(), source, opts...)
 	if err != nil {
-		t.Fatalf("driver: %v", err)
-	}
-	c, err := consumer.New(d, opts...)
-	if err != nil {
-		_ = d.Close()
-		t.Fatalf("consumer.New: %v", err)
+		t.Fatalf("new consumer of %q: %v", source, err)
 	}
 	return c
 }
