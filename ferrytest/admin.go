@@ -16,13 +16,13 @@ import (
 )
 
 // This file holds what ferrytest asks of each broker beyond Publish and
-// NewConsumer: making and removing queues (consumer.Admin), and reading
-// them without taking anything away (consumer.Peeker). Only what the
+// NewConsumer: making and removing queues ([consumer.Admin]), and reading
+// them without taking anything away ([consumer.Peeker]). Only what the
 // contract cannot say is asked of an adapter's own type: Kafka's consumer
 // groups, and whether a topic or a memory queue exists.
 
-// admin manages the queues of one broker through its consumer.Admin and
-// consumer.Peeker.
+// admin manages the queues of one broker through its [consumer.Admin] and
+// [consumer.Peeker].
 type admin struct {
 	b      ferry.Broker
 	adm    consumer.Admin

@@ -10,12 +10,12 @@ import (
 	"github.com/ferrymq/ferry/consumer"
 )
 
-// ErrNotDeadLetter is wrapped by the error of ParseDeadLetter for a message
+// ErrNotDeadLetter is wrapped by the error of [ParseDeadLetter] for a message
 // that carries no dead-letter story.
 var ErrNotDeadLetter = errors.New("ferrytest: not a dead-lettered message")
 
 // DeadLetter is a message read from a dead-letter destination, with the
-// story consumer.DeadLetter wrote in its ferry-dlq-* headers.
+// story [consumer.DeadLetter] wrote in its ferry-dlq-* headers.
 type DeadLetter struct {
 	// Message is the message as it is in the dead-letter queue: the
 	// original body and key, the original headers and the ferry-dlq-*
@@ -59,8 +59,8 @@ type DeadLetter struct {
 }
 
 // ParseDeadLetter reads the story of a dead-lettered message from its
-// headers (consumer.HeaderDLQSource and the others). It fails, wrapping
-// ErrNotDeadLetter, when the message has no consumer.HeaderDLQReason, and
+// headers ([consumer.HeaderDLQSource] and the others). It fails, wrapping
+// [ErrNotDeadLetter], when the message has no [consumer.HeaderDLQReason], and
 // names the header when one holds a malformed number or time.
 func ParseDeadLetter(m consumer.Message) (DeadLetter, error) {
 	h := m.Headers
@@ -118,15 +118,15 @@ func ParseDeadLetter(m consumer.Message) (DeadLetter, error) {
 
 // Peek returns the messages the queue holds, oldest first (a Kafka topic's
 // by record timestamp across partitions), and leaves them there, through
-// the broker's consumer.Peeker: a Kafka topic is read in no consumer group, from
+// the broker's [consumer.Peeker]: a Kafka topic is read in no consumer group, from
 // each partition's start to its end offset as the call began (when the
 // partitions not yet read stop moving for 5 s, it fails with
-// kafka.ErrPeekShort, except on a compacted topic, where what came is
+// [kafka.ErrPeekShort], except on a compacted topic, where what came is
 // returned); an SQS or RabbitMQ queue's messages are received and handed
 // back at once, which counts as one more delivery of each
 // (ApproximateReceiveCount, x-delivery-count), as any look at such a queue
 // does; the memory broker's are copied. Messages a consumer holds at the time are not in it (except
-// on the memory broker). When ctx has no deadline, DefaultTimeout bounds it.
+// on the memory broker). When ctx has no deadline, [DefaultTimeout] bounds it.
 func (q *Queue) Peek(ctx context.Context) ([]consumer.Message, error) {
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc

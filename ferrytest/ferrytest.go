@@ -29,7 +29,7 @@
 //	FERRY_SQS_REGION      us-east-1
 //	FERRY_AMQP_URL        amqp://guest:guest@127.0.0.1:5672/
 //
-// URL turns them into the URL ferry.Open takes. The memory broker (Memory)
+// URL turns them into the URL [ferry.Open] takes. The memory broker (Memory)
 // needs nothing: each Open makes a new one in the process.
 //
 // # When a broker is not running
@@ -53,7 +53,7 @@
 // Removing a queue deletes the topic (Kafka, with the consumer groups this
 // package made for it), the queue (SQS) or the queue and its delay queues
 // (RabbitMQ, those of rabbit.DefaultRetryDelays), or the memory broker's
-// queue: consumer.Admin's DeleteSource on each.
+// queue: [consumer.Admin]'s DeleteSource on each.
 package ferrytest
 
 import (
@@ -138,7 +138,7 @@ func KindFromEnv() (Kind, error) {
 	return "", fmt.Errorf("ferrytest: %s=%q is not one of memory, kafka, sqs, rabbitmq", EnvBroker, v)
 }
 
-// URL returns the URL ferry.Open takes for kind, from the environment:
+// URL returns the URL [ferry.Open] takes for kind, from the environment:
 // kafka://127.0.0.1:9092, sqs://ferry:ferry@127.0.0.1:9324?region=us-east-1&tls=false,
 // amqp://guest:guest@127.0.0.1:5672/ and, for Memory,
 // mem://?autocreate=false with their defaults. It returns "" for an unknown
@@ -177,7 +177,7 @@ func service(kind Kind) (testenv.Service, bool) {
 	return "", false
 }
 
-// Broker is a broker opened for tests: a ferry.Broker (Publish,
+// Broker is a broker opened for tests: a [ferry.Broker] (Publish,
 // NewConsumer), and the queues made on it. Close removes those queues, then
 // closes the broker.
 type Broker struct {
@@ -193,7 +193,7 @@ type Broker struct {
 }
 
 // Connect opens the broker of kind from the environment (see URL). When the
-// broker does not accept a connection, the error wraps ErrUnreachable and
+// broker does not accept a connection, the error wraps [ErrUnreachable] and
 // names the command that starts the brokers.
 func Connect(ctx context.Context, kind Kind) (*Broker, error) {
 	raw := URL(kind)
@@ -282,7 +282,7 @@ type Queue struct {
 }
 
 // NewQueue makes a topic or queue of a name no other test uses, made of
-// prefix (see Queue.Name). Close removes it, unless Remove did first.
+// prefix (see [Queue.Name]). Close removes it, unless Remove did first.
 func (b *Broker) NewQueue(ctx context.Context, prefix string, opts ...QueueOption) (*Queue, error) {
 	cfg := queueConfig{partitions: 1}
 	for _, o := range opts {
@@ -397,7 +397,7 @@ func (q *Queue) Exists(ctx context.Context) (bool, error) {
 }
 
 // Publish publishes msgs to the queue, through the Broker: it returns once
-// the broker has them durably (see consumer.Publisher).
+// the broker has them durably (see [consumer.Publisher]).
 func (q *Queue) Publish(ctx context.Context, msgs ...consumer.Message) error {
 	if err := q.b.Publish(ctx, q.Destination, msgs...); err != nil {
 		return fmt.Errorf("ferrytest: publish to %q: %w", q.Name, err)
@@ -417,9 +417,9 @@ func (q *Queue) addGroup(g string) {
 // consumer's workers, so what both read must be synchronised (an
 // atomic counter, a mutex).
 //
-// The consumer is b.NewConsumer with opts, after consumer.WithName of a name
+// The consumer is b.NewConsumer with opts, after [consumer.WithName] of a name
 // of its own (a Kafka consumer group no other test shares, deleted with the
-// queue); pass WithName to choose it (a group of yours is left alone). When ctx ends first, or has no deadline and DefaultTimeout
+// queue); pass WithName to choose it (a group of yours is left alone). When ctx ends first, or has no deadline and [DefaultTimeout]
 // passes, RunUntil stops the consumer and returns an error wrapping
 // context.DeadlineExceeded (or ctx's error); when the consumer stops by
 // itself, an error wrapping its own.

@@ -15,14 +15,14 @@ import (
 
 var _ consumer.Admin = (*Broker)(nil)
 
-// CreateSource creates topic name with cfg (consumer.Admin): cfg.Partitions
+// CreateSource creates topic name with cfg ([consumer.Admin]): cfg.Partitions
 // partitions (0 is 1) at the cluster's default replication factor, and
 // cfg.Retention as its retention.ms (0 is the cluster's default). It is
 // CreateTopic under the portable configuration, and like it waits until the
 // partitions have leaders and takes a topic that exists already for made:
 // its configuration is left as it is. FIFO is ignored, a topic being ordered
 // per partition already. Kafka has no broker dead-lettering: a
-// cfg.DeadLetter or cfg.MaxDeliveries is a *consumer.ConfigError, as a
+// cfg.DeadLetter or cfg.MaxDeliveries is a *[consumer.ConfigError], as a
 // negative Partitions or MaxDeliveries is.
 func (b *Broker) CreateSource(ctx context.Context, name string, cfg consumer.SourceConfig) error {
 	if cfg.DeadLetter != "" {
@@ -40,7 +40,7 @@ func (b *Broker) CreateSource(ctx context.Context, name string, cfg consumer.Sou
 	return b.CreateTopic(ctx, name, TopicConfig{Partitions: int32(cfg.Partitions), Retention: cfg.Retention})
 }
 
-// DeleteSource deletes topic name and its records (consumer.Admin). A topic
+// DeleteSource deletes topic name and its records ([consumer.Admin]). A topic
 // that does not exist is not an error. The consumer groups that read it
 // are left: their committed offsets are the group's, deleted with
 // Admin().DeleteGroups.

@@ -19,7 +19,7 @@ import (
 	"github.com/ferrymq/ferry/internal/msgmetrics"
 )
 
-// Broker is a connection to a Kafka cluster: a consumer.Publisher, and the
+// Broker is a connection to a Kafka cluster: a [consumer.Publisher], and the
 // factory of consumers (NewConsumer, Driver). It is safe for concurrent use.
 type Broker struct {
 	seeds []string
@@ -53,7 +53,7 @@ var (
 func (b *Broker) System() string { return "kafka" }
 
 // New connects to the cluster whose bootstrap addresses are seeds (host:port)
-// and returns a Broker. It fails with a *consumer.ConfigError naming the
+// and returns a Broker. It fails with a *[consumer.ConfigError] naming the
 // field when seeds is empty or an option is wrong; it does not wait for the
 // cluster to answer (the first Publish, Fetch or admin call does).
 func New(seeds []string, opts ...Option) (*Broker, error) {
@@ -122,7 +122,7 @@ func New(seeds []string, opts ...Option) (*Broker, error) {
 }
 
 // clientOpts is every client's base: seeds, a logger, the Broker's dialer
-// (or WithTLS's config for a dialer of the user's), l as hooks, the user's
+// (or [WithTLS]'s config for a dialer of the user's), l as hooks, the user's
 // options, and extra.
 func (b *Broker) clientOpts(l *link, extra ...kgo.Opt) []kgo.Opt {
 	o := []kgo.Opt{kgo.SeedBrokers(b.seeds...), kgo.ClientID("ferry"), kgo.WithLogger(kgoLogger{b.log})}
@@ -141,7 +141,7 @@ func (b *Broker) clientOpts(l *link, extra ...kgo.Opt) []kgo.Opt {
 
 // Close closes the Broker's producer and admin connections and every
 // consumer driver it made that is still open (their Run then ends with an
-// error wrapping ErrClosed). Consumers should be stopped first, by
+// error wrapping [ErrClosed]). Consumers should be stopped first, by
 // cancelling their Run: that commits what they finished. Calling Close again
 // does nothing.
 func (b *Broker) Close() error {
@@ -179,9 +179,9 @@ func (b *Broker) addrOr(addr string) string {
 	return strings.Join(b.seeds, ",")
 }
 
-// NewConsumer returns a delivery loop over topic: consumer.NewOn over the
-// Broker, with opts. The name is required (consumer.WithName): without it
-// NewConsumer fails with a *consumer.ConfigError naming the field "Name",
+// NewConsumer returns a delivery loop over topic: [consumer.NewOn] over the
+// Broker, with opts. The name is required ([consumer.WithName]): without it
+// NewConsumer fails with a *[consumer.ConfigError] naming the field "Name",
 // because on Kafka the name is the group id, every consumer of one topic
 // and name is a member of one group and shares the topic's partitions
 // with the others, and a default would have two services that forgot it
@@ -194,12 +194,12 @@ func (b *Broker) NewConsumer(ctx context.Context, topic string, opts ...consumer
 }
 
 // Driver returns the driver of one member of the group cfg.Name over
-// topic, for consumer.NewOn or a loop of your own (driver.Opener). It
+// topic, for [consumer.NewOn] or a loop of your own ([driver.Opener]). It
 // does not reach the cluster (ctx is not used): the member joins its
-// group on its first Fetch. It implements driver.Connector,
-// driver.Revoker, driver.LagReporter and driver.Aser (a handler reaches
+// group on its first Fetch. It implements [driver.Connector],
+// [driver.Revoker], [driver.LagReporter] and [driver.Aser] (a handler reaches
 // the *kgo.Record with Message.As, given a **kgo.Record or a *kgo.Record
-// to copy into). An empty cfg.Name is a *consumer.ConfigError naming
+// to copy into). An empty cfg.Name is a *[consumer.ConfigError] naming
 // "Name".
 func (b *Broker) Driver(_ context.Context, topic string, cfg driver.Config) (driver.Driver, error) {
 	if cfg.Name == "" {

@@ -4,13 +4,13 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 )
 
-// HeaderMessageID is the record header that carries consumer.Message.ID
+// HeaderMessageID is the record header that carries [consumer.Message.ID]
 // when a publisher sets one. A consumed record without it gets the ID
 // topic/partition/offset. It is the ID on the consuming side, not one of
 // Message.Headers, as the other brokers' message ids are.
 const HeaderMessageID = "ferry-message-id"
 
-// readHeaders returns a consumed record's HeaderMessageID (the last, if the
+// readHeaders returns a consumed record's [HeaderMessageID] (the last, if the
 // record has several) and its other headers, nil when it has none: most
 // records carry only the id, and building a map costs more than the rest
 // of turning a record into a message.

@@ -4,22 +4,22 @@
 // # What it guarantees
 //
 // A consumer is one member of a consumer group: every consumer of one topic
-// with one name (consumer.WithName, the group id) shares the topic's
+// with one name ([consumer.WithName], the group id) shares the topic's
 // partitions with the others, and each partition belongs to one member at a
 // time. The name is therefore required: NewConsumer without
-// consumer.WithName fails with a *consumer.ConfigError for "Name", since a
+// [consumer.WithName] fails with a *[consumer.ConfigError] for "Name", since a
 // default would have two services that forgot it split each other's
 // partitions. Records of a partition are handled in offset order by default
-// (consumer.OrderByLane, a lane is a partition); with consumer.OrderByKey,
+// ([consumer.OrderByLane], a lane is a partition); with [consumer.OrderByKey],
 // records of different keys in one partition run at once while each key
 // keeps its order.
 //
 // A record is committed only after its handler returned nil (or, in
-// consumer.AtMostOnce mode, before it ran). Per partition, the consumer
+// [consumer.AtMostOnce] mode, before it ran). Per partition, the consumer
 // commits the highest offset below which every fetched record is finished:
 // a record that finished before an earlier one (another key, under
 // OrderByKey) never moves the commit past the unfinished one. Commits
-// happen every second (WithCommitInterval), when partitions are revoked and
+// happen every second ([WithCommitInterval]), when partitions are revoked and
 // when Run ends. A member commits only for partitions it owns now; a
 // committed offset never goes down; when the group takes partitions away
 // without a clean handover (partitions lost: the member was too slow to
@@ -27,7 +27,7 @@
 // them. A crash therefore costs at most a second of finished work, which
 // runs again on the partition's next owner: delivery is at least once.
 //
-// In consumer.AtMostOnce mode a record's offset is committed, synchronously,
+// In [consumer.AtMostOnce] mode a record's offset is committed, synchronously,
 // before its handler runs: Settle returns only once the coordinator has the
 // commit, and a record whose commit failed does not run. That costs a
 // commit round trip to the group coordinator per settle batch (several
@@ -39,9 +39,9 @@
 //
 // A failed record is retried in place after its delay: a log cannot skip a
 // record without losing its order, so its partition (or, under OrderByKey,
-// its key) waits for it. Use consumer.DeadLetter (part of consumer.Standard)
+// its key) waits for it. Use [consumer.DeadLetter] (part of [consumer.Standard])
 // so that a record that fails for good goes to a dead-letter topic and its
-// partition moves on. While a consumer.Breaker is open, held records do not
+// partition moves on. While a [consumer.Breaker] is open, held records do not
 // count as attempts, fetching stops, and the member stays in its group:
 // heartbeats run in the background, never on the handler's path, so a slow
 // handler does not cost the membership either.
@@ -49,16 +49,16 @@
 // # How Kafka maps onto the delivery loop
 //
 //   - Fetch: PollRecords off the handlers' path, at most as many records as
-//     the loop has room for; a record becomes a consumer.Message with Lane the
+//     the loop has room for; a record becomes a [consumer.Message] with Lane the
 //     partition number, Offset the record offset, Key, Body and Headers as
 //     produced, PublishedAt the record timestamp, and ID the header
-//     HeaderMessageID when the producer set one (Publish does, for a
+//     [HeaderMessageID] when the producer set one (Publish does, for a
 //     Message.ID; whoever wrote it, that header is the ID and not one of
 //     Headers), otherwise topic/partition/offset. Deliveries is always 1:
 //     Kafka keeps no delivery count; the loop counts attempts in process.
 //   - Settle Ack marks the record finished (the commit point moves at the
 //     next commit). There is no Return: the loop retries in place
-//     (driver.Capabilities.Redelivers is false); at shutdown a Return leaves
+//     ([driver.Capabilities.Redelivers] is false); at shutdown a Return leaves
 //     the record uncommitted, to be read again by the partition's next owner.
 //   - Backpressure: one partition holds at most half of the loop's fetch
 //     batch (itself at most the loop's in-flight bound) of fetched,
@@ -69,16 +69,16 @@
 //     partitions keep flowing. While two fetch batches wait in the driver
 //     it stops polling, and franz-go keeps at most one buffered fetch: lag
 //     grows, memory does not. A partition with more records waiting than it
-//     finished in the last half second (StuckAfter), or its share
+//     finished in the last half second ([StuckAfter]), or its share
 //     unfinished with none finished for half a second, is paused
 //     (PauseFetchPartitions) until half of them are done, so that a slow
 //     partition does not hold polling back for the others;
-//     WithPartitionBuffer sets the share and pauses at it at once. When the
+//     [WithPartitionBuffer] sets the share and pauses at it at once. When the
 //     loop is full or a breaker holds, it stops polling too. Pauses are lifted when a
 //     partition is revoked or assigned, since franz-go keeps them across
 //     rebalances.
 //   - Rebalances: cooperative-sticky by default, so only the partitions that
-//     move stop; KIP-848 (WithGroupProtocol(NextGen)) as an option. On
+//     move stop; KIP-848 (WithGroupProtocol([NextGen])) as an option. On
 //     revoke, the loop cancels the handlers of the partitions' records and
 //     drops what it had queued (and records of those partitions fetched
 //     before the revocation that reach it after: each record carries the
@@ -102,7 +102,7 @@
 // ferry.consumer.health metric show it (see consumer/driver):
 //
 //   - The topic does not exist, or was deleted: an error wrapping
-//     consumer.ErrSourceNotFound, naming the topic and the cluster; Run
+//     [consumer.ErrSourceNotFound], naming the topic and the cluster; Run
 //     retries, and consumes once the topic is made. (A topic deleted and
 //     made again is consumed again from the group's committed offsets,
 //     which Kafka keeps by the topic's name; franz-go alone would not
@@ -112,29 +112,29 @@
 //   - No broker answers: when Run starts, and when every connection has
 //     failed for a second with none answering since (a refused or failed
 //     dial, a lost connection, a host that does not resolve), an error
-//     wrapping consumer.ErrUnreachable with the address and what the
-//     client saw, within driver.ReportWithin; Run retries, and franz-go
+//     wrapping [consumer.ErrUnreachable] with the address and what the
+//     client saw, within [driver.ReportWithin]; Run retries, and franz-go
 //     reconnects by itself meanwhile. A broker that drops packets silently
 //     is seen once franz-go's dial or request times out (kgo.DialTimeout,
 //     10 s by default). While some broker of the cluster answers, nothing
 //     is reported: the cluster moves the leadership of partitions to the
 //     brokers that are up, and franz-go follows.
 //   - The cluster refuses the client, which no retry fixes: Run ends with
-//     an error marked driver.Fatal wrapping consumer.ErrRefused, within
-//     seconds: a failed authentication (also ErrAuthentication: a wrong
+//     an error marked [driver.Fatal] wrapping [consumer.ErrRefused], within
+//     seconds: a failed authentication (also [ErrAuthentication]: a wrong
 //     SASL user or password, a certificate refused), an authorization
 //     refused, or a TLS/plaintext mismatch (a TLS client at a plaintext
 //     listener, or the reverse), whose error says which side speaks TLS.
 //     The Broker dials the brokers itself to tell a mismatch from an
 //     outage; with a kgo.Dialer or kgo.DialTLSConfig of your own
-//     (WithClientOpts), a mismatch is reported as unreachable, with
+//     ([WithClientOpts]), a mismatch is reported as unreachable, with
 //     franz-go's diagnosis.
 //
 // No password appears in any error or log line.
 //
 // # Publishing
 //
-// Broker is a consumer.Publisher: acks from all in-sync replicas with the
+// Broker is a [consumer.Publisher]: acks from all in-sync replicas with the
 // idempotent producer, so Publish returns nil only once every record is
 // durable, retries never duplicate or reorder a partition, and records of one
 // key keep their order within and across calls: each record of a call is
@@ -147,7 +147,7 @@
 // with n records of one key takes n round trips. The key picks the partition
 // with murmur2, as the Java client does, so Ferry and Java producers of a
 // topic agree. Records the cluster refused come back in a
-// *consumer.PublishError by index; the cluster refuses whole batches, so a
+// *[consumer.PublishError] by index; the cluster refuses whole batches, so a
 // record it refuses fails its batch-mates of the same partition too, which
 // may be records of other calls made at the same time, each reported by
 // its own call. The producer lingers 5 ms, as the Java client does since
@@ -155,20 +155,20 @@
 // out the linger once its records are buffered (after the first call to a
 // topic, which waits for the topic's partitions).
 //
-// Publish fails within seconds, with an error wrapping consumer.ErrRefused,
+// Publish fails within seconds, with an error wrapping [consumer.ErrRefused],
 // when the cluster refuses the client (a failed authentication, a
 // TLS/plaintext mismatch). While the cluster does not answer, it waits for
 // it up to its context, and then fails with an error that still matches
 // the context's (context.DeadlineExceeded) and says what the client last
-// saw: the address and the dial error (consumer.ErrUnreachable).
+// saw: the address and the dial error ([consumer.ErrUnreachable]).
 //
 // # Configuration
 //
 // New takes the bootstrap addresses and options; franz-go options pass
-// through WithClientOpts (fetch sizes, timeouts, dialers), except those that
+// through [WithClientOpts] (fetch sizes, timeouts, dialers), except those that
 // would break the contract above (autocommit, a group or topics of their own,
-// rebalance callbacks), which New refuses with a *consumer.ConfigError. TLS
-// and SASL have options of their own (WithTLS, WithSASL); a wrong password
+// rebalance callbacks), which New refuses with a *[consumer.ConfigError]. TLS
+// and SASL have options of their own ([WithTLS], [WithSASL]); a wrong password
 // or a TLS/plaintext mismatch makes Publish fail and Run return within
 // seconds (see above).
 //

@@ -229,7 +229,7 @@ func (d *kafkaDriver) Capabilities() driver.Capabilities {
 }
 
 // connectWithin bounds Connect, so that it returns within
-// driver.ReportWithin.
+// [driver.ReportWithin].
 const connectWithin = driver.ReportWithin - 500*time.Millisecond
 
 // pollSlice is how long one poll of Fetch waits before Fetch looks at
@@ -239,11 +239,11 @@ const pollSlice = 500 * time.Millisecond
 
 // Connect makes the group client (which starts joining the group) and
 // asks the cluster for the topic's metadata. It returns nil once a broker
-// answered that the topic exists; otherwise, within driver.ReportWithin,
-// an error wrapping consumer.ErrSourceNotFound (the cluster answers and
-// has no such topic), consumer.ErrUnreachable (no broker answered: the
-// address and what the client saw), or, marked driver.Fatal,
-// consumer.ErrRefused (a TLS/plaintext mismatch, a failed authentication,
+// answered that the topic exists; otherwise, within [driver.ReportWithin],
+// an error wrapping [consumer.ErrSourceNotFound] (the cluster answers and
+// has no such topic), [consumer.ErrUnreachable] (no broker answered: the
+// address and what the client saw), or, marked [driver.Fatal],
+// [consumer.ErrRefused] (a TLS/plaintext mismatch, a failed authentication,
 // an authorization refused).
 func (d *kafkaDriver) Connect(ctx context.Context) error {
 	cl, err := d.client()
@@ -551,7 +551,7 @@ func (d *kafkaDriver) scan(fs kgo.Fetches, r *pollResult) {
 // bufferLimit is how many unfinished records of one partition the loop may
 // hold: half of the loop's fetch batch (itself bounded by the loop's
 // in-flight limit), or WithPartitionBuffer. fixed reports a set
-// WithPartitionBuffer, under which a partition holding as many is paused
+// [WithPartitionBuffer], under which a partition holding as many is paused
 // at once rather than once it makes no progress. d.mu is held.
 func (d *kafkaDriver) bufferLimit() (limit int, fixed bool) {
 	if n := d.b.cfg.partitionBuffer; n > 0 {
@@ -600,14 +600,14 @@ func (d *kafkaDriver) waitingUnpaused() int {
 }
 
 // adjustPauses pauses fetching a partition whose records wait (as many
-// unfinished as its limit, with no progress for StuckAfter, or at once
-// under WithPartitionBuffer; or more waiting here than it finished in the
-// last StuckAfter) and resumes one that is down to half its limit. A
+// unfinished as its limit, with no progress for [StuckAfter], or at once
+// under [WithPartitionBuffer]; or more waiting here than it finished in the
+// last [StuckAfter]) and resumes one that is down to half its limit. A
 // partition that goes fast is not paused: Fetch stops polling instead
 // while enough records wait, which costs no fetch round trip on resuming.
 // But a slow one would hold polling back for every other partition (and
 // franz-go's buffered fetch would hand out its records before theirs), so
-// once its waiting records would take longer than StuckAfter to go out at
+// once its waiting records would take longer than [StuckAfter] to go out at
 // its rate, it is paused. franz-go is called under d.mu, so that the
 // pauses and resumes Fetch and Settle decide reach it in the order they
 // were decided. d.mu is held.
@@ -659,7 +659,7 @@ func (d *kafkaDriver) adjustPauses(cl *kgo.Client, limit int, fixed bool) {
 // driver.
 const handleSlab = 16
 
-// smallStrings is how many bytes of a record's key, HeaderMessageID and
+// smallStrings is how many bytes of a record's key, [HeaderMessageID] and
 // other header values may go into its group's string: what does not fit
 // is a string of its own, so that a record whose string outlives it (a
 // key kept in a map) keeps at most some 8 KiB of its group's alive. An ID
@@ -686,7 +686,7 @@ type span struct{ from, to int32 }
 // The strings are copies of the record's bytes, never the bytes themselves
 // seen as a string (unsafe.String): a handler may write a record's bytes
 // through As, as a []byte allows, and a decompression pool given to
-// franz-go (kgo.WithPools, through WithClientOpts) zeroes and reuses them
+// franz-go (kgo.WithPools, through [WithClientOpts]) zeroes and reuses them
 // once the record is recycled; a string must never change.
 func (d *kafkaDriver) messages(dst []driver.Message, p *partition, recs []*kgo.Record) []driver.Message {
 	for len(recs) > 0 {
@@ -751,7 +751,7 @@ func (d *kafkaDriver) messages(dst []driver.Message, p *partition, recs []*kgo.R
 // layOut appends r's small strings to buf (the group's string) and their
 // spans to spans, in the order messages reads them: the key, the ID, the
 // values of headers other than HeaderMessageID. It reads the headers as
-// readHeaders does: the ID is the last HeaderMessageID, and a record
+// readHeaders does: the ID is the last [HeaderMessageID], and a record
 // without one, or with an empty one, gets the ID topic/partition/offset.
 func (d *kafkaDriver) layOut(buf []byte, spans []span, rs *recordStrings, r *kgo.Record, p *partition) ([]byte, []span) {
 	room := smallStrings
@@ -1299,7 +1299,7 @@ func isAuthErr(err error) bool {
 		errors.As(err, &verify) || errors.As(err, &alert)
 }
 
-// wrapAuth marks authentication failures with consumer.ErrRefused and
+// wrapAuth marks authentication failures with [consumer.ErrRefused] and
 // ErrAuthentication.
 func wrapAuth(err error) error {
 	if err != nil && isAuthErr(err) && !errors.Is(err, ErrAuthentication) {

@@ -152,8 +152,8 @@ func isAuthzErr(err error) bool {
 		errors.Is(err, kerr.ClusterAuthorizationFailed)
 }
 
-// refused is err, seen at addr, marked as a refusal: consumer.ErrRefused,
-// and ErrAuthentication when the client could not authenticate.
+// refused is err, seen at addr, marked as a refusal: [consumer.ErrRefused],
+// and [ErrAuthentication] when the client could not authenticate.
 func refused(addr string, err error) error {
 	var mm *mismatchError
 	switch {
@@ -165,7 +165,7 @@ func refused(addr string, err error) error {
 	return fmt.Errorf("%w: %s: %w", consumer.ErrRefused, addr, err)
 }
 
-// unreachable is err, seen at addr, marked consumer.ErrUnreachable.
+// unreachable is err, seen at addr, marked [consumer.ErrUnreachable].
 func unreachable(addr string, err error) error {
 	return fmt.Errorf("%w: %s: %w", consumer.ErrUnreachable, addr, err)
 }
@@ -200,8 +200,8 @@ func (e *mismatchError) Error() string {
 }
 
 // dialer dials every connection of a Broker's clients (unless
-// WithClientOpts brings a kgo.Dialer or kgo.DialTLSConfig of its own), as
-// franz-go's default dialer does, over TLS with WithTLS's config, and
+// [WithClientOpts] brings a kgo.Dialer or kgo.DialTLSConfig of its own), as
+// franz-go's default dialer does, over TLS with [WithTLS]'s config, and
 // tells a TLS/plaintext mismatch apart from a broker that is down: see
 // mismatchError.
 type dialer struct {

@@ -79,7 +79,7 @@ type config struct {
 // (messaging.client.operation.duration and messaging.client.sent.messages,
 // with messaging.system "kafka"). Default the global provider, a no-op
 // until one is installed. The consumers report through
-// consumer.WithMeterProvider.
+// [consumer.WithMeterProvider].
 func WithMeterProvider(mp metric.MeterProvider) Option {
 	return func(c *config) error {
 		if mp == nil {
@@ -91,13 +91,13 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 }
 
 // Option configures a Broker. An option given a bad value makes New fail
-// with a *consumer.ConfigError naming the field.
+// with a *[consumer.ConfigError] naming the field.
 type Option func(*config) error
 
 // WithClientOpts passes franz-go options through to every client the Broker
 // makes (producer, consumers, admin): fetch and batch sizes, timeouts,
 // compression, dialers, hooks. Options that would break Ferry's contract are
-// refused with a *consumer.ConfigError: a consumer group or topics of their
+// refused with a *[consumer.ConfigError]: a consumer group or topics of their
 // own (a consumer's group and topic are given to NewConsumer or Driver),
 // autocommit settings (Ferry commits only what handlers finished), partition
 // callbacks and BlockRebalanceOnPoll (Ferry owns the rebalance), kgo.InstanceID
@@ -105,7 +105,7 @@ type Option func(*config) error
 // than all, a disabled idempotent producer, kgo.ManualFlushing and
 // kgo.DefaultProduceTopicAlways (Publish promises durability, order and its
 // topic). A kgo.RebalanceTimeout given here bounds a consumer's wait on
-// revoke as WithRebalanceTimeout does (which wins when both are set).
+// revoke as [WithRebalanceTimeout] does (which wins when both are set).
 // Default: none.
 func WithClientOpts(opts ...kgo.Opt) Option {
 	return func(c *config) error {
@@ -123,7 +123,7 @@ func WithClientOpts(opts ...kgo.Opt) Option {
 // (cfg.ServerName, when empty, is the host dialed). A TLS client at a
 // plaintext listener, or a plaintext client at a TLS listener, is a
 // configuration error: Publish fails and Run returns within seconds with an
-// error wrapping consumer.ErrRefused that says which side speaks TLS.
+// error wrapping [consumer.ErrRefused] that says which side speaks TLS.
 // Default: plaintext.
 func WithTLS(cfg *tls.Config) Option {
 	return func(c *config) error {
@@ -188,7 +188,7 @@ func WithGroupProtocol(p GroupProtocol) Option {
 // WithCommitInterval sets how often a consumer commits, per partition, the
 // offset below which every record is finished. Commits also happen when
 // partitions are revoked and when the consumer stops. Default 1s
-// (DefaultCommitInterval).
+// ([DefaultCommitInterval]).
 func WithCommitInterval(d time.Duration) Option {
 	return func(c *config) error {
 		if d <= 0 {
@@ -203,11 +203,11 @@ func WithCommitInterval(d time.Duration) Option {
 // hold fetched and unfinished: what a poll brings beyond waits in the
 // consumer, fetching that partition pauses, and it resumes once half of
 // them are finished, while the other partitions flow. Default: automatic:
-// half of the loop's fetch batch (consumer.WithFetchBatch, at most the
+// half of the loop's fetch batch ([consumer.WithFetchBatch], at most the
 // loop's in-flight bound), so that a partition whose oldest record does not
 // progress (a retry in place, a hold, a slow key) leaves the rest of the
 // loop's room to the others; it is paused once it holds that many with none
-// finished for half a second (StuckAfter), or once more records wait in the
+// finished for half a second ([StuckAfter]), or once more records wait in the
 // consumer than it finished in the last half second. A set value pauses at
 // that count whether the partition makes progress or not.
 func WithPartitionBuffer(n int) Option {
@@ -225,7 +225,7 @@ func WithPartitionBuffer(n int) Option {
 // run in the background, so a slow handler does not need a longer one.
 // Default 45s (franz-go's default; the broker bounds it with
 // group.min/max.session.timeout.ms). It applies to Classic groups; a
-// NextGen (KIP-848) group's session timeout is the group config
+// [NextGen] (KIP-848) group's session timeout is the group config
 // consumer.session.timeout.ms on the broker.
 func WithSessionTimeout(d time.Duration) Option {
 	return func(c *config) error {
@@ -275,7 +275,7 @@ func WithCommitHook(fn func(CommitEvent)) Option {
 }
 
 // RebalanceEvent describes what one rebalance callback did, for
-// WithRebalanceHook: partitions assigned, partitions revoked (after the
+// [WithRebalanceHook]: partitions assigned, partitions revoked (after the
 // loop let go of them and what finished was committed), or partitions lost
 // (nothing committed).
 type RebalanceEvent struct {

@@ -22,9 +22,9 @@ var _ consumer.Peeker = (*Broker)(nil)
 // Peek returns up to max records of topic from the earliest each partition
 // retains, oldest first by record timestamp across partitions (ties in
 // partition, then offset order), without joining a consumer group and
-// without committing anything (consumer.Peeker). It is PeekGroup with no
+// without committing anything ([consumer.Peeker]). It is PeekGroup with no
 // group and max records of each partition, merged and cut to max. A max
-// below 1 is a *consumer.ConfigError.
+// below 1 is a *[consumer.ConfigError].
 func (b *Broker) Peek(ctx context.Context, topic string, max int) ([]consumer.Message, error) {
 	if max < 1 {
 		return nil, consumer.ConfigErrorf("max", "must be >= 1, got %d", max)
@@ -51,14 +51,14 @@ func (b *Broker) Peek(ctx context.Context, topic string, max int) ([]consumer.Me
 // messages of each (every one up to the end when perPartition is 0).
 // The messages come partition by partition, in offset order, as a
 // consumer would see them: Lane is the partition, Offset the record's
-// offset, ID the HeaderMessageID header (or TOPIC/PARTITION/OFFSET), and
+// offset, ID the [HeaderMessageID] header (or TOPIC/PARTITION/OFFSET), and
 // Headers the record's other headers. Transaction markers take offsets but
 // are not messages, and do not count in perPartition.
 //
 // When a partition cannot be read to its end (none of those not yet read
 // to their end moves for a few seconds: a stalled broker, or records past
 // an open transaction when the broker's client options read committed
-// records only), PeekGroup fails with an error wrapping ErrPeekShort rather
+// records only), PeekGroup fails with an error wrapping [ErrPeekShort] rather
 // than return part of the topic. A compacted topic is the exception: its
 // last offsets may hold no record any more, so there what came by then is
 // the answer.
@@ -221,7 +221,7 @@ func (b *Broker) PeekGroup(ctx context.Context, topic, group string, perPartitio
 
 // peekIdle is how long Peek waits for a partition it has not read to its
 // end to move before it takes the read as stopped: done on a compacted
-// topic, short (ErrPeekShort) on any other.
+// topic, short ([ErrPeekShort]) on any other.
 const peekIdle = 5 * time.Second
 
 // peekFetchWait is how long a fetch of Peek's waits on the broker for

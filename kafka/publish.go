@@ -21,7 +21,7 @@ import (
 // header HeaderMessageID. Records of one key are produced in the order given,
 // within a call and across calls.
 //
-// Records the cluster refused are reported in a *consumer.PublishError,
+// Records the cluster refused are reported in a *[consumer.PublishError],
 // each wrapping franz-go's error (kerr errors match with errors.Is). The
 // cluster refuses whole batches: a record it refuses (larger than the
 // topic's max.message.bytes, say) fails the records of its partition sent

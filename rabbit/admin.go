@@ -12,13 +12,13 @@ import (
 
 var _ consumer.Admin = (*Broker)(nil)
 
-// CreateSource declares the durable queue name with cfg (consumer.Admin),
+// CreateSource declares the durable queue name with cfg ([consumer.Admin]),
 // on the Broker's consuming connection (the publishing one may be blocked
 // by an alarm, and declaring is no publish). It is the quorum queue a
 // Topology's Queue declares by default, with:
 //
 //   - FIFO: a single active consumer (x-single-active-consumer), as
-//     Queue.SingleActiveConsumer;
+//     [Queue.SingleActiveConsumer];
 //   - DeadLetter: messages the queue dead-letters go to that queue through
 //     the default exchange (x-dead-letter-exchange "",
 //     x-dead-letter-routing-key DeadLetter). The dead-letter queue is
@@ -27,7 +27,7 @@ var _ consumer.Admin = (*Broker)(nil)
 //     delete it.
 //   - MaxDeliveries: x-delivery-limit, the deliveries after which the queue
 //     dead-letters a message. It needs DeadLetter (without one RabbitMQ
-//     drops such messages): alone it is a *consumer.ConfigError. With
+//     drops such messages): alone it is a *[consumer.ConfigError]. With
 //     DeadLetter and 0, the broker's default applies (20 on RabbitMQ 4,
 //     none on 3).
 //   - Retention: x-message-ttl, in milliseconds (at least 1).
@@ -76,11 +76,11 @@ func (b *Broker) CreateSource(ctx context.Context, name string, cfg consumer.Sou
 	return nil
 }
 
-// DeleteSource deletes queue name and its messages (consumer.Admin),
-// with the delay queues that hold its retries (see WithRetryDelays): a
+// DeleteSource deletes queue name and its messages ([consumer.Admin]),
+// with the delay queues that hold its retries (see [WithRetryDelays]): a
 // retry due later is a message of the queue too. A queue that does not
 // exist is not an error. Consumers of the queue are cancelled by the broker
-// (their drivers report ErrConsumerCancelled until it is declared again).
+// (their drivers report [ErrConsumerCancelled] until it is declared again).
 func (b *Broker) DeleteSource(ctx context.Context, name string) error {
 	if name == "" {
 		return consumer.ConfigErrorf("queue", "name must not be empty")

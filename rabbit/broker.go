@@ -24,7 +24,7 @@ import (
 	"github.com/ferrymq/ferry/internal/urlsecret"
 )
 
-// Broker is a connection to RabbitMQ: a consumer.Publisher, and the source
+// Broker is a connection to RabbitMQ: a [consumer.Publisher], and the source
 // of Drivers and Consumers over its queues. It owns two connections, one for
 // publishing and one for consuming, so that a broker blocking publishers
 // (an alarm) never holds back acks, and reopens either when it is lost. It
@@ -72,10 +72,10 @@ func Redact(rawURL string) string { return urlsecret.Redact(rawURL) }
 
 // Dial connects to the RabbitMQ at url (amqp:// or amqps://, with the vhost
 // as its path) and declares the topology of WithTopology. An invalid URL or
-// option fails with a *consumer.ConfigError; a broker that cannot be reached
-// fails with an error wrapping consumer.ErrUnreachable, one that refuses the
+// option fails with a *[consumer.ConfigError]; a broker that cannot be reached
+// fails with an error wrapping [consumer.ErrUnreachable], one that refuses the
 // credentials, the vhost, the TLS handshake or the topology with an error
-// wrapping consumer.ErrRefused, each wrapping the cause too (an
+// wrapping [consumer.ErrRefused], each wrapping the cause too (an
 // *amqp091.Error where the broker said why). Neither error holds the
 // password.
 //
@@ -83,7 +83,7 @@ func Redact(rawURL string) string { return urlsecret.Redact(rawURL) }
 // publishes learns of a wrong URL, or of a broker that is down, when it
 // starts rather than at its first Publish. The Drivers and consumers of a
 // Broker need no connection to be built (they connect when they run, and
-// reconnect by themselves), so WithLazyConnect gives a Broker, and
+// reconnect by themselves), so [WithLazyConnect] gives a Broker, and
 // consumers, that can be built while RabbitMQ is down.
 func Dial(rawURL string, opts ...Option) (*Broker, error) {
 	c := config{
@@ -207,7 +207,7 @@ func (b *Broker) isClosed() bool {
 }
 
 // Close stops every Driver of the Broker (their unsettled deliveries go back
-// to the queue), fails Publish calls waiting for confirms with ErrClosed, and
+// to the queue), fails Publish calls waiting for confirms with [ErrClosed], and
 // closes both connections. It returns within about a second whatever the
 // broker does (a blocked connection is cut). Calling it again does nothing.
 func (b *Broker) Close() error {

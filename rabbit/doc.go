@@ -18,12 +18,12 @@
 //   - Connect: the consuming connection (opened if need be) and a passive
 //     queue.declare of the queue, or, for a queue of the Topology, its
 //     declaration with its exchanges and bindings, within
-//     driver.ReportWithin; see "When it cannot consume" below.
+//     [driver.ReportWithin]; see "When it cannot consume" below.
 //   - Fetch: deliveries of basic.consume on a channel of the Broker's
 //     consuming connection, with basic.qos prefetch equal to the loop's
 //     MaxInFlight, so the broker never pushes more than the loop may hold.
 //     Message.ID is the AMQP message-id (a hash of exchange, routing key
-//     and body when the publisher set none), Key the HeaderKey header, else
+//     and body when the publisher set none), Key the [HeaderKey] header, else
 //     the routing key of a message that came through an exchange (through
 //     the default exchange, a plain destination's, the routing key is the
 //     queue's name, and no Key), Headers the string, number and boolean
@@ -31,7 +31,7 @@
 //     that Message.As gives), Offset -1, PublishedAt the timestamp
 //     property.
 //   - Lane: "" (competing consumers keep no useful order), except on a
-//     queue declared with Queue.SingleActiveConsumer, where one consumer at
+//     queue declared with [Queue.SingleActiveConsumer], where one consumer at
 //     a time receives in queue order and Lane is the message's Key: the
 //     loop then keeps each key's order while running keys in parallel,
 //     and retries a failed message in place (see Retries on an ordered
@@ -68,7 +68,7 @@
 //     PRECONDITION_FAILED) is logged with that advice and reopened like any
 //     lost channel.
 //   - Revoked: when the channel closes, every unsettled delivery of it is
-//     gone (the broker requeued them). The driver sends a driver.Revocation
+//     gone (the broker requeued them). The driver sends a [driver.Revocation]
 //     (lane "", or the keys in flight on a single-active-consumer queue),
 //     waits until the loop cancelled their handlers, and only then opens a
 //     new channel. A delivery tag carries its channel: one of a closed
@@ -88,23 +88,23 @@
 //
 // # Connections, reconnects and the topology
 //
-// Dial opens a publishing connection at once (with WithLazyConnect: at
+// Dial opens a publishing connection at once (with [WithLazyConnect]: at
 // the first Publish) and a consuming connection when the first consumer
 // starts; one blocked by a memory or disk alarm (publishers only) never
 // holds back the other's acks. A lost connection or channel is reopened
-// with exponential backoff and full jitter (WithReconnectBackoff). A dial
+// with exponential backoff and full jitter ([WithReconnectBackoff]). A dial
 // runs on a goroutine of its own, bounded by the dial timeout (TCP
 // connect, TLS and AMQP handshakes and the topology's declarations) and
 // ended by Close; every caller needing the connection waits for that one
 // dial only as long as its own context allows (a consumer at most
-// driver.ReportWithin, then it reports), and failed dials are spaced by a
+// [driver.ReportWithin], then it reports), and failed dials are spaced by a
 // backoff shared by the publishers and the consumers of the connection. A
 // Publish call dials at most once: when it fails, the call's messages not
 // yet sent fail with its error. Each new connection declares the Topology
 // again, and each consuming channel declares its own queue again, with its
 // exchanges and bindings, so a queue deleted under a consumer comes back.
 // A server-side basic.cancel (the queue was deleted) is reported through
-// Fetch as ErrConsumerCancelled and consuming resumes once the queue
+// Fetch as [ErrConsumerCancelled] and consuming resumes once the queue
 // exists. Lag, and the delay queues' declarations, are bounded by their
 // context (Lag by 10 seconds when it has no deadline). Every notification
 // channel the package registers is drained by a goroutine of its own, so
@@ -123,7 +123,7 @@
 // DeadLetterExchange (nor x-dead-letter-exchange in Args) and a delivery
 // limit: DeliveryLimit, an x-delivery-limit in Args, or, on RabbitMQ 4.0
 // and later, the broker's default of 20. A queue the Broker only declares
-// or publishes to (a dead-letter queue fed by consumer.DeadLetter) is not
+// or publishes to (a dead-letter queue fed by [consumer.DeadLetter]) is not
 // warned about: only deliveries pass a limit. Whether Ferry's DeadLetter
 // middleware is in front cannot be seen from here, and does not remove the
 // risk: a limit below its DeadLetterMaxAttempts (10 by default) is reached
@@ -140,7 +140,7 @@
 //
 // ferry.Open opens RabbitMQ from a URL in a program that imports this
 // package (blank, or github.com/ferrymq/ferry/brokers, when the program
-// names no rabbit identifier), through Dial with WithLazyConnect: it
+// names no rabbit identifier), through Dial with [WithLazyConnect]: it
 // connects on first use, as Kafka and SQS do; amqps:// over TLS. The
 // path is the vhost ("/" or none is the default vhost; %2F escapes a "/"
 // in a vhost's name). A NewConsumer source is a queue, and a Publish
@@ -160,18 +160,18 @@
 // where the broker said why), which the loop puts in Health.Error and in a
 // WARN line at once, counting FetchErrors.
 //
-//   - consumer.ErrUnreachable, retried with backoff: a dial refused or
+//   - [consumer.ErrUnreachable], retried with backoff: a dial refused or
 //     timed out, a connection or channel lost (320 CONNECTION_FORCED,
 //     a missed heartbeat), the broker not answering within
-//     driver.ReportWithin, a vhost refused on a reconnect (what a
+//     [driver.ReportWithin], a vhost refused on a reconnect (what a
 //     restarting node answers before its vhosts are up).
-//   - consumer.ErrSourceNotFound, retried with backoff: the queue does not
+//   - [consumer.ErrSourceNotFound], retried with backoff: the queue does not
 //     exist (404 NOT_FOUND from Connect's passive declare or from
 //     basic.consume), or the broker cancelled the consumer because it was
-//     deleted (ErrConsumerCancelled). The consumer consumes once it is
+//     deleted ([ErrConsumerCancelled]). The consumer consumes once it is
 //     declared; a queue of the Topology is declared again by the driver
 //     itself.
-//   - consumer.ErrRefused, marked driver.Fatal, so Run ends with it and
+//   - [consumer.ErrRefused], marked [driver.Fatal], so Run ends with it and
 //     health says stopped: credentials refused (amqp091.ErrCredentials),
 //     the vhost refused at the Broker's first connection (530 NOT_ALLOWED:
 //     a wrong URL, or a user without access to it), access refused (403
@@ -190,13 +190,13 @@
 // Dial fails fast (its errors wrap the same kinds), because the Broker is
 // also the publisher: a service that publishes finds a wrong URL or a
 // broker that is down when it starts. A consumer needs no connection to be
-// built, though, and WithLazyConnect makes Dial return without one: a
+// built, though, and [WithLazyConnect] makes Dial return without one: a
 // consumer of such a Broker built while RabbitMQ is down reports it
-// (health disconnected, consumer.ErrUnreachable) and starts consuming when
+// (health disconnected, [consumer.ErrUnreachable]) and starts consuming when
 // RabbitMQ comes up; what Dial would have refused ends its Run with
-// consumer.ErrRefused instead. (ferry.Open connects at once, as Dial does.)
+// [consumer.ErrRefused] instead. (ferry.Open connects at once, as Dial does.)
 // A network that drops packets silently is noticed by the heartbeat
-// (WithHeartbeat), not within driver.ReportWithin.
+// ([WithHeartbeat]), not within [driver.ReportWithin].
 //
 // # Publishing
 //
@@ -204,8 +204,8 @@
 // broker: Publish(ctx, "orders-dlq", …), or consumer.Standard(b,
 // "orders-dlq"), reaches the queue orders-dlq. The message goes through the
 // default exchange with the queue's name as routing key, and its Key
-// travels in the HeaderKey header, from which consumers read it. A name no
-// queue has fails the message with ErrUnroutable and an error naming the
+// travels in the [HeaderKey] header, from which consumers read it. A name no
+// queue has fails the message with [ErrUnroutable] and an error naming the
 // queue; it closes no channel, and the next publish goes on as before.
 //
 // An exchange is used where the destination says so: ToExchange(exchange)
@@ -217,38 +217,38 @@
 // it too (an exchange bound to a queue of the same name is common), so that
 // a name means one thing whatever the Topology. A plain name that no queue
 // has, but an exchange of the Topology does, fails with an error saying to
-// publish to ToExchange(name). ToQueue and the "amq.default/" prefix, from
+// publish to ToExchange(name). [ToQueue] and the "amq.default/" prefix, from
 // when a plain name was an exchange, still name a queue, and are
-// deprecated. In traces and metrics (consumer.TracePublisher) the
+// deprecated. In traces and metrics ([consumer.TracePublisher]) the
 // destination is the queue or the exchange as the user named it
-// (Broker.DestinationName), never a prefix. Messages are persistent and
+// ([Broker.DestinationName]), never a prefix. Messages are persistent and
 // carry the ID as message-id.
 //
 // Publishing is pipelined: a call sends its messages on a confirm-mode
 // channel without waiting, within a window of unconfirmed messages shared by
-// every call (WithConfirmWindow), then waits for the confirms. A message
-// returned unroutable fails with ErrUnroutable (a message's basic.return
+// every call ([WithConfirmWindow]), then waits for the confirms. A message
+// returned unroutable fails with [ErrUnroutable] (a message's basic.return
 // comes before its confirm on the channel, and the returns are all recorded
 // before any confirmed message of the call is reported published), one
-// nacked with ErrNacked,
-// both in a *consumer.PublishError that names them while the rest
+// nacked with [ErrNacked],
+// both in a *[consumer.PublishError] that names them while the rest
 // succeeds. A message waits for the confirm of the message of the same Key
 // before it in the call, and is never sent when that one failed
-// (ErrEarlierFailed), so a key's messages never overtake each other. While
+// ([ErrEarlierFailed]), so a key's messages never overtake each other. While
 // the broker blocks the connection (connection.blocked, a memory or disk
 // alarm), Publish waits; when its context ends first, the error matches
-// both ErrBlocked and the context's error.
+// both [ErrBlocked] and the context's error.
 //
 // One bad message fails alone. What AMQP or the broker cannot take without
 // closing the channel, or the whole connection, and with it every message
 // in flight of every other call, is checked before sending: a message id,
 // header name, routing key, exchange or other string property over 255
-// bytes (MaxShortString) fails with ErrTooLong, a body over
-// WithMaxMessageSize (default 128 MiB, the broker's max_message_size) or
-// headers and properties over what a frame holds fail with ErrTooLarge,
+// bytes ([MaxShortString]) fails with [ErrTooLong], a body over
+// [WithMaxMessageSize] (default 128 MiB, the broker's max_message_size) or
+// headers and properties over what a frame holds fail with [ErrTooLarge],
 // each a *LimitError naming the limit, and the message is never sent. What
 // the broker refuses by closing the channel (404 NOT_FOUND for a missing
-// exchange, 403 ACCESS_REFUSED) fails with ErrRefused and the broker's
+// exchange, 403 ACCESS_REFUSED) fails with [ErrRefused] and the broker's
 // *amqp091.Error, its code and text: the broker did not take it. Each
 // destination publishes on a channel of its own, so such a refusal fails
 // only the messages to that destination, which the broker refuses anyway,
@@ -257,17 +257,17 @@
 // because a re-send duplicates what the broker had taken (on a quorum queue
 // a confirm trails the write), in healthy destinations, every time any
 // destination is refused, and cannot tell which message the broker
-// refused. ErrNotConfirmed is left for a connection lost before the
+// refused. [ErrNotConfirmed] is left for a connection lost before the
 // confirms came: those messages may or may not have been taken.
 //
-// A dead letter (a message consumer.DeadLetter publishes, which carries
-// consumer.HeaderDLQReason) is made to fit instead: its original's key, id
+// A dead letter (a message [consumer.DeadLetter] publishes, which carries
+// [consumer.HeaderDLQReason]) is made to fit instead: its original's key, id
 // or header names may be longer than AMQP's 255 bytes (another broker's,
-// or a queue's HeaderKey), and a dead letter that could never be published
+// or a queue's [HeaderKey]), and a dead letter that could never be published
 // would come back to fail again for ever. A key over 255 bytes that is
 // the routing key (to an exchange) is routed cut to 255 bytes (at a rune)
-// and travels whole in HeaderKey, from which consumers read Key; an id over 255 bytes becomes its SHA-256 (the whole
-// id is in consumer.HeaderDLQMessageID); a header name over 255 bytes is
+// and travels whole in [HeaderKey], from which consumers read Key; an id over 255 bytes becomes its SHA-256 (the whole
+// id is in [consumer.HeaderDLQMessageID]); a header name over 255 bytes is
 // cut and suffixed with its hash.
 //
 // # Retries after a delay
@@ -276,8 +276,8 @@
 // message, confirmed, to a classic delay queue named
 // "<queue>.ferry-delay.<ms>ms" whose x-message-ttl is the delay and whose
 // dead-letter exchange routes it back to the source queue, then acks the
-// original. Delays are rounded up to the next of WithRetryDelays (default
-// DefaultRetryDelays, 1s to 1h), so there is one delay queue per step, and
+// original. Delays are rounded up to the next of [WithRetryDelays] (default
+// [DefaultRetryDelays], 1s to 1h), so there is one delay queue per step, and
 // a message never comes back early. The copy carries the deliveries it had
 // and the loop's count of handler runs in headers, so Message.Attempt and
 // Message.Deliveries stay exact. On a queue with a DeliveryLimit, a delayed
@@ -305,7 +305,7 @@
 // which the broker closes the channel and redelivers everything it had
 // delivered, at once and in order; and a queue's DeliveryLimit counts
 // deliveries, not runs in place, so it no longer bounds a poison message:
-// use consumer.DeadLetter (consumer.Standard), which counts runs.
+// use [consumer.DeadLetter] ([consumer.Standard]), which counts runs.
 //
 // When the consumer stops while a message waits in place, by a shutdown or
 // a crash, the message goes back to its place at the head of the queue,

@@ -18,11 +18,11 @@ import (
 )
 
 // DefaultPrefetch is a driver's prefetch (basic.qos: how many unacked
-// deliveries the broker pushes to it at once) when its driver.Config
+// deliveries the broker pushes to it at once) when its [driver.Config]
 // gives no MaxInFlight.
 const DefaultPrefetch = 64
 
-// queueDriver is the driver over one queue that Broker.Driver returns.
+// queueDriver is the driver over one queue that [Broker.Driver] returns.
 type queueDriver struct {
 	b        *Broker
 	queue    string
@@ -69,15 +69,15 @@ type handle struct {
 	d    amqp.Delivery
 }
 
-// Driver returns a driver over queue, for consumer.NewOn or a loop of
-// your own (driver.Opener); NewConsumer is the usual way to get one. Its
-// prefetch is cfg.MaxInFlight (at most 65535), or DefaultPrefetch when 0.
+// Driver returns a driver over queue, for [consumer.NewOn] or a loop of
+// your own ([driver.Opener]); NewConsumer is the usual way to get one. Its
+// prefetch is cfg.MaxInFlight (at most 65535), or [DefaultPrefetch] when 0.
 // It does not reach the broker (ctx is not used). When queue is in the
 // Broker's topology it is declared again on every channel the driver
 // opens, so a queue deleted under it comes back; otherwise it must exist.
-// The driver implements driver.Connector, driver.Revoker,
-// driver.Drainer, driver.Aser (target *amqp091.Delivery) and
-// driver.LagReporter. It consumes on a channel of the Broker's consuming
+// The driver implements [driver.Connector], [driver.Revoker],
+// [driver.Drainer], [driver.Aser] (target *amqp091.Delivery) and
+// [driver.LagReporter]. It consumes on a channel of the Broker's consuming
 // connection, and reopens it (and the connection) when it is lost.
 func (b *Broker) Driver(_ context.Context, queue string, cfg driver.Config) (driver.Driver, error) {
 	if queue == "" {
@@ -110,7 +110,7 @@ func (b *Broker) Driver(_ context.Context, queue string, cfg driver.Config) (dri
 	return d, nil
 }
 
-// NewConsumer returns a delivery loop over queue: consumer.NewOn over the
+// NewConsumer returns a delivery loop over queue: [consumer.NewOn] over the
 // Broker with opts, the prefetch set to the loop's MaxInFlight.
 func (b *Broker) NewConsumer(ctx context.Context, queue string, opts ...consumer.Option) (*consumer.Loop, error) {
 	return consumer.NewOn(ctx, b, queue, opts...)
@@ -126,15 +126,15 @@ func (d *queueDriver) Capabilities() driver.Capabilities {
 	return driver.Capabilities{Redelivers: !d.laneKey, System: "rabbitmq", Source: d.queue}
 }
 
-// Connect checks, within driver.ReportWithin (or ctx's deadline), that the
+// Connect checks, within [driver.ReportWithin] (or ctx's deadline), that the
 // broker answers and the queue is there: it opens the consuming connection
 // (or takes the one open) and declares the queue on a channel of its own,
 // passively, or, for a queue of the Topology, as the topology says, with
 // its exchanges and bindings, so that a topology queue deleted meanwhile
-// comes back. Its errors wrap consumer.ErrUnreachable (the broker cannot
-// be reached: the error names its address) or consumer.ErrSourceNotFound
+// comes back. Its errors wrap [consumer.ErrUnreachable] (the broker cannot
+// be reached: the error names its address) or [consumer.ErrSourceNotFound]
 // (no such queue: the loop tries again, and consumes once it is declared),
-// or are marked driver.Fatal and wrap consumer.ErrRefused (credentials,
+// or are marked [driver.Fatal] and wrap [consumer.ErrRefused] (credentials,
 // the vhost, the TLS handshake, a declaration the broker rejects). That
 // the user may read the queue is known only when Fetch consumes: a 403
 // there ends Run the same way.
@@ -232,9 +232,9 @@ func (d *queueDriver) stopped() bool {
 // Fetch appends up to max deliveries to dst, waiting for at least one. An
 // error the supervisor met since the last Fetch (a lost connection or
 // channel, a queue that does not exist) is returned once, so the loop
-// reports it, wrapping consumer.ErrUnreachable or ErrSourceNotFound; a
-// refusal (wrapping consumer.ErrRefused: access refused, the vhost, the
-// credentials) and a closed Broker or Driver are marked driver.Fatal.
+// reports it, wrapping [consumer.ErrUnreachable] or ErrSourceNotFound; a
+// refusal (wrapping [consumer.ErrRefused]: access refused, the vhost, the
+// credentials) and a closed Broker or Driver are marked [driver.Fatal].
 // After an error, Fetch returns with no delivery as soon as a new channel
 // consumes, so that the loop knows the broker answers again even while the
 // queue is empty.
@@ -328,7 +328,7 @@ func (d *queueDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 	}
 }
 
-// Drain implements driver.Drainer: when the loop stops fetching (its
+// Drain implements [driver.Drainer]: when the loop stops fetching (its
 // shutdown), the broker has pushed deliveries the loop has not taken yet,
 // and handing them back would count a delivery against each. So the
 // consumer is cancelled (nothing more comes after basic.cancel-ok) and
@@ -392,7 +392,7 @@ func (d *queueDriver) take(s *session, dst []driver.Message, dv *amqp.Delivery) 
 	return append(dst, m)
 }
 
-// As serves consumer.Message.As: a *amqp091.Delivery target gets a copy of
+// As serves [consumer.Message.As]: a *amqp091.Delivery target gets a copy of
 // the delivery as the library received it.
 func (d *queueDriver) As(h, target any) bool {
 	hd, ok := h.(*handle)
@@ -432,7 +432,7 @@ const (
 // back at its place, ahead of the rest of its key, with its delay given up
 // (a requeue would put it behind them on a quorum queue). A delivery of a
 // closed channel is never settled on another: it is reported with
-// ErrStaleDelivery in a *driver.SettleError, as the broker requeued it.
+// [ErrStaleDelivery] in a *[driver.SettleError], as the broker requeued it.
 func (d *queueDriver) Settle(ctx context.Context, batch []driver.Settlement) error {
 	d.mu.Lock()
 	cur := d.cur

@@ -6,13 +6,12 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"os"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/ferrymq/ferry/consumer"
-	"github.com/ferrymq/ferry/consumer/driver"
-	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/rabbit"
 )
 
@@ -22,9 +21,13 @@ import (
 // acking what was handled.
 func Example() {
 	orders := exampleName("orders")
-	defer removeExample(orders, orders+".dlq", orders+".dlx")
+	url := os.Getenv("FERRY_AMQP_URL")
+	if url == "" {
+		url = "amqp://guest:guest@127.0.0.1:5672/"
+	}
+	defer removeExample(url, orders, orders+".dlq", orders+".dlx")
 
-	b, err := rabbit.Dial(testenv.AMQPURL(), rabbit.WithTopology(rabbit.Topology{
+	b, err := rabbit.Dial(url, rabbit.WithTopology(rabbit.Topology{
 		Exchanges: []rabbit.Exchange{{Name: orders, Kind: "topic"}, {Name: orders + ".dlx", Kind: "fanout"}},
 		Queues: []rabbit.Queue{
 			{Name: orders, DeadLetterExchange: orders + ".dlx", DeliveryLimit: 10},
@@ -76,9 +79,13 @@ func Example() {
 // reaches the handler.
 func ExampleBroker_Publish_queue() {
 	jobs := exampleName("jobs")
-	defer removeExample(jobs)
+	url := os.Getenv("FERRY_AMQP_URL")
+	if url == "" {
+		url = "amqp://guest:guest@127.0.0.1:5672/"
+	}
+	defer removeExample(url, jobs)
 
-	b, err := rabbit.Dial(testenv.AMQPURL(), rabbit.WithTopology(rabbit.Topology{
+	b, err := rabbit.Dial(url, rabbit.WithTopology(rabbit.Topology{
 		Queues: []rabbit.Queue{{Name: jobs, Classic: true}},
 	}))
 	if err != nil {
@@ -89,18 +96,23 @@ func ExampleBroker_Publish_queue() {
 	if err := b.Publish(ctx, jobs, consumer.Message{Key: "tenant-7", Body: []byte("resize image")}); err != nil {
 		panic(err)
 	}
-	d, err := b.Driver(ctx, jobs, driver.Config{})
+	c, err := b.NewConsumer(ctx, jobs)
 	if err != nil {
 		panic(err)
 	}
-	defer d.Close()
-	msgs, err := d.Fetch(ctx, nil, 1)
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	err = c.Run(ctx, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		var dv amqp.Delivery
+		if m.As(&dv) {
+			fmt.Printf("%s for %s, routing key is the queue: %v\n", m.Body, m.Key, dv.RoutingKey == jobs)
+		}
+		cancel()
+		return nil
+	}))
 	if err != nil {
 		panic(err)
 	}
-	var dv amqp.Delivery
-	d.(driver.Aser).As(msgs[0].Handle, &dv)
-	fmt.Printf("%s for %s, routing key is the queue: %v\n", msgs[0].Body, msgs[0].Key, dv.RoutingKey == jobs)
 	// Output: resize image for tenant-7, routing key is the queue: true
 }
 
@@ -108,9 +120,13 @@ func ExampleBroker_Publish_queue() {
 // others of the call are published.
 func ExampleBroker_Publish_unroutable() {
 	events := exampleName("events")
-	defer removeExample(events, events+".billing")
+	url := os.Getenv("FERRY_AMQP_URL")
+	if url == "" {
+		url = "amqp://guest:guest@127.0.0.1:5672/"
+	}
+	defer removeExample(url, events, events+".billing")
 
-	b, err := rabbit.Dial(testenv.AMQPURL(), rabbit.WithTopology(rabbit.Topology{
+	b, err := rabbit.Dial(url, rabbit.WithTopology(rabbit.Topology{
 		Exchanges: []rabbit.Exchange{{Name: events, Kind: "direct"}},
 		Queues:    []rabbit.Queue{{Name: events + ".billing", Classic: true}},
 		Bindings:  []rabbit.Binding{{Exchange: events, Queue: events + ".billing", Key: "invoice"}},
@@ -148,16 +164,18 @@ func ExamplePartitioned() {
 	// payments.2 true
 }
 
+// exampleName returns a fresh name for what an example declares (users
+// pick their own).
 func exampleName(prefix string) string {
 	var p [4]byte
 	_, _ = rand.Read(p[:])
 	return "ferry-example-" + prefix + "-" + hex.EncodeToString(p[:])
 }
 
-// removeExample deletes what an example declared (queues and exchanges of
-// those names).
-func removeExample(names ...string) {
-	conn, err := amqp.DialConfig(testenv.AMQPURL(), amqp.Config{Dial: amqp.DefaultDial(5 * time.Second)})
+// removeExample deletes what an example declared on the broker at url
+// (queues and exchanges of those names).
+func removeExample(url string, names ...string) {
+	conn, err := amqp.DialConfig(url, amqp.Config{Dial: amqp.DefaultDial(5 * time.Second)})
 	if err != nil {
 		return
 	}

@@ -18,7 +18,7 @@ import (
 // failing with it every message in flight of every other call.
 
 // DefaultMaxMessageSize is the largest body Publish sends unless
-// WithMaxMessageSize says otherwise: RabbitMQ's default max_message_size,
+// [WithMaxMessageSize] says otherwise: RabbitMQ's default max_message_size,
 // 128 MiB.
 const DefaultMaxMessageSize = 128 << 20
 
@@ -78,8 +78,8 @@ const (
 // a limit of AMQP or of the broker, which would have closed the channel or
 // the connection, failing the other messages in flight with it. Only that
 // message fails (and, as for any failure, the later messages of its Key in
-// the same call, with ErrEarlierFailed). It matches ErrTooLong (a short
-// string) or ErrTooLarge (the body, or the properties).
+// the same call, with [ErrEarlierFailed]). It matches [ErrTooLong] (a short
+// string) or [ErrTooLarge] (the body, or the properties).
 type LimitError struct {
 	// Field is what is over its limit: "exchange", "routing key",
 	// "message id", "header name", "type", "content type", "content
@@ -106,8 +106,8 @@ func (e *LimitError) Error() string {
 	return fmt.Sprintf("rabbit: %s of %d bytes is over the %d bytes an AMQP short string holds", e.Field, e.Size, e.Limit)
 }
 
-// Is reports whether target is ErrTooLarge (the body or the properties) or
-// ErrTooLong (anything else).
+// Is reports whether target is [ErrTooLarge] (the body or the properties) or
+// [ErrTooLong] (anything else).
 func (e *LimitError) Is(target error) bool {
 	large := e.Field == fieldBody || e.Field == fieldProperties
 	return (target == ErrTooLarge && large) || (target == ErrTooLong && !large)
@@ -115,7 +115,7 @@ func (e *LimitError) Is(target error) bool {
 
 // WithMaxMessageSize sets the largest body Publish sends, in bytes: a
 // message with a larger one fails alone with a *LimitError matching
-// ErrTooLarge, and is never sent. Default DefaultMaxMessageSize (128 MiB,
+// [ErrTooLarge], and is never sent. Default [DefaultMaxMessageSize] (128 MiB,
 // RabbitMQ's default max_message_size); at most 512 MiB, the broker's own
 // ceiling. Set it to the broker's max_message_size when that is lower: a
 // larger body that this lets through makes the broker close the
@@ -248,19 +248,19 @@ func fieldSize(v any) (int, error) {
 	return 0, nil
 }
 
-// fitDeadLetter makes a dead letter (a message consumer.DeadLetter
+// fitDeadLetter makes a dead letter (a message [consumer.DeadLetter]
 // publishes) fit AMQP's short strings where the original's key, id or
-// header names, which another broker or a queue's HeaderKey let be longer,
+// header names, which another broker or a queue's [HeaderKey] let be longer,
 // do not: such a message could never be dead-lettered, and would come back
 // to fail again for ever. Its whole key and id are in its headers already
-// (consumer.HeaderDLQKey, consumer.HeaderDLQMessageID).
+// ([consumer.HeaderDLQKey], [consumer.HeaderDLQMessageID]).
 //
-//   - A key over MaxShortString bytes that would be the routing key is cut
-//     to fit (at a rune), and travels whole in HeaderKey, from which
+//   - A key over [MaxShortString] bytes that would be the routing key is cut
+//     to fit (at a rune), and travels whole in [HeaderKey], from which
 //     consumers read it.
-//   - A message id over MaxShortString bytes becomes "sha256:" and the
+//   - A message id over [MaxShortString] bytes becomes "sha256:" and the
 //     first 32 hex digits of its SHA-256.
-//   - A header name over MaxShortString bytes is cut to 238 bytes (at a
+//   - A header name over [MaxShortString] bytes is cut to 238 bytes (at a
 //     rune) and followed by "~" and 16 hex digits of its SHA-256, so that
 //     two such names stay apart.
 func fitDeadLetter(it *pubItem, toQueue bool) {

@@ -12,8 +12,8 @@ import (
 )
 
 // This file sorts what the client meets reaching the broker and the queue
-// into the three kinds every broker of Ferry reports (consumer.ErrUnreachable,
-// consumer.ErrSourceNotFound, consumer.ErrRefused), so that the loop retries
+// into the three kinds every broker of Ferry reports ([consumer.ErrUnreachable],
+// [consumer.ErrSourceNotFound], [consumer.ErrRefused]), so that the loop retries
 // the first two with backoff and ends Run on the third, as on Kafka and SQS.
 
 // linkKind returns the kind err already carries, or nil.

@@ -20,7 +20,7 @@ const (
 )
 
 // DefaultRetryDelays are the delay queues a Return with a delay goes through
-// unless WithRetryDelays says otherwise: a delay is rounded up to the next of
+// unless [WithRetryDelays] says otherwise: a delay is rounded up to the next of
 // these, and delays above the last go through the last.
 var DefaultRetryDelays = []time.Duration{
 	time.Second, 2 * time.Second, 5 * time.Second, 10 * time.Second, 30 * time.Second,
@@ -28,7 +28,7 @@ var DefaultRetryDelays = []time.Duration{
 }
 
 // Option configures a Broker. Dial applies the options in order and fails
-// with a *consumer.ConfigError on the first that is invalid.
+// with a *[consumer.ConfigError] on the first that is invalid.
 type Option func(*config) error
 
 type config struct {
@@ -52,7 +52,7 @@ type config struct {
 // (messaging.client.operation.duration and messaging.client.sent.messages,
 // with messaging.system "rabbitmq" and the destination as the user named
 // it). Default the global provider, a no-op until one is installed. The
-// consumers report through consumer.WithMeterProvider.
+// consumers report through [consumer.WithMeterProvider].
 func WithMeterProvider(mp metric.MeterProvider) Option {
 	return func(c *config) error {
 		if mp == nil {
@@ -89,7 +89,7 @@ func WithTopology(t Topology) Option {
 
 // WithConfirmWindow sets how many published messages may wait for their
 // publisher confirm at once, over all Publish calls of the Broker. Default
-// 512 (DefaultConfirmWindow). A Publish beyond it waits for room.
+// 512 ([DefaultConfirmWindow]). A Publish beyond it waits for room.
 func WithConfirmWindow(n int) Option {
 	return func(c *config) error {
 		if n < 1 {
@@ -172,10 +172,10 @@ func WithRetryDelays(delays ...time.Duration) Option {
 // the first consumer starts (its Run calls the Driver's Connect). Use it
 // for a service that must start, and report itself not ready, while
 // RabbitMQ is down: its consumers say so (health disconnected, a WARN
-// naming the queue and the broker, errors wrapping consumer.ErrUnreachable)
+// naming the queue and the broker, errors wrapping [consumer.ErrUnreachable])
 // and start consuming when the broker comes up. What Dial would have
 // refused at once (credentials, the vhost, TLS, the topology) then ends a
-// consumer's Run with a driver.Fatal error wrapping consumer.ErrRefused,
+// consumer's Run with a [driver.Fatal] error wrapping [consumer.ErrRefused],
 // and fails each Publish. Default: Dial connects, and fails when it cannot
 // (see Dial).
 func WithLazyConnect() Option {

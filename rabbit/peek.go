@@ -25,7 +25,7 @@ const peekIdle = 2 * time.Second
 const requeueWait = 5 * time.Second
 
 // Peek returns up to max of the ready messages of queue, oldest first
-// (consumer.Peeker). AMQP has no read without a delivery: Peek consumes
+// ([consumer.Peeker]). AMQP has no read without a delivery: Peek consumes
 // them without acking, on a driver of its own with a prefetch of the
 // whole read, then hands them back (basic.nack with requeue), and waits
 // (a little) until the queue counts them again, so that a read right
@@ -33,8 +33,8 @@ const requeueWait = 5 * time.Second
 // count one higher on a quorum queue, as after any look at a queue, which
 // counts towards a delivery limit. Messages unacked with a consumer are
 // not seen, nor anything of a single-active-consumer queue another
-// consumer is active on. A max below 1 is a *consumer.ConfigError; a queue
-// that does not exist is an error wrapping consumer.ErrSourceNotFound.
+// consumer is active on. A max below 1 is a *[consumer.ConfigError]; a queue
+// that does not exist is an error wrapping [consumer.ErrSourceNotFound].
 func (b *Broker) Peek(ctx context.Context, queue string, max int) ([]consumer.Message, error) {
 	if max < 1 {
 		return nil, consumer.ConfigErrorf("max", "must be >= 1, got %d", max)

@@ -23,8 +23,8 @@ const ExchangePrefix = "amq.exchange/"
 // ToExchange returns the destination that publishes to exchange, with each
 // message's Key as its routing key, as the exchange's bindings (or, on a
 // consistent-hash exchange such as Partitioned's, the hash of the Key)
-// route it. A message no binding routes fails with ErrUnroutable; an
-// exchange that does not exist fails the message with ErrRefused and the
+// route it. A message no binding routes fails with [ErrUnroutable]; an
+// exchange that does not exist fails the message with [ErrRefused] and the
 // broker's 404. ToExchange("") is the default exchange, which routes a
 // message to the queue its Key names.
 func ToExchange(exchange string) string { return ExchangePrefix + exchange }
@@ -40,7 +40,7 @@ const QueuePrefix = "amq.default/"
 // ToQueue returns the destination that publishes straight to queue.
 //
 // Deprecated: a plain name is a queue: ToQueue(queue) publishes as queue
-// does. Use the queue's name, and ToExchange for an exchange.
+// does. Use the queue's name, and [ToExchange] for an exchange.
 func ToQueue(queue string) string { return QueuePrefix + queue }
 
 // route returns the exchange destination publishes to and, when it names a
@@ -59,7 +59,7 @@ var _ consumer.DestinationNamer = (*Broker)(nil)
 
 // DestinationName returns the queue or exchange a destination names, as
 // the user named it: the exchange of ToExchange(exchange), else the queue.
-// It makes consumer.TracePublisher's spans say "send events" and
+// It makes [consumer.TracePublisher]'s spans say "send events" and
 // messaging.destination.name "events" for ToExchange("events"), not the
 // prefix.
 func (b *Broker) DestinationName(destination string) string {
@@ -81,7 +81,7 @@ const HeaderKey = "ferry-key"
 
 // Headers the driver keeps to itself on delayed retries: the deliveries the
 // message had before it was republished, and the handler runs the loop
-// counted (driver.History).
+// counted ([driver.History]).
 const (
 	headerDeliveries = "ferry-deliveries"
 	headerHistory    = "ferry-history"
@@ -101,7 +101,7 @@ type pubItem struct {
 // Each destination (a queue, an exchange) has a channel of its own. What
 // makes the broker close a publishing channel is a refusal of the
 // destination (404 no such exchange, 403 access refused) or, past
-// WithMaxMessageSize, a body over its max_message_size; a closed channel
+// [WithMaxMessageSize], a body over its max_message_size; a closed channel
 // fails every unconfirmed message on it. (A queue that does not exist
 // closes nothing: its messages come back as basic.return.) On one channel
 // shared by every destination, a single publish to a missing exchange
@@ -113,7 +113,7 @@ type pubItem struct {
 // queues of healthy destinations, each time any destination is refused;
 // and it cannot tell which message was.) What closes the connection, or
 // the channel for one message only, is checked before sending (see
-// LimitError). The channels are by destination, not by exchange: every
+// [LimitError]). The channels are by destination, not by exchange: every
 // queue is published to through the default exchange.
 type publisher struct {
 	b   *Broker
@@ -293,8 +293,8 @@ func (pc *pubChannel) idle() bool {
 }
 
 // lostErr is the error of a message whose channel closed before its
-// confirm: ErrRefused with the broker's reason when the broker closed the
-// channel (a channel exception: 403, 404, 406), ErrNotConfirmed otherwise
+// confirm: [ErrRefused] with the broker's reason when the broker closed the
+// channel (a channel exception: 403, 404, 406), [ErrNotConfirmed] otherwise
 // (the connection was lost or closed: it may or may not have been taken).
 func (pc *pubChannel) lostErr(dest string) error {
 	var e *amqp.Error
@@ -405,7 +405,7 @@ func (pc *pubChannel) publish(exchange string, it *pubItem) (*pending, error) {
 	return pd, nil
 }
 
-// ctxErr is the error of a publish whose context ended: ErrBlocked too when
+// ctxErr is the error of a publish whose context ended: [ErrBlocked] too when
 // the broker blocks the connection.
 func (p *publisher) ctxErr(ctx context.Context, dest string) error {
 	if reason, _ := p.b.pubConn.blockedWait(); reason != "" || p.b.pubConn.blocked.Load() != nil {
@@ -571,15 +571,15 @@ func (p *publisher) waitErr(ctx context.Context, dest string) error {
 // confirmed every one of them (publisher confirms; on a quorum queue, once
 // a majority wrote it). destination is a queue, as on every broker: the
 // message goes through the default exchange with the queue's name as
-// routing key, and its Key travels in the HeaderKey header, from which
+// routing key, and its Key travels in the [HeaderKey] header, from which
 // consumers read it. ToExchange(exchange) publishes to an exchange instead,
 // each message's Key its routing key. Messages are published persistent
-// and mandatory: one that no queue takes fails with ErrUnroutable (for a
+// and mandatory: one that no queue takes fails with [ErrUnroutable] (for a
 // queue: there is no queue of that name; the error names it), one the
-// broker nacks with ErrNacked, one it refuses by closing the destination's
-// channel (no such exchange) with ErrRefused and its reason, one over a
-// limit of AMQP or the broker with a *LimitError (ErrTooLong, ErrTooLarge)
-// without being sent, each in a *consumer.PublishError naming it, while
+// broker nacks with [ErrNacked], one it refuses by closing the destination's
+// channel (no such exchange) with [ErrRefused] and its reason, one over a
+// limit of AMQP or the broker with a *LimitError ([ErrTooLong], [ErrTooLarge])
+// without being sent, each in a *[consumer.PublishError] naming it, while
 // the others are published. Each destination has a channel of its own, so
 // a refused message never fails the messages of other destinations (see
 // the package documentation), and an unroutable one fails no other.
@@ -587,14 +587,14 @@ func (p *publisher) waitErr(ctx context.Context, dest string) error {
 // The messages of a call go out pipelined, within the Broker's confirm
 // window, except that a message waits for the confirm of the message of the
 // same Key before it in the call: when that one fails, it fails too with
-// ErrEarlierFailed and is never sent, so a key's messages never overtake
+// [ErrEarlierFailed] and is never sent, so a key's messages never overtake
 // one another. Messages without a Key are not ordered.
 //
 // The message's ID travels as the AMQP message-id (a unique one is made when
 // it is empty) and its Headers as string header values. While the broker
 // blocks the connection (a memory or disk alarm), Publish waits; when ctx
 // ends first, the messages not confirmed fail with an error matching both
-// ErrBlocked and ctx's error.
+// [ErrBlocked] and ctx's error.
 func (b *Broker) Publish(ctx context.Context, destination string, msgs ...consumer.Message) error {
 	start := time.Now()
 	err := b.publish(ctx, destination, msgs)

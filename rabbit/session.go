@@ -189,7 +189,7 @@ func isFatal(err error) bool {
 // open opens a consuming channel: the queue (and its exchanges and
 // bindings) declared again when it is in the topology, the prefetch set,
 // the consumer started. Waiting for the connection is bounded by
-// driver.ReportWithin, so that Fetch reports a broker that does not answer
+// [driver.ReportWithin], so that Fetch reports a broker that does not answer
 // in time (the dial goes on, and the next open waits for it again). Its
 // errors carry their kind (see classify).
 func (d *queueDriver) open(ctx context.Context, gen uint64) (*session, chan *amqp.Error, chan string, error) {

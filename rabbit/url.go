@@ -24,7 +24,7 @@ func init() {
 }
 
 // openURL opens amqp:// and amqps:// URLs with Dial. Like Kafka's and
-// SQS's, the Broker needs no broker to be built (WithLazyConnect): a
+// SQS's, the Broker needs no broker to be built ([WithLazyConnect]): a
 // consumer started while RabbitMQ is down says so and consumes when it
 // comes up, and a Publish connects, or fails saying why.
 func openURL(_ context.Context, u *url.URL, q url.Values, shown string) (consumer.Broker, error) {

@@ -29,16 +29,16 @@ const (
 	maxRetention = 14 * 24 * time.Hour
 )
 
-// CreateSource creates queue name with cfg (consumer.Admin). cfg.FIFO makes
+// CreateSource creates queue name with cfg ([consumer.Admin]). cfg.FIFO makes
 // a FIFO queue (FifoQueue), whose name must end in ".fifo" (else a
-// *consumer.ConfigError); a name ending so makes a FIFO queue with FIFO
+// *[consumer.ConfigError]); a name ending so makes a FIFO queue with FIFO
 // unset too, SQS having no other kind of that name. cfg.Retention is
 // MessageRetentionPeriod,
 // in whole seconds rounded up, between a minute and 14 days as SQS allows
-// (else a *consumer.ConfigError). cfg.Partitions is ignored.
+// (else a *[consumer.ConfigError]). cfg.Partitions is ignored.
 //
 // cfg.DeadLetter sets a redrive policy to that queue after cfg.MaxDeliveries
-// receives (DefaultMaxDeliveries when 0). The dead-letter queue is created
+// receives ([DefaultMaxDeliveries] when 0). The dead-letter queue is created
 // first when it does not exist, of the same kind (a FIFO queue's must be
 // FIFO, so its name must end in ".fifo" too) and with no configuration of
 // its own: a redrive policy names the queue by ARN, which a queue that does
@@ -159,7 +159,7 @@ func (b *Broker) queueURL(ctx context.Context, name string) (string, error) {
 }
 
 // DeleteSource deletes queue name (a name or a queue URL) and its messages
-// (consumer.Admin). A queue that does not exist is not an error. SQS takes
+// ([consumer.Admin]). A queue that does not exist is not an error. SQS takes
 // up to 60 seconds to forget a deleted queue: a queue of the same name
 // created meanwhile may fail (QueueDeletedRecently).
 func (b *Broker) DeleteSource(ctx context.Context, name string) error {

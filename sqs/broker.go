@@ -44,7 +44,7 @@ const (
 )
 
 // Broker is Ferry over Amazon SQS through one *sqs.Client of
-// aws-sdk-go-v2. It is a consumer.Publisher, and it builds consumers of
+// aws-sdk-go-v2. It is a [consumer.Publisher], and it builds consumers of
 // its queues with NewConsumer. It is safe for concurrent use.
 type Broker struct {
 	client *awssqs.Client
@@ -108,7 +108,7 @@ func (b *Broker) System() string { return "aws_sqs" }
 // deployment needs (config.LoadDefaultConfig and sqs.NewFromConfig, the
 // default credential chain, or sqs.New with explicit options). The Broker
 // does not change the client and makes no call until it is used. It fails
-// with a *consumer.ConfigError when client is nil or an option is invalid.
+// with a *[consumer.ConfigError] when client is nil or an option is invalid.
 func New(client *awssqs.Client, opts ...Option) (*Broker, error) {
 	if client == nil {
 		return nil, consumer.ConfigErrorf("client", "must not be nil")
@@ -145,8 +145,8 @@ func New(client *awssqs.Client, opts ...Option) (*Broker, error) {
 // Client returns the client the broker was built over.
 func (b *Broker) Client() *awssqs.Client { return b.client }
 
-// Close closes the broker: later calls fail with ErrClosed, and every
-// consumer built by it ends its Run with a fatal error wrapping ErrClosed
+// Close closes the broker: later calls fail with [ErrClosed], and every
+// consumer built by it ends its Run with a fatal error wrapping [ErrClosed]
 // (messages it held and did not settle come back after their visibility
 // timeout). It waits up to two seconds for their short receives to end by
 // themselves and gives back what they bring (see Stopping in the package
@@ -196,7 +196,7 @@ var queueAttributes = []types.QueueAttributeName{
 }
 
 // queueName returns the name of the queue that queue, a name or a queue
-// URL, names, or a *consumer.ConfigError when it names none.
+// URL, names, or a *[consumer.ConfigError] when it names none.
 func queueName(queue string) (string, error) {
 	if queue == "" {
 		return "", consumer.ConfigErrorf("queue", "must not be empty")
@@ -255,7 +255,7 @@ func (b *Broker) resolve(ctx context.Context, queue string) (*queueInfo, error) 
 // lookUp asks SQS for the queue named by queue (GetQueueUrl for a name,
 // then GetQueueAttributes) and caches what it says. Its errors are
 // callErrors: a queue that does not exist wraps
-// consumer.ErrSourceNotFound, and so on.
+// [consumer.ErrSourceNotFound], and so on.
 func (b *Broker) lookUp(ctx context.Context, queue string) (*queueInfo, error) {
 	name, err := queueName(queue)
 	if err != nil {
@@ -349,29 +349,29 @@ func recordAttempts(o *awssqs.Options) {
 }
 
 // NewConsumer returns a delivery loop over the queue named by queue (a name
-// or a queue URL): consumer.NewOn over the Broker, with opts. It makes
+// or a queue URL): [consumer.NewOn] over the Broker, with opts. It makes
 // no call to SQS: the consumer looks its queue up when Run starts, and
 // until then, and whenever SQS cannot be reached or the queue does not
 // exist, Run retries with backoff and says so (see Errors in the package
 // documentation). A consumer built while SQS is down, or before its queue
 // is created, starts consuming once both are there. It fails with a
-// *consumer.ConfigError when queue names no queue or an option is invalid.
+// *[consumer.ConfigError] when queue names no queue or an option is invalid.
 func (b *Broker) NewConsumer(ctx context.Context, queue string, opts ...consumer.Option) (*consumer.Loop, error) {
 	return consumer.NewOn(ctx, b, queue, opts...)
 }
 
-// Driver returns the raw driver over a queue, for consumer.NewOn or a loop
-// of one's own (driver.Opener; SQS needs nothing of cfg). It makes no call
+// Driver returns the raw driver over a queue, for [consumer.NewOn] or a loop
+// of one's own ([driver.Opener]; SQS needs nothing of cfg). It makes no call
 // to SQS (ctx is not used): the driver
-// looks the queue up in Connect (driver.Connector), or in the first Fetch
+// looks the queue up in Connect ([driver.Connector]), or in the first Fetch
 // or Lag when nobody called Connect, and again after SQS said the queue
-// does not exist. It implements driver.Extender (the lease is the queue's
-// visibility timeout, once the queue was looked up), driver.LagReporter,
-// driver.Drainer and driver.Aser (a *types.Message target gets the message
+// does not exist. It implements [driver.Extender] (the lease is the queue's
+// visibility timeout, once the queue was looked up), [driver.LagReporter],
+// [driver.Drainer] and [driver.Aser] (a *types.Message target gets the message
 // as ReceiveMessage returned it). Each consumer needs its own; several
 // drivers of one queue share its messages as SQS shares them between
-// receivers. It fails with a *consumer.ConfigError when queue names no
-// queue, and with ErrClosed on a closed broker.
+// receivers. It fails with a *[consumer.ConfigError] when queue names no
+// queue, and with [ErrClosed] on a closed broker.
 func (b *Broker) Driver(_ context.Context, queue string, _ driver.Config) (driver.Driver, error) {
 	if b.isClosed() {
 		return nil, fmt.Errorf("sqs: driver for %q: %w", queue, ErrClosed)

@@ -22,14 +22,14 @@ import (
 	"github.com/ferrymq/ferry/consumer/driver"
 )
 
-// This file maps a consumer.Message onto an SQS message and back.
+// This file maps a [consumer.Message] onto an SQS message and back.
 //
 // SQS takes a body of XML characters (no NUL, no invalid UTF-8, not empty),
 // at most ten message attributes with names of a limited alphabet and
 // non-empty values, and on a FIFO queue a message group id and a
 // deduplication id of printable ASCII. Ferry's messages carry any bytes in
 // the body, any number of headers of any name and value, and any key. What
-// does not fit SQS's shape travels in one binary attribute, MetaAttribute:
+// does not fit SQS's shape travels in one binary attribute, [MetaAttribute]:
 //
 //   - a body that is not SQS text goes base64-encoded (an empty one as "-"),
 //     and the meta attribute says so;
@@ -189,7 +189,7 @@ func readString(b []byte) (string, []byte, bool) {
 
 var errBadMeta = errors.New("sqs: malformed " + MetaAttribute + " attribute")
 
-// decode maps a received SQS message onto a driver.Message. A message with a
+// decode maps a received SQS message onto a [driver.Message]. A message with a
 // malformed meta attribute (not written by Ferry) is delivered with its body
 // and attributes as SQS gave them, and the returned error says why.
 func decode(q *queueInfo, m *types.Message, dm *driver.Message) error {

@@ -41,7 +41,7 @@
 // (through the last Fetch, or Drain when the loop was not fetching then:
 // the loop runs it within its grace); its Close, at the end of Run, gives
 // short receives up to two seconds to end by themselves, makes what they
-// bring visible at once (counted in Broker.Stats.Released), and cuts a long
+// bring visible at once (counted in [Broker.Stats].Released), and cuts a long
 // poll. A message that a cut poll takes afterwards, or one whose extension
 // failed, is received again by another consumer after 3 seconds, with one
 // more receive counted. A process that dies mid-poll strands messages for
@@ -50,32 +50,32 @@
 // # When SQS cannot be reached
 //
 // NewConsumer makes no call to SQS: the consumer looks its queue up when
-// Run starts (GetQueueUrl, GetQueueAttributes: driver.Connector), so one
+// Run starts (GetQueueUrl, GetQueueAttributes: [driver.Connector]), so one
 // built while SQS is unreachable, or before its queue is created, starts
 // consuming once both are there. Until then, and whenever SQS stops
 // answering or the queue is deleted, the loop retries with backoff and says
 // so at once: its Health is "disconnected" with the error, a WARN line names
 // the queue, the endpoint and the cause, and Stats.FetchErrors counts the
-// failures. A receive waits at most 3 seconds (MaxWaitTime, rather than
+// failures. A receive waits at most 3 seconds ([MaxWaitTime], rather than
 // SQS's 20) and is given up 2 seconds after that, so a consumer whose
-// network goes silent says so within driver.ReportWithin (5 s); an idle
+// network goes silent says so within [driver.ReportWithin] (5 s); an idle
 // consumer makes one receive every 3 seconds. The errors, each naming the
 // call, the queue and the endpoint (never a credential), say which case it
 // is with errors.Is, as on every broker:
 //
-//   - consumer.ErrSourceNotFound: the queue does not exist (yet, or any
+//   - [consumer.ErrSourceNotFound]: the queue does not exist (yet, or any
 //     more). Retried; once a queue of that name exists, the consumer
 //     consumes from it.
-//   - consumer.ErrUnreachable: SQS did not answer (a refused or failed
+//   - [consumer.ErrUnreachable]: SQS did not answer (a refused or failed
 //     dial, a connection cut, no answer in time; the error says what the
 //     SDK's last attempt saw). Retried.
-//   - consumer.ErrRefused, marked driver.Fatal: SQS refused the client for
+//   - [consumer.ErrRefused], marked [driver.Fatal]: SQS refused the client for
 //     good: credentials or signature not accepted (InvalidClientTokenId,
 //     UnrecognizedClientException, SignatureDoesNotMatch, ...), an action
 //     denied (AccessDenied, AccessDeniedException), the queue's KMS key or
 //     HTTPS policy refusing it. Run ends with it: no retry can fix it. A
-//     queue whose visibility timeout is below driver.MinLease ends Run too,
-//     with a *consumer.ConfigError.
+//     queue whose visibility timeout is below [driver.MinLease] ends Run too,
+//     with a *[consumer.ConfigError].
 //
 // The AWS error inside is reached with errors.As (for example
 // *types.QueueDoesNotExist, or smithy.APIError and its code). Other
@@ -91,13 +91,13 @@
 //
 //   - Fetch: ReceiveMessage with up to ten messages. While receives come
 //     back full (a backlog), the driver keeps as many open at once as fill
-//     the loop's room for messages in flight (consumer.WithMaxInFlight), ten
-//     messages each and no more (WithMaxReceivers bounds them), counting
+//     the loop's room for messages in flight ([consumer.WithMaxInFlight]), ten
+//     messages each and no more ([WithMaxReceivers] bounds them), counting
 //     the ones still open and the messages received and not yet handed
 //     over, each waiting at most a second; with room for less than ten it
 //     waits a few milliseconds for acks to make more, so receives stay
 //     full. Once a receive comes back short, it keeps a single long poll
-//     open (WaitTimeSeconds 3, MaxWaitTime; WithWaitTime), which answers
+//     open (WaitTimeSeconds 3, [MaxWaitTime]; [WithWaitTime]), which answers
 //     as soon as a message arrives. Fetch hands over a receive's messages
 //     as soon as that receive answers: the others go on polling, and what
 //     they bring waits for the next Fetch, its visibility extended should
@@ -131,14 +131,14 @@
 //     PublishedAt is SentTimestamp; Headers are the message attributes;
 //     Offset is -1. On a standard queue Lane is ""; on a FIFO queue Lane is
 //     the MessageGroupId, and SQS and the loop together keep each group in
-//     order. consumer.Message.As with a *types.Message target gives the
+//     order. [consumer.Message.As] with a *types.Message target gives the
 //     message as ReceiveMessage returned it.
 //   - FIFO receives that fail (an answer lost on the way) are retried with
 //     the same ReceiveRequestAttemptId within five minutes, so SQS hands the
 //     same messages over again instead of holding their group invisible.
 //   - Settle: acks go out as DeleteMessageBatch, ten entries a call, several
 //     calls at once; a batch of fewer than ten that follows the last one
-//     within a few milliseconds waits that long first (WithSettleWindow), so
+//     within a few milliseconds waits that long first ([WithSettleWindow]), so
 //     that under load deletes go out full. Acks decided while a Settle call
 //     is out go in a further one as soon as they fill a batch of ten (up to
 //     four calls out at once), rather than waiting for the first, and a
@@ -149,13 +149,13 @@
 //     loop of zero-visibility returns), within the 12 hours. SQS answers
 //     batch calls with HTTP 200 and a list of failed entries: entries that
 //     failed through SQS's fault are tried once more, and the rest are
-//     reported to the loop exactly, by index (driver.SettleError); the
+//     reported to the loop exactly, by index ([driver.SettleError]); the
 //     other entries stand.
 //   - Extend: ChangeMessageVisibilityBatch with the queue's visibility
 //     timeout (the driver's Lease), up to what is left of the 12 hours. A
 //     receipt handle SQS no longer takes (ReceiptHandleIsInvalid,
 //     InvalidParameterValue: its visibility ran out before the extension)
-//     ends that message's extension quietly; Broker.Stats counts it in
+//     ends that message's extension quietly; [Broker.Stats] counts it in
 //     LeasesLost, and a buffered message whose extension came back so is
 //     not handed to the loop. An extension SQS refuses for going past the
 //     12 hours (InvalidParameterValue for parameter VisibilityTimeout) is
@@ -174,15 +174,15 @@
 //
 // # Publishing
 //
-// Broker.Publish sends with SendMessageBatch, ten messages or 1 MiB a call,
+// [Broker.Publish] sends with SendMessageBatch, ten messages or 1 MiB a call,
 // and returns nil only once SQS took every message; a partial failure is a
-// *consumer.PublishError naming each failed message. On a FIFO queue the
+// *[consumer.PublishError] naming each failed message. On a FIFO queue the
 // Key is the MessageGroupId (a message without one is refused, there is no
 // default group) and the ID the MessageDeduplicationId.
 //
-// SQS carries less than a consumer.Message holds: a body of text only, ten
+// SQS carries less than a [consumer.Message] holds: a body of text only, ten
 // message attributes, group ids of printable ASCII. What does not fit
-// travels in one binary attribute named MetaAttribute ("ferry"), present
+// travels in one binary attribute named [MetaAttribute] ("ferry"), present
 // only when needed: headers beyond the attributes left (user headers take
 // the native attributes first, ferry-* ones such as DeadLetter's after), headers
 // whose names or values SQS refuses, the key on a standard queue, a key
@@ -190,7 +190,7 @@
 // body that is not SQS text, which is sent base64-encoded and so takes 4/3
 // of its size. A dead-lettered message thus keeps every header on SQS. A
 // message whose body and attributes exceed the queue's
-// MaximumMessageSize is refused with ErrMessageTooLarge before any call,
+// MaximumMessageSize is refused with [ErrMessageTooLarge] before any call,
 // never truncated.
 //
 // # Using it
@@ -198,7 +198,7 @@
 // Build an *awssqs.Client the usual way (config.LoadDefaultConfig and
 // awssqs.NewFromConfig take the default credential chain, region and
 // endpoint), pass it to New, and use the Broker as the Publisher of
-// consumer.DeadLetter, the outbox relay or your own code, and NewConsumer
+// [consumer.DeadLetter], the outbox relay or your own code, and NewConsumer
 // for each queue to consume (neither New nor NewConsumer calls SQS). A consumer keeps up to
 // consumer.WithMaxInFlight/10 receives and several batch calls open at
 // once: give the client's HTTP transport enough idle connections

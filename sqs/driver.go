@@ -84,13 +84,13 @@ const (
 )
 
 // MaxWaitTime is the longest a receive waits for messages to arrive
-// (WaitTimeSeconds), and the default of WithWaitTime: with the time it
-// allows the answer to take, it is driver.ReportWithin, so that a consumer
+// (WaitTimeSeconds), and the default of [WithWaitTime]: with the time it
+// allows the answer to take, it is [driver.ReportWithin], so that a consumer
 // says within that time that SQS no longer answers, rather than after a
 // long poll of SQS's 20 seconds.
 const MaxWaitTime = driver.ReportWithin - recvSlack
 
-// sqsDriver is the driver.Driver over one queue.
+// sqsDriver is the [driver.Driver] over one queue.
 //
 // The driver makes no call until Connect, or the first Fetch or Lag,
 // looks the queue up; it looks it up again after SQS said that it does not
@@ -239,13 +239,13 @@ func (d *sqsDriver) callErr(op string, err, last error) error {
 }
 
 // Connect looks the queue up (GetQueueUrl for a name, then
-// GetQueueAttributes), within driver.ReportWithin. A queue that does not
-// exist yet fails with an error wrapping consumer.ErrSourceNotFound, SQS
-// not answering with one wrapping consumer.ErrUnreachable (both retried
+// GetQueueAttributes), within [driver.ReportWithin]. A queue that does not
+// exist yet fails with an error wrapping [consumer.ErrSourceNotFound], SQS
+// not answering with one wrapping [consumer.ErrUnreachable] (both retried
 // by the loop), and credentials or permissions SQS refuses with one
-// wrapping consumer.ErrRefused, marked driver.Fatal. So does a queue whose
-// visibility timeout is below driver.MinLease, with a
-// *consumer.ConfigError: its leases cannot be kept.
+// wrapping [consumer.ErrRefused], marked [driver.Fatal]. So does a queue whose
+// visibility timeout is below [driver.MinLease], with a
+// *[consumer.ConfigError]: its leases cannot be kept.
 func (d *sqsDriver) Connect(ctx context.Context) error {
 	if d.closed() || d.b.isClosed() {
 		return driver.Fatal(fmt.Errorf("sqs: connect to %q: %w", d.name, ErrClosed))
@@ -309,7 +309,7 @@ func (d *sqsDriver) url() string {
 // waits for the next Fetch. While receives come back full the queue has a
 // backlog: Fetch opens as many as fill the room, each waiting at most a
 // second. Once one comes back short, it keeps a single long poll open
-// (WithWaitTime), which answers as soon as a message arrives. Fetch looks
+// ([WithWaitTime]), which answers as soon as a message arrives. Fetch looks
 // the queue up first when Connect did not, or when SQS said since that it
 // does not exist.
 func (d *sqsDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([]driver.Message, error) {
@@ -833,12 +833,12 @@ func (d *sqsDriver) Capabilities() driver.Capabilities {
 }
 
 // Lease is the queue's visibility timeout, as the driver's first look-up
-// of the queue found it; before that, driver.MinLease, the shortest the
+// of the queue found it; before that, [driver.MinLease], the shortest the
 // loop keeps: a loop that reads it before its consumer reached SQS checks
 // its leases often enough for any queue.
 func (d *sqsDriver) Lease() time.Duration { return d.leaseNow() }
 
-// As serves consumer.Message.As: a *types.Message target gets the message
+// As serves [consumer.Message.As]: a *types.Message target gets the message
 // as ReceiveMessage returned it.
 func (d *sqsDriver) As(handle, target any) bool {
 	r, ok := handle.(*receipt)
@@ -862,7 +862,7 @@ func (d *sqsDriver) As(handle, target any) bool {
 // follows the previous one within the settle window waits out the window
 // first, so that under load the next batch gathers more. Entries SQS
 // refused are retried once when SQS was at fault, and the rest reported in
-// a *driver.SettleError by index. The loop may have up to settlers calls
+// a *[driver.SettleError] by index. The loop may have up to settlers calls
 // out at once (see Capabilities). On a FIFO queue, a Fetch that waits
 // receives again as soon as a Settle is done: the settled messages'
 // groups are open again (see fillFIFO).
@@ -1083,7 +1083,7 @@ func compact[E any](s []E, keep func(E) bool) []E {
 // SQS's 12-hour limit since it was received; a delivery at the limit is no
 // longer extended. A delivery whose receipt handle SQS no longer takes (its
 // visibility ran out) ends its extension quietly and is counted in
-// Stats.LeasesLost; other failures are returned.
+// [Stats.LeasesLost]; other failures are returned.
 func (d *sqsDriver) Extend(ctx context.Context, handles []any, dur time.Duration) error {
 	rs := make([]*receipt, 0, len(handles))
 	for _, h := range handles {

@@ -170,7 +170,7 @@ func isUnreachable(err error) bool {
 }
 
 // kindOf returns the consumer error that a failed call to SQS stands for
-// (consumer.ErrSourceNotFound, ErrRefused or ErrUnreachable), or nil for a
+// ([consumer.ErrSourceNotFound], ErrRefused or ErrUnreachable), or nil for a
 // failure of another kind (throttling, a 5xx, a bad request).
 func kindOf(err error) error {
 	switch {
@@ -191,7 +191,7 @@ func kindOf(err error) error {
 // wrapping both the consumer error it stands for (see kindOf), so that
 // errors.Is tells the cases apart as on every broker, and the SDK's error,
 // so that errors.As reaches the AWS error inside. A refusal is marked
-// driver.Fatal: a consumer cannot go on until someone changes its
+// [driver.Fatal]: a consumer cannot go on until someone changes its
 // configuration. last is what the SDK's last attempt saw, when the call
 // ended on its deadline while the SDK waited to try again.
 func callError(op, queue, endpoint string, err, last error) error {

@@ -24,7 +24,7 @@ type config struct {
 // (messaging.client.operation.duration and messaging.client.sent.messages,
 // with messaging.system "aws_sqs"). Default the global provider, a no-op
 // until one is installed. The consumers report through
-// consumer.WithMeterProvider.
+// [consumer.WithMeterProvider].
 func WithMeterProvider(mp metric.MeterProvider) Option {
 	return func(c *config) error {
 		if mp == nil {
@@ -36,7 +36,7 @@ func WithMeterProvider(mp metric.MeterProvider) Option {
 }
 
 // Option configures New. An option given a bad value makes New fail with a
-// *consumer.ConfigError naming the field.
+// *[consumer.ConfigError] naming the field.
 type Option func(*config) error
 
 // WithLogger sets where the broker and its drivers log. Default
@@ -53,11 +53,11 @@ func WithLogger(l *slog.Logger) Option {
 
 // WithWaitTime sets how long one ReceiveMessage waits for messages to
 // arrive (long polling, WaitTimeSeconds), in whole seconds from 1 to
-// MaxWaitTime (3s). Default MaxWaitTime. SQS allows 20 s, which would save
+// [MaxWaitTime] (3s). Default MaxWaitTime. SQS allows 20 s, which would save
 // empty receives on an idle queue (one every 3 s instead of every 20 s),
 // but a poll open when SQS stops answering would then tell the loop so
 // only after 20 s or more: Ferry reports an outage within
-// driver.ReportWithin.
+// [driver.ReportWithin].
 func WithWaitTime(d time.Duration) Option {
 	return func(c *config) error {
 		if d < time.Second || d > MaxWaitTime || d%time.Second != 0 {
@@ -98,7 +98,7 @@ func WithPublishConcurrency(n int) Option {
 
 // WithMaxReceivers bounds how many ReceiveMessage calls one consumer has
 // open at once. A consumer opens as many as it takes to fill its bound on
-// messages in flight (consumer.WithMaxInFlight), ten messages each, and no
+// messages in flight ([consumer.WithMaxInFlight]), ten messages each, and no
 // more; on a FIFO queue, one at a time (see the package documentation).
 // Default 32.
 func WithMaxReceivers(n int) Option {

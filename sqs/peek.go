@@ -24,14 +24,14 @@ var _ consumer.Peeker = (*Broker)(nil)
 const peekIdle = 2 * time.Second
 
 // Peek returns up to max of the messages queue (a name or a queue URL)
-// holds visible, oldest first as SQS hands them out (consumer.Peeker). SQS
+// holds visible, oldest first as SQS hands them out ([consumer.Peeker]). SQS
 // has no read without a lease: Peek receives them, then makes them visible
 // again at once (visibility 0). So each peek counts as a receive
 // (ApproximateReceiveCount, and towards a redrive policy's
 // maxReceiveCount), as any look at an SQS queue does, and messages in
 // flight with a consumer are not seen. A max below 1 is a
-// *consumer.ConfigError; a queue that does not exist is an error wrapping
-// consumer.ErrSourceNotFound.
+// *[consumer.ConfigError]; a queue that does not exist is an error wrapping
+// [consumer.ErrSourceNotFound].
 func (b *Broker) Peek(ctx context.Context, queue string, max int) ([]consumer.Message, error) {
 	if max < 1 {
 		return nil, consumer.ConfigErrorf("max", "must be >= 1, got %d", max)

@@ -17,12 +17,12 @@ import (
 
 // Publish sends msgs to the queue named by destination (a name or a queue
 // URL) with SendMessageBatch: up to ten messages a call and at most
-// MaxBatchSize bytes, several calls at once (WithPublishConcurrency). It
+// [MaxBatchSize] bytes, several calls at once ([WithPublishConcurrency]). It
 // returns nil only once SQS took every message.
 //
 // Each message is checked before any call: one larger than the queue's
-// MaximumMessageSize fails with ErrMessageTooLarge, and one without a Key on
-// a FIFO queue with ErrInvalidMessage; neither is sent, and the others are.
+// MaximumMessageSize fails with [ErrMessageTooLarge], and one without a Key on
+// a FIFO queue with [ErrInvalidMessage]; neither is sent, and the others are.
 // On a FIFO queue the Key is the message group and the ID the deduplication
 // id (a message without an ID gets a random one, unless the queue
 // deduplicates by content). Headers, the key and bodies that are not SQS
@@ -32,7 +32,7 @@ import (
 // SendMessageBatch: a key's later message is sent only once its earlier
 // one was taken, in a later batch shared with other keys. When a message fails, the later messages of its
 // key in the call are not sent and fail with ErrNotSent. Failures are
-// reported in a *consumer.PublishError, by index in msgs, each an
+// reported in a *[consumer.PublishError], by index in msgs, each an
 // *EntryError for an entry SQS refused, or the call's error; errors.As
 // reaches the typed AWS errors inside.
 func (b *Broker) Publish(ctx context.Context, destination string, msgs ...consumer.Message) error {
@@ -109,8 +109,8 @@ type batch struct {
 	done chan struct{}
 }
 
-// plan packs messages, in order, into batches of at most MaxBatch entries
-// and MaxBatchSize bytes, never two messages of one key in one batch: a
+// plan packs messages, in order, into batches of at most [MaxBatch] entries
+// and [MaxBatchSize] bytes, never two messages of one key in one batch: a
 // key's later message goes in a later batch than its earlier one, which
 // send sends only after the earlier one's batch answered (and sendBatch
 // holds it back when that one failed). Messages of different keys share
