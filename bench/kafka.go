@@ -12,7 +12,6 @@ import (
 	"github.com/ThreeDotsLabs/watermill"
 	wmkafka "github.com/ThreeDotsLabs/watermill-kafka/v3/pkg/kafka"
 	"github.com/ThreeDotsLabs/watermill/message"
-	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/ferrymq/ferry/consumer"
@@ -35,68 +34,44 @@ func KafkaSuite(seeds []string, run string) (*Suite, error) {
 	if err != nil {
 		return nil, err
 	}
-	admCl, err := kgo.NewClient(kgo.SeedBrokers(seeds...))
-	if err != nil {
-		br.Close()
-		return nil, err
-	}
-	adm := kadm.NewClient(admCl)
 	producer, err := kgo.NewClient(kgo.SeedBrokers(seeds...), kgo.RequiredAcks(kgo.AllISRAcks()),
 		kgo.MaxBufferedRecords(100_000), kgo.ProducerLinger(5*time.Millisecond),
 		kgo.MetadataMinAge(100*time.Millisecond)) // each fill is to a new topic
 	if err != nil {
 		br.Close()
-		admCl.Close()
 		return nil, err
 	}
 	var seq atomic.Int64
 	var mu sync.Mutex
 	var topics []string
 	name := func(p string) string { return fmt.Sprintf("ferry-bench-%s-%s-%d", run, p, seq.Add(1)) }
-	create := func(ctx context.Context, p string, partitions int32) (string, error) {
+	// create makes a topic through the Admin contract, which waits until
+	// every partition has a leader: a client that looks the topic up
+	// earlier caches it half-made and waits for its next metadata refresh
+	// (seconds) before producing to the rest. Its replication factor is the
+	// cluster's default (1 on the single-node integration broker).
+	create := func(ctx context.Context, p string, partitions int) (string, error) {
 		t := name(p)
-		resp, err := adm.CreateTopic(ctx, partitions, 1, nil, t)
-		if err == nil {
-			err = resp.Err
-		}
-		if err != nil {
+		ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		if err := br.CreateSource(ctx, t, consumer.SourceConfig{Partitions: partitions}); err != nil {
 			return "", fmt.Errorf("create topic %s: %w", t, err)
 		}
 		mu.Lock()
 		topics = append(topics, t)
 		mu.Unlock()
-		// Wait until every partition has a leader: a client that looks
-		// the topic up earlier caches it half-made and waits for its
-		// next metadata refresh (seconds) before producing to the rest.
-		for deadline := time.Now().Add(30 * time.Second); ; {
-			td, err := adm.ListTopics(ctx, t)
-			if err == nil {
-				err = td.Error()
-			}
-			if err == nil && len(td[t].Partitions) == int(partitions) {
-				ready := true
-				for _, p := range td[t].Partitions {
-					ready = ready && p.Err == nil && p.Leader >= 0
-				}
-				if ready {
-					return t, nil
-				}
-			}
-			if time.Now().After(deadline) {
-				return "", fmt.Errorf("topic %s not ready: %v", t, err)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
+		return t, nil
 	}
 	s := &Suite{Broker: "kafka"}
 	s.Close = func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()
 		mu.Lock()
-		_, _ = adm.DeleteTopics(ctx, topics...)
+		for _, t := range topics {
+			_ = br.DeleteSource(ctx, t)
+		}
 		mu.Unlock()
 		producer.Close()
-		admCl.Close()
 		br.Close()
 	}
 	fill := func(ctx context.Context, topic string, n int, key func(int) string) error {

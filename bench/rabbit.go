@@ -23,7 +23,8 @@ const RabbitPrefetch = 256
 // rabbitWindow is the unconfirmed publishes in flight, raw and Ferry.
 const rabbitWindow = 512
 
-// quorum is the declare arguments of every benchmark queue.
+// quorum is the declare arguments of every benchmark queue (CreateSource
+// makes a quorum queue too), given to Watermill.
 var quorum = amqp.Table{"x-queue-type": "quorum"}
 
 // RabbitSuite compares Ferry's RabbitMQ consumer and publisher with raw
@@ -42,13 +43,12 @@ func RabbitSuite(url, run string) (*Suite, error) {
 	var mu sync.Mutex
 	var queues []string
 	name := func(p string) string { return fmt.Sprintf("ferry-bench-%s-%s-%d", run, p, seq.Add(1)) }
-	declare := func(q string) error {
-		ch, err := conn.Channel()
-		if err != nil {
-			return err
-		}
-		defer ch.Close()
-		if _, err := ch.QueueDeclare(q, true, false, false, false, quorum); err != nil {
+	// declare makes q through the Admin contract: a durable quorum queue,
+	// as the quorum arguments Watermill is given declare it.
+	declare := func(ctx context.Context, q string) error {
+		ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		if err := br.CreateSource(ctx, q, consumer.SourceConfig{}); err != nil {
 			return err
 		}
 		mu.Lock()
@@ -58,14 +58,13 @@ func RabbitSuite(url, run string) (*Suite, error) {
 	}
 	s := &Suite{Broker: "rabbitmq"}
 	s.Close = func() {
-		if ch, err := conn.Channel(); err == nil {
-			mu.Lock()
-			for _, q := range queues {
-				_, _ = ch.QueueDelete(q, false, false, false)
-			}
-			mu.Unlock()
-			ch.Close()
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		mu.Lock()
+		for _, q := range queues {
+			_ = br.DeleteSource(ctx, q)
 		}
+		mu.Unlock()
 		conn.CloseDeadline(time.Now().Add(time.Second))
 		br.Close()
 	}
@@ -113,13 +112,13 @@ func RabbitSuite(url, run string) (*Suite, error) {
 	}
 	s.Fill = func(ctx context.Context, n int) (Source, error) {
 		q := name("consume")
-		if err := declare(q); err != nil {
+		if err := declare(ctx, q); err != nil {
 			return Source{}, err
 		}
 		return Source{Name: q, N: n}, rawPublish(q, 0, n)
 	}
 	dlq := name("dlq")
-	if err := declare(dlq); err != nil {
+	if err := declare(context.Background(), dlq); err != nil {
 		s.Close()
 		return nil, err
 	}
@@ -200,7 +199,7 @@ func RabbitSuite(url, run string) (*Suite, error) {
 	publish := func(impl Impl) Publisher {
 		return func(ctx context.Context, n int) (func(context.Context) error, func(), error) {
 			q := name("publish")
-			if err := declare(q); err != nil {
+			if err := declare(ctx, q); err != nil {
 				return nil, nil, err
 			}
 			switch impl {

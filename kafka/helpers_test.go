@@ -45,13 +45,13 @@ func newTopic(t testing.TB, b *kafka.Broker, prefix string, partitions int32) st
 	topic := testenv.UniqueName(t, prefix)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	if err := b.CreateTopic(ctx, topic, kafka.TopicConfig{Partitions: partitions}); err != nil {
+	if err := b.CreateSource(ctx, topic, consumer.SourceConfig{Partitions: int(partitions)}); err != nil {
 		t.Fatalf("create topic: %v", err)
 	}
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
-		_ = b.DeleteTopic(ctx, topic)
+		_ = b.DeleteSource(ctx, topic)
 	})
 	return topic
 }

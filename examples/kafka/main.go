@@ -84,10 +84,10 @@ func run(ctx context.Context, seeds []string, n int, payTime time.Duration) erro
 	id := randomID()
 	topic, dlq := "orders-"+id, "orders-"+id+"-dlq"
 	for _, t := range []string{topic, dlq} {
-		if err := b.CreateTopic(ctx, t, kafka.TopicConfig{Partitions: 3}); err != nil {
+		if err := b.CreateSource(ctx, t, consumer.SourceConfig{Partitions: 3}); err != nil {
 			return err
 		}
-		defer b.DeleteTopic(context.WithoutCancel(ctx), t)
+		defer b.DeleteSource(context.WithoutCancel(ctx), t)
 	}
 
 	dir, err := os.MkdirTemp("", "ferry-example-")

@@ -97,11 +97,10 @@ func run(ctx context.Context, endpoint, region string, n int, payTime time.Durat
 	id := randomID()
 	queue, dlq := "orders-"+id, "orders-"+id+"-dlq"
 	for _, q := range []string{queue, dlq} {
-		out, err := client.CreateQueue(ctx, &awssqs.CreateQueueInput{QueueName: aws.String(q)})
-		if err != nil {
+		if err := b.CreateSource(ctx, q, consumer.SourceConfig{}); err != nil {
 			return err
 		}
-		defer client.DeleteQueue(context.WithoutCancel(ctx), &awssqs.DeleteQueueInput{QueueUrl: out.QueueUrl})
+		defer b.DeleteSource(context.WithoutCancel(ctx), q)
 	}
 
 	dir, err := os.MkdirTemp("", "ferry-example-")

@@ -208,8 +208,8 @@ func (s *site) createSQS(ctx context.Context) error {
 }
 
 // rabbitConn runs f with a connection of its own, for what the rabbit
-// package leaves to the caller (declaring and deleting queues, their
-// depth).
+// package leaves to the caller: a queue's depth (declaring and deleting
+// queues is consumer.Admin's).
 func (s *site) rabbitConn(ctx context.Context, f func(conn *amqp.Connection) error) error {
 	u, err := url.Parse(s.url)
 	if err != nil {
