@@ -138,7 +138,16 @@ func KindFromEnv() (Kind, error) {
 			return k, nil
 		}
 	}
-	return "", fmt.Errorf("ferrytest: %s=%q is not one of memory, kafka, sqs, rabbitmq", EnvBroker, v)
+	return "", fmt.Errorf("ferrytest: %s=%q is not one of %s", EnvBroker, v, kindNames())
+}
+
+// kindNames lists Kinds for an error: "memory, kafka, sqs, rabbitmq".
+func kindNames() string {
+	names := make([]string, len(Kinds))
+	for i, k := range Kinds {
+		names[i] = string(k)
+	}
+	return strings.Join(names, ", ")
 }
 
 // URL returns the URL ferry.Open takes for kind, from the environment:
@@ -189,7 +198,7 @@ type Broker struct {
 func Connect(ctx context.Context, kind Kind) (*Broker, error) {
 	raw := URL(kind)
 	if raw == "" {
-		return nil, fmt.Errorf("ferrytest: unknown broker kind %q (one of memory, kafka, sqs, rabbitmq)", kind)
+		return nil, fmt.Errorf("ferrytest: unknown broker kind %q (one of %s)", kind, kindNames())
 	}
 	if kind != Memory { // the others are services, of the same name
 		if addr, err := testenv.Reachable(testenv.Service(kind)); err != nil {
