@@ -28,6 +28,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/bench/internal/usage"
+	"github.com/ferrymq/ferry/ferrytest"
 )
 
 // Impl is who does the work: Ferry, the broker's raw client, or Watermill.
@@ -216,7 +217,7 @@ func Only(vs []Variant, filters []string) []Variant {
 
 // Suite is one broker's variants.
 type Suite struct {
-	Broker string
+	Broker ferrytest.Kind
 	// Fill creates a fresh queue or topic holding n numbered messages.
 	Fill func(ctx context.Context, n int) (Source, error)
 	// Variants in the order of the first round (later rounds rotate it).
@@ -229,7 +230,7 @@ type Suite struct {
 
 // Sample is one timed run of one variant.
 type Sample struct {
-	Broker  string
+	Broker  ferrytest.Kind
 	Op      Op
 	Impl    Impl
 	Round   int

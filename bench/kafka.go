@@ -15,6 +15,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/ferrytest"
 	"github.com/ferrymq/ferry/kafka"
 )
 
@@ -62,7 +63,7 @@ func KafkaSuite(seeds []string, run string) (*Suite, error) {
 		mu.Unlock()
 		return t, nil
 	}
-	s := &Suite{Broker: "kafka"}
+	s := &Suite{Broker: ferrytest.Kafka}
 	s.Close = func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()

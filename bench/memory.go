@@ -10,6 +10,7 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/ferrytest"
 	"github.com/ferrymq/ferry/memory"
 )
 
@@ -31,7 +32,7 @@ func MemorySuite() (*Suite, error) {
 	newGo := func() *gochannel.GoChannel {
 		return gochannel.NewGoChannel(gochannel.Config{Persistent: true, OutputChannelBuffer: 256}, watermill.NopLogger{})
 	}
-	s := &Suite{Broker: "memory", Close: func() { br.Close() }}
+	s := &Suite{Broker: ferrytest.Memory, Close: func() { br.Close() }}
 	s.Fill = func(ctx context.Context, n int) (Source, error) {
 		q := name("bench")
 		// Fill both: the memory broker's queue and a GoChannel topic of

@@ -13,6 +13,7 @@ import (
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/ferrytest"
 	"github.com/ferrymq/ferry/rabbit"
 )
 
@@ -56,7 +57,7 @@ func RabbitSuite(url, run string) (*Suite, error) {
 		mu.Unlock()
 		return nil
 	}
-	s := &Suite{Broker: "rabbitmq"}
+	s := &Suite{Broker: ferrytest.RabbitMQ}
 	s.Close = func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()

@@ -7,6 +7,8 @@ import (
 	"math"
 	"slices"
 	"strings"
+
+	"github.com/ferrymq/ferry/ferrytest"
 )
 
 // isConsume tells whether op consumes (and so is checked for lost
@@ -15,7 +17,7 @@ func isConsume(op Op) bool { return op != Publish && op != Backlog }
 
 // Row is one variant's samples summarised.
 type Row struct {
-	Broker string
+	Broker ferrytest.Kind
 	Op     Op
 	Impl   Impl
 	N      int
@@ -58,7 +60,7 @@ func median(xs []float64) float64 {
 // appear.
 func Summarize(samples []Sample) []Row {
 	type key struct {
-		b  string
+		b  ferrytest.Kind
 		op Op
 		im Impl
 	}
@@ -108,7 +110,7 @@ func Summarize(samples []Sample) []Row {
 }
 
 // find returns the row of broker, op and impl.
-func find(rows []Row, broker string, op Op, impl Impl) (Row, bool) {
+func find(rows []Row, broker ferrytest.Kind, op Op, impl Impl) (Row, bool) {
 	for _, r := range rows {
 		if r.Broker == broker && r.Op == op && r.Impl == impl {
 			return r, true
@@ -119,7 +121,7 @@ func find(rows []Row, broker string, op Op, impl Impl) (Row, bool) {
 
 // Ratio is Ferry's median rate over another's, for one broker and op.
 type Ratio struct {
-	Broker string
+	Broker ferrytest.Kind
 	Op     Op
 	// OverRaw and OverWatermill are NaN where there is no such row. For
 	// the full stack, OverRaw is over the raw loop with a no-op handler
@@ -184,20 +186,20 @@ func Goals(rows []Row) []Goal {
 		raw, ok2 := find(rows, b, ConsumeNoop, Raw)
 		check(fmt.Sprintf("%s: Ferry full stack ≥ 0.9× raw client", b), full.Median/raw.Median, ok1 && ok2, 0.9, false, "%.2f×")
 	}
-	for _, b := range []string{"kafka", "rabbitmq"} {
+	for _, b := range []ferrytest.Kind{ferrytest.Kafka, ferrytest.RabbitMQ} {
 		full, ok1 := find(rows, b, ConsumeFull, Ferry)
 		wm, ok2 := find(rows, b, ConsumeFull, Watermill)
 		check(fmt.Sprintf("%s: Ferry full stack ≥ 1.5× Watermill full stack", b), full.Median/wm.Median, ok1 && ok2, 1.5, false, "%.2f×")
 	}
-	full, ok := find(rows, "sqs", ConsumeFull, Ferry)
+	full, ok := find(rows, ferrytest.SQS, ConsumeFull, Ferry)
 	check("sqs: Ferry ≤ 0.25 API calls per message (consume, full stack)", full.CallsPerMsg, ok && full.CallsPerMsg >= 0, 0.25, true, "%.3f")
-	wm, okw := find(rows, "sqs", ConsumeFull, Watermill)
+	wm, okw := find(rows, ferrytest.SQS, ConsumeFull, Watermill)
 	_ = wm
 	if !okw {
 		out = append(out, Goal{What: "sqs: Watermill's calls per message (about 2)", Measured: "-", Met: "not measured (watermill-aws not fetchable)"})
 	}
-	mf, ok1 := find(rows, "memory", ConsumeFull, Ferry)
-	mw, ok2 := find(rows, "memory", ConsumeFull, Watermill)
+	mf, ok1 := find(rows, ferrytest.Memory, ConsumeFull, Ferry)
+	mw, ok2 := find(rows, ferrytest.Memory, ConsumeFull, Watermill)
 	check("memory: Ferry full stack ≥ 3× Watermill GoChannel full stack", mf.Median/mw.Median, ok1 && ok2, 3, false, "%.2f×")
 	return out
 }
@@ -282,7 +284,7 @@ func WriteMarkdown(w io.Writer, m Meta, rows []Row, notes []string) error {
 	p("- Modules: %s\n", strings.Join(m.Versions, ", "))
 	var counts []string
 	for _, b := range Brokers {
-		if c, ok := m.Counts[b]; ok {
+		if c, ok := m.Counts[string(b)]; ok {
 			counts = append(counts, fmt.Sprintf("%s %d", b, c))
 		}
 	}
@@ -310,7 +312,7 @@ func WriteMarkdown(w io.Writer, m Meta, rows []Row, notes []string) error {
 	p("| broker | operation | Ferry / raw | Ferry / Watermill | CPU µs/msg Ferry | CPU µs/msg raw | others' share Ferry / raw |\n|---|---|---:|---:|---:|---:|---:|\n")
 	for _, r := range Ratios(rows) {
 		raw := fmtRatio(r.OverRaw)
-		if r.Broker == "memory" && raw != "-" {
+		if r.Broker == ferrytest.Memory && raw != "-" {
 			raw += " (driver alone†)"
 		}
 		others := fmtShare(r.FerryOthers) + " / " + fmtShare(r.RawOthers)
@@ -320,8 +322,8 @@ func WriteMarkdown(w io.Writer, m Meta, rows []Row, notes []string) error {
 		p("| %s | %s | %s | %s | %s | %s | %s |\n", r.Broker, r.Op, raw, fmtRatio(r.OverWatermill),
 			fmtMicros(r.FerryCPU), fmtMicros(r.RawCPU), others)
 	}
-	if lane, ok := find(rows, "kafka", ByPartition, Ferry); ok {
-		if key, ok := find(rows, "kafka", ByKey, Ferry); ok {
+	if lane, ok := find(rows, ferrytest.Kafka, ByPartition, Ferry); ok {
+		if key, ok := find(rows, ferrytest.Kafka, ByKey, Ferry); ok {
 			p("| kafka | key order over partition order (1 partition, 100 keys, 5 ms handler) | %s | | | | |\n", fmtRatio(key.Median/lane.Median))
 		}
 	}
@@ -394,9 +396,9 @@ func WriteSVG(w io.Writer, rows []Row) error {
 		if r.Op == Backlog {
 			continue
 		}
-		t := r.Broker + " · " + string(r.Op)
+		t := string(r.Broker) + " · " + string(r.Op)
 		if r.Op == ByKey || r.Op == ByPartition {
-			t = r.Broker + " · Ferry, 1 partition, 100 keys, 5 ms handler"
+			t = string(r.Broker) + " · Ferry, 1 partition, 100 keys, 5 ms handler"
 		}
 		i, ok := idx[t]
 		if !ok {
@@ -437,7 +439,7 @@ func WriteSVG(w io.Writer, rows []Row) error {
 				label, color = "by partition", "#9ecae1"
 			case r.Op == ByKey:
 				label = "by key"
-			case r.Broker == "memory" && r.Impl == Raw:
+			case r.Broker == ferrytest.Memory && r.Impl == Raw:
 				label = "driver alone"
 			}
 			p(`<text x="%d" y="%d" text-anchor="end">%s</text>`+"\n", left-6, y+barH-4, label)

@@ -15,6 +15,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/ferrytest"
 	ferrysqs "github.com/ferrymq/ferry/sqs"
 )
 
@@ -102,7 +103,7 @@ func SQSSuite(cfg SQSConfig, run string) (*Suite, error) {
 			_, _ = plain.DeleteQueue(ctx, &awssqs.DeleteQueueInput{QueueUrl: aws.String(u)})
 		}
 	}
-	s := &Suite{Broker: "sqs"}
+	s := &Suite{Broker: ferrytest.SQS}
 	s.Close = func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		defer cancel()

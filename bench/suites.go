@@ -3,40 +3,28 @@ package bench
 import (
 	"fmt"
 
+	"github.com/ferrymq/ferry/ferrytest"
 	"github.com/ferrymq/ferry/internal/testenv"
 )
 
-// Brokers are the suites' names, in the order they run.
-var Brokers = []string{"memory", "kafka", "sqs", "rabbitmq"}
+// Brokers are the suites' brokers, in the order they run: ferrytest.Kinds.
+var Brokers = ferrytest.Kinds
 
 // NewSuite builds the suite of broker, at the addresses the test
 // environment names (FERRY_KAFKA_BROKERS, FERRY_SQS_ENDPOINT,
 // FERRY_SQS_REGION, FERRY_AMQP_URL, or their defaults). run goes into the
 // names of the topics and queues it creates.
-func NewSuite(broker, run string) (*Suite, error) {
+func NewSuite(broker ferrytest.Kind, run string) (*Suite, error) {
 	switch broker {
-	case "memory":
+	case ferrytest.Memory:
 		return MemorySuite()
-	case "kafka":
+	case ferrytest.Kafka:
 		return KafkaSuite(testenv.KafkaBrokers(), run)
-	case "sqs":
+	case ferrytest.SQS:
 		return SQSSuite(SQSConfig{Endpoint: testenv.SQSEndpoint(), Region: testenv.SQSRegion(),
 			AccessKey: testenv.SQSAccessKey, SecretKey: testenv.SQSSecretKey}, run)
-	case "rabbitmq":
+	case ferrytest.RabbitMQ:
 		return RabbitSuite(testenv.AMQPURL(), run)
 	}
 	return nil, fmt.Errorf("unknown broker %q (want one of %v)", broker, Brokers)
-}
-
-// Service is the test environment's service of broker (none for memory).
-func Service(broker string) (testenv.Service, bool) {
-	switch broker {
-	case "kafka":
-		return testenv.Kafka, true
-	case "sqs":
-		return testenv.SQS, true
-	case "rabbitmq":
-		return testenv.RabbitMQ, true
-	}
-	return "", false
 }

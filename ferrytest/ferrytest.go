@@ -69,23 +69,26 @@ import (
 
 	"github.com/ferrymq/ferry"
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/brokerkind"
 	"github.com/ferrymq/ferry/internal/testenv"
 )
 
-// Kind names a broker.
+// Kind names a broker. Its values are the names the ferry command and
+// the benchmarks use too; a broker that runs as a service has the name of
+// its testenv.Service.
 type Kind string
 
 // The brokers ferrytest connects to.
 const (
 	// Memory is the in-process broker of package memory.
-	Memory Kind = "memory"
+	Memory Kind = brokerkind.Memory
 	// Kafka is Apache Kafka, at FERRY_KAFKA_BROKERS.
-	Kafka Kind = "kafka"
+	Kafka Kind = Kind(testenv.Kafka)
 	// SQS is Amazon SQS or a compatible server (ElasticMQ), at
 	// FERRY_SQS_ENDPOINT.
-	SQS Kind = "sqs"
+	SQS Kind = Kind(testenv.SQS)
 	// RabbitMQ is RabbitMQ, at FERRY_AMQP_URL.
-	RabbitMQ Kind = "rabbitmq"
+	RabbitMQ Kind = Kind(testenv.RabbitMQ)
 )
 
 // Kinds lists every broker, for a test that runs once on each.
@@ -135,7 +138,16 @@ func KindFromEnv() (Kind, error) {
 			return k, nil
 		}
 	}
-	return "", fmt.Errorf("ferrytest: %s=%q is not one of memory, kafka, sqs, rabbitmq", EnvBroker, v)
+	return "", fmt.Errorf("ferrytest: %s=%q is not one of %s", EnvBroker, v, kindNames())
+}
+
+// kindNames lists Kinds for an error: "memory, kafka, sqs, rabbitmq".
+func kindNames() string {
+	names := make([]string, len(Kinds))
+	for i, k := range Kinds {
+		names[i] = string(k)
+	}
+	return strings.Join(names, ", ")
 }
 
 // URL returns the URL [ferry.Open] takes for kind, from the environment:
@@ -165,18 +177,6 @@ func URL(kind Kind) string {
 	return ""
 }
 
-func service(kind Kind) (testenv.Service, bool) {
-	switch kind {
-	case Kafka:
-		return testenv.Kafka, true
-	case SQS:
-		return testenv.SQS, true
-	case RabbitMQ:
-		return testenv.RabbitMQ, true
-	}
-	return "", false
-}
-
 // Broker is a broker opened for tests: a [ferry.Broker] (Publish,
 // NewConsumer), and the queues made on it. Close removes those queues, then
 // closes the broker.
@@ -198,10 +198,10 @@ type Broker struct {
 func Connect(ctx context.Context, kind Kind) (*Broker, error) {
 	raw := URL(kind)
 	if raw == "" {
-		return nil, fmt.Errorf("ferrytest: unknown broker kind %q (one of memory, kafka, sqs, rabbitmq)", kind)
+		return nil, fmt.Errorf("ferrytest: unknown broker kind %q (one of %s)", kind, kindNames())
 	}
-	if svc, ok := service(kind); ok {
-		if addr, err := testenv.Reachable(svc); err != nil {
+	if kind != Memory { // the others are services, of the same name
+		if addr, err := testenv.Reachable(testenv.Service(kind)); err != nil {
 			return nil, fmt.Errorf("%w: %s at %s: %w; start the brokers with %s", ErrUnreachable, kind, addr, err, StartCommand)
 		}
 	}

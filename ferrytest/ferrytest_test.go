@@ -438,8 +438,12 @@ func TestURLFollowsTheEnvironment(t *testing.T) {
 		t.Errorf("KindFromEnv = %q, %v", k, err)
 	}
 	t.Setenv(ferrytest.EnvBroker, "nats")
-	if _, err := ferrytest.KindFromEnv(); err == nil {
-		t.Error("KindFromEnv accepted nats")
+	const kinds = "one of memory, kafka, sqs, rabbitmq"
+	if _, err := ferrytest.KindFromEnv(); err == nil || !strings.Contains(err.Error(), kinds) {
+		t.Errorf("KindFromEnv of nats = %v, want an error naming %q", err, kinds)
+	}
+	if _, err := ferrytest.Connect(t.Context(), "nats"); err == nil || !strings.Contains(err.Error(), kinds) {
+		t.Errorf("Connect(nats) = %v, want an error naming %q", err, kinds)
 	}
 }
 

@@ -31,6 +31,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/ferrymq/ferry/internal/brokerkind"
 )
 
 // Names of the environment variables read by this package.
@@ -101,17 +103,18 @@ const (
 	KafkaSCRAMPassword = "ferry-scram-test"
 )
 
-// Service names a broker the tests can ask for.
+// Service names a broker the tests can ask for: the brokers of
+// package brokerkind, with their names, and the databases.
 type Service string
 
 // The services started by integration/brokers.sh and docker-compose.yml.
 const (
 	// Kafka is Apache Kafka.
-	Kafka Service = "kafka"
+	Kafka Service = brokerkind.Kafka
 	// RabbitMQ is RabbitMQ, spoken to over AMQP 0-9-1.
-	RabbitMQ Service = "rabbitmq"
+	RabbitMQ Service = brokerkind.RabbitMQ
 	// SQS is the SQS-compatible server (ElasticMQ).
-	SQS Service = "sqs"
+	SQS Service = brokerkind.SQS
 	// Postgres is PostgreSQL.
 	Postgres Service = "postgres"
 	// Redis is Redis.

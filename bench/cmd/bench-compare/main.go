@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/ferrymq/ferry/bench"
+	"github.com/ferrymq/ferry/ferrytest"
 )
 
 func main() {
@@ -29,7 +30,11 @@ func main() {
 	runs := flag.Int("runs", 3, "runs (rounds) of every variant")
 	backlog := flag.Int("backlog", 1_000_000, "messages of the memory backlog whose heap is measured")
 	keys := flag.Int("keys", 1000, "records of the Kafka key-order comparison")
-	brokers := flag.String("brokers", strings.Join(bench.Brokers, ","), "brokers to run, comma-separated")
+	var all []string
+	for _, b := range bench.Brokers {
+		all = append(all, string(b))
+	}
+	brokers := flag.String("brokers", strings.Join(all, ","), "brokers to run, comma-separated")
 	out := flag.String("out", "BENCHMARKS.md", "the markdown to write")
 	chart := flag.String("chart", "benchmarks.svg", "the SVG chart to write")
 	note := flag.String("note", "", "a note to put at the top of the markdown (how the machine was loaded, say)")
@@ -73,7 +78,7 @@ func main() {
 
 	counts := map[string]int{}
 	for _, b := range bench.Brokers {
-		counts[b] = *n
+		counts[string(b)] = *n
 	}
 	if *perBroker != "" {
 		for _, kv := range strings.Split(*perBroker, ",") {
@@ -92,7 +97,7 @@ func main() {
 	var notes []string
 	run := fmt.Sprintf("%d", time.Now().Unix())
 	for _, b := range strings.Split(*brokers, ",") {
-		s, err := bench.NewSuite(strings.TrimSpace(b), run)
+		s, err := bench.NewSuite(ferrytest.Kind(strings.TrimSpace(b)), run)
 		if err != nil {
 			log.Fatalf("%s: %v (are the brokers up? make brokers)", b, err)
 		}

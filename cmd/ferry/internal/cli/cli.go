@@ -21,6 +21,7 @@ import (
 	"github.com/ferrymq/ferry"
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/brokerkind"
 )
 
 // Exit codes of every ferry command.
@@ -166,7 +167,9 @@ func Open(ctx context.Context, url string) (ferry.Broker, error) {
 	return b, err
 }
 
-// Kind names the broker behind b: "memory", "kafka", "sqs" or "rabbitmq".
+// Kind names the broker behind b, as ferrytest.Kind does (the constants
+// of package brokerkind): "memory", "kafka", "sqs" or "rabbitmq". It is
+// "unknown" for a broker that does not name its messaging.system.
 func Kind(b ferry.Broker) string {
 	sn, ok := b.(consumer.SystemNamer)
 	if !ok {
@@ -174,11 +177,11 @@ func Kind(b ferry.Broker) string {
 	}
 	switch sys := sn.System(); sys {
 	case "aws_sqs":
-		return "sqs"
+		return brokerkind.SQS
 	case "ferry_memory":
-		return "memory"
+		return brokerkind.Memory
 	default:
-		return sys
+		return sys // Kafka's and RabbitMQ's messaging.system is their name
 	}
 }
 

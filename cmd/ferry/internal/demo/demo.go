@@ -12,6 +12,7 @@ import (
 
 	"github.com/ferrymq/ferry"
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/brokerkind"
 	"github.com/ferrymq/ferry/outbox"
 )
 
@@ -149,7 +150,7 @@ func setUp(ctx context.Context, cfg Config, dir string) (_ *run, err error) {
 		_ = drv2.Close()
 		return nil, err
 	}
-	if r.site.kind != onMemory {
+	if r.site.kind != brokerkind.Memory {
 		if r.dlq, err = newDLQReader(ctx, r.site, r.log); err != nil {
 			return nil, err
 		}
@@ -170,7 +171,7 @@ func (r *run) loopOptions(name string, grace time.Duration) []consumer.Option {
 		// A health window of a few seconds, to follow the phases.
 		consumer.WithHealthWindow(500*time.Millisecond, 6),
 	}
-	if r.site.kind == onKafka {
+	if r.site.kind == brokerkind.Kafka {
 		// Order per order, not per partition: each order's events keep
 		// their order while a partition's orders run side by side, and a
 		// record retried in place holds back its own key only.
@@ -205,7 +206,7 @@ func (r *run) run(ctx context.Context) (Verdict, error) {
 	r.out.event("ferry demo: %d orders, seed %d; the order service writes to an outbox in %s, a relay publishes to %s;", cfg.Orders, cfg.Seed, r.dbs.describe(), r.site.describe())
 	r.out.event("two billing consumers (%s, %s) pay each order through the standard middleware and idempotency.", Survivor, Victim)
 	r.out.event("%s", legend)
-	if r.site.kind == onRabbitMQ {
+	if r.site.kind == brokerkind.RabbitMQ {
 		r.out.event("        (RabbitMQ tells no message's age: the oldest shows as -)")
 	}
 
@@ -325,7 +326,7 @@ func (r *run) run(ctx context.Context) (Verdict, error) {
 // dead-lettered has been read back, or deadline.
 func (r *run) drain(ctx context.Context, deadline time.Time) error {
 	every := 50 * time.Millisecond
-	if r.site.kind != onMemory {
+	if r.site.kind != brokerkind.Memory {
 		every = 250 * time.Millisecond // each look asks the broker
 	}
 	t := time.NewTicker(every)
@@ -499,7 +500,7 @@ func (r *run) snapshot(ctx context.Context) snapshot {
 		s.lag = r.site.lagOf(lag)
 		s.oldest = lag.OldestAge
 	}
-	if r.site.kind == onRabbitMQ {
+	if r.site.kind == brokerkind.RabbitMQ {
 		s.oldest = ageUnknown // AMQP does not tell it
 	}
 	return s
@@ -542,7 +543,7 @@ func (r *run) judge(ctx context.Context, elapsed time.Duration) (Verdict, error)
 	v := Verdict{
 		Checks:               judge(f),
 		Seed:                 r.cfg.Seed,
-		Broker:               r.site.kind.String(),
+		Broker:               brokerName(r.site.kind),
 		Elapsed:              elapsed,
 		Orders:               len(committed),
 		Good:                 len(committed) - poison,

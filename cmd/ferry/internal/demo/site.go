@@ -17,7 +17,6 @@ import (
 	"os"
 	"slices"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
@@ -28,8 +27,10 @@ import (
 	"github.com/twmb/franz-go/pkg/kadm"
 
 	"github.com/ferrymq/ferry"
+	"github.com/ferrymq/ferry/cmd/ferry/internal/cli"
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/brokerkind"
 	"github.com/ferrymq/ferry/kafka"
 	"github.com/ferrymq/ferry/memory"
 	"github.com/ferrymq/ferry/rabbit"
@@ -40,23 +41,15 @@ import (
 // Config.Broker, with the orders queue (or topic) and its dead-letter queue
 // made fresh for the run.
 
-// brokerKind is the kind of broker a run is on.
-type brokerKind int
-
-const (
-	onMemory brokerKind = iota
-	onKafka
-	onSQS
-	onRabbitMQ
-)
-
-func (k brokerKind) String() string {
-	switch k {
-	case onKafka:
+// brokerName is how the demo's text names the broker of kind (cli.Kind's
+// value): "Kafka", "SQS", "RabbitMQ" or "the memory broker".
+func brokerName(kind string) string {
+	switch kind {
+	case brokerkind.Kafka:
 		return "Kafka"
-	case onSQS:
+	case brokerkind.SQS:
 		return "SQS"
-	case onRabbitMQ:
+	case brokerkind.RabbitMQ:
 		return "RabbitMQ"
 	}
 	return "the memory broker"
@@ -66,7 +59,7 @@ func (k brokerKind) String() string {
 // and the dead-letter queue. On Kafka they are topics and the two billing
 // consumers are members of one consumer group.
 type site struct {
-	kind  brokerKind
+	kind  string // cli.Kind of b
 	url   string // ferry.Open's URL, for a second connection
 	shown string // the URL without its password
 	b     ferry.Broker
@@ -98,33 +91,26 @@ func openSite(ctx context.Context, cfg Config) (_ *site, err error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &site{url: raw, shown: ferry.Redact(raw), b: b, visibility: cfg.VisibilityTimeout}
+	s := &site{kind: cli.Kind(b), url: raw, shown: ferry.Redact(raw), b: b, visibility: cfg.VisibilityTimeout}
 	defer func() {
 		if err != nil {
 			s.close(context.WithoutCancel(ctx))
 		}
 	}()
-	if m, ok := ferry.Memory(b); ok {
-		s.kind, s.mem = onMemory, m
+	if m, ok := ferry.Memory(b); ok && s.kind == brokerkind.Memory {
+		s.mem = m
 		s.orders, s.dlq = OrdersQueue, DeadLetterQueue
 		return s, s.createMemory()
 	}
 	id := runID()
 	s.orders, s.dlq = "ferry-demo-"+id+"-orders", "ferry-demo-"+id+"-orders-dlq"
-	scheme := ""
-	if u, perr := url.Parse(raw); perr == nil {
-		scheme = strings.ToLower(u.Scheme)
-	}
-	switch scheme {
-	case "kafka":
-		s.kind = onKafka
+	switch s.kind {
+	case brokerkind.Kafka:
 		s.group, s.dlqGroup = "ferry-demo-"+id+"-billing", "ferry-demo-"+id+"-dlq-reader"
 		return s, s.createKafka(ctx)
-	case "sqs", "https", "http":
-		s.kind = onSQS
+	case brokerkind.SQS:
 		return s, s.createSQS(ctx)
-	case "amqp", "amqps":
-		s.kind = onRabbitMQ
+	case brokerkind.RabbitMQ:
 		return s, s.createRabbit(ctx)
 	}
 	return nil, fmt.Errorf("%w (%s)", errUnknownBroker, s.shown)
@@ -258,7 +244,7 @@ func onChannel(conn *amqp.Connection, f func(ch *amqp.Channel) error) error {
 
 func (s *site) createRabbit(ctx context.Context) error {
 	r, ok := s.b.(consumer.Admin)
-	if s.kind != onRabbitMQ || !ok {
+	if s.kind != brokerkind.RabbitMQ || !ok {
 		return fmt.Errorf("%w (RabbitMQ)", errUnknownBroker)
 	}
 	for _, q := range []string{s.dlq, s.orders} {
@@ -285,7 +271,7 @@ func (s *site) delayQueues() []string {
 // the victim's, so that killing it cuts its own connection only. On the
 // memory broker it returns the site's broker: a process has only one.
 func (s *site) open(ctx context.Context) (ferry.Broker, error) {
-	if s.kind == onMemory {
+	if s.kind == brokerkind.Memory {
 		return s.b, nil
 	}
 	b, err := ferry.Open(ctx, s.url)
@@ -321,7 +307,7 @@ func (s *site) driver(ctx context.Context, b ferry.Broker, dlq bool, maxInFlight
 // flight. Kafka's lag, counted from the committed offset, already holds
 // what is in flight.
 func (s *site) lagOf(l consumer.Lag) int64 {
-	if s.kind == onKafka {
+	if s.kind == brokerkind.Kafka {
 		return l.Messages
 	}
 	return l.Messages + max(l.InFlight, 0)
@@ -332,12 +318,12 @@ func (s *site) lagOf(l consumer.Lag) int64 {
 // consumer whose deliveries RabbitMQ counts nowhere else.
 func (s *site) left(ctx context.Context, loop *consumer.Loop) (int64, error) {
 	switch s.kind {
-	case onMemory:
+	case brokerkind.Memory:
 		q := s.mem.Stats(s.orders)
 		return q.Visible + q.Delayed + q.InFlight, nil
-	case onKafka:
+	case brokerkind.Kafka:
 		return s.kafkaLag(ctx)
-	case onSQS:
+	case brokerkind.SQS:
 		out, err := s.b.(*sqs.Broker).Client().GetQueueAttributes(ctx, &awssqs.GetQueueAttributesInput{
 			QueueUrl: aws.String(s.sqsURLs[s.orders]),
 			AttributeNames: []types.QueueAttributeName{
@@ -426,10 +412,10 @@ func (s *site) kafkaLag(ctx context.Context) (int64, error) {
 // other one.
 func (s *site) takeover() string {
 	switch s.kind {
-	case onKafka:
+	case brokerkind.Kafka:
 		return "its client left the consumer group; after the rebalance " + Survivor +
 			" reads its partitions again from the last committed offset (a crashed process would be noticed after the group's session timeout, 45s by default)"
-	case onRabbitMQ:
+	case brokerkind.RabbitMQ:
 		return "its connection closed, so RabbitMQ requeued its unacknowledged deliveries at once"
 	}
 	return fmt.Sprintf("the broker hands them out again after the %s visibility timeout", s.visibility)
@@ -438,9 +424,9 @@ func (s *site) takeover() string {
 // takenOverAfter ends the verdict's line about the kill.
 func (s *site) takenOverAfter() string {
 	switch s.kind {
-	case onKafka:
+	case brokerkind.Kafka:
 		return "after the rebalance"
-	case onRabbitMQ:
+	case brokerkind.RabbitMQ:
 		return "once RabbitMQ requeued them"
 	}
 	return "after the visibility timeout"
@@ -448,14 +434,14 @@ func (s *site) takenOverAfter() string {
 
 // describe names the broker and the run's queues, for the first lines.
 func (s *site) describe() string {
-	if s.kind == onMemory {
+	if s.kind == brokerkind.Memory {
 		return "the memory broker"
 	}
 	what := "queue"
-	if s.kind == onKafka {
+	if s.kind == brokerkind.Kafka {
 		what = "topic"
 	}
-	return fmt.Sprintf("%s at %s (%s %s and its dead-letter %s %s, made for this run)", s.kind, s.shown, what, s.orders, what, s.dlq)
+	return fmt.Sprintf("%s at %s (%s %s and its dead-letter %s %s, made for this run)", brokerName(s.kind), s.shown, what, s.orders, what, s.dlq)
 }
 
 // close deletes the run's queues and closes every connection.
@@ -473,7 +459,7 @@ func (s *site) close(ctx context.Context) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, 15*time.Second)
 	defer cancel()
-	if adm, ok := s.b.(consumer.Admin); ok && s.kind != onMemory {
+	if adm, ok := s.b.(consumer.Admin); ok && s.kind != brokerkind.Memory {
 		// On RabbitMQ with the orders queue's delay queues.
 		_ = adm.DeleteSource(ctx, s.orders)
 		_ = adm.DeleteSource(ctx, s.dlq)

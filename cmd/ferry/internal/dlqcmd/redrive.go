@@ -19,6 +19,7 @@ import (
 	"github.com/ferrymq/ferry/cmd/ferry/internal/cli"
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
+	"github.com/ferrymq/ferry/internal/brokerkind"
 	"github.com/ferrymq/ferry/kafka"
 )
 
@@ -296,7 +297,7 @@ func Redrive(ctx context.Context, b ferry.Broker, cfg RedriveConfig) (Result, er
 		// The waiting messages and those taken and not settled: on
 		// RabbitMQ the ready ones and this driver's unacked deliveries
 		// (another consumer's are not counted: AMQP does not tell them).
-		return Count{N: l.Messages + max(l.InFlight, 0), Approx: rt.kind == "sqs"}
+		return Count{N: l.Messages + max(l.InFlight, 0), Approx: rt.kind == brokerkind.SQS}
 	}
 	bar := newProgress(cfg, count())
 	defer bar.done()
@@ -475,7 +476,7 @@ func (r *router) route(ctx context.Context, m driver.Message) (src, to string, e
 	if err != nil {
 		return "", "", err
 	}
-	if r.kind == "rabbitmq" && to == r.dest {
+	if r.kind == brokerkind.RabbitMQ && to == r.dest {
 		return "", "", nil
 	}
 	return src, to, nil
@@ -485,7 +486,7 @@ func (r *router) route(ctx context.Context, m driver.Message) (src, to string, e
 // itself, but on RabbitMQ the exchange of that name when no queue has it
 // (see rabbitTarget).
 func (r *router) target(ctx context.Context, name string) (string, error) {
-	if r.kind != "rabbitmq" {
+	if r.kind != brokerkind.RabbitMQ {
 		return name, nil
 	}
 	if t, ok := r.targets[name]; ok {

@@ -21,6 +21,7 @@ import (
 	"github.com/ferrymq/ferry"
 	"github.com/ferrymq/ferry/cmd/ferry/internal/cli"
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/brokerkind"
 )
 
 const usage = `Usage: ferry lag SOURCE --group NAME --broker URL [--watch] [--interval d] [--samples n] [--json]
@@ -87,7 +88,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, open cli.
 			return err
 		}
 		defer b.Close()
-		if cli.Kind(b) == "kafka" && o.group == "" {
+		if cli.Kind(b) == brokerkind.Kafka && o.group == "" {
 			return cli.Usagef("--group NAME is required on Kafka")
 		}
 		bad, err = watch(ctx, b, pos[0], o, stdout)

@@ -9,6 +9,7 @@ import (
 	"github.com/ferrymq/ferry"
 	"github.com/ferrymq/ferry/cmd/ferry/internal/cli"
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/brokerkind"
 	"github.com/ferrymq/ferry/kafka"
 )
 
@@ -58,7 +59,7 @@ func (s *sampler) sample(ctx context.Context) (Sample, error) {
 		}
 		return out, nil
 	}
-	if s.kind == "rabbitmq" {
+	if s.kind == brokerkind.RabbitMQ {
 		out.InFlight = -1 // the driver counts its own deliveries only
 	} else if lag.InFlight > 0 {
 		s.progress++
