@@ -1212,6 +1212,9 @@ func (d *sqsDriver) Lag(ctx context.Context) (driver.Lag, error) {
 	l := driver.Lag{
 		Messages: visible + num(types.QueueAttributeNameApproximateNumberOfMessagesDelayed),
 		InFlight: num(types.QueueAttributeNameApproximateNumberOfMessagesNotVisible),
+		// SQS's counts are eventually consistent: right after a send or a
+		// receive they may trail the queue for a moment.
+		Approximate: true,
 	}
 	d.mu.Lock()
 	oldest := d.oldestSent

@@ -319,6 +319,10 @@ type Lag struct {
 	// one (Kafka: the group's committed offset per partition); nil
 	// otherwise. The loop's lag verdicts watch it move.
 	Positions map[string]int64
+	// Approximate says the broker's counts are estimates that may trail
+	// the queue by a moment (SQS's ApproximateNumberOfMessages); a tool
+	// shows them as "about N".
+	Approximate bool
 }
 
 // Drainer is implemented by drivers whose broker pushes deliveries ahead of

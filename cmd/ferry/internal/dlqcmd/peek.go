@@ -13,7 +13,6 @@ import (
 	"github.com/ferrymq/ferry/cmd/ferry/internal/cli"
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
-	"github.com/ferrymq/ferry/internal/brokerkind"
 	"github.com/ferrymq/ferry/internal/driverpeek"
 	"github.com/ferrymq/ferry/kafka"
 )
@@ -108,7 +107,7 @@ func Peek(ctx context.Context, b ferry.Broker, destination string, o PeekOptions
 		if err != nil {
 			return Peeked{}, fmt.Errorf("counting the messages: %w", err)
 		}
-		total = Count{N: l.Messages + max(l.InFlight, 0), Approx: kind == brokerkind.SQS}
+		total = Count{N: l.Messages + max(l.InFlight, 0), Approx: l.Approximate}
 	}
 	msgs, err := driverpeek.Peek(ctx, d, limit, wait)
 	if errors.Is(err, driverpeek.ErrNotHandedBack) {

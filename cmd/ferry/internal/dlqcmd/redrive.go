@@ -297,7 +297,7 @@ func Redrive(ctx context.Context, b ferry.Broker, cfg RedriveConfig) (Result, er
 		// The waiting messages and those taken and not settled: on
 		// RabbitMQ the ready ones and this driver's unacked deliveries
 		// (another consumer's are not counted: AMQP does not tell them).
-		return Count{N: l.Messages + max(l.InFlight, 0), Approx: rt.kind == brokerkind.SQS}
+		return Count{N: l.Messages + max(l.InFlight, 0), Approx: l.Approximate}
 	}
 	bar := newProgress(cfg, count())
 	defer bar.done()
