@@ -97,6 +97,18 @@ type SourceConfig struct {
 	MaxDeliveries int
 	// Retention is how long the broker keeps a message; 0 is its default.
 	Retention time.Duration
+	// Lease is how long a fetched message stays hidden from other consumers
+	// before the broker delivers it again, unless it is settled or its lease
+	// is extended first (a Consumer extends the lease of a handler still
+	// running): an SQS queue's VisibilityTimeout, a memory queue's
+	// VisibilityTimeout. 0 is the broker's default (30 s on both).
+	//
+	// Kafka and RabbitMQ deliveries hold no lease that runs out, and
+	// CreateSource fails with a *ConfigError when Lease is set there. (A
+	// RabbitMQ consumer timeout, x-consumer-timeout, is not one: it closes
+	// the whole channel, taking back every delivery on it, and no extend
+	// renews it. Set it by policy as a safeguard if you want one.)
+	Lease time.Duration
 }
 
 // Peeker reads messages of a source without consuming them: no lease is

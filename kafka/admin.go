@@ -23,13 +23,17 @@ var _ consumer.Admin = (*Broker)(nil)
 // its configuration is left as it is. FIFO is ignored, a topic being ordered
 // per partition already. Kafka has no broker dead-lettering: a
 // cfg.DeadLetter or cfg.MaxDeliveries is a *[consumer.ConfigError], as a
-// negative Partitions or MaxDeliveries is.
+// negative Partitions or MaxDeliveries is, and so is cfg.Lease: a record
+// holds no lease, its partition being the group member's until a rebalance.
 func (b *Broker) CreateSource(ctx context.Context, name string, cfg consumer.SourceConfig) error {
 	if cfg.DeadLetter != "" {
 		return consumer.ConfigErrorf("SourceConfig.DeadLetter", "Kafka has no broker dead-lettering; dead-letter with consumer.DeadLetter to a topic of your own")
 	}
 	if cfg.MaxDeliveries != 0 {
 		return consumer.ConfigErrorf("SourceConfig.MaxDeliveries", "Kafka counts no deliveries: it has no broker dead-lettering")
+	}
+	if cfg.Lease != 0 {
+		return consumer.ConfigErrorf("SourceConfig.Lease", "Kafka records hold no lease: a partition is the group member's until a rebalance")
 	}
 	if cfg.Partitions < 0 || cfg.Partitions > 1<<31-1 {
 		return consumer.ConfigErrorf("SourceConfig.Partitions", "must be >= 0 and fit an int32, got %d", cfg.Partitions)

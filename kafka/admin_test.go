@@ -88,8 +88,8 @@ func TestAdminCreatesAndDeletesTopics(t *testing.T) {
 	}
 }
 
-// Kafka has no broker dead-lettering: a SourceConfig that asks for it is
-// refused before anything is made.
+// Kafka has no broker dead-lettering and no lease: a SourceConfig that asks
+// for either is refused, naming the field, before anything is made.
 func TestAdminRefusesDeadLetterOnKafka(t *testing.T) {
 	b := newBroker(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -99,11 +99,15 @@ func TestAdminRefusesDeadLetterOnKafka(t *testing.T) {
 		{DeadLetter: topic + "-dlq"},
 		{MaxDeliveries: 3},
 		{Partitions: -1},
+		{Lease: time.Minute},
 	} {
 		err := b.CreateSource(ctx, topic, cfg)
 		var ce *consumer.ConfigError
 		if !errors.As(err, &ce) {
 			t.Fatalf("CreateSource(%+v) = %v, want a *consumer.ConfigError", cfg, err)
+		}
+		if cfg.Lease != 0 && ce.Field != "SourceConfig.Lease" {
+			t.Fatalf("CreateSource(%+v) names %q, want SourceConfig.Lease", cfg, ce.Field)
 		}
 	}
 	td, err := b.Admin().ListTopics(ctx)

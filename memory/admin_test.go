@@ -59,16 +59,38 @@ func TestAdminCreatesAndDeletesQueues(t *testing.T) {
 	}
 }
 
-// A delivery limit with nowhere to dead-letter to is refused.
+// A delivery limit with nowhere to dead-letter to, and a negative lease, are
+// refused, naming the field.
 func TestAdminRefusesDeliveryLimitWithoutDeadLetter(t *testing.T) {
 	b := newBroker(t)
-	err := b.CreateSource(context.Background(), "orders", consumer.SourceConfig{MaxDeliveries: 2})
-	var ce *consumer.ConfigError
-	if !errors.As(err, &ce) {
-		t.Fatalf("CreateSource = %v, want a *consumer.ConfigError", err)
+	for _, tc := range []struct {
+		cfg   consumer.SourceConfig
+		field string
+	}{
+		{consumer.SourceConfig{MaxDeliveries: 2}, "SourceConfig.MaxDeliveries"},
+		{consumer.SourceConfig{Lease: -time.Second}, "SourceConfig.Lease"},
+	} {
+		err := b.CreateSource(context.Background(), "orders", tc.cfg)
+		var ce *consumer.ConfigError
+		if !errors.As(err, &ce) || ce.Field != tc.field {
+			t.Fatalf("CreateSource(%+v) = %v, want a *consumer.ConfigError naming %s", tc.cfg, err, tc.field)
+		}
 	}
 	if b.Messages("orders") != nil {
 		t.Fatal("a refused CreateSource made the queue")
+	}
+}
+
+// SourceConfig.Lease is the queue's visibility timeout: the driver holds a
+// fetched message for that long.
+func TestAdminLeaseIsTheVisibilityTimeout(t *testing.T) {
+	b := newBroker(t, memory.WithAutoCreate(false))
+	if err := b.CreateSource(context.Background(), "orders", consumer.SourceConfig{Lease: 42 * time.Second}); err != nil {
+		t.Fatal(err)
+	}
+	d := newDriver(t, b, "orders")
+	if got := d.(driver.Extender).Lease(); got != 42*time.Second {
+		t.Fatalf("Lease() = %v, want 42s", got)
 	}
 }
 

@@ -32,7 +32,8 @@ var _ consumer.Admin = (*Broker)(nil)
 //     none on 3).
 //   - Retention: x-message-ttl, in milliseconds (at least 1).
 //
-// Partitions is ignored. A queue that exists with the same arguments is
+// Lease is a *[consumer.ConfigError]: a RabbitMQ delivery holds no lease
+// that runs out. Partitions is ignored. A queue that exists with the same arguments is
 // not an error; with others RabbitMQ refuses it (406 PRECONDITION_FAILED)
 // and so does CreateSource.
 func (b *Broker) CreateSource(ctx context.Context, name string, cfg consumer.SourceConfig) error {
@@ -50,6 +51,9 @@ func (b *Broker) CreateSource(ctx context.Context, name string, cfg consumer.Sou
 	}
 	if cfg.Retention < 0 {
 		return consumer.ConfigErrorf("SourceConfig.Retention", "must be >= 0, got %v", cfg.Retention)
+	}
+	if cfg.Lease != 0 {
+		return consumer.ConfigErrorf("SourceConfig.Lease", "RabbitMQ deliveries hold no lease that runs out: a delivery is the consumer's until it is settled or its channel closes")
 	}
 	q := Queue{Name: name, SingleActiveConsumer: cfg.FIFO, DeliveryLimit: cfg.MaxDeliveries}
 	if cfg.DeadLetter != "" {

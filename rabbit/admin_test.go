@@ -88,18 +88,27 @@ func TestAdminCreatesAndDeletesQueues(t *testing.T) {
 	}
 }
 
-// A delivery limit without a dead-letter target would drop messages: it
-// is refused before anything is declared.
+// A delivery limit without a dead-letter target would drop messages, and a
+// RabbitMQ delivery holds no lease: both are refused, naming the field,
+// before anything is declared.
 func TestAdminRefusesDeliveryLimitWithoutDeadLetter(t *testing.T) {
 	b := dial(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	name := testenv.UniqueName(t, "admin-nodlq")
 	deleteLater(t, []string{name}, nil)
-	err := b.CreateSource(ctx, name, consumer.SourceConfig{MaxDeliveries: 3})
-	var ce *consumer.ConfigError
-	if !errors.As(err, &ce) {
-		t.Fatalf("CreateSource = %v, want a *consumer.ConfigError", err)
+	for _, tc := range []struct {
+		cfg   consumer.SourceConfig
+		field string
+	}{
+		{consumer.SourceConfig{MaxDeliveries: 3}, "SourceConfig.MaxDeliveries"},
+		{consumer.SourceConfig{Lease: time.Minute}, "SourceConfig.Lease"},
+	} {
+		err := b.CreateSource(ctx, name, tc.cfg)
+		var ce *consumer.ConfigError
+		if !errors.As(err, &ce) || ce.Field != tc.field {
+			t.Fatalf("CreateSource(%+v) = %v, want a *consumer.ConfigError naming %s", tc.cfg, err, tc.field)
+		}
 	}
 	if _, err := rawChannel(t).QueueDeclarePassive(name, true, false, false, false, nil); err == nil {
 		t.Fatalf("a refused CreateSource declared %q", name)

@@ -23,11 +23,19 @@ var _ consumer.Admin = (*Broker)(nil)
 // console offers.
 const DefaultMaxDeliveries = 10
 
-// The retention SQS accepts (MessageRetentionPeriod).
+// The retention SQS accepts (MessageRetentionPeriod) and its longest
+// visibility timeout.
 const (
 	minRetention = time.Minute
 	maxRetention = 14 * 24 * time.Hour
+	maxLease     = 12 * time.Hour
 )
+
+// ceilSeconds is d in whole seconds, rounded up: SQS takes seconds, and a
+// lease or retention shorter than asked would surprise.
+func ceilSeconds(d time.Duration) time.Duration {
+	return (d + time.Second - 1) / time.Second
+}
 
 // CreateSource creates queue name with cfg ([consumer.Admin]). cfg.FIFO makes
 // a FIFO queue (FifoQueue), whose name must end in ".fifo" (else a
@@ -35,7 +43,9 @@ const (
 // unset too, SQS having no other kind of that name. cfg.Retention is
 // MessageRetentionPeriod,
 // in whole seconds rounded up, between a minute and 14 days as SQS allows
-// (else a *[consumer.ConfigError]). cfg.Partitions is ignored.
+// (else a *[consumer.ConfigError]). cfg.Lease is VisibilityTimeout, in whole
+// seconds rounded up, at most 12 hours as SQS allows. cfg.Partitions is
+// ignored.
 //
 // cfg.DeadLetter sets a redrive policy to that queue after cfg.MaxDeliveries
 // receives ([DefaultMaxDeliveries] when 0). The dead-letter queue is created
@@ -74,13 +84,18 @@ func (b *Broker) CreateSource(ctx context.Context, name string, cfg consumer.Sou
 	if cfg.Retention != 0 && (cfg.Retention < minRetention || cfg.Retention > maxRetention) {
 		return consumer.ConfigErrorf("SourceConfig.Retention", "SQS keeps messages between %v and %v, got %v", minRetention, maxRetention, cfg.Retention)
 	}
+	if cfg.Lease < 0 || cfg.Lease > maxLease {
+		return consumer.ConfigErrorf("SourceConfig.Lease", "an SQS visibility timeout is between 0 and %v, got %v", maxLease, cfg.Lease)
+	}
 	attrs := map[string]string{}
 	if fifo {
 		attrs[string(types.QueueAttributeNameFifoQueue)] = "true"
 	}
+	if cfg.Lease != 0 {
+		attrs[string(types.QueueAttributeNameVisibilityTimeout)] = strconv.FormatInt(int64(ceilSeconds(cfg.Lease)), 10)
+	}
 	if cfg.Retention != 0 {
-		secs := (cfg.Retention + time.Second - 1) / time.Second
-		attrs[string(types.QueueAttributeNameMessageRetentionPeriod)] = strconv.FormatInt(int64(secs), 10)
+		attrs[string(types.QueueAttributeNameMessageRetentionPeriod)] = strconv.FormatInt(int64(ceilSeconds(cfg.Retention)), 10)
 	}
 	if cfg.DeadLetter != "" {
 		arn, err := b.deadLetterARN(ctx, cfg.DeadLetter, fifo)

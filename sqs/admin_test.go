@@ -42,7 +42,8 @@ func TestAdminCreatesAndDeletesQueues(t *testing.T) {
 		_ = b.DeleteSource(context.Background(), name)
 		_ = b.DeleteSource(context.Background(), dlq)
 	})
-	cfg := consumer.SourceConfig{FIFO: true, DeadLetter: dlq, MaxDeliveries: 2, Retention: 2 * time.Hour}
+	// A lease of 90.5 s is asked of SQS as 91 s: rounded up, never shorter.
+	cfg := consumer.SourceConfig{FIFO: true, DeadLetter: dlq, MaxDeliveries: 2, Retention: 2 * time.Hour, Lease: 90*time.Second + 500*time.Millisecond}
 	if err := adm.CreateSource(ctx, name, cfg); err != nil {
 		t.Fatal(err)
 	}
@@ -59,6 +60,9 @@ func TestAdminCreatesAndDeletesQueues(t *testing.T) {
 	a := attrs.Attributes
 	if a["FifoQueue"] != "true" {
 		t.Fatalf("FifoQueue = %q, want true", a["FifoQueue"])
+	}
+	if a["VisibilityTimeout"] != "91" {
+		t.Fatalf("VisibilityTimeout = %q, want 91 (SourceConfig.Lease)", a["VisibilityTimeout"])
 	}
 	if r, _ := retention.Load(name); r != "7200" {
 		t.Fatalf("CreateQueue asked for MessageRetentionPeriod %q, want 7200", r)
@@ -78,6 +82,9 @@ func TestAdminCreatesAndDeletesQueues(t *testing.T) {
 	got, err := d.Fetch(ctx, nil, 10)
 	if err != nil || len(got) != 1 || string(got[0].Body) != "one" {
 		t.Fatalf("Fetch = %v, %v; want the message published", got, err)
+	}
+	if l := d.(driver.Extender).Lease(); l != 91*time.Second {
+		t.Fatalf("the driver's Lease() = %v, want 91s", l)
 	}
 	if err := d.Settle(ctx, []driver.Settlement{{Handle: got[0].Handle, Action: driver.Ack}}); err != nil {
 		t.Fatal(err)
@@ -99,7 +106,8 @@ func TestAdminCreatesAndDeletesQueues(t *testing.T) {
 
 // An SQS FIFO queue's name ends in ".fifo": asking for FIFO with another
 // name, or for a dead-letter queue of the other kind, is refused before
-// any call.
+// any call, as are a delivery limit with no dead-letter queue and a
+// retention or lease SQS does not take.
 func TestAdminRefusesFIFONameWithoutSuffix(t *testing.T) {
 	cs := &calls{}
 	c := newClient(t, cs)
@@ -115,6 +123,8 @@ func TestAdminRefusesFIFONameWithoutSuffix(t *testing.T) {
 		{name + ".fifo", consumer.SourceConfig{DeadLetter: name + "-dlq"}},
 		{name, consumer.SourceConfig{MaxDeliveries: 3}},
 		{name, consumer.SourceConfig{Retention: time.Second}},
+		{name, consumer.SourceConfig{Lease: -time.Second}},
+		{name, consumer.SourceConfig{Lease: 13 * time.Hour}},
 	} {
 		err := b.CreateSource(ctx, tc.name, tc.cfg)
 		var ce *consumer.ConfigError
