@@ -65,10 +65,10 @@ type site struct {
 	b     ferry.Broker
 	mem   *memory.Broker // on the memory broker only
 
-	orders, dlq string // queue or topic names: what Publish takes too, on every broker
-	group       string // the billing consumers' group (Kafka)
-	dlqGroup    string // the dead-letter reader's group (Kafka)
-	sqsURLs     map[string]string
+	orders, dlq string        // queue or topic names: what Publish takes too, on every broker
+	group       string        // the billing consumers' group (Kafka)
+	dlqGroup    string        // the dead-letter reader's group (Kafka)
+	ordersURL   string        // the orders queue's URL (SQS)
 	visibility  time.Duration // memory and SQS
 
 	mu     sync.Mutex
@@ -100,7 +100,7 @@ func openSite(ctx context.Context, cfg Config) (_ *site, err error) {
 	if m, ok := ferry.Memory(b); ok && s.kind == brokerkind.Memory {
 		s.mem = m
 		s.orders, s.dlq = OrdersQueue, DeadLetterQueue
-		return s, s.createMemory()
+		return s, s.createQueue(ctx)
 	}
 	id := runID()
 	s.orders, s.dlq = "ferry-demo-"+id+"-orders", "ferry-demo-"+id+"-orders-dlq"
@@ -123,18 +123,27 @@ func runID() string {
 	return hex.EncodeToString(b[:])
 }
 
-func (s *site) createMemory() error {
-	if err := s.mem.CreateQueue(s.dlq, memory.QueueConfig{}); err != nil {
-		return err
+// createQueue makes the orders queue, with the run's visibility timeout,
+// and its dead-letter queue on the memory broker and SQS (CreateSource
+// makes the dead-letter queue too). The broker's own redrive, after 10
+// receives, is a backstop far behind the DeadLetter middleware's attempts:
+// a message that reaches it lands in the dead-letter queue without a
+// reason, which the verdict would catch.
+func (s *site) createQueue(ctx context.Context) error {
+	if s.kind == brokerkind.SQS {
+		// SQS counts the visibility timeout in whole seconds, and
+		// CreateSource rounds it up: the demo counts with what SQS keeps.
+		s.visibility = time.Duration(math.Ceil(s.visibility.Seconds())) * time.Second
 	}
-	// The broker's own redrive is a backstop far behind the DeadLetter
-	// middleware's attempts: a message that reaches it lands in the
-	// dead-letter queue without a reason, which the verdict would catch.
-	return s.mem.CreateQueue(s.orders, memory.QueueConfig{
-		VisibilityTimeout: s.visibility,
-		MaxReceiveCount:   10,
-		DeadLetterQueue:   s.dlq,
-	})
+	adm, ok := s.b.(consumer.Admin)
+	if !ok {
+		return fmt.Errorf("%w (%s)", errUnknownBroker, s.kind)
+	}
+	cfg := consumer.SourceConfig{Lease: s.visibility, DeadLetter: s.dlq, MaxDeliveries: 10}
+	if err := adm.CreateSource(ctx, s.orders, cfg); err != nil {
+		return fmt.Errorf("demo: %w", err)
+	}
+	return nil
 }
 
 // ordersPartitions is the orders topic's partition count on Kafka: room
@@ -156,41 +165,21 @@ func (s *site) createKafka(ctx context.Context) error {
 }
 
 func (s *site) createSQS(ctx context.Context) error {
-	// The orders queue's visibility timeout is SQS's own, beyond
-	// consumer.SourceConfig: the SDK client of the SQS broker makes it.
+	if err := s.createQueue(ctx); err != nil {
+		return err
+	}
+	// The orders queue's depth, which left counts, is SQS's own, beyond
+	// consumer.Lag: it is asked of the queue's URL.
 	q, ok := s.b.(*sqs.Broker)
 	if !ok {
 		return fmt.Errorf("%w (SQS)", errUnknownBroker)
 	}
-	c := q.Client()
-	s.sqsURLs = make(map[string]string)
-	create := func(name string, attrs map[string]string) error {
-		out, err := c.CreateQueue(ctx, &awssqs.CreateQueueInput{QueueName: aws.String(name), Attributes: attrs})
-		if err != nil {
-			return fmt.Errorf("demo: create SQS queue %s: %w", name, err)
-		}
-		s.sqsURLs[name] = aws.ToString(out.QueueUrl)
-		return nil
-	}
-	if err := create(s.dlq, nil); err != nil {
-		return err
-	}
-	attrs, err := c.GetQueueAttributes(ctx, &awssqs.GetQueueAttributesInput{
-		QueueUrl:       aws.String(s.sqsURLs[s.dlq]),
-		AttributeNames: []types.QueueAttributeName{types.QueueAttributeNameQueueArn},
-	})
+	out, err := q.Client().GetQueueUrl(ctx, &awssqs.GetQueueUrlInput{QueueName: aws.String(s.orders)})
 	if err != nil {
-		return fmt.Errorf("demo: ARN of SQS queue %s: %w", s.dlq, err)
+		return fmt.Errorf("demo: URL of SQS queue %s: %w", s.orders, err)
 	}
-	// SQS counts the visibility timeout in whole seconds.
-	secs := int(math.Ceil(s.visibility.Seconds()))
-	s.visibility = time.Duration(secs) * time.Second
-	return create(s.orders, map[string]string{
-		"VisibilityTimeout": strconv.Itoa(secs),
-		// The same backstop as on the memory broker.
-		"RedrivePolicy": fmt.Sprintf(`{"deadLetterTargetArn":%q,"maxReceiveCount":"10"}`,
-			attrs.Attributes[string(types.QueueAttributeNameQueueArn)]),
-	})
+	s.ordersURL = aws.ToString(out.QueueUrl)
+	return nil
 }
 
 // rabbitConn runs f with a connection of its own, for what the rabbit
@@ -325,7 +314,7 @@ func (s *site) left(ctx context.Context, loop *consumer.Loop) (int64, error) {
 		return s.kafkaLag(ctx)
 	case brokerkind.SQS:
 		out, err := s.b.(*sqs.Broker).Client().GetQueueAttributes(ctx, &awssqs.GetQueueAttributesInput{
-			QueueUrl: aws.String(s.sqsURLs[s.orders]),
+			QueueUrl: aws.String(s.ordersURL),
 			AttributeNames: []types.QueueAttributeName{
 				types.QueueAttributeNameApproximateNumberOfMessages,
 				types.QueueAttributeNameApproximateNumberOfMessagesNotVisible,
