@@ -17,8 +17,8 @@ const defaultMaxDeliveries = 10
 // CreateSource creates queue name with cfg (consumer.Admin), as CreateQueue
 // does: cfg.FIFO is QueueConfig.FIFO, cfg.DeadLetter and cfg.MaxDeliveries
 // are DeadLetterQueue and MaxReceiveCount (10 when 0, as SQS's console
-// offers), and cfg.Lease is VisibilityTimeout. The dead-letter queue is created first, of the same kind, when
-// it does not exist, as on SQS. The memory broker keeps messages until they
+// offers), and cfg.Lease is VisibilityTimeout. The dead-letter queue is
+// created first, of the same kind, when it does not exist, as on SQS. The memory broker keeps messages until they
 // are acked, so cfg.Retention is ignored, as is cfg.Partitions. A queue
 // that exists with the same configuration is not an error; with another
 // it fails with ErrQueueExists. ctx is not used.

@@ -33,8 +33,8 @@ var _ consumer.Admin = (*Broker)(nil)
 //   - Retention: x-message-ttl, in milliseconds (at least 1).
 //
 // Lease is a *[consumer.ConfigError]: a RabbitMQ delivery holds no lease
-// that runs out. Partitions is ignored. A queue that exists with the same arguments is
-// not an error; with others RabbitMQ refuses it (406 PRECONDITION_FAILED)
+// that runs out. Partitions is ignored. A queue that exists with the same
+// arguments is not an error; with others RabbitMQ refuses it (406 PRECONDITION_FAILED)
 // and so does CreateSource.
 func (b *Broker) CreateSource(ctx context.Context, name string, cfg consumer.SourceConfig) error {
 	if name == "" {
