@@ -355,6 +355,23 @@ rabbit_tenant() {
 	rabbitmqctl_ set_permissions -p "$RABBIT_TENANT" "$RABBIT_TENANT" '.*' '.*' '.*' >/dev/null
 }
 
+# kafka_extras restarts a running Kafka started with other settings (its
+# server.properties differs from what kafka-server.properties renders to).
+kafka_extras() {
+	local d=$STATE/kafka want
+	[[ -f $d/server.properties ]] || return 0
+	want=$(mktemp)
+	sed "s|@STATE@|$STATE|g" "$CONF/kafka-server.properties" >"$want"
+	if ! cmp -s "$want" "$d/server.properties"; then
+		log "kafka: restarting it with the new configuration"
+		stop_service kafka >/dev/null
+		start_kafka || { rm -f "$want"; tail_logs kafka 30; die "kafka did not start again"; }
+		"$CHECKER" -wait "${UP_TIMEOUT}s" $(versions) $(kafka_ca_flag) -pid="kafka=$(cat "$d/kafka.pid")" kafka >/dev/null ||
+			{ rm -f "$want"; tail_logs kafka 30; die "kafka did not come back after the restart"; }
+	fi
+	rm -f "$want"
+}
+
 # rabbit_extras brings a running node up to date: a node started before the
 # amqps listener existed (its rabbitmq.conf differs) is restarted with it,
 # and the restricted user is made.
@@ -583,6 +600,7 @@ cmd_up() {
 		fi
 	done
 	((rc == 0)) || die "not every broker is ready (logs: integration/brokers.sh logs)"
+	kafka_extras
 	rabbit_extras
 }
 

@@ -36,7 +36,7 @@ type Broker struct {
 	maxWrite  int32       // the producer's request limit
 
 	mu        sync.Mutex
-	drivers   map[*kafkaDriver]struct{}
+	drivers   map[driver.Driver]struct{} // open consumer drivers, of either kind of group
 	closed    chan struct{}
 	closeOnce sync.Once
 
@@ -93,7 +93,7 @@ func New(seeds []string, opts ...Option) (*Broker, error) {
 		seeds:   append([]string(nil), seeds...),
 		cfg:     cfg,
 		log:     cfg.logger,
-		drivers: make(map[*kafkaDriver]struct{}),
+		drivers: make(map[driver.Driver]struct{}),
 		closed:  make(chan struct{}),
 	}
 	prod, err := kgo.NewClient(b.clientOpts(&b.plink,
@@ -148,7 +148,7 @@ func (b *Broker) Close() error {
 	b.closeOnce.Do(func() {
 		close(b.closed)
 		b.mu.Lock()
-		ds := make([]*kafkaDriver, 0, len(b.drivers))
+		ds := make([]driver.Driver, 0, len(b.drivers))
 		for d := range b.drivers {
 			ds = append(ds, d)
 		}
@@ -206,6 +206,9 @@ func (b *Broker) Driver(_ context.Context, topic string, cfg driver.Config) (dri
 		return nil, consumer.ConfigErrorf("Name", "must be set with consumer.WithName: on Kafka the consumer's name is its group id, "+
 			"and consumers of one topic with one name share its partitions")
 	}
+	if b.cfg.protocol == Share {
+		return b.newShareDriver(topic, cfg.Name, cfg)
+	}
 	d, err := b.newDriver(topic)
 	if err != nil {
 		return nil, err
@@ -217,7 +220,7 @@ func (b *Broker) Driver(_ context.Context, topic string, cfg driver.Config) (dri
 	return d, nil
 }
 
-func (b *Broker) forget(d *kafkaDriver) {
+func (b *Broker) forget(d driver.Driver) {
 	b.mu.Lock()
 	delete(b.drivers, d)
 	b.mu.Unlock()

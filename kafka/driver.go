@@ -6,7 +6,6 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
-	"log/slog"
 	"maps"
 	"slices"
 	"strconv"
@@ -27,20 +26,9 @@ import (
 // franz-go's group goroutine, and commits on a goroutine of the driver's
 // own; mu guards the partition table they share.
 type kafkaDriver struct {
-	b     *Broker
-	topic string
-	group string
-	log   *slog.Logger
+	membership
 
 	revC chan driver.Revocation
-
-	// link is what the group client saw of its connections. The rest
-	// is the fetcher's own (Connect and Fetch run on the loop's fetcher
-	// only).
-	link     link
-	failed   failure   // what the last Connect or Fetch told the loop failed
-	askedAt  time.Time // when Connect or Fetch last asked whether the topic exists
-	polledAt time.Time // when a poll last brought records
 
 	mu       sync.Mutex
 	cl       *kgo.Client
@@ -75,26 +63,6 @@ type kafkaDriver struct {
 	wg        sync.WaitGroup
 }
 
-// failure is what a Connect or Fetch told the loop failed, so that the
-// next Fetch looks again at what failed and returns as soon as it works.
-type failure uint8
-
-const (
-	failedNone  failure = iota
-	failedLink          // the client could not get through, or a fetch failed
-	failedTopic         // the topic does not exist
-)
-
-func failureOf(err error) failure {
-	switch {
-	case err == nil:
-		return failedNone
-	case errors.Is(err, consumer.ErrSourceNotFound):
-		return failedTopic
-	}
-	return failedLink
-}
-
 // errPartitionsLost is why a commit was not issued: partitions were lost
 // after it read its offsets.
 var errPartitionsLost = errors.New("partitions were lost since the offsets were read; not committing them")
@@ -124,12 +92,10 @@ func (b *Broker) newDriver(topic string) (*kafkaDriver, error) {
 		return nil, fmt.Errorf("kafka: consumer of %q: %w", topic, ErrClosed)
 	}
 	d := &kafkaDriver{
-		b:     b,
-		topic: topic,
-		log:   b.log,
-		revC:  make(chan driver.Revocation),
-		parts: make(map[int32]*partition),
-		stop:  make(chan struct{}),
+		membership: membership{b: b, topic: topic, log: b.log},
+		revC:       make(chan driver.Revocation),
+		parts:      make(map[int32]*partition),
+		stop:       make(chan struct{}),
 	}
 	b.mu.Lock()
 	b.drivers[d] = struct{}{}
@@ -258,67 +224,6 @@ func (d *kafkaDriver) Connect(ctx context.Context) error {
 	return err
 }
 
-// lookUp asks the cluster for the topic: nil, and its ID (where the
-// cluster tells it), when it exists.
-func (d *kafkaDriver) lookUp(ctx context.Context, cl *kgo.Client) (id [16]byte, err error) {
-	req := kmsg.NewPtrMetadataRequest()
-	rt := kmsg.NewMetadataRequestTopic()
-	rt.Topic = kmsg.StringPtr(d.topic)
-	req.Topics = append(req.Topics, rt)
-	resp, err := req.RequestWith(ctx, cl)
-	if err != nil {
-		return id, d.requestErr(err)
-	}
-	for _, t := range resp.Topics {
-		if t.Topic == nil || *t.Topic != d.topic {
-			continue
-		}
-		terr := kerr.ErrorForCode(t.ErrorCode)
-		switch {
-		case errors.Is(terr, kerr.UnknownTopicOrPartition):
-		case terr == nil, kerr.IsRetriable(terr):
-			return t.TopicID, nil // it exists (its leaders may be being elected)
-		case isRefusal(terr):
-			return id, driver.Fatal(fmt.Errorf("kafka: consumer of %q: %w", d.topic, refused(d.b.addrOr(""), terr)))
-		default:
-			return id, fmt.Errorf("kafka: consumer of %q: metadata of the topic: %w", d.topic, terr)
-		}
-	}
-	return id, fmt.Errorf("kafka: consumer of %q: %w: the cluster at %s has no topic %q", d.topic, consumer.ErrSourceNotFound, d.b.addrOr(""), d.topic)
-}
-
-// requestErr is the error of a request to the cluster that failed with
-// err: what the client saw (the dial error, the refusal) rather than the
-// context's end, and where.
-func (d *kafkaDriver) requestErr(err error) error {
-	addr, seen := d.link.last()
-	cause := err
-	if isContextErr(err) && seen != nil {
-		cause = seen
-	}
-	addr = d.b.addrOr(addr)
-	switch {
-	case refusedBy(&d.link, cause):
-		return driver.Fatal(fmt.Errorf("kafka: consumer of %q: %w", d.topic, refused(addr, cause)))
-	case isContextErr(cause):
-		return fmt.Errorf("kafka: consumer of %q: %w: %s: no broker answered within %s: %w", d.topic, consumer.ErrUnreachable, addr, connectWithin, cause)
-	}
-	return fmt.Errorf("kafka: consumer of %q: %w", d.topic, unreachable(addr, cause))
-}
-
-// linkErr is the error Fetch returns when the client cannot get through
-// (see link.down), nil while it can.
-func (d *kafkaDriver) linkErr() error {
-	addr, err := d.link.down()
-	switch {
-	case err == nil:
-		return nil
-	case refusedBy(&d.link, err):
-		return driver.Fatal(fmt.Errorf("kafka: consumer of %q: %w", d.topic, refused(addr, err)))
-	}
-	return fmt.Errorf("kafka: consumer of %q: %w", d.topic, unreachable(addr, err))
-}
-
 // Revoked delivers the partitions a rebalance takes away, as lanes.
 func (d *kafkaDriver) Revoked() <-chan driver.Revocation { return d.revC }
 
@@ -437,115 +342,6 @@ func (d *kafkaDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 	}
 	d.failed = failureOf(err)
 	return dst, err
-}
-
-// askEvery is how often Fetch asks the cluster whether the topic exists
-// while polls say it does not; quietAsk, while no records come. franz-go
-// drops the records of a deleted topic without a word, so Fetch asks.
-const (
-	askEvery = time.Second
-	quietAsk = driver.ReportWithin - time.Second
-)
-
-// lookAgain asks the cluster for the topic after a poll said it is gone,
-// or none brought records for a while: a poll's error may be one
-// franz-go kept from before the topic was made, or say the topic was
-// deleted and made again (stale is the topic ID a fetch
-// was refused for), which franz-go does not follow by itself: it then
-// drops the topic from the group's subscription and adds it back, and the
-// new topic's partitions are assigned afresh.
-func (d *kafkaDriver) lookAgain(ctx context.Context, cl *kgo.Client, stale [16]byte) error {
-	d.askedAt = time.Now()
-	lctx, cancel := context.WithTimeout(ctx, connectWithin)
-	defer cancel()
-	id, err := d.lookUp(lctx, cl)
-	if err == nil && stale != ([16]byte{}) && id != ([16]byte{}) && id != stale {
-		d.log.Warn("ferry/kafka: the topic was deleted and made again; consuming the new one from its committed offsets")
-		cl.PurgeTopicsFromConsuming(d.topic)
-		cl.AddConsumeTopics(d.topic)
-	}
-	return err
-}
-
-// pollResult is what the polls of one Fetch brought.
-type pollResult struct {
-	fs      kgo.Fetches // the last poll's, with its records
-	err     error       // an error no retry inside franz-go fixes
-	ask     bool        // ask whether the topic exists: a poll said it is gone, or none brought records for quietAsk
-	staleID [16]byte    // the topic ID a fetch was refused for (UNKNOWN_TOPIC_ID)
-}
-
-// poll polls up to max records in slices of pollSlice, until a poll
-// brings records or an error franz-go does not retry, pctx ends (Settle
-// woke it, or ctx ended), it is time to ask whether the topic exists (a
-// poll, or the last Fetch, said it is gone: at most every askEvery; or
-// none brought records for quietAsk), the client cannot get through
-// (link.down), or, after the client could not get through, a broker
-// answers again: so that the loop hears of failures and recoveries
-// within seconds, whether records flow or not. A poll that brought
-// nothing but errors franz-go retries waits out its slice, rather than
-// spin while they come back at once.
-func (d *kafkaDriver) poll(pctx context.Context, cl *kgo.Client, max int) pollResult {
-	r := pollResult{ask: d.failed == failedTopic}
-	for {
-		began := time.Now()
-		sctx, cancel := context.WithTimeout(pctx, pollSlice)
-		fs := cl.PollRecords(sctx, max)
-		cancel()
-		d.scan(fs, &r)
-		if fs.NumRecords() > 0 {
-			d.polledAt = time.Now()
-		}
-		switch {
-		case pctx.Err() != nil, fs.NumRecords() > 0, r.err != nil:
-			r.fs = fs
-			return r
-		case r.ask && time.Since(d.askedAt) >= askEvery:
-			return r
-		case time.Since(d.polledAt) >= quietAsk && time.Since(d.askedAt) >= quietAsk:
-			r.ask = true
-			return r
-		}
-		if _, err := d.link.down(); err != nil {
-			return r
-		}
-		if d.failed == failedLink && !d.link.failing.Load() && d.link.everAnswered() {
-			return r
-		}
-		if rest := pollSlice - time.Since(began); rest > 0 {
-			t := time.NewTimer(rest)
-			select {
-			case <-pctx.Done():
-			case <-t.C:
-			}
-			t.Stop()
-		}
-	}
-}
-
-// scan records in r the errors of fs that Fetch acts on.
-func (d *kafkaDriver) scan(fs kgo.Fetches, r *pollResult) {
-	for i := range fs {
-		for j := range fs[i].Topics {
-			t := &fs[i].Topics[j]
-			for k := range t.Partitions {
-				err := t.Partitions[k].Err
-				switch {
-				case err == nil, isContextErr(err):
-					// the end of a poll's slice, or Settle woke it
-				case errors.Is(err, kerr.UnknownTopicOrPartition), errors.Is(err, kerr.UnknownTopicID):
-					r.ask = true
-					if errors.Is(err, kerr.UnknownTopicID) && t.TopicID != ([16]byte{}) {
-						r.staleID = t.TopicID
-					}
-				case kerr.IsRetriable(err):
-					// franz-go retries it
-				case r.err == nil || isRefusal(err) || errors.Is(err, kgo.ErrClientClosed):
-					r.err = err
-				}
-			}
-		}
-	}
 }
 
 // bufferLimit is how many unfinished records of one partition the loop may

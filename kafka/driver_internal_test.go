@@ -20,7 +20,7 @@ import (
 // enough for messages and Settle.
 func unitDriver(topic string, ids ...int32) *kafkaDriver {
 	b := &Broker{log: slog.New(slog.DiscardHandler)}
-	d := &kafkaDriver{b: b, topic: topic, log: b.log, parts: make(map[int32]*partition)}
+	d := &kafkaDriver{membership: membership{b: b, topic: topic, log: b.log}, parts: make(map[int32]*partition)}
 	for _, id := range ids {
 		d.parts[id] = newPartition(id)
 	}

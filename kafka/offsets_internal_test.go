@@ -135,7 +135,7 @@ func TestRecordSizeCountsAsFranzGo(t *testing.T) {
 // limit wait, in order, and go out only as its records finish.
 func TestStashKeepsAPartitionToItsShare(t *testing.T) {
 	b := &Broker{log: slog.New(slog.DiscardHandler)}
-	d := &kafkaDriver{b: b, topic: "t", log: b.log, parts: map[int32]*partition{0: newPartition(0)}}
+	d := &kafkaDriver{membership: membership{b: b, topic: "t", log: b.log}, parts: map[int32]*partition{0: newPartition(0)}}
 	p := d.parts[0]
 	fetched(p, 0, 1)
 	for o := int64(2); o < 6; o++ {
@@ -184,7 +184,7 @@ func TestStashKeepsAPartitionToItsShare(t *testing.T) {
 // made an unordered consumer 5 times slower than an ordered one.
 func TestIdlePartitionHandedAFullShareIsNotPaused(t *testing.T) {
 	b := &Broker{log: slog.New(slog.DiscardHandler)}
-	d := &kafkaDriver{b: b, topic: "t", log: b.log, parts: map[int32]*partition{0: newPartition(0)}}
+	d := &kafkaDriver{membership: membership{b: b, topic: "t", log: b.log}, parts: map[int32]*partition{0: newPartition(0)}}
 	p := d.parts[0]
 	fetched(p, 0)
 	ack(p, 0)

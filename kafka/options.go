@@ -31,6 +31,13 @@ const (
 	// needs a broker whose group.coordinator.rebalance.protocols includes
 	// "consumer" (the default from 4.0).
 	NextGen
+	// Share makes every consumer a member of a share group (KIP-932, Kafka
+	// 4.2 and later): Kafka as a queue. Members share partitions, the
+	// broker hands each record to one member under a lock that a running
+	// handler renews, and each record is acknowledged by itself, with no
+	// offsets and no order; more members than partitions all get work.
+	// See Share groups in the package documentation.
+	Share
 )
 
 func (p GroupProtocol) String() string {
@@ -39,6 +46,8 @@ func (p GroupProtocol) String() string {
 		return "classic"
 	case NextGen:
 		return "consumer"
+	case Share:
+		return "share"
 	}
 	return "GroupProtocol(" + strconv.Itoa(int(p)) + ")"
 }
@@ -173,12 +182,13 @@ func WithLogger(l *slog.Logger) Option {
 	}
 }
 
-// WithGroupProtocol chooses the consumer group protocol of the Broker's
-// consumers. Default Classic (cooperative-sticky).
+// WithGroupProtocol chooses the kind of group the Broker's consumers join:
+// a consumer group, Classic (cooperative-sticky) or NextGen (KIP-848), or
+// a share group (Share). Default Classic.
 func WithGroupProtocol(p GroupProtocol) Option {
 	return func(c *config) error {
-		if p != Classic && p != NextGen {
-			return consumer.ConfigErrorf("GroupProtocol", "must be Classic or NextGen, got %d", p)
+		if p != Classic && p != NextGen && p != Share {
+			return consumer.ConfigErrorf("GroupProtocol", "must be Classic, NextGen or Share, got %d", p)
 		}
 		c.protocol = p
 		return nil

@@ -42,8 +42,10 @@ func openURL(_ context.Context, u *url.URL, q url.Values, shown string) (consume
 	case "", "classic":
 	case "consumer":
 		opts = append(opts, WithGroupProtocol(NextGen))
+	case "share":
+		opts = append(opts, WithGroupProtocol(Share))
 	default:
-		return nil, &brokerurl.URLError{URL: shown, Part: "query parameter group_protocol", Reason: "is " + v + ", not classic or consumer"}
+		return nil, &brokerurl.URLError{URL: shown, Part: "query parameter group_protocol", Reason: "is " + v + ", not classic, consumer or share"}
 	}
 	tlsCfg, err := brokerurl.TLS(q, shown)
 	if err != nil {
