@@ -36,18 +36,18 @@ type shareDriver struct {
 	membership
 	maxRecords int32 // a poll's records at most: the loop's in-flight bound
 
-	lease    atomic.Int64 // time.Duration: the group's record lock duration
-	limit    atomic.Int32 // the group's delivery count limit
-	deadTo   atomic.Pointer[string]
-	warns    *ratelog.Limiter // WARN lines, a few a minute of each kind
+	lease  atomic.Int64 // time.Duration: the group's record lock duration
+	limit  atomic.Int32 // the group's delivery count limit
+	deadTo atomic.Pointer[string]
+	warns  *ratelog.Limiter // WARN lines, a few a minute of each kind
 
 	mu    sync.Mutex
 	cl    *kgo.Client
-	ready bool            // the group is configured and the topic subscribed
-	wave  []*shareHandle  // the last poll's records
-	stash []*shareHandle  // of them, those the loop has not taken yet
-	held  int             // of them, those not settled yet
-	done  chan struct{}   // closed when held falls to 0
+	ready bool           // the group is configured and the topic subscribed
+	wave  []*shareHandle // the last poll's records
+	stash []*shareHandle // of them, those the loop has not taken yet
+	held  int            // of them, those not settled yet
+	done  chan struct{}  // closed when held falls to 0
 
 	ackMu    sync.Mutex
 	ackFails []kgo.ShareAckResult // what the flush under way was refused
