@@ -28,7 +28,7 @@ import (
 // this test binary, run again with childEnv set, which TestMain hands to
 // runChild. The child reports on stdout, one line each: "H p o" when a
 // handler starts partition p offset o, "C p o" when a commit of offset o
-// for p was accepted, and "B" when it blocks in a handler for good.
+// for p was accepted, and "B p o" when its handler of p o blocks for good.
 const (
 	childEnv        = "FERRY_KAFKA_TEST_CHILD"
 	childTopicEnv   = "FERRY_KAFKA_TEST_CHILD_TOPIC"
@@ -48,8 +48,11 @@ func runChild() int {
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	session, _ := time.ParseDuration(os.Getenv(childSessionEnv))
 	proto := kafka.Classic
-	if os.Getenv(childProtoEnv) == kafka.NextGen.String() {
+	switch os.Getenv(childProtoEnv) {
+	case kafka.NextGen.String():
 		proto = kafka.NextGen
+	case kafka.Share.String():
+		proto = kafka.Share
 	}
 	b, err := kafka.New(testenv.KafkaBrokers(),
 		kafka.WithLogger(log),
@@ -82,9 +85,14 @@ func runChild() int {
 	blockAfter, _ := strconv.Atoi(os.Getenv(childBlockEnv))
 	var n atomic.Int64
 	err = c.Run(context.Background(), consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
-		out("H %s %d", m.Lane, m.Offset)
+		lane := m.Lane
+		var r *kgo.Record
+		if lane == "" && m.As(&r) {
+			lane = strconv.Itoa(int(r.Partition)) // a share group's records have no lane
+		}
+		out("H %s %d", lane, m.Offset)
 		if n.Add(1) == int64(blockAfter) {
-			out("B")
+			out("B %s %d", lane, m.Offset)
 			<-ctx.Done()
 			return ctx.Err()
 		}
@@ -103,6 +111,7 @@ type child struct {
 	commits map[int32]int64 // highest committed offset per partition
 	log     []string        // every line, in order
 	blocked bool
+	blockAt [2]int64 // the partition and offset whose handler blocked
 	done    chan struct{}
 }
 
@@ -128,8 +137,10 @@ func startChild(t *testing.T, proto kafka.GroupProtocol, topic, group string, bl
 			c.mu.Lock()
 			c.log = append(c.log, sc.Text())
 			switch {
-			case len(f) == 1 && f[0] == "B":
+			case len(f) == 3 && f[0] == "B":
 				c.blocked = true
+				c.blockAt[0], _ = strconv.ParseInt(f[1], 10, 64)
+				c.blockAt[1], _ = strconv.ParseInt(f[2], 10, 64)
 			case len(f) == 3:
 				p, _ := strconv.ParseInt(f[1], 10, 64)
 				o, _ := strconv.ParseInt(f[2], 10, 64)

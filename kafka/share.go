@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 
@@ -49,8 +50,10 @@ type shareDriver struct {
 	held  int            // of them, those not settled yet
 	done  chan struct{}  // closed when held falls to 0
 
-	ackMu    sync.Mutex
-	ackFails []kgo.ShareAckResult // what the flush under way was refused
+	ackMu sync.Mutex // one flush of acknowledgements at a time
+
+	failsMu  sync.Mutex
+	ackFails []kgo.ShareAckResult // what the broker refused since the flush under way began
 
 	stop      chan struct{}
 	closeOnce sync.Once
@@ -346,7 +349,7 @@ func (d *shareDriver) Settle(ctx context.Context, batch []driver.Settlement) err
 		hs[i] = h
 	}
 	d.ackMu.Lock()
-	d.ackFails = d.ackFails[:0]
+	d.resetFails()
 	for i, s := range batch {
 		h := hs[i]
 		if h == nil {
@@ -361,7 +364,7 @@ func (d *shareDriver) Settle(ctx context.Context, batch []driver.Settlement) err
 		}
 	}
 	err := d.flush(ctx)
-	fails := slices.Clone(d.ackFails)
+	fails := d.fails()
 	d.ackMu.Unlock()
 
 	d.mu.Lock()
@@ -436,13 +439,30 @@ func (d *shareDriver) flush(ctx context.Context) error {
 const flushWithin = 10 * time.Second
 
 // acked is franz-go's ShareAckCallback: it keeps what the broker refused,
-// for the flush under way.
+// for the flush under way (FlushAcks returns after the callbacks of what
+// it sent).
 func (d *shareDriver) acked(_ *kgo.Client, rs kgo.ShareAckResults) {
+	d.failsMu.Lock()
+	defer d.failsMu.Unlock()
 	for _, r := range rs {
 		if r.Err != nil && r.Topic == d.topic {
 			d.ackFails = append(d.ackFails, r)
 		}
 	}
+}
+
+// resetFails forgets earlier refusals, as a flush begins.
+func (d *shareDriver) resetFails() {
+	d.failsMu.Lock()
+	d.ackFails = d.ackFails[:0]
+	d.failsMu.Unlock()
+}
+
+// fails returns the refusals since the last resetFails.
+func (d *shareDriver) fails() []kgo.ShareAckResult {
+	d.failsMu.Lock()
+	defer d.failsMu.Unlock()
+	return slices.Clone(d.ackFails)
 }
 
 // refusedFor is the error the broker gave for r's partition, if any.
@@ -464,7 +484,7 @@ func (d *shareDriver) Lease() time.Duration { return time.Duration(d.lease.Load(
 func (d *shareDriver) Extend(ctx context.Context, handles []any, _ time.Duration) error {
 	d.ackMu.Lock()
 	defer d.ackMu.Unlock()
-	d.ackFails = d.ackFails[:0]
+	d.resetFails()
 	var recs []*kgo.Record
 	for _, h := range handles {
 		if sh, ok := h.(*shareHandle); ok {
@@ -475,8 +495,9 @@ func (d *shareDriver) Extend(ctx context.Context, handles []any, _ time.Duration
 	if err := d.flush(ctx); err != nil {
 		return fmt.Errorf("kafka: renew the locks of %d record(s) of %q in share group %q: %w", len(recs), d.topic, d.group, err)
 	}
+	fails := d.fails()
 	for _, r := range recs {
-		if err := refusedFor(d.ackFails, r); err != nil {
+		if err := refusedFor(fails, r); err != nil {
 			return fmt.Errorf("kafka: renew the locks of records of %q in share group %q: %w", d.topic, d.group, err)
 		}
 	}
@@ -485,10 +506,14 @@ func (d *shareDriver) Extend(ctx context.Context, handles []any, _ time.Duration
 
 // Lag reports, per partition (Lanes), the share-partition lag the group
 // coordinator keeps (KIP-1226: the records from the share-partition's
-// start that are not acknowledged yet), and as each lane's position the
-// start offset. Of the sum, InFlight is what this member holds
-// (unsettled records of its last poll) and Messages the rest; OldestAge
-// is the age of the oldest record this member holds.
+// start offset on that are not acknowledged yet), and as each lane's
+// position that start offset. Until the coordinator has written a
+// partition's state (at its first acknowledgement) it reports no lag
+// there; Lag then counts from the partition's start offset, or its log
+// start, to its end, which is right for a group that starts at the
+// earliest records (Ferry's default). Of the sum, InFlight is what this
+// member holds (the unsettled records of its last poll) and Messages the
+// rest; OldestAge is the age of the oldest record this member holds.
 func (d *shareDriver) Lag(ctx context.Context) (driver.Lag, error) {
 	fail := func(what string, err error) (driver.Lag, error) {
 		return driver.Lag{}, fmt.Errorf("kafka: lag of share group %q on %q: %s: %w", d.group, d.topic, what, wrapAuth(err))
@@ -497,21 +522,59 @@ func (d *shareDriver) Lag(ctx context.Context) (driver.Lag, error) {
 	if err != nil {
 		return fail("share group offsets", err)
 	}
-	out := driver.Lag{Lanes: make(map[string]int64), Positions: make(map[string]int64)}
 	g, ok := described[d.group]
-	switch {
-	case ok && g.Err != nil && !errors.Is(g.Err, kerr.GroupIDNotFound):
+	if ok && g.Err != nil && !errors.Is(g.Err, kerr.GroupIDNotFound) {
 		return fail("share group offsets", g.Err)
-	case ok && g.Err == nil:
-		for _, o := range g.Offsets[d.topic] {
-			if o.Err != nil || o.Lag < 0 {
-				continue
-			}
-			lane := strconv.Itoa(int(o.Partition))
-			out.Lanes[lane] = o.Lag
-			out.Positions[lane] = o.StartOffset
-			out.Messages += o.Lag
+	}
+	known := map[int32]kadm.ShareOffset{}
+	for p, o := range g.Offsets[d.topic] {
+		if o.Err == nil && o.Lag >= 0 && o.StartOffset >= 0 {
+			known[p] = o
 		}
+	}
+	ends, err := d.b.adm.ListEndOffsets(ctx, d.topic)
+	if err != nil {
+		return fail("end offsets", err)
+	}
+	var starts kadm.ListedOffsets
+	out := driver.Lag{Lanes: make(map[string]int64), Positions: make(map[string]int64)}
+	var ferr error
+	ends.Each(func(e kadm.ListedOffset) {
+		if e.Topic != d.topic || ferr != nil {
+			return
+		}
+		if e.Err != nil {
+			ferr = e.Err
+			return
+		}
+		lane := strconv.Itoa(int(e.Partition))
+		if o, ok := known[e.Partition]; ok {
+			out.Lanes[lane], out.Positions[lane] = o.Lag, o.StartOffset
+			out.Messages += o.Lag
+			return
+		}
+		from := int64(-1)
+		if o, ok := g.Offsets[d.topic][e.Partition]; ok && o.Err == nil && o.StartOffset >= 0 {
+			from = o.StartOffset
+		} else {
+			if starts == nil {
+				if starts, ferr = d.b.adm.ListStartOffsets(ctx, d.topic); ferr != nil {
+					return
+				}
+			}
+			if s, ok := starts.Lookup(d.topic, e.Partition); ok && s.Err == nil {
+				from = s.Offset
+			}
+		}
+		if from < 0 {
+			return
+		}
+		lag := max(e.Offset-from, 0)
+		out.Lanes[lane], out.Positions[lane] = lag, from
+		out.Messages += lag
+	})
+	if ferr != nil {
+		return fail("start and end offsets", ferr)
 	}
 	d.mu.Lock()
 	var oldest time.Time

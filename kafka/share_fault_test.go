@@ -1,0 +1,382 @@
+package kafka_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
+	"github.com/ferrymq/ferry/kafka"
+)
+
+// newShareGroup names a share group for a test and gives it the test lock
+// (shareLease) and, when limit > 0, that delivery count limit.
+func newShareGroup(t *testing.T, prefix string, limit int) string {
+	t.Helper()
+	group := testenv.UniqueName(t, prefix)
+	set := map[string]string{"share.record.lock.duration.ms": strconv.Itoa(int(shareLease.Milliseconds()))}
+	if limit > 0 {
+		set["share.delivery.count.limit"] = strconv.Itoa(limit)
+	}
+	setShareGroup(t, group, set)
+	return group
+}
+
+// publishN publishes n records with bodies prefix-0 ... prefix-(n-1).
+func publishN(t *testing.T, b *kafka.Broker, topic, prefix string, n int) {
+	t.Helper()
+	ms := make([]consumer.Message, n)
+	for i := range ms {
+		ms[i] = consumer.Message{Body: fmt.Appendf(nil, "%s-%d", prefix, i)}
+	}
+	if err := b.Publish(testenv.Context(t, 60*time.Second), topic, ms...); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// tally counts handler runs by body, and which consumers ran them.
+type tally struct {
+	mu   sync.Mutex
+	runs map[string]int
+	by   map[string]int // consumer -> successful runs
+}
+
+func (c *tally) add(body, by string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.runs == nil {
+		c.runs, c.by = make(map[string]int), make(map[string]int)
+	}
+	c.runs[body]++
+	c.by[by]++
+	return c.runs[body]
+}
+
+func (c *tally) distinct() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.runs)
+}
+
+// TestShareMembersShareOnePartition: eight share group members on a topic
+// of one partition, each running one handler at a time, all get work (a
+// consumer group would give the partition to one of them), and every
+// record is handled exactly once.
+func TestShareMembersShareOnePartition(t *testing.T) {
+	b := newBroker(t, kafka.WithGroupProtocol(kafka.Share))
+	topic := newTopic(t, b, "share-many", 1)
+	group := newShareGroup(t, "share-many", 0)
+	const n, members = 400, 8
+	publishN(t, b, topic, "r", n)
+	var c tally
+	for i := range members {
+		name := fmt.Sprint("member-", i)
+		l, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithConcurrency(1), consumer.WithMaxInFlight(2))
+		if err != nil {
+			t.Fatal(err)
+		}
+		runConsumer(t, l, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+			time.Sleep(5 * time.Millisecond)
+			c.add(string(m.Body), name)
+			return nil
+		}))
+	}
+	testenv.WaitFor(t, 90*time.Second, fmt.Sprintf("all %d records handled", n), func() bool { return c.distinct() == n })
+	time.Sleep(time.Second) // long enough for a duplicate to show
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for body, runs := range c.runs {
+		if runs != 1 {
+			t.Errorf("%s handled %d times, want once", body, runs)
+		}
+	}
+	busy := 0
+	for _, k := range c.by {
+		if k > 0 {
+			busy++
+		}
+	}
+	if busy < members/2 {
+		t.Errorf("only %d of %d members handled records (%v); members of a share group share a partition", busy, members, c.by)
+	}
+}
+
+// TestSharePoisonIsDeadLetteredWithItsStory: a record that always fails is
+// retried in place and, once the Standard stack's budget is spent, goes to
+// the dead-letter topic with its story, on its first delivery: the
+// broker's delivery count never reaches its limit (here 2), so it never
+// archives the record, and the good records are all handled.
+func TestSharePoisonIsDeadLetteredWithItsStory(t *testing.T) {
+	b := newBroker(t, kafka.WithGroupProtocol(kafka.Share))
+	topic := newTopic(t, b, "share-poison", 1)
+	dlq := newTopic(t, b, "share-poison-dlq", 1)
+	group := newShareGroup(t, "share-poison", 2)
+	publishN(t, b, topic, "good", 30)
+	if err := b.Publish(testenv.Context(t, 30*time.Second), topic, consumer.Message{Body: []byte("poison"), Headers: map[string]string{"tenant": "acme"}}); err != nil {
+		t.Fatal(err)
+	}
+	publishN(t, b, topic, "late", 30)
+	stack, err := consumer.Standard(b, dlq,
+		consumer.StandardRetry(consumer.RetryAttempts(2), consumer.RetryInitial(10*time.Millisecond)),
+		consumer.StandardDeadLetter(consumer.DeadLetterMaxAttempts(5)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithRedeliveryBackoff(50*time.Millisecond, 200*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var c tally
+	var poisonDeliveries atomic.Int32
+	runConsumer(t, l, stack.Wrap(consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		if string(m.Body) == "poison" {
+			poisonDeliveries.Store(int32(m.Deliveries))
+			return errors.New("cannot be handled")
+		}
+		c.add(string(m.Body), "")
+		return nil
+	})))
+	testenv.WaitFor(t, 60*time.Second, "the 60 good records handled and the poison dead-lettered", func() bool {
+		return c.distinct() == 60 && stack.DeadLetter.Count() == 1
+	})
+	if d := poisonDeliveries.Load(); d != 1 {
+		t.Errorf("the poison was handled on delivery %d; failures are retried in place, on the first", d)
+	}
+	dead := consumeAll(t, b, dlq, 1)
+	m := dead[0]
+	if string(m.Body) != "poison" || m.Header("tenant") != "acme" || m.Header(consumer.HeaderDLQSource) != topic ||
+		m.Header(consumer.HeaderDLQAttempts) != "5" || m.Header(consumer.HeaderDLQDeliveries) != "1" ||
+		!strings.Contains(m.Header(consumer.HeaderDLQError), "cannot be handled") {
+		t.Errorf("dead letter %q with headers %v does not tell the story", m.Body, m.Headers)
+	}
+	testenv.WaitFor(t, 30*time.Second, "the share group's lag to reach 0", func() bool {
+		lag, err := l.Lag(testenv.Context(t, 10*time.Second))
+		return err == nil && lag.Messages+lag.InFlight == 0
+	})
+}
+
+// consumeAll reads n records of topic with a consumer group of its own.
+func consumeAll(t *testing.T, b *kafka.Broker, topic string, n int) []consumer.Message {
+	t.Helper()
+	l, err := b.NewConsumer(t.Context(), topic, consumer.WithName(testenv.UniqueName(t, "read")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var got []consumer.Message
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() {
+		done <- l.Run(ctx, consumer.HandlerFunc(func(_ context.Context, m *consumer.Message) error {
+			mu.Lock()
+			got = append(got, consumer.Message{ID: m.ID, Key: m.Key, Body: m.Body, Headers: m.Headers})
+			mu.Unlock()
+			return nil
+		}))
+	}()
+	testenv.WaitFor(t, 30*time.Second, fmt.Sprintf("%d records of %s", n, topic), func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return len(got) >= n
+	})
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	return got
+}
+
+// TestShareBreakerHoldsRecordsUnderRenewedLocks: while the dependency is
+// down for several lock durations, the open breaker holds the records:
+// their locks are renewed, no attempt is spent and none is released, so
+// when the dependency is back every record is handled once, on its first
+// delivery, and the broker archived none.
+func TestShareBreakerHoldsRecordsUnderRenewedLocks(t *testing.T) {
+	b := newBroker(t, kafka.WithGroupProtocol(kafka.Share))
+	topic := newTopic(t, b, "share-hold", 1)
+	dlq := newTopic(t, b, "share-hold-dlq", 1)
+	group := newShareGroup(t, "share-hold", 2)
+	const n = 40
+	publishN(t, b, topic, "r", n)
+	stack, err := consumer.Standard(b, dlq,
+		consumer.StandardRetry(consumer.RetryAttempts(2), consumer.RetryInitial(10*time.Millisecond)),
+		// Each half-open trial while the dependency is down is a run of
+		// one record: a budget of 10 outlasts the four or so of the outage.
+		consumer.StandardBreaker(consumer.BreakerFailures(3), consumer.BreakerOpenFor(2*time.Second)),
+		consumer.StandardDeadLetter(consumer.DeadLetterMaxAttempts(10)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithMaxInFlight(10))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var down atomic.Bool
+	down.Store(true)
+	var c tally
+	var lateDeliveries atomic.Int32 // successful runs on a delivery after the first
+	runConsumer(t, l, stack.Wrap(consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		if down.Load() {
+			return errors.New("payments down")
+		}
+		if m.Deliveries != 1 {
+			lateDeliveries.Add(1)
+		}
+		c.add(string(m.Body), "")
+		return nil
+	})))
+	testenv.WaitFor(t, 30*time.Second, "the breaker to open", func() bool { return stack.Breaker.State() == consumer.BreakerOpen })
+	time.Sleep(4 * shareLease) // the records' locks would have run out twice over
+	down.Store(false)
+	testenv.WaitFor(t, 60*time.Second, fmt.Sprintf("all %d records handled", n), func() bool { return c.distinct() == n })
+	time.Sleep(time.Second)
+	c.mu.Lock()
+	for body, runs := range c.runs {
+		if runs != 1 {
+			t.Errorf("%s handled %d times, want once", body, runs)
+		}
+	}
+	c.mu.Unlock()
+	if k := lateDeliveries.Load(); k != 0 {
+		t.Errorf("%d records were handled on a later delivery: a held record's lock must be renewed, not run out", k)
+	}
+	if k := stack.DeadLetter.Count(); k != 0 {
+		t.Errorf("%d records dead-lettered while the breaker held them", k)
+	}
+}
+
+// TestShareRecordGivenBackOnItsLastDeliveryIsReported: with a delivery
+// limit of 2, a record whose consumer stops mid-handler twice is archived
+// by the broker at the second stop: the consumer that gives it back says so
+// at WARN, naming where the broker puts it, and no consumer gets it again.
+func TestShareRecordGivenBackOnItsLastDeliveryIsReported(t *testing.T) {
+	var logs syncBuffer
+	log := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	b := newBroker(t, kafka.WithGroupProtocol(kafka.Share), kafka.WithLogger(log))
+	topic := newTopic(t, b, "share-last", 1)
+	group := newShareGroup(t, "share-last", 2)
+	publishN(t, b, topic, "r", 1)
+	var seen atomic.Int32
+	for stop := 1; stop <= 2; stop++ {
+		l, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithShutdownGrace(50*time.Millisecond))
+		if err != nil {
+			t.Fatal(err)
+		}
+		r := runConsumer(t, l, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+			seen.Store(int32(m.Deliveries))
+			<-ctx.Done()
+			return ctx.Err()
+		}))
+		testenv.WaitFor(t, 30*time.Second, fmt.Sprintf("delivery %d", stop), func() bool { return seen.Load() == int32(stop) })
+		r.stop(t)
+	}
+	if !strings.Contains(logs.String(), "given back on its last delivery is archived") || !strings.Contains(logs.String(), "dropped: the group has no errors.deadletterqueue.topic.name") {
+		t.Errorf("no WARN line says the record given back on its last delivery is archived; logs:\n%s", logs.String())
+	}
+	var again atomic.Bool
+	l, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group))
+	if err != nil {
+		t.Fatal(err)
+	}
+	runConsumer(t, l, consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
+		again.Store(true)
+		return nil
+	}))
+	time.Sleep(3 * time.Second)
+	if again.Load() {
+		t.Error("the record was delivered a third time; the group's limit is 2")
+	}
+}
+
+// TestShareLagCountsHeldRecordsOnce: of 30 records, the first five done,
+// the next five held by a member's running handlers and the rest behind
+// them (a member polls again only once its last poll is settled), the
+// share group's lag (records not acknowledged yet: 25) splits into what
+// the member holds (InFlight 5) and the rest (Messages 20); the lane is
+// the share-partition, its position the start offset.
+func TestShareLagCountsHeldRecordsOnce(t *testing.T) {
+	b := newBroker(t, kafka.WithGroupProtocol(kafka.Share))
+	topic := newTopic(t, b, "share-lag", 1)
+	group := newShareGroup(t, "share-lag", 0)
+	publishN(t, b, topic, "r", 30)
+	l, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithMaxInFlight(10), consumer.WithConcurrency(10),
+		consumer.WithShutdownGrace(50*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var running atomic.Int32
+	runConsumer(t, l, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		if m.Offset < 5 {
+			return nil
+		}
+		running.Add(1)
+		<-ctx.Done()
+		return ctx.Err()
+	}))
+	testenv.WaitFor(t, 30*time.Second, "5 handlers running", func() bool { return running.Load() == 5 })
+	var last string
+	testenv.WaitFor(t, 30*time.Second, "the lag to count 5 held and 20 waiting", func() bool {
+		lag, err := l.Lag(testenv.Context(t, 10*time.Second))
+		last = fmt.Sprintf("%+v, %v", lag, err)
+		return err == nil && lag.InFlight == 5 && lag.Messages == 20 && lag.Lanes["0"] == 25 && lag.OldestAge > 0
+	}, func() string { return "last lag: " + last })
+	lag, _ := l.Lag(testenv.Context(t, 10*time.Second))
+	// The coordinator moves the start offset past acknowledged records as
+	// it writes the share-partition's state, not at once.
+	if p, ok := lag.Positions["0"]; !ok || p < 0 || p > 5 {
+		t.Errorf("position of partition 0 is %d (%t), want its start offset, 0 to 5", p, ok)
+	}
+}
+
+// TestShareRecordOfAKilledMemberGoesToTheSurvivor: two members of a share
+// group in separate processes; one is SIGKILLed while a handler runs. The
+// records it held come back when their locks run out and the survivor
+// handles them: every record is handled, none lost.
+func TestShareRecordOfAKilledMemberGoesToTheSurvivor(t *testing.T) {
+	b := newBroker(t)
+	topic := newTopic(t, b, "share-kill", 1)
+	group := newShareGroup(t, "share-kill", 0)
+	const n = 300
+	var recs []*kgo.Record
+	for i := range n {
+		recs = append(recs, &kgo.Record{Topic: topic, Partition: 0, Value: fmt.Appendf(nil, "%d", i)})
+	}
+	produceRaw(t, recs...)
+	victim := startChild(t, kafka.Share, topic, group, 40, 10*time.Second)
+	testenv.WaitFor(t, 60*time.Second, "the victim to block in a handler", func() bool { _, _, blocked := victim.state(); return blocked })
+	survivor := startChild(t, kafka.Share, topic, group, 0, 10*time.Second)
+	testenv.WaitFor(t, 30*time.Second, "the survivor to handle records", func() bool { h, _, _ := survivor.state(); return len(h) > 0 })
+	victim.kill(t)
+	victimHandled, _, _ := victim.state()
+	testenv.WaitFor(t, 90*time.Second, fmt.Sprintf("every one of the %d records handled", n), func() bool {
+		h, _, _ := survivor.state()
+		for o := range int64(n) {
+			if h[[2]int64{0, o}] == 0 && victimHandled[[2]int64{0, o}] == 0 {
+				return false
+			}
+		}
+		return true
+	})
+	// The record the victim was killed on was never acknowledged: the
+	// survivor must have had it once its lock ran out.
+	h, _, _ := survivor.state()
+	victim.mu.Lock()
+	at := victim.blockAt
+	victim.mu.Unlock()
+	if h[at] == 0 {
+		t.Errorf("the record the victim was killed on (partition %d offset %d) was never handled by the survivor", at[0], at[1])
+	}
+	t.Logf("the victim handled %d records, the survivor %d", len(victimHandled), len(h))
+}
