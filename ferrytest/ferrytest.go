@@ -89,16 +89,22 @@ const (
 	SQS Kind = Kind(testenv.SQS)
 	// RabbitMQ is RabbitMQ, at FERRY_AMQP_URL.
 	RabbitMQ Kind = Kind(testenv.RabbitMQ)
+	// KafkaShare is Apache Kafka at FERRY_KAFKA_BROKERS with share groups
+	// (KIP-932, kafka.Share): Kafka as a queue, every consumer of a
+	// queue with one name a member of one share group. The ferry command
+	// calls it kafka, with group_protocol=share in its URL.
+	KafkaShare Kind = "kafka-share"
 )
 
-// Kinds lists every broker, for a test that runs once on each.
-var Kinds = []Kind{Memory, Kafka, SQS, RabbitMQ}
+// Kinds lists every broker, for a test that runs once on each, and Kafka's
+// share groups.
+var Kinds = []Kind{Memory, Kafka, SQS, RabbitMQ, KafkaShare}
 
 // The environment variables ferrytest reads; see the package documentation
 // for their defaults.
 const (
 	// EnvBroker picks the broker of KindFromEnv: memory (the default),
-	// kafka, sqs or rabbitmq.
+	// kafka, sqs, rabbitmq or kafka-share.
 	EnvBroker = "FERRY_TEST_BROKER"
 	// EnvRequireBrokers, set to 1, makes Open fail a test whose broker does
 	// not answer instead of skipping it.
@@ -141,7 +147,7 @@ func KindFromEnv() (Kind, error) {
 	return "", fmt.Errorf("ferrytest: %s=%q is not one of %s", EnvBroker, v, kindNames())
 }
 
-// kindNames lists Kinds for an error: "memory, kafka, sqs, rabbitmq".
+// kindNames lists Kinds for an error: "memory, kafka, sqs, rabbitmq, kafka-share".
 func kindNames() string {
 	names := make([]string, len(Kinds))
 	for i, k := range Kinds {
@@ -151,7 +157,8 @@ func kindNames() string {
 }
 
 // URL returns the URL [ferry.Open] takes for kind, from the environment:
-// kafka://127.0.0.1:9092, sqs://ferry:ferry@127.0.0.1:9324?region=us-east-1&tls=false,
+// kafka://127.0.0.1:9092 (with ?group_protocol=share for KafkaShare),
+// sqs://ferry:ferry@127.0.0.1:9324?region=us-east-1&tls=false,
 // amqp://guest:guest@127.0.0.1:5672/ and, for Memory,
 // mem://?autocreate=false with their defaults. It returns "" for an unknown
 // kind.
@@ -161,6 +168,8 @@ func URL(kind Kind) string {
 		return "mem://?autocreate=false"
 	case Kafka:
 		return "kafka://" + strings.Join(testenv.KafkaBrokers(), ",")
+	case KafkaShare:
+		return "kafka://" + strings.Join(testenv.KafkaBrokers(), ",") + "?group_protocol=share"
 	case SQS:
 		u, err := url.Parse(testenv.SQSEndpoint())
 		if err != nil || u.Host == "" {
@@ -200,8 +209,12 @@ func Connect(ctx context.Context, kind Kind) (*Broker, error) {
 	if raw == "" {
 		return nil, fmt.Errorf("ferrytest: unknown broker kind %q (one of %s)", kind, kindNames())
 	}
-	if kind != Memory { // the others are services, of the same name
-		if addr, err := testenv.Reachable(testenv.Service(kind)); err != nil {
+	if kind != Memory { // the others are services, of the same name (Kafka's share groups, Kafka)
+		svc := testenv.Service(kind)
+		if kind == KafkaShare {
+			svc = testenv.Kafka
+		}
+		if addr, err := testenv.Reachable(svc); err != nil {
 			return nil, fmt.Errorf("%w: %s at %s: %w; start the brokers with %s", ErrUnreachable, kind, addr, err, StartCommand)
 		}
 	}

@@ -44,7 +44,7 @@ func existsOutside(t *testing.T, kind ferrytest.Kind, name string) bool {
 	t.Helper()
 	ctx := testenv.Context(t, 20*time.Second)
 	switch kind {
-	case ferrytest.Kafka:
+	case ferrytest.Kafka, ferrytest.KafkaShare:
 		cl, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaBrokers()...))
 		if err != nil {
 			t.Fatal(err)
@@ -150,7 +150,7 @@ func TestQueuesAreRemovedWhenTheTestEnds(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if kind == ferrytest.Kafka && !groupExists(t, group.Load().(string)) {
+			if (kind == ferrytest.Kafka || kind == ferrytest.KafkaShare) && !groupExists(t, group.Load().(string)) {
 				t.Fatalf("the consumer group %v of RunUntil is not there while the test runs", group.Load())
 			}
 		})
@@ -168,7 +168,7 @@ func TestQueuesAreRemovedWhenTheTestEnds(t *testing.T) {
 			return
 		}
 		goneSoon(t, kind, q.Name)
-		if kind == ferrytest.Kafka && groupExists(t, group.Load().(string)) {
+		if (kind == ferrytest.Kafka || kind == ferrytest.KafkaShare) && groupExists(t, group.Load().(string)) {
 			t.Errorf("the consumer group %v of RunUntil is still there after the test ended", group.Load())
 		}
 
@@ -438,7 +438,7 @@ func TestURLFollowsTheEnvironment(t *testing.T) {
 		t.Errorf("KindFromEnv = %q, %v", k, err)
 	}
 	t.Setenv(ferrytest.EnvBroker, "nats")
-	const kinds = "one of memory, kafka, sqs, rabbitmq"
+	const kinds = "one of memory, kafka, sqs, rabbitmq, kafka-share"
 	if _, err := ferrytest.KindFromEnv(); err == nil || !strings.Contains(err.Error(), kinds) {
 		t.Errorf("KindFromEnv of nats = %v, want an error naming %q", err, kinds)
 	}

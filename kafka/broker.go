@@ -52,6 +52,10 @@ var (
 // System names the broker as OpenTelemetry's messaging.system does: "kafka".
 func (b *Broker) System() string { return "kafka" }
 
+// GroupProtocol reports the kind of group the Broker's consumers join
+// ([WithGroupProtocol]).
+func (b *Broker) GroupProtocol() GroupProtocol { return b.cfg.protocol }
+
 // New connects to the cluster whose bootstrap addresses are seeds (host:port)
 // and returns a Broker. It fails with a *[consumer.ConfigError] naming the
 // field when seeds is empty or an option is wrong; it does not wait for the

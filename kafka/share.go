@@ -506,14 +506,19 @@ func (d *shareDriver) Extend(ctx context.Context, handles []any, _ time.Duration
 
 // Lag reports, per partition (Lanes), the share-partition lag the group
 // coordinator keeps (KIP-1226: the records from the share-partition's
-// start offset on that are not acknowledged yet), and as each lane's
-// position that start offset. Until the coordinator has written a
-// partition's state (at its first acknowledgement) it reports no lag
-// there; Lag then counts from the partition's start offset, or its log
-// start, to its end, which is right for a group that starts at the
-// earliest records (Ferry's default). Of the sum, InFlight is what this
-// member holds (the unsettled records of its last poll) and Messages the
-// rest; OldestAge is the age of the oldest record this member holds.
+// start offset on that are not acknowledged yet). A lane's position is
+// the partition's end offset less its lag: it moves as records are
+// acknowledged, and not as records are produced, as a consumer group's
+// committed offset does. (The start offset itself is no position: the
+// coordinator moves it past acknowledged records seldom, not at once.)
+// Until the coordinator has written a partition's state (at its first
+// acknowledgement) it reports no lag there; Lag then counts from the
+// partition's start offset, or its log start, to its end, which is right
+// for a group that starts at the earliest records (Ferry's default). Of
+// the sum, InFlight is what this member holds (the unsettled records of
+// its last poll) and Messages the rest; OldestAge is the age of the
+// oldest record this member holds: the broker tells no age of a share
+// group's backlog.
 func (d *shareDriver) Lag(ctx context.Context) (driver.Lag, error) {
 	fail := func(what string, err error) (driver.Lag, error) {
 		return driver.Lag{}, fmt.Errorf("kafka: lag of share group %q on %q: %s: %w", d.group, d.topic, what, wrapAuth(err))
@@ -549,7 +554,7 @@ func (d *shareDriver) Lag(ctx context.Context) (driver.Lag, error) {
 		}
 		lane := strconv.Itoa(int(e.Partition))
 		if o, ok := known[e.Partition]; ok {
-			out.Lanes[lane], out.Positions[lane] = o.Lag, o.StartOffset
+			out.Lanes[lane], out.Positions[lane] = o.Lag, max(e.Offset-o.Lag, 0)
 			out.Messages += o.Lag
 			return
 		}
@@ -570,7 +575,7 @@ func (d *shareDriver) Lag(ctx context.Context) (driver.Lag, error) {
 			return
 		}
 		lag := max(e.Offset-from, 0)
-		out.Lanes[lane], out.Positions[lane] = lag, from
+		out.Lanes[lane], out.Positions[lane] = lag, e.Offset-lag
 		out.Messages += lag
 	})
 	if ferr != nil {

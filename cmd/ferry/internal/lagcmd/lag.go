@@ -40,7 +40,12 @@ prints after every sample, judging the last --samples, until interrupted.
 Nothing joins the group or moves its position. What lag means per broker:
   kafka     per partition: the end offset minus the group's committed offset;
             the position is the committed offset; the backlog's age is
-            that of the first record past it
+            that of the first record past it. A share group (a --broker URL
+            with group_protocol=share): the records not yet acknowledged, as
+            the group coordinator counts them; the position is the end
+            offset less that lag (it moves as records are acknowledged);
+            the broker tells no age of the backlog (the consumers' /healthz
+            has the age of the records they hold)
   sqs       the queue's approximate visible, delayed and in-flight (not
             visible) messages: every message not yet deleted (one lane), as
             the consumers' /healthz and ferry.consumer.lag count it; SQS

@@ -225,6 +225,82 @@ func TestLagOnKafkaAgreesWithTheConsumersHealth(t *testing.T) {
 	}
 }
 
+// On a share group (group_protocol=share), ferry lag says what the group's
+// coordinator counts (the records not yet acknowledged) and what the
+// members' Health says: with five of 30 records done and five held by a
+// running member, 25, with the position at the end less the lag; it gives
+// no backlog age (the broker tells none), and it joins nothing.
+func TestLagOnAKafkaShareGroup(t *testing.T) {
+	seeds := testenv.RequireKafka(t)
+	url := "kafka://" + strings.Join(seeds, ",") + "?group_protocol=share"
+	b, err := cli.Open(context.Background(), url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	kb := b.(*kafka.Broker)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	topic, group := testenv.UniqueName(t, "lag-share"), testenv.UniqueName(t, "billing")
+	if err := kb.CreateTopic(ctx, topic, kafka.TopicConfig{Partitions: 1}); err != nil {
+		t.Fatal(err)
+	}
+	defer kb.DeleteTopic(context.Background(), topic)
+	var ms []consumer.Message
+	for range 30 {
+		ms = append(ms, consumer.Message{Body: []byte("x")})
+	}
+	if err := kb.Publish(ctx, topic, ms...); err != nil {
+		t.Fatal(err)
+	}
+	l, err := kb.NewConsumer(ctx, topic, consumer.WithName(group), consumer.WithMaxInFlight(10), consumer.WithConcurrency(10),
+		consumer.WithHealthWindow(200*time.Millisecond, 3), consumer.WithShutdownGrace(100*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var held atomic.Int32
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() {
+		done <- l.Run(runCtx, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+			if m.Offset < 5 {
+				return nil
+			}
+			held.Add(1)
+			<-ctx.Done() // the rest of the poll stays held
+			return ctx.Err()
+		}))
+	}()
+	defer func() { stop(); <-done }()
+	for held.Load() < 5 || l.Health().Lag != 25 {
+		if ctx.Err() != nil {
+			t.Fatalf("the consumer holds %d records and its Health says a lag of %d; want 5 and 25", held.Load(), l.Health().Lag)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	code, out, errOut := ferryLag(t, ctx, topic, "--group", group, "--broker", url, "--samples", "2", "--interval", "100ms", "--json")
+	if code != 0 && code != 1 {
+		t.Fatalf("exit %d: %s%s", code, out, errOut)
+	}
+	rs := reports(t, out)
+	if len(rs) != 1 || rs[0].Lag != 25 || len(rs[0].Lanes) != 1 {
+		t.Fatalf("ferry lag: %s, want a lag of 25 on one lane", out)
+	}
+	if r := rs[0]; r.OldestAge != nil {
+		t.Errorf("backlog age %v s; the broker tells none for a share group (the log's first record is not the oldest waiting)", *r.OldestAge)
+	}
+	if r := rs[0]; r.Lanes[0].Position != 5 {
+		t.Errorf("position %d, want 5: the end offset less the lag", r.Lanes[0].Position)
+	}
+	sg, err := kb.Admin().DescribeShareGroups(ctx, group)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(sg[group].Members); n != 1 {
+		t.Errorf("the share group has %d members during ferry lag, want the one consumer", n)
+	}
+}
+
 // A queue's lag is its depth, one lane; nobody taking messages while the
 // depth holds is STOP. On SQS and RabbitMQ, nothing is received.
 func TestLagOnQueues(t *testing.T) {

@@ -53,6 +53,12 @@ func (s *sampler) sample(ctx context.Context) (Sample, error) {
 			out.Positions = map[string]int64{}
 		}
 		out.InFlight = -1 // the driver's own fetched records: none, it never fetches
+		if kb, ok := s.b.(*kafka.Broker); ok && kb.GroupProtocol() == kafka.Share {
+			// A share group acknowledges records one by one: the broker
+			// tells which are not done only as a count, so no record is
+			// the oldest waiting one.
+			return out, nil
+		}
 		out.OldestAge, err = s.oldestKafka(ctx, lag.Lanes)
 		if err != nil {
 			return Sample{}, err
