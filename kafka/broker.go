@@ -203,8 +203,9 @@ func (b *Broker) NewConsumer(ctx context.Context, topic string, opts ...consumer
 // group on its first Fetch. It implements [driver.Connector],
 // [driver.Revoker], [driver.LagReporter] and [driver.Aser] (a handler reaches
 // the *kgo.Record with Message.As, given a **kgo.Record or a *kgo.Record
-// to copy into). An empty cfg.Name is a *[consumer.ConfigError] naming
-// "Name".
+// to copy into); a share group member ([Share]) implements
+// [driver.Extender] and [driver.Drainer] instead of [driver.Revoker]. An
+// empty cfg.Name is a *[consumer.ConfigError] naming "Name".
 func (b *Broker) Driver(_ context.Context, topic string, cfg driver.Config) (driver.Driver, error) {
 	if cfg.Name == "" {
 		return nil, consumer.ConfigErrorf("Name", "must be set with consumer.WithName: on Kafka the consumer's name is its group id, "+

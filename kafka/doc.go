@@ -93,6 +93,58 @@
 //     consumer took yet, so that the loop's Health adds them up to the same
 //     number; OldestAge is the age of the oldest unfinished record.
 //
+// # Share groups: Kafka as a queue
+//
+// With [WithGroupProtocol]([Share]) (group_protocol=share in a URL), every
+// consumer of the Broker is a member of a share group (KIP-932, Kafka 4.2
+// and later), named by [consumer.WithName] as a consumer group is. The
+// broker hands each record to one member under an acquisition lock, and
+// the member acknowledges each record by itself; there are no offsets to
+// commit and no order, so any handler and middleware run unchanged, with
+// the ordering options ordering nothing across members. Members share a
+// partition once there are more members than partitions (the group's
+// assignor gives whole partitions to members while they are fewer): ten
+// members on one partition all get work, which a consumer group cannot
+// do.
+//
+//   - Ack is ACCEPT, sent before Settle returns; a record whose
+//     acknowledgement the broker refused is delivered again when its lock
+//     runs out, and Settle says so.
+//   - A running handler's record is renewed (RENEW, KIP-1222) before its
+//     lock runs out, as the loop extends an SQS visibility timeout: the
+//     lease is the group's share.record.lock.duration.ms.
+//   - A failed record is retried in place after its delay, under a
+//     renewed lock, as on a consumer group, and a record held by an open
+//     breaker is renewed too: neither is given back, so the broker's
+//     delivery count (Message.Deliveries; Attempt counts the runs) grows
+//     only when a member dies, loses its session or stops with the record,
+//     and the dead-letter middleware spends its budget on one delivery.
+//     (RELEASE would hand the record to any member at once, with no delay,
+//     one delivery closer to the group's limit.)
+//   - A consumer that stops gives back (RELEASE) what it did not finish.
+//     A record given back on the last delivery the group allows
+//     (share.delivery.count.limit, 5 by default) is archived by the
+//     broker, not delivered again: to the group's dead-letter topic
+//     (errors.deadletterqueue.topic.name, KIP-1191) when it has one,
+//     otherwise dropped. The consumer logs it at WARN, naming which.
+//   - franz-go accepts, at a member's next poll, every record of its last
+//     poll that has no final acknowledgement yet, so a member polls again
+//     only once every record of its last poll is settled: it works in
+//     polls of at most [consumer.WithMaxInFlight] records, and a slow record
+//     keeps its member from taking more until it is done (the other
+//     members go on). Keep the in-flight bound near the concurrency where
+//     handlers take very different times.
+//   - Connect reads the group's lock duration, delivery limit and
+//     dead-letter topic, and logs them. A group nobody configured starts
+//     at the latest records; the consumer sets share.auto.offset.reset to
+//     earliest on it first, as Ferry's consumer groups start at the
+//     earliest (a user who may not alter the group's configuration gets a
+//     WARN line instead).
+//   - Lag: per partition, the records the group coordinator counts as not
+//     acknowledged (KIP-1226); the position is the end offset less that lag.
+//     The broker tells no age of a share group's backlog: OldestAge is that
+//     of the oldest record this member holds.
+//
 // # When it cannot consume
 //
 // A consumer never looks healthy while it cannot consume; NewConsumer and
@@ -183,8 +235,9 @@
 //
 //   - client_id=NAME: the client id the brokers see in their logs and
 //     quotas. Default "ferry".
-//   - group_protocol=classic|consumer: the consumer group protocol,
-//     classic (the default) or consumer, the KIP-848 protocol of Kafka 4.
+//   - group_protocol=classic|consumer|share: the consumer group protocol,
+//     classic (the default) or consumer, the KIP-848 protocol of Kafka 4;
+//     or share, for share groups (see Share groups above).
 //   - tls=true|false: connect with TLS, trusting the system's roots (or
 //     ca_file's). Default false.
 //   - ca_file=FILE: a PEM file of the CA to trust instead of the system's;

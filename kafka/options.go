@@ -326,7 +326,8 @@ func checkClientOpts(seeds []string, c *config) error {
 	}
 	// A group of the probe's own, so that franz-go accepts group options
 	// (it refuses autocommit options without a group) and we can refuse
-	// them ourselves, saying why.
+	// them ourselves, saying why. franz-go refuses a kgo.ShareGroup beside
+	// it ("cannot use both ConsumerGroup and ShareGroup").
 	const probeGroup = "ferry.probe.group"
 	cl, err := kgo.NewClient(append([]kgo.Opt{kgo.SeedBrokers(seeds...), kgo.ConsumerGroup(probeGroup)}, opts...)...)
 	if err != nil {

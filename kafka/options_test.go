@@ -3,6 +3,7 @@ package kafka_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -68,5 +69,21 @@ func TestNewRefusesDefaultProduceTopicAlways(t *testing.T) {
 	var ce *consumer.ConfigError
 	if !errors.As(err, &ce) {
 		t.Fatalf("New = %v, want a *consumer.ConfigError", err)
+	}
+}
+
+// TestNewRefusesAShareGroupOfItsOwn: a share group is chosen with
+// WithGroupProtocol(Share) and named by each consumer's name; one set
+// through WithClientOpts would make every client of the Broker a member of
+// that group, the producer included. New refuses it (franz-go does, beside
+// the probe's consumer group), naming the option.
+func TestNewRefusesAShareGroupOfItsOwn(t *testing.T) {
+	_, err := kafka.New([]string{"127.0.0.1:9092"}, kafka.WithClientOpts(kgo.ShareGroup("mine")))
+	var ce *consumer.ConfigError
+	if !errors.As(err, &ce) || ce.Field != "ClientOpts" {
+		t.Fatalf("New = %v, want a *consumer.ConfigError for ClientOpts", err)
+	}
+	if !strings.Contains(err.Error(), "ShareGroup") {
+		t.Errorf("the error %q does not name kgo.ShareGroup", err)
 	}
 }
