@@ -24,12 +24,14 @@ const envRestart = "FERRY_TEST_KAFKA_RESTART"
 
 // TestBrokerRestart: Kafka is stopped and started while a consumer runs and
 // a publisher publishes; both resume by themselves, every Publish returns
-// nil in the end, and every published record is handled.
+// nil in the end, and every published record is handled: in a consumer
+// group of either protocol, and in a share group.
 func TestBrokerRestart(t *testing.T) {
 	if os.Getenv(envRestart) != "1" {
 		t.Skipf("restarts the shared Kafka: set %s=1 (and FERRY_BROKERS_DIR) to run it", envRestart)
 	}
 	forProtocols(t, testBrokerRestart)
+	t.Run(kafka.Share.String(), func(t *testing.T) { testBrokerRestart(t, kafka.Share) })
 }
 
 func testBrokerRestart(t *testing.T, proto kafka.GroupProtocol) {
