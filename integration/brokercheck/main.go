@@ -11,8 +11,10 @@
 // process is gone. With -kafka-ca, Kafka is ready only once its SASL_SSL
 // listener authenticates the test SCRAM user over TLS trusting that CA; the
 // checker creates the user through the admin API first when it is missing
-// (a log dir formatted before the listener existed). It exits 1 if any
-// broker is not ready in time.
+// (a log dir formatted before the listener existed). Kafka is ready once
+// share groups are on (share.version; the checker turns them on in a log
+// dir formatted by a Kafka older than 4.4, which left them off). It exits
+// 1 if any broker is not ready in time.
 package main
 
 import (
@@ -37,6 +39,7 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 	"github.com/twmb/franz-go/pkg/sasl/scram"
 
 	"github.com/ferrymq/ferry/internal/testenv"
@@ -247,7 +250,35 @@ func checkKafkaPlain(ctx context.Context) (string, error) {
 	if answers[0].Err != nil {
 		return "", answers[0].Err
 	}
+	if err := ensureShareGroups(ctx, adm, answers[0].Raw()); err != nil {
+		return "", fmt.Errorf("share groups: %w", err)
+	}
 	return answers[0].VersionGuess(), nil
+}
+
+// ensureShareGroups turns share groups (KIP-932) on where the broker can
+// run them and they are off: a log dir Kafka 4.4 formats has share.version
+// 2 already; one formatted by an older Kafka has none.
+func ensureShareGroups(ctx context.Context, adm *kadm.Client, api *kmsg.ApiVersionsResponse) error {
+	supported := int16(0)
+	for _, f := range api.SupportedFeatures {
+		if f.Name == "share.version" {
+			supported = f.MaxVersion
+		}
+	}
+	if supported < 1 {
+		return nil // a Kafka before 4.x: its share group tests fail, saying so
+	}
+	for _, f := range api.FinalizedFeatures {
+		if f.Name == "share.version" && f.MaxVersionLevel >= 1 {
+			return nil
+		}
+	}
+	res, err := adm.UpdateFeatures(ctx, false, kadm.FeatureUpdate{Feature: "share.version", MaxVersionLevel: supported, UpgradeType: 1})
+	if err != nil {
+		return err
+	}
+	return res.Error()
 }
 
 // checkRabbitMQ opens an AMQP connection and a channel.
