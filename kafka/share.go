@@ -53,7 +53,8 @@ type shareDriver struct {
 	ackMu sync.Mutex // one flush of acknowledgements at a time
 
 	failsMu  sync.Mutex
-	ackFails []kgo.ShareAckResult // what the broker refused since the flush under way began
+	flushing bool                 // a Settle or Extend waits for its flush
+	ackFails []kgo.ShareAckResult // what the broker refused since that flush began
 
 	stop      chan struct{}
 	closeOnce sync.Once
@@ -226,7 +227,7 @@ func (d *shareDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 		d.mu.Unlock()
 		return dst, nil
 	}
-	if d.held > 0 {
+	if d.held > 0 && d.done != nil {
 		done := d.done
 		d.mu.Unlock()
 		select {
@@ -341,15 +342,19 @@ func (d *shareDriver) Drain(_ context.Context, dst []driver.Message) ([]driver.M
 // member, counting one more delivery). It returns once the broker
 // answered; a partition whose acknowledgements it refused fails every
 // settlement of it in the batch, in a *[driver.SettleError] (the broker
-// then delivers those records again when their locks run out).
+// then delivers those records again when their locks run out). The
+// settlements that finish the last poll's records are the exception: the
+// next poll carries them (one round trip fewer a poll), and a refusal
+// of them is logged at WARN when the broker answers.
 func (d *shareDriver) Settle(ctx context.Context, batch []driver.Settlement) error {
 	hs := make([]*shareHandle, len(batch))
+	beforeRun := false
 	for i := range batch {
 		h, _ := batch[i].Handle.(*shareHandle)
 		hs[i] = h
+		beforeRun = beforeRun || batch[i].BeforeRun
 	}
 	d.ackMu.Lock()
-	d.resetFails()
 	for i, s := range batch {
 		h := hs[i]
 		if h == nil {
@@ -363,21 +368,31 @@ func (d *shareDriver) Settle(ctx context.Context, batch []driver.Settlement) err
 			h.rec.Ack(kgo.AckRelease)
 		}
 	}
-	err := d.flush(ctx)
-	fails := d.fails()
-	d.ackMu.Unlock()
-
 	d.mu.Lock()
 	for _, h := range hs {
 		if h != nil && !h.settled {
 			h.settled = true
 			d.held--
-			if d.held == 0 {
-				close(d.done)
-			}
 		}
 	}
+	var done chan struct{}
+	if d.held == 0 && d.done != nil {
+		done, d.done = d.done, nil
+	}
 	d.mu.Unlock()
+	var (
+		err   error
+		fails []kgo.ShareAckResult
+	)
+	if done == nil || beforeRun {
+		d.resetFails()
+		err = d.flush(ctx)
+		fails = d.fails()
+	}
+	d.ackMu.Unlock()
+	if done != nil {
+		close(done) // Fetch polls, and the poll carries what was not flushed
+	}
 
 	var failed []int
 	for i, h := range hs {
@@ -440,13 +455,20 @@ const flushWithin = 10 * time.Second
 
 // acked is franz-go's ShareAckCallback: it keeps what the broker refused,
 // for the flush under way (FlushAcks returns after the callbacks of what
-// it sent).
+// it sent), and logs a refusal of acknowledgements no flush waits for (a
+// poll carried them).
 func (d *shareDriver) acked(_ *kgo.Client, rs kgo.ShareAckResults) {
 	d.failsMu.Lock()
 	defer d.failsMu.Unlock()
 	for _, r := range rs {
-		if r.Err != nil && r.Topic == d.topic {
+		if r.Err == nil || r.Topic != d.topic {
+			continue
+		}
+		if d.flushing {
 			d.ackFails = append(d.ackFails, r)
+		} else if ok, left := d.warns.Allow("ack refused"); ok {
+			d.log.Warn("ferry/kafka: the broker refused acknowledgements; their records are delivered again when their locks run out",
+				"partition", r.Partition, "err", r.Err, "unlogged", left)
 		}
 	}
 }
@@ -455,13 +477,15 @@ func (d *shareDriver) acked(_ *kgo.Client, rs kgo.ShareAckResults) {
 func (d *shareDriver) resetFails() {
 	d.failsMu.Lock()
 	d.ackFails = d.ackFails[:0]
+	d.flushing = true
 	d.failsMu.Unlock()
 }
 
-// fails returns the refusals since the last resetFails.
+// fails returns the refusals since the last resetFails, as its flush ends.
 func (d *shareDriver) fails() []kgo.ShareAckResult {
 	d.failsMu.Lock()
 	defer d.failsMu.Unlock()
+	d.flushing = false
 	return slices.Clone(d.ackFails)
 }
 
