@@ -460,7 +460,8 @@ func (c breakerCall) report(err error) {
 // While the breaker does not let calls through, it returns the Hold
 // instead.
 func (b *Breaker) allow(m *Message, rec *record) (breakerCall, error) {
-	rerun := m != nil && m.Attempt > 1
+	failedBefore := m != nil && m.Attempt > 1
+	rerun := failedBefore // a re-run's failure is no evidence, unless...
 	// A re-run is evidence after all when its lane waits for it (the loop
 	// holds it in place) and nothing has succeeded through the breaker
 	// since its last failure: every lane is stuck, which a poison message
@@ -469,17 +470,34 @@ func (b *Breaker) allow(m *Message, rec *record) (breakerCall, error) {
 	if rerun && rec != nil && rec.inPlace && rec.failMark.b == b && rec.failMark.successes == b.successes.Load() {
 		rerun = false
 	}
-	// Only a re-run needs the state before its call (a first run is
-	// evidence in any state), so a first run costs gobreaker's two steps
-	// and nothing more: State takes gobreaker's lock and reads the wall
-	// clock, which was a quarter of a closed breaker's cost.
+	// Only a message that failed before needs the state before its call
+	// (a first run is evidence in any state, and may make the trial), so
+	// a first run costs gobreaker's two steps and nothing more: State
+	// takes gobreaker's lock and reads the wall clock, which was a quarter
+	// of a closed breaker's cost. Whether its failure is evidence or not,
+	// a message that failed before leaves the trial to one that has not.
 	state := gobreaker.StateClosed
-	if rerun {
+	if failedBefore {
 		state = b.cb.State()
-		if state == gobreaker.StateHalfOpen && monoNow()-time.Duration(b.halfOpenAt.Load()) < b.halfHold {
-			// Keep the trial for a message that has not failed yet.
+		switch {
+		case state == gobreaker.StateOpen:
+			// Held, without asking gobreaker: its open period may end
+			// between State and Allow, and the re-run would then take
+			// the trial that the rule below keeps for a message that has
+			// not failed yet. Held to the end of the period, it comes
+			// back inside the rule's window.
 			b.held.Add(1)
-			return breakerCall{}, Hold(b.errOpen, b.halfHold)
+			return breakerCall{}, Hold(b.errOpen, b.remaining())
+		case state == gobreaker.StateHalfOpen && monoNow()-time.Duration(b.halfOpenAt.Load()) < b.halfHold:
+			// Keep the trial for a message that has not failed yet, or
+			// failed fewer times: held a half-hold for each failure, the
+			// message with the fewest comes back first, once the window
+			// is over, and makes the trial. The trials of a long outage
+			// so go round the held messages, rather than spend the
+			// attempts of the one that happened to wake first each time
+			// (a good message dead-lettered while the others kept theirs).
+			b.held.Add(1)
+			return breakerCall{}, Hold(b.errOpen, min(b.halfHold*time.Duration(m.Attempt-1), b.openFor))
 		}
 	}
 	done, err := b.cb.Allow()

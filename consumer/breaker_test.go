@@ -373,3 +373,45 @@ func TestBreakerStaysClosedForAPoisonOnOneLaneOfALog(t *testing.T) {
 		t.Fatalf("the poison ran %d times and the breaker opened %d times; want several runs and none", poisonRuns.Load(), b.Opened())
 	}
 }
+
+// While a dependency is down for many of the breaker's open periods, the
+// half-open trials go round the held messages instead of falling on the
+// same one each time: a message whose trial failed waits behind the others
+// held for the breaker. Unordered messages of a log, retried in place, all
+// wait in the loop, and the first to wake took every trial: with a budget
+// of 5, it was dead-lettered while the others were held, though every
+// message was good.
+func TestHalfOpenTrialsGoRoundTheHeldMessages(t *testing.T) {
+	drv := newScriptLog(false)
+	drv.add("", 30)
+	b := mustBreaker(t, BreakerFailures(3), BreakerOpenFor(40*time.Millisecond))
+	pub := &recordingPublisher{}
+	dl, err := NewDeadLetter(pub, "dlq", DeadLetterMaxAttempts(5))
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := New(drv, WithConcurrency(4), WithOrdering(Unordered), WithRedeliveryBackoff(10*time.Millisecond, 20*time.Millisecond),
+		WithLogger(slog.New(slog.DiscardHandler)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var down atomic.Bool
+	down.Store(true)
+	stop := runLoop(t, l, Chain(HandlerFunc(func(_ context.Context, m *Message) error {
+		if down.Load() {
+			return errDown
+		}
+		return nil
+	}), dl.Wrap, b.Wrap))
+	testenv.WaitFor(t, 10*time.Second, "the breaker to open", func() bool { return b.Opened() > 0 })
+	time.Sleep(1500 * time.Millisecond) // some 30 open periods, each ending in a trial
+	down.Store(false)
+	testenv.WaitFor(t, 20*time.Second, "the 30 messages acked (dead-lettered ones too)", func() bool { return l.Stats().Acked == 30 },
+		func() string { return fmt.Sprintf("stats %+v, breaker opened %d times", l.Stats(), b.Opened()) })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if n := dl.Count(); n != 0 {
+		t.Errorf("%d good messages dead-lettered during the outage (the breaker opened %d times); its trials fell on too few of them", n, b.Opened())
+	}
+}

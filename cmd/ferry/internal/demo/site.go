@@ -366,10 +366,35 @@ func (s *site) left(ctx context.Context, loop *consumer.Loop) (int64, error) {
 	return n, nil
 }
 
+// share reports whether the run's consumers are members of a share group
+// (a kafka:// URL with group_protocol=share).
+func (s *site) share() bool {
+	kb, ok := s.b.(*kafka.Broker)
+	return ok && kb.GroupProtocol() == kafka.Share
+}
+
 // kafkaLag is the billing group's lag on the orders topic: the end offsets
-// minus the committed ones.
+// minus the committed ones; for a share group, the records its coordinator
+// counts as not acknowledged.
 func (s *site) kafkaLag(ctx context.Context) (int64, error) {
 	adm := s.b.(*kafka.Broker).Admin()
+	if s.share() {
+		ds, err := adm.DescribeShareGroupOffsets(ctx, s.group)
+		if err == nil {
+			err = ds[s.group].Err
+		}
+		if err != nil {
+			return 0, fmt.Errorf("demo: share group offsets of %s: %w", s.group, err)
+		}
+		var n int64
+		for _, o := range ds[s.group].Offsets[s.orders] {
+			if o.Err != nil || o.Lag < 0 {
+				return 0, fmt.Errorf("demo: share group offsets of %s: partition %d: no lag known yet (%v)", s.group, o.Partition, o.Err)
+			}
+			n += o.Lag
+		}
+		return n, nil
+	}
 	commits, err := adm.FetchOffsets(ctx, s.group)
 	if err != nil {
 		return 0, fmt.Errorf("demo: committed offsets of %s: %w", s.group, err)
@@ -400,6 +425,11 @@ func (s *site) kafkaLag(ctx context.Context) (int64, error) {
 // takeover says how the broker hands a killed consumer's messages to the
 // other one.
 func (s *site) takeover() string {
+	switch {
+	case s.share():
+		return "its client left the share group, giving back what it held; the broker hands those records to " + Survivor +
+			" (a crashed process's records would come back when their locks ran out, 30s by default)"
+	}
 	switch s.kind {
 	case brokerkind.Kafka:
 		return "its client left the consumer group; after the rebalance " + Survivor +
@@ -412,6 +442,9 @@ func (s *site) takeover() string {
 
 // takenOverAfter ends the verdict's line about the kill.
 func (s *site) takenOverAfter() string {
+	if s.share() {
+		return "once the broker had them back"
+	}
 	switch s.kind {
 	case brokerkind.Kafka:
 		return "after the rebalance"
