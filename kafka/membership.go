@@ -88,6 +88,10 @@ func (m *membership) lookUp(ctx context.Context, cl *kgo.Client) (id [16]byte, e
 // err: what the client saw (the dial error, the refusal) rather than the
 // context's end, and where.
 func (m *membership) requestErr(err error) error {
+	if errors.Is(err, kgo.ErrClientClosed) {
+		// The Broker closed: no retry can get through.
+		return driver.Fatal(fmt.Errorf("kafka: consumer of %q: %w", m.topic, ErrClosed))
+	}
 	addr, seen := m.link.last()
 	cause := err
 	if isContextErr(err) && seen != nil {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -50,7 +49,10 @@ type shareDriver struct {
 	held  int            // of them, those not settled yet
 	done  chan struct{}  // closed when held falls to 0
 
-	ackMu sync.Mutex // one flush of acknowledgements at a time
+	ackMu sync.Mutex // one flush of acknowledgements at a time; the handles' lock reckoning
+	// startsLatest is true when the group starts at the latest records
+	// (its share.auto.offset.reset says so, or could not be set), for Lag.
+	startsLatest atomic.Bool
 
 	failsMu  sync.Mutex
 	flushing bool                 // a Settle or Extend waits for its flush
@@ -72,7 +74,12 @@ var (
 // shareHandle is what the loop holds for one delivery of a share group.
 type shareHandle struct {
 	rec     *kgo.Record
-	settled bool // d.mu
+	settled bool // d.mu: acknowledged, or being
+	// lockUntil is when its lock runs out, as the driver reckons it: the
+	// acquisition deadline the poll gave, then a lease from each renewal.
+	// d.ackMu (set before the handle is shared).
+	lockUntil time.Time
+	lost      bool // d.ackMu: a renewal was refused; it is not renewed again
 }
 
 // Share groups' defaults, as Kafka 4.x has them, for a group whose
@@ -117,13 +124,13 @@ func (b *Broker) newShareDriver(topic, group string, cfg driver.Config) (*shareD
 func (d *shareDriver) client() (*kgo.Client, error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if d.cl != nil {
-		return d.cl, nil
-	}
 	select {
 	case <-d.stop:
 		return nil, fmt.Errorf("kafka: consumer of %q: %w", d.topic, ErrClosed)
 	default:
+	}
+	if d.cl != nil {
+		return d.cl, nil
 	}
 	cl, err := kgo.NewClient(d.b.clientOpts(&d.link,
 		kgo.ShareGroup(d.group),
@@ -179,13 +186,22 @@ func (d *shareDriver) configure(ctx context.Context, cl *kgo.Client) error {
 		return nil
 	}
 	gc, err := readShareGroupConfig(ctx, cl, d.group)
-	if err != nil {
+	switch {
+	case err == nil:
+	case isRefusal(err):
+		// A member needs READ on the group, not DESCRIBE_CONFIGS: it
+		// consumes with Kafka's defaults, and learns the lock from its
+		// polls.
+		d.log.Warn("ferry/kafka: the share group's configuration cannot be read (not allowed); its lock, delivery limit and dead-letter topic are taken as Kafka's defaults until polls show the lock, and its start is not set", "err", err)
+		gc = shareGroupConfig{lock: defaultShareLock, limit: defaultShareLimit, reset: "latest"}
+	default:
 		return d.requestErr(err)
 	}
 	if gc.resetIsDefault {
 		err := alterShareGroupConfig(ctx, cl, d.group, map[string]string{shareAutoOffsetReset: "earliest"})
 		switch {
 		case err == nil:
+			gc.reset = "earliest"
 			d.log.Info("ferry/kafka: the share group had no start set; it starts at the earliest records, as Ferry's consumer groups do (set share.auto.offset.reset on the group to choose)")
 		case isRefusal(err):
 			d.log.Warn("ferry/kafka: the share group's start cannot be set (not allowed to alter the group's configuration); it starts at the latest records, so records produced before its first fetch are not consumed", "err", err)
@@ -193,6 +209,7 @@ func (d *shareDriver) configure(ctx context.Context, cl *kgo.Client) error {
 			return d.requestErr(err)
 		}
 	}
+	d.startsLatest.Store(gc.reset != "earliest")
 	d.lease.Store(int64(gc.lock))
 	d.limit.Store(int32(gc.limit))
 	d.deadTo.Store(&gc.deadLetterTopic)
@@ -213,17 +230,15 @@ func (d *shareDriver) configure(ctx context.Context, cl *kgo.Client) error {
 // Fetch hands out what the last poll brought and the loop has not taken
 // yet; once every record of that poll is settled it polls again, up to
 // the loop's in-flight bound. Until then it waits.
-func (d *shareDriver) Fetch(ctx context.Context, dst []driver.Message, max int) ([]driver.Message, error) {
+func (d *shareDriver) Fetch(ctx context.Context, dst []driver.Message, room int) ([]driver.Message, error) {
 	cl, err := d.client()
 	if err != nil {
 		return dst, driver.Fatal(err)
 	}
-	if max <= 0 {
-		max = 1
-	}
+	room = max(room, 1)
 	d.mu.Lock()
 	if len(d.stash) > 0 {
-		dst = d.handOut(dst, max)
+		dst = d.handOut(dst, room)
 		d.mu.Unlock()
 		return dst, nil
 	}
@@ -257,19 +272,30 @@ func (d *shareDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 		}
 	})
 	if len(recs) > 0 {
-		d.polledAt = time.Now()
+		now := time.Now()
+		d.polledAt = now
 		d.mu.Lock()
 		d.wave = make([]*shareHandle, len(recs))
+		var lock time.Duration
 		for i, r := range recs {
-			d.wave[i] = &shareHandle{rec: r}
+			until := r.AcquisitionDeadline()
+			if until.IsZero() {
+				until = now.Add(d.Lease())
+			}
+			lock = max(lock, until.Sub(now))
+			d.wave[i] = &shareHandle{rec: r, lockUntil: until}
 		}
+		// The lock the group gives now, as the poll shows it: the
+		// group's configuration may have changed since Connect read it,
+		// or could not be read.
+		d.lease.Store(int64(max(lock, driver.MinLease)))
 		d.stash = append(d.stash[:0], d.wave...)
 		d.held = len(recs)
 		d.done = make(chan struct{})
 		// Records polled as ctx ended still go to the loop (or, when it
 		// fetches no more, to Drain): franz-go would accept them at the
 		// next poll, and Close releases what nobody took.
-		dst = d.handOut(dst, max)
+		dst = d.handOut(dst, room)
 		d.mu.Unlock()
 	}
 	if err := ctx.Err(); err != nil {
@@ -297,9 +323,9 @@ func (d *shareDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 	return dst, err
 }
 
-// handOut moves up to max stashed records to dst. d.mu is held.
-func (d *shareDriver) handOut(dst []driver.Message, max int) []driver.Message {
-	n := min(max, len(d.stash))
+// handOut moves up to n stashed records to dst. d.mu is held.
+func (d *shareDriver) handOut(dst []driver.Message, n int) []driver.Message {
+	n = min(n, len(d.stash))
 	for _, h := range d.stash[:n] {
 		dst = append(dst, d.message(h))
 	}
@@ -337,197 +363,6 @@ func (d *shareDriver) Drain(_ context.Context, dst []driver.Message) ([]driver.M
 	return d.handOut(dst, len(d.stash)), nil
 }
 
-// Settle acknowledges: Ack is ACCEPT, Return is RELEASE (the loop returns
-// records only as it stops: the broker delivers them again, to any
-// member, counting one more delivery). It returns once the broker
-// answered; a partition whose acknowledgements it refused fails every
-// settlement of it in the batch, in a *[driver.SettleError] (the broker
-// then delivers those records again when their locks run out). The
-// settlements that finish the last poll's records are the exception: the
-// next poll carries them (one round trip fewer a poll), and a refusal
-// of them is logged at WARN when the broker answers.
-func (d *shareDriver) Settle(ctx context.Context, batch []driver.Settlement) error {
-	hs := make([]*shareHandle, len(batch))
-	beforeRun := false
-	for i := range batch {
-		h, _ := batch[i].Handle.(*shareHandle)
-		hs[i] = h
-		beforeRun = beforeRun || batch[i].BeforeRun
-	}
-	d.ackMu.Lock()
-	for i, s := range batch {
-		h := hs[i]
-		if h == nil {
-			continue
-		}
-		switch s.Action {
-		case driver.Ack:
-			h.rec.Ack(kgo.AckAccept)
-		default:
-			d.releasing(h.rec)
-			h.rec.Ack(kgo.AckRelease)
-		}
-	}
-	d.mu.Lock()
-	for _, h := range hs {
-		if h != nil && !h.settled {
-			h.settled = true
-			d.held--
-		}
-	}
-	var done chan struct{}
-	if d.held == 0 && d.done != nil {
-		done, d.done = d.done, nil
-	}
-	d.mu.Unlock()
-	var (
-		err   error
-		fails []kgo.ShareAckResult
-	)
-	if done == nil || beforeRun {
-		d.resetFails()
-		err = d.flush(ctx)
-		fails = d.fails()
-	}
-	d.ackMu.Unlock()
-	if done != nil {
-		close(done) // Fetch polls, and the poll carries what was not flushed
-	}
-
-	var failed []int
-	for i, h := range hs {
-		switch {
-		case h == nil:
-			failed = append(failed, i)
-		case err != nil || refusedFor(fails, h.rec) != nil:
-			failed = append(failed, i)
-		}
-	}
-	if len(failed) == 0 {
-		return nil
-	}
-	if err == nil {
-		err = refusedFor(fails, hs[failed[0]].rec)
-	}
-	if err == nil {
-		err = errors.New("not a delivery of this consumer")
-	}
-	return &driver.SettleError{Failed: failed, Err: fmt.Errorf("kafka: acknowledge records of %q in share group %q: %w", d.topic, d.group, err)}
-}
-
-// releasing warns when r goes back on the last delivery the group allows:
-// the broker archives it instead of delivering it again.
-func (d *shareDriver) releasing(r *kgo.Record) {
-	limit := d.limit.Load()
-	if limit <= 0 || r.DeliveryCount() < limit {
-		return
-	}
-	to := "dropped: the group has no errors.deadletterqueue.topic.name"
-	if t := d.deadTo.Load(); t != nil && *t != "" {
-		to = "moved to the group's dead-letter topic " + *t
-	}
-	if ok, left := d.warns.Allow("last delivery"); ok {
-		d.log.Warn("ferry/kafka: a record given back on its last delivery is archived by the broker, not delivered again",
-			"partition", r.Partition, "offset", r.Offset, "deliveries", r.DeliveryCount(), "limit", limit, "archived", to, "unlogged", left)
-	}
-}
-
-// flush sends the acknowledgements marked so far and waits for the broker's
-// answer, at most flushWithin. d.ackMu is held.
-func (d *shareDriver) flush(ctx context.Context) error {
-	d.mu.Lock()
-	cl := d.cl
-	d.mu.Unlock()
-	if cl == nil {
-		return nil
-	}
-	ctx, cancel := context.WithTimeout(ctx, flushWithin)
-	defer cancel()
-	if err := cl.FlushAcks(ctx); err != nil {
-		return fmt.Errorf("no answer within %s: %w", flushWithin, err)
-	}
-	return nil
-}
-
-// flushWithin bounds how long a Settle or Extend waits for the broker to
-// answer its acknowledgements.
-const flushWithin = 10 * time.Second
-
-// acked is franz-go's ShareAckCallback: it keeps what the broker refused,
-// for the flush under way (FlushAcks returns after the callbacks of what
-// it sent), and logs a refusal of acknowledgements no flush waits for (a
-// poll carried them).
-func (d *shareDriver) acked(_ *kgo.Client, rs kgo.ShareAckResults) {
-	d.failsMu.Lock()
-	defer d.failsMu.Unlock()
-	for _, r := range rs {
-		if r.Err == nil || r.Topic != d.topic {
-			continue
-		}
-		if d.flushing {
-			d.ackFails = append(d.ackFails, r)
-		} else if ok, left := d.warns.Allow("ack refused"); ok {
-			d.log.Warn("ferry/kafka: the broker refused acknowledgements; their records are delivered again when their locks run out",
-				"partition", r.Partition, "err", r.Err, "unlogged", left)
-		}
-	}
-}
-
-// resetFails forgets earlier refusals, as a flush begins.
-func (d *shareDriver) resetFails() {
-	d.failsMu.Lock()
-	d.ackFails = d.ackFails[:0]
-	d.flushing = true
-	d.failsMu.Unlock()
-}
-
-// fails returns the refusals since the last resetFails, as its flush ends.
-func (d *shareDriver) fails() []kgo.ShareAckResult {
-	d.failsMu.Lock()
-	defer d.failsMu.Unlock()
-	d.flushing = false
-	return slices.Clone(d.ackFails)
-}
-
-// refusedFor is the error the broker gave for r's partition, if any.
-func refusedFor(fails []kgo.ShareAckResult, r *kgo.Record) error {
-	for _, f := range fails {
-		if f.Partition == r.Partition {
-			return fmt.Errorf("partition %d: %w", f.Partition, f.Err)
-		}
-	}
-	return nil
-}
-
-// Lease is the group's record lock duration, as Connect read it
-// ([driver.MinLease] until then).
-func (d *shareDriver) Lease() time.Duration { return time.Duration(d.lease.Load()) }
-
-// Extend renews the locks of the records behind handles (RENEW, KIP-1222):
-// each gets the group's lock duration afresh, whatever d is.
-func (d *shareDriver) Extend(ctx context.Context, handles []any, _ time.Duration) error {
-	d.ackMu.Lock()
-	defer d.ackMu.Unlock()
-	d.resetFails()
-	var recs []*kgo.Record
-	for _, h := range handles {
-		if sh, ok := h.(*shareHandle); ok {
-			sh.rec.Ack(kgo.AckRenew)
-			recs = append(recs, sh.rec)
-		}
-	}
-	if err := d.flush(ctx); err != nil {
-		return fmt.Errorf("kafka: renew the locks of %d record(s) of %q in share group %q: %w", len(recs), d.topic, d.group, err)
-	}
-	fails := d.fails()
-	for _, r := range recs {
-		if err := refusedFor(fails, r); err != nil {
-			return fmt.Errorf("kafka: renew the locks of records of %q in share group %q: %w", d.topic, d.group, err)
-		}
-	}
-	return nil
-}
-
 // Lag reports, per partition (Lanes), the share-partition lag the group
 // coordinator keeps (KIP-1226: the records from the share-partition's
 // start offset on that are not acknowledged yet). A lane's position is
@@ -537,8 +372,8 @@ func (d *shareDriver) Extend(ctx context.Context, handles []any, _ time.Duration
 // coordinator moves it past acknowledged records seldom, not at once.)
 // Until the coordinator has written a partition's state (at its first
 // acknowledgement) it reports no lag there; Lag then counts from the
-// partition's start offset, or its log start, to its end, which is right
-// for a group that starts at the earliest records (Ferry's default). Of
+// partition's start offset, or where the group starts (its log start,
+// Ferry's default, or its end), to its end. Of
 // the sum, InFlight is what this member holds (the unsettled records of
 // its last poll) and Messages the rest; OldestAge is the age of the
 // oldest record this member holds: the broker tells no age of a share
@@ -557,7 +392,10 @@ func (d *shareDriver) Lag(ctx context.Context) (driver.Lag, error) {
 	}
 	known := map[int32]kadm.ShareOffset{}
 	for p, o := range g.Offsets[d.topic] {
-		if o.Err == nil && o.Lag >= 0 && o.StartOffset >= 0 {
+		if o.Err != nil {
+			return fail(fmt.Sprintf("share group offsets of partition %d", p), o.Err)
+		}
+		if o.Lag >= 0 && o.StartOffset >= 0 {
 			known[p] = o
 		}
 	}
@@ -583,8 +421,10 @@ func (d *shareDriver) Lag(ctx context.Context) (driver.Lag, error) {
 			return
 		}
 		from := int64(-1)
-		if o, ok := g.Offsets[d.topic][e.Partition]; ok && o.Err == nil && o.StartOffset >= 0 {
+		if o, ok := g.Offsets[d.topic][e.Partition]; ok && o.StartOffset >= 0 {
 			from = o.StartOffset
+		} else if d.startsLatest.Load() {
+			from = e.Offset // the group starts at the end: nothing behind it yet
 		} else {
 			if starts == nil {
 				if starts, ferr = d.b.adm.ListStartOffsets(ctx, d.topic); ferr != nil {
@@ -656,18 +496,27 @@ func (d *shareDriver) Close() error {
 		d.b.forget(d)
 		d.mu.Lock()
 		cl := d.cl
+		var back []*kgo.Record
 		for _, h := range d.wave {
 			if !h.settled {
 				h.settled = true
-				h.rec.Ack(kgo.AckRelease)
+				back = append(back, h.rec)
 			}
 		}
 		d.stash, d.wave, d.held = nil, nil, 0
+		if d.done != nil {
+			close(d.done)
+			d.done = nil
+		}
 		d.mu.Unlock()
 		if cl == nil {
 			return
 		}
 		d.ackMu.Lock()
+		for _, r := range back {
+			d.releasing(r)
+			r.Ack(kgo.AckRelease)
+		}
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		if err := cl.FlushAcks(ctx); err != nil {
 			d.log.Warn("ferry/kafka: acknowledgements not sent as the consumer stopped; their records come back when their locks run out", "err", err)

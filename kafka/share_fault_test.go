@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -15,6 +16,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/driver"
 	"github.com/ferrymq/ferry/internal/testenv"
 	"github.com/ferrymq/ferry/kafka"
 )
@@ -377,4 +379,200 @@ func TestShareRecordOfAKilledMemberGoesToTheSurvivor(t *testing.T) {
 		t.Errorf("the record the victim was killed on (partition %d offset %d) was never handled by the survivor", at[0], at[1])
 	}
 	t.Logf("the victim handled %d records, the survivor %d", len(victimHandled), len(h))
+}
+
+// shareDriverOf opens a share group member's driver of topic, outside any
+// loop, closed when the test ends.
+func shareDriverOf(t *testing.T, b *kafka.Broker, topic, group string, maxInFlight int) driver.Driver {
+	t.Helper()
+	d, err := b.Driver(t.Context(), topic, driver.Config{Name: group, MaxInFlight: maxInFlight})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = d.Close() })
+	if err := d.(driver.Connector).Connect(testenv.Context(t, 10*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+// fetchN fetches until n deliveries came.
+func fetchN(t *testing.T, d driver.Driver, n int) []driver.Message {
+	t.Helper()
+	var got []driver.Message
+	ctx := testenv.Context(t, 30*time.Second)
+	for len(got) < n {
+		var err error
+		got, err = d.Fetch(ctx, got, n-len(got))
+		if err != nil {
+			t.Fatalf("fetch: %v (after %d of %d)", err, len(got), n)
+		}
+	}
+	return got
+}
+
+// TestShareLapsedLockSpoilsNoOtherAcknowledgement: the broker refuses a
+// partition's acknowledgements of one request as a whole when one record
+// among them lost its lock. Of three records, the first is left to lapse
+// while the other two are renewed; settling the three together, the two
+// are accepted (never delivered again) and only the first fails; and a
+// renewal the broker refused is not sent again, so it spoils no later
+// renewal of the others.
+func TestShareLapsedLockSpoilsNoOtherAcknowledgement(t *testing.T) {
+	b := newBroker(t, kafka.WithGroupProtocol(kafka.Share))
+	topic := newTopic(t, b, "share-lapse", 1)
+	group := newShareGroup(t, "share-lapse", 0)
+	publishN(t, b, topic, "r", 3)
+	d := shareDriverOf(t, b, topic, group, 3)
+	ms := fetchN(t, d, 3)
+	ext := d.(driver.Extender)
+	if l := ext.Lease(); l < time.Second || l > shareLease {
+		t.Fatalf("Lease = %s, want about the group's %s", l, shareLease)
+	}
+	handles := func(ms []driver.Message) []any {
+		var hs []any
+		for _, m := range ms {
+			hs = append(hs, m.Handle)
+		}
+		return hs
+	}
+	ctx := testenv.Context(t, 30*time.Second)
+	for end := time.Now().Add(2*shareLease + 500*time.Millisecond); time.Now().Before(end); time.Sleep(shareLease / 3) {
+		if err := ext.Extend(ctx, handles(ms[1:]), shareLease); err != nil {
+			t.Fatalf("renewing the two live records: %v", err)
+		}
+	}
+	// The first record's lock ran out long ago: its renewal is refused,
+	// and then left out.
+	if err := ext.Extend(ctx, handles(ms), shareLease); err == nil {
+		t.Error("renewing a record whose lock ran out succeeded")
+	}
+	if err := ext.Extend(ctx, handles(ms), shareLease); err != nil {
+		t.Errorf("renewing after the lapsed record was found out: %v; it must be left out", err)
+	}
+	err := d.Settle(ctx, []driver.Settlement{{Handle: ms[0].Handle}, {Handle: ms[1].Handle}, {Handle: ms[2].Handle}})
+	var se *driver.SettleError
+	if !errors.As(err, &se) || !slices.Equal(se.Failed, []int{0}) {
+		t.Fatalf("Settle = %v, want the lapsed record's acknowledgement alone to fail", err)
+	}
+	// Only the lapsed record comes again, on its second delivery.
+	other := shareDriverOf(t, b, topic, group, 10)
+	again := fetchN(t, other, 1)
+	if string(again[0].Body) != string(ms[0].Body) || again[0].Deliveries != 2 {
+		t.Errorf("delivered again: %q on delivery %d, want %q on delivery 2", again[0].Body, again[0].Deliveries, ms[0].Body)
+	}
+	if err := other.Settle(ctx, []driver.Settlement{{Handle: again[0].Handle}}); err != nil {
+		t.Fatal(err)
+	}
+	fctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	if more, _ := other.Fetch(fctx, nil, 10); len(more) > 0 {
+		t.Errorf("accepted records delivered again: %q", more[0].Body)
+	}
+}
+
+// TestShareSettleAfterCloseFails: a delivery Close gave back (the Broker
+// closed under a running loop) cannot be accepted afterwards, and Settle
+// says so rather than report an acknowledgement it did not make.
+func TestShareSettleAfterCloseFails(t *testing.T) {
+	b := newBroker(t, kafka.WithGroupProtocol(kafka.Share))
+	topic := newTopic(t, b, "share-closed", 1)
+	group := newShareGroup(t, "share-closed", 0)
+	publishN(t, b, topic, "r", 1)
+	d := shareDriverOf(t, b, topic, group, 1)
+	ms := fetchN(t, d, 1)
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	err := d.Settle(testenv.Context(t, 10*time.Second), []driver.Settlement{{Handle: ms[0].Handle}})
+	var se *driver.SettleError
+	if !errors.As(err, &se) || !slices.Equal(se.Failed, []int{0}) {
+		t.Errorf("Settle after Close = %v, want the settlement to fail", err)
+	}
+}
+
+// TestShareLockShortenedAtRunTimeIsKept: the group's lock is 30 s when
+// the consumer connects and 2 s when its record comes; the consumer renews
+// by the lock its poll shows, so a handler of several seconds keeps its
+// record from a second member.
+func TestShareLockShortenedAtRunTimeIsKept(t *testing.T) {
+	b := newBroker(t, kafka.WithGroupProtocol(kafka.Share))
+	topic := newTopic(t, b, "share-relock", 1)
+	group := testenv.UniqueName(t, "share-relock")
+	setShareGroup(t, group, map[string]string{"share.record.lock.duration.ms": "30000"})
+	var c tally
+	for _, name := range []string{"first", "second"} {
+		l, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithConcurrency(1), consumer.WithMaxInFlight(1))
+		if err != nil {
+			t.Fatal(err)
+		}
+		runConsumer(t, l, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+			c.add(string(m.Body), name)
+			return sleepCtx(ctx, 4*shareLease)
+		}))
+		if name == "first" {
+			testenv.WaitFor(t, 20*time.Second, "the first consumer to connect", func() bool { return l.Health().State != consumer.HealthStarting })
+		}
+	}
+	setShareGroup(t, group, map[string]string{"share.record.lock.duration.ms": strconv.Itoa(int(shareLease.Milliseconds()))})
+	publishN(t, b, topic, "r", 1)
+	testenv.WaitFor(t, 30*time.Second, "the record handled", func() bool { return c.distinct() == 1 })
+	time.Sleep(5 * shareLease)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.runs["r-0"] != 1 {
+		t.Errorf("the record ran %d times (%v); its lock must be renewed by the lock its poll shows", c.runs["r-0"], c.by)
+	}
+}
+
+// TestShareLagOfAGroupThatStartsAtTheEnd: a share group set to start at
+// the latest records has nothing behind it before its first
+// acknowledgement, however many records the topic holds.
+func TestShareLagOfAGroupThatStartsAtTheEnd(t *testing.T) {
+	b := newBroker(t, kafka.WithGroupProtocol(kafka.Share))
+	topic := newTopic(t, b, "share-latest", 1)
+	group := testenv.UniqueName(t, "share-latest")
+	setShareGroup(t, group, map[string]string{"share.auto.offset.reset": "latest"})
+	publishN(t, b, topic, "old", 10)
+	d := shareDriverOf(t, b, topic, group, 10)
+	lag, err := d.(driver.LagReporter).Lag(testenv.Context(t, 10*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lag.Messages != 0 || lag.InFlight != 0 {
+		t.Errorf("Lag = %d waiting, %d held; a group that starts at the end has none", lag.Messages, lag.InFlight)
+	}
+}
+
+// TestCloseEndsARunThatCannotConnect: a consumer whose topic does not
+// exist retries its Connect; closing the Broker ends its Run with
+// ErrClosed (its client is closed, and no retry gets through), under
+// every kind of group.
+func TestCloseEndsARunThatCannotConnect(t *testing.T) {
+	for _, p := range []kafka.GroupProtocol{kafka.Classic, kafka.NextGen, kafka.Share} {
+		t.Run(p.String(), func(t *testing.T) {
+			b, err := kafka.New(testenv.RequireKafka(t), kafka.WithGroupProtocol(p), kafka.WithLogger(testLogger(t)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			l, err := b.NewConsumer(t.Context(), testenv.UniqueName(t, "missing"), consumer.WithName(testenv.UniqueName(t, "g")))
+			if err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan error, 1)
+			go func() {
+				done <- l.Run(context.Background(), consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }))
+			}()
+			testenv.WaitFor(t, 20*time.Second, "the consumer to say the topic is missing", func() bool { return l.Stats().FetchErrors > 0 || l.Health().State == consumer.HealthDisconnected })
+			b.Close()
+			select {
+			case err := <-done:
+				if !errors.Is(err, kafka.ErrClosed) {
+					t.Errorf("Run = %v, want an error wrapping kafka.ErrClosed", err)
+				}
+			case <-time.After(20 * time.Second):
+				t.Fatal("Run went on for 20 s after the Broker closed")
+			}
+		})
+	}
 }

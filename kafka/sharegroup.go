@@ -26,8 +26,10 @@ type shareGroupConfig struct {
 	lock            time.Duration
 	limit           int
 	deadLetterTopic string
-	// resetIsDefault is true when nobody set share.auto.offset.reset on
-	// the group: it then starts at the latest records.
+	// reset is the group's share.auto.offset.reset: where it starts,
+	// "earliest" or "latest"; resetIsDefault is true when nobody set it
+	// on the group (it then starts at the latest records).
+	reset          string
 	resetIsDefault bool
 }
 
@@ -58,6 +60,7 @@ func readShareGroupConfig(ctx context.Context, cl *kgo.Client, group string) (sh
 		}
 		switch c.Name {
 		case shareAutoOffsetReset:
+			out.reset = v
 			out.resetIsDefault = c.Source == kmsg.ConfigSourceDefaultConfig
 		case shareLockDuration:
 			if ms, err := strconv.Atoi(v); err == nil && ms > 0 {

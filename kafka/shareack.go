@@ -1,0 +1,304 @@
+package kafka
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+
+	"github.com/ferrymq/ferry/consumer/driver"
+)
+
+// This file is how a share group member acknowledges records: ACCEPT and
+// RELEASE for Settle, RENEW for Extend, each sent and answered before the
+// call returns.
+//
+// The broker answers a partition's acknowledgements of one request as a
+// whole: when one record among them has lost its lock (it ran out; the
+// broker may have handed the record to another member), it refuses them
+// all, those of records still locked too. So records whose lock may have
+// run out are acknowledged apart, one request each, and the others
+// together; a record whose renewal was refused is lost to this member and
+// renewed no more, so that it never spoils a batch again.
+
+// lockSlack is how close to the end of its lock, as the driver reckons it,
+// a record is acknowledged apart from the others: the broker's clock and
+// the request's way there make the reckoning a little late.
+const lockSlack = 500 * time.Millisecond
+
+// shareAck is one acknowledgement to send.
+type shareAck struct {
+	h      *shareHandle
+	status kgo.AckStatus
+}
+
+// send sends acks and waits for the broker's answers, and returns, by
+// handle, the error of each ack that failed. Acks of records whose lock
+// may have run out go one request each; the others in one request. A
+// renewal that a partition refused as a whole is sent again alone, since
+// the refusal may be another record's. d.ackMu is held.
+func (d *shareDriver) send(ctx context.Context, acks []shareAck) map[*shareHandle]error {
+	failed := map[*shareHandle]error{}
+	var sure, doubtful []shareAck
+	soon := time.Now().Add(lockSlack)
+	for _, a := range acks {
+		if a.h.lost || a.h.lockUntil.Before(soon) {
+			doubtful = append(doubtful, a)
+		} else {
+			sure = append(sure, a)
+		}
+	}
+	var again []shareAck
+	if len(sure) > 0 {
+		for a, err := range d.flushAcks(ctx, sure) {
+			// franz-go lets a refused renewal be sent again (an
+			// unanswered one stays pending, and would not go).
+			if a.status == kgo.AckRenew && len(sure) > 1 && !errors.Is(err, errNotAnswered) {
+				again = append(again, a)
+			} else {
+				failed[a.h] = err
+			}
+		}
+	}
+	for _, a := range append(doubtful, again...) {
+		for _, err := range d.flushAcks(ctx, []shareAck{a}) {
+			failed[a.h] = err
+		}
+	}
+	return failed
+}
+
+// flushAcks marks acks, flushes them and returns the acks the broker
+// refused (every shareAck of a partition it refused) or that were not answered,
+// with the error.
+func (d *shareDriver) flushAcks(ctx context.Context, acks []shareAck) map[shareAck]error {
+	d.mu.Lock()
+	cl := d.cl
+	d.mu.Unlock()
+	out := map[shareAck]error{}
+	if cl == nil {
+		for _, a := range acks {
+			out[a] = errors.New("no client")
+		}
+		return out
+	}
+	d.beginFlush()
+	for _, a := range acks {
+		a.h.rec.Ack(a.status)
+	}
+	fctx, cancel := context.WithTimeout(ctx, flushWithin)
+	err := cl.FlushAcks(fctx)
+	cancel()
+	fails := d.endFlush()
+	if err != nil {
+		err = fmt.Errorf("%w within %s: %w", errNotAnswered, flushWithin, err)
+	}
+	for _, a := range acks {
+		if err != nil {
+			out[a] = err
+		} else if rerr := refusedFor(fails, a.h.rec); rerr != nil {
+			out[a] = rerr
+		}
+	}
+	return out
+}
+
+// flushWithin bounds how long a Settle or Extend waits for the broker to
+// answer one request of its acknowledgements.
+const flushWithin = 10 * time.Second
+
+// Settle acknowledges: Ack is ACCEPT, Return is RELEASE (the loop returns
+// records only as it stops: the broker delivers them again, to any
+// member, counting one more delivery). It returns once the broker
+// answered. A settlement the broker refused (the record's lock ran out,
+// and the broker may have handed it to another member) fails, in a
+// *[driver.SettleError], and so does one of a delivery already settled
+// (Close gave it back as the Broker closed).
+func (d *shareDriver) Settle(ctx context.Context, batch []driver.Settlement) error {
+	var (
+		acks   []shareAck
+		failed []int
+		why    error
+	)
+	// Claim the deliveries first, so that Close gives back none of them.
+	d.mu.Lock()
+	for i, s := range batch {
+		h, _ := s.Handle.(*shareHandle)
+		if h == nil || h.settled {
+			failed = append(failed, i)
+			why = errors.New("not a delivery this consumer holds (given back as it closed, or settled before)")
+			continue
+		}
+		h.settled = true
+		status := kgo.AckAccept
+		if s.Action != driver.Ack {
+			status = kgo.AckRelease
+		}
+		acks = append(acks, shareAck{h: h, status: status})
+	}
+	d.mu.Unlock()
+
+	d.ackMu.Lock()
+	for _, a := range acks {
+		if a.status == kgo.AckRelease {
+			d.releasing(a.h.rec)
+		}
+	}
+	refused := d.send(ctx, acks)
+	d.ackMu.Unlock()
+
+	d.mu.Lock()
+	d.held -= len(acks)
+	if d.held <= 0 && d.done != nil {
+		close(d.done) // the last poll's records are settled: Fetch polls again
+		d.done = nil
+	}
+	d.mu.Unlock()
+
+	for i, s := range batch {
+		h, _ := s.Handle.(*shareHandle)
+		if err, ok := refused[h]; ok && h != nil {
+			failed = append(failed, i)
+			why = err
+		}
+	}
+	if len(failed) == 0 {
+		return nil
+	}
+	slices.Sort(failed)
+	return &driver.SettleError{Failed: failed, Err: fmt.Errorf("kafka: acknowledge records of %q in share group %q: %w", d.topic, d.group, why)}
+}
+
+// releasing warns when r goes back on the last delivery the group allows:
+// the broker archives it instead of delivering it again.
+func (d *shareDriver) releasing(r *kgo.Record) {
+	limit := d.limit.Load()
+	if limit <= 0 || r.DeliveryCount() < limit {
+		return
+	}
+	to := "dropped: the group has no errors.deadletterqueue.topic.name"
+	if t := d.deadTo.Load(); t != nil && *t != "" {
+		to = "moved to the group's dead-letter topic " + *t
+	}
+	if ok, left := d.warns.Allow("last delivery"); ok {
+		d.log.Warn("ferry/kafka: a record given back on its last delivery is archived by the broker, not delivered again",
+			"partition", r.Partition, "offset", r.Offset, "deliveries", r.DeliveryCount(), "limit", limit, "archived", to, "unlogged", left)
+	}
+}
+
+// Lease is the record lock the group gives, as the last poll showed it
+// (as Connect read it before the first poll; [driver.MinLease] until
+// then).
+func (d *shareDriver) Lease() time.Duration { return time.Duration(d.lease.Load()) }
+
+// Extend renews the locks of the records behind handles (RENEW, KIP-1222),
+// and of the records of the last poll the loop has not taken yet whose
+// lock is a third gone: each gets the group's lock afresh, whatever d is.
+// A record whose renewal the broker refused lost its lock (it ran out, and
+// the broker may hand the record to another member): Extend logs it at
+// WARN, fails, and renews it no more.
+func (d *shareDriver) Extend(ctx context.Context, handles []any, _ time.Duration) error {
+	lease := d.Lease()
+	var acks []shareAck
+	d.mu.Lock()
+	for _, x := range handles {
+		if h, ok := x.(*shareHandle); ok && !h.settled {
+			acks = append(acks, shareAck{h: h, status: kgo.AckRenew})
+		}
+	}
+	for _, h := range d.stash {
+		acks = append(acks, shareAck{h: h, status: kgo.AckRenew})
+	}
+	d.mu.Unlock()
+
+	d.ackMu.Lock()
+	defer d.ackMu.Unlock()
+	now := time.Now()
+	acks = slices.DeleteFunc(acks, func(a shareAck) bool {
+		// Lost records go no more; a stashed record goes once a third
+		// of its lock is gone, as the loop's own do.
+		return a.h.lost || (!slices.Contains(handles, any(a.h)) && a.h.lockUntil.Sub(now) > lease*2/3)
+	})
+	if len(acks) == 0 {
+		return nil
+	}
+	refused := d.send(ctx, acks)
+	now = time.Now()
+	var lost int
+	var why error
+	for _, a := range acks {
+		err, ok := refused[a.h]
+		if !ok {
+			a.h.lockUntil = now.Add(lease)
+			continue
+		}
+		why = err
+		if errors.Is(err, errNotAnswered) {
+			continue // tried again at the loop's next round
+		}
+		a.h.lost = true
+		lost++
+		if ok, left := d.warns.Allow("lock lost"); ok {
+			d.log.Warn("ferry/kafka: a record lost its lock before its handler finished; the broker may hand it to another member, and its acknowledgement will fail",
+				"partition", a.h.rec.Partition, "offset", a.h.rec.Offset, "err", err, "unlogged", left)
+		}
+	}
+	if why != nil {
+		return fmt.Errorf("kafka: renew the locks of %d record(s) of %q in share group %q (%d lost): %w", len(refused), d.topic, d.group, lost, why)
+	}
+	return nil
+}
+
+// errNotAnswered is why an acknowledgement failed when the broker did not
+// answer it (the request timed out, the client closed): the record may
+// still be locked.
+var errNotAnswered = errors.New("the broker did not answer")
+
+// acked is franz-go's ShareAckCallback: it keeps what the broker refused,
+// for the flush under way (FlushAcks returns after the callbacks of what
+// it sent), and logs a refusal of acknowledgements no flush waits for
+// (those Close sends).
+func (d *shareDriver) acked(_ *kgo.Client, rs kgo.ShareAckResults) {
+	d.failsMu.Lock()
+	defer d.failsMu.Unlock()
+	for _, r := range rs {
+		if r.Err == nil || r.Topic != d.topic {
+			continue
+		}
+		if d.flushing {
+			d.ackFails = append(d.ackFails, r)
+		} else if ok, left := d.warns.Allow("shareAck refused"); ok {
+			d.log.Warn("ferry/kafka: the broker refused acknowledgements; their records are delivered again when their locks run out",
+				"partition", r.Partition, "err", r.Err, "unlogged", left)
+		}
+	}
+}
+
+// beginFlush forgets earlier refusals, as a flush begins.
+func (d *shareDriver) beginFlush() {
+	d.failsMu.Lock()
+	d.ackFails = d.ackFails[:0]
+	d.flushing = true
+	d.failsMu.Unlock()
+}
+
+// endFlush returns the refusals since beginFlush, as its flush ends.
+func (d *shareDriver) endFlush() []kgo.ShareAckResult {
+	d.failsMu.Lock()
+	defer d.failsMu.Unlock()
+	d.flushing = false
+	return slices.Clone(d.ackFails)
+}
+
+// refusedFor is the error the broker gave for r's partition, if any.
+func refusedFor(fails []kgo.ShareAckResult, r *kgo.Record) error {
+	for _, f := range fails {
+		if f.Partition == r.Partition {
+			return fmt.Errorf("partition %d: %w", f.Partition, f.Err)
+		}
+	}
+	return nil
+}
