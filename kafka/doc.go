@@ -135,11 +135,18 @@
 //     members go on). Keep the in-flight bound near the concurrency where
 //     handlers take very different times.
 //   - Connect reads the group's lock duration, delivery limit and
-//     dead-letter topic, and logs them. A group nobody configured starts
-//     at the latest records; the consumer sets share.auto.offset.reset to
-//     earliest on it first, as Ferry's consumer groups start at the
-//     earliest (a user who may not alter the group's configuration gets a
-//     WARN line instead).
+//     dead-letter topic, and logs them; a member not allowed to read them
+//     takes Kafka's defaults and says so at WARN. The lease follows the
+//     lock each poll shows, so a lock changed at run time is kept. A
+//     group nobody configured starts at the latest records; the consumer
+//     sets share.auto.offset.reset to earliest on it first, as Ferry's
+//     consumer groups start at the earliest (a user who may not alter the
+//     group's configuration gets a WARN line instead).
+//   - The broker refuses a request's acknowledgements of a partition as a
+//     whole when one of its records lost its lock, so a record whose lock
+//     may have run out is acknowledged on its own, and one whose renewal
+//     was refused (lost: the broker may hand it to another member, and a
+//     WARN says so) is renewed no more.
 //   - Lag: per partition, the records the group coordinator counts as not
 //     acknowledged (KIP-1226); the position is the end offset less that lag.
 //     The broker tells no age of a share group's backlog: OldestAge is that
