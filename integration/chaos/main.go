@@ -17,7 +17,7 @@
 // A planted fault (-fault no-idempotency or -fault ack-first) must make the
 // run fail, naming the broken invariant.
 //
-//	go run ./integration/chaos                       # all three brokers, 100k orders each
+//	go run ./integration/chaos                       # every broker (and Kafka share groups), 100k orders each
 //	go run ./integration/chaos -broker kafka -orders 5000 -duration 30s
 package main
 
@@ -87,7 +87,7 @@ type config struct {
 func parseFlags(args []string) (config, error) {
 	var c config
 	fs := flag.NewFlagSet("chaos", flag.ContinueOnError)
-	brokers := fs.String("broker", "all", "the brokers to break: all, or a comma-separated list of kafka, sqs, rabbitmq")
+	brokers := fs.String("broker", "all", "the brokers to break: all, or a comma-separated list of kafka, sqs, rabbitmq, kafka-share (Kafka's share groups)")
 	fs.IntVar(&c.Orders, "orders", 100_000, "orders per broker")
 	fs.DurationVar(&c.Duration, "duration", 3*time.Minute, "how long the order service takes to commit the orders (the chaos runs meanwhile)")
 	fs.Uint64Var(&c.Seed, "seed", 1, "the seed of the orders and of the fault schedule")
@@ -118,14 +118,14 @@ func parseFlags(args []string) (config, error) {
 	}
 	switch *brokers {
 	case "all", "":
-		c.Brokers = []string{"kafka", "sqs", "rabbitmq"}
+		c.Brokers = []string{"kafka", "sqs", "rabbitmq", "kafka-share"}
 	default:
 		for b := range strings.SplitSeq(*brokers, ",") {
 			switch b {
-			case "kafka", "sqs", "rabbitmq":
+			case "kafka", "sqs", "rabbitmq", "kafka-share":
 				c.Brokers = append(c.Brokers, b)
 			default:
-				return c, fmt.Errorf("-broker: %q is not kafka, sqs or rabbitmq", b)
+				return c, fmt.Errorf("-broker: %q is not kafka, sqs, rabbitmq or kafka-share", b)
 			}
 		}
 	}

@@ -323,7 +323,7 @@ func runBroker(ctx context.Context, cfg config, kind string, out io.Writer) (*re
 					mu.Unlock()
 					progress("payments API back")
 				case "restart":
-					svc := kind
+					svc := strings.TrimSuffix(kind, "-share") // Kafka's share groups restart Kafka
 					t0 := time.Now()
 					cmd := exec.CommandContext(schedCtx, cfg.BrokersSh, "restart", svc)
 					if cfg.RestartCmd != "" {
