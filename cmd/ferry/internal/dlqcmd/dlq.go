@@ -17,8 +17,10 @@ import (
 	"strings"
 	"time"
 
+	"github.com/ferrymq/ferry"
 	"github.com/ferrymq/ferry/cmd/ferry/internal/cli"
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/kafka"
 )
 
 // Usage is the help of ferry dlq.
@@ -199,6 +201,9 @@ func runPeek(ctx context.Context, args []string, stdout, stderr io.Writer, open 
 			return err
 		}
 		defer b.Close()
+		if err := refuseShareGroups(b); err != nil {
+			return err
+		}
 		p, err := Peek(ctx, b, pos[0], PeekOptions{Group: o.group, FromStart: o.fromStart, Limit: o.limit, Wait: o.wait})
 		if err != nil {
 			return fmt.Errorf("peek %s: %w", pos[0], err)
@@ -334,6 +339,9 @@ func runRedrive(ctx context.Context, args []string, stdout, stderr io.Writer, op
 			return err
 		}
 		defer b.Close()
+		if err := refuseShareGroups(b); err != nil {
+			return err
+		}
 		ran = true
 		res, err = Redrive(ctx, b, cfg)
 		return err
@@ -361,4 +369,17 @@ func runRedrive(ctx context.Context, args []string, stdout, stderr io.Writer, op
 		fmt.Fprintf(stderr, "%s: stopped after moving %d messages\n", cmd, res.Moved)
 	}
 	return cli.Report(ctx, stderr, cmd, err)
+}
+
+// refuseShareGroups refuses a Kafka broker whose consumers join share
+// groups: ferry dlq reads a dead-letter topic from a consumer group's
+// offsets and moves a record by committing past it, which a share group
+// has neither of. A dead-letter topic is a topic like any other, whatever
+// group wrote to its source.
+func refuseShareGroups(b ferry.Broker) error {
+	if kb, ok := b.(*kafka.Broker); ok && kb.GroupProtocol() == kafka.Share {
+		return cli.Usagef("ferry dlq reads and moves a dead-letter topic through a consumer group of its own, not a share group: " +
+			"give the kafka:// URL without group_protocol=share (the dead-letter topic is a topic like any other, whatever kind of group consumes its source)")
+	}
+	return nil
 }

@@ -313,6 +313,9 @@ func TestBadUsageExitsTwo(t *testing.T) {
 		// A new process's in-process broker is empty: nothing to read.
 		{[]string{"peek", "a", "--broker", "mem://x"}, "mem:// is the in-process broker: a new ferry process has its own, empty one"},
 		{[]string{"redrive", "a", "--broker", "mem://"}, "mem:// is the in-process broker"},
+		// A dead-letter topic is read through a consumer group of the command's own.
+		{[]string{"peek", "a", "--broker", "kafka://127.0.0.1:9092?group_protocol=share"}, "without group_protocol=share"},
+		{[]string{"redrive", "a", "--broker", "kafka://127.0.0.1:9092?group_protocol=share"}, "without group_protocol=share"},
 	} {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
 			var out, errOut strings.Builder
