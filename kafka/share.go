@@ -39,7 +39,10 @@ type shareDriver struct {
 	lease  atomic.Int64 // time.Duration: the group's record lock duration
 	limit  atomic.Int32 // the group's delivery count limit
 	deadTo atomic.Pointer[string]
-	warns  *ratelog.Limiter // WARN lines, a few a minute of each kind
+	// startsLatest is true when the group starts at the latest records
+	// (its share.auto.offset.reset says so, or could not be set), for Lag.
+	startsLatest atomic.Bool
+	warns        *ratelog.Limiter // WARN lines, a few a minute of each kind
 
 	mu    sync.Mutex
 	cl    *kgo.Client
@@ -50,9 +53,6 @@ type shareDriver struct {
 	done  chan struct{}  // closed when held falls to 0
 
 	ackMu sync.Mutex // one flush of acknowledgements at a time; the handles' lock reckoning
-	// startsLatest is true when the group starts at the latest records
-	// (its share.auto.offset.reset says so, or could not be set), for Lag.
-	startsLatest atomic.Bool
 
 	failsMu  sync.Mutex
 	flushing bool                 // a Settle or Extend waits for its flush
@@ -238,8 +238,13 @@ func (d *shareDriver) Fetch(ctx context.Context, dst []driver.Message, room int)
 	room = max(room, 1)
 	d.mu.Lock()
 	if len(d.stash) > 0 {
-		dst = d.handOut(dst, room)
+		n := min(room, len(d.stash))
+		take := append([]*shareHandle(nil), d.stash[:n]...)
+		d.stash = append(d.stash[:0], d.stash[n:]...)
 		d.mu.Unlock()
+		for _, h := range d.freshen(ctx, take) {
+			dst = append(dst, d.message(h))
+		}
 		return dst, nil
 	}
 	if d.held > 0 && d.done != nil {
@@ -295,7 +300,11 @@ func (d *shareDriver) Fetch(ctx context.Context, dst []driver.Message, room int)
 		// Records polled as ctx ended still go to the loop (or, when it
 		// fetches no more, to Drain): franz-go would accept them at the
 		// next poll, and Close releases what nobody took.
-		dst = d.handOut(dst, room)
+		n := min(room, len(d.stash))
+		for _, h := range d.stash[:n] {
+			dst = append(dst, d.message(h))
+		}
+		d.stash = append(d.stash[:0], d.stash[n:]...)
 		d.mu.Unlock()
 	}
 	if err := ctx.Err(); err != nil {
@@ -323,16 +332,6 @@ func (d *shareDriver) Fetch(ctx context.Context, dst []driver.Message, room int)
 	return dst, err
 }
 
-// handOut moves up to n stashed records to dst. d.mu is held.
-func (d *shareDriver) handOut(dst []driver.Message, n int) []driver.Message {
-	n = min(n, len(d.stash))
-	for _, h := range d.stash[:n] {
-		dst = append(dst, d.message(h))
-	}
-	d.stash = append(d.stash[:0], d.stash[n:]...)
-	return dst
-}
-
 // message is the record of h as the loop takes it: no lane (a share group
 // keeps no order), and the broker's delivery count.
 func (d *shareDriver) message(h *shareHandle) driver.Message {
@@ -357,10 +356,15 @@ func (d *shareDriver) message(h *shareHandle) driver.Message {
 // Drain hands the loop, when it stops fetching, the records of the last
 // poll it has not taken, to run within its grace: given back, each would
 // count one more delivery.
-func (d *shareDriver) Drain(_ context.Context, dst []driver.Message) ([]driver.Message, error) {
+func (d *shareDriver) Drain(ctx context.Context, dst []driver.Message) ([]driver.Message, error) {
 	d.mu.Lock()
-	defer d.mu.Unlock()
-	return d.handOut(dst, len(d.stash)), nil
+	take := d.stash
+	d.stash = nil
+	d.mu.Unlock()
+	for _, h := range d.freshen(ctx, take) {
+		dst = append(dst, d.message(h))
+	}
+	return dst, nil
 }
 
 // Lag reports, per partition (Lanes), the share-partition lag the group

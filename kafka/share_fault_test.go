@@ -576,3 +576,35 @@ func TestCloseEndsARunThatCannotConnect(t *testing.T) {
 		})
 	}
 }
+
+// TestShareRecordsWaitingForRoomKeepTheirLocks: a poll brings more records
+// than the loop has room for; those that wait in the driver are renewed
+// when the loop takes them late (it reckons their lease from then), so
+// they can still be accepted a lock's length after the poll; and one
+// whose lock ran out while it waited is not handed out at all (the broker
+// delivers it again).
+func TestShareRecordsWaitingForRoomKeepTheirLocks(t *testing.T) {
+	b := newBroker(t, kafka.WithGroupProtocol(kafka.Share))
+	topic := newTopic(t, b, "share-wait", 1)
+	group := newShareGroup(t, "share-wait", 0)
+	publishN(t, b, topic, "r", 3)
+	d := shareDriverOf(t, b, topic, group, 3)
+	ctx := testenv.Context(t, 30*time.Second)
+	first := fetchN(t, d, 1) // the poll brings three
+	time.Sleep(shareLease * 3 / 4) // the waiting records' locks are past two thirds gone
+	second, err := d.Fetch(ctx, nil, 1)
+	if err != nil || len(second) != 1 {
+		t.Fatalf("Fetch(1) = %d messages, %v", len(second), err)
+	}
+	time.Sleep(shareLease * 3 / 4) // a lock's length and more since the poll
+	if err := d.Settle(ctx, []driver.Settlement{{Handle: second[0].Handle}}); err != nil {
+		t.Errorf("accepting a record taken late: %v; its lock must have been renewed when the loop took it", err)
+	}
+	time.Sleep(shareLease) // the third record's lock ran out while it waited
+	if third, err := d.Fetch(ctx, nil, 1); err != nil || len(third) != 0 {
+		t.Errorf("Fetch after the waiting record's lock ran out = %d messages, %v; want none", len(third), err)
+	}
+	if err := d.Settle(ctx, []driver.Settlement{{Handle: first[0].Handle, Action: driver.Return}}); err == nil {
+		t.Error("giving back a record whose lock ran out succeeded")
+	}
+}

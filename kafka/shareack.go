@@ -209,24 +209,25 @@ func (d *shareDriver) Extend(ctx context.Context, handles []any, _ time.Duration
 			acks = append(acks, shareAck{h: h, status: kgo.AckRenew})
 		}
 	}
-	for _, h := range d.stash {
-		acks = append(acks, shareAck{h: h, status: kgo.AckRenew})
-	}
+	stashed := slices.Clone(d.stash)
 	d.mu.Unlock()
 
 	d.ackMu.Lock()
 	defer d.ackMu.Unlock()
-	now := time.Now()
-	acks = slices.DeleteFunc(acks, func(a shareAck) bool {
-		// Lost records go no more; a stashed record goes once a third
-		// of its lock is gone, as the loop's own do.
-		return a.h.lost || (!slices.Contains(handles, any(a.h)) && a.h.lockUntil.Sub(now) > lease*2/3)
-	})
+	// A stashed record goes once a third of its lock is gone, as the
+	// loop's own do; a lost record goes no more.
+	renewBy := time.Now().Add(lease * 2 / 3)
+	for _, h := range stashed {
+		if h.lockUntil.Before(renewBy) {
+			acks = append(acks, shareAck{h: h, status: kgo.AckRenew})
+		}
+	}
+	acks = slices.DeleteFunc(acks, func(a shareAck) bool { return a.h.lost })
 	if len(acks) == 0 {
 		return nil
 	}
 	refused := d.send(ctx, acks)
-	now = time.Now()
+	now := time.Now()
 	var lost int
 	var why error
 	for _, a := range acks {
@@ -250,6 +251,57 @@ func (d *shareDriver) Extend(ctx context.Context, handles []any, _ time.Duration
 		return fmt.Errorf("kafka: renew the locks of %d record(s) of %q in share group %q (%d lost): %w", len(refused), d.topic, d.group, lost, why)
 	}
 	return nil
+}
+
+// freshen readies stashed records for the loop, which reckons a lease
+// from when it takes a record: a record whose lock is a third gone is
+// renewed first, and one whose renewal is refused (its lock ran out while
+// it waited here: the broker may have handed it to another member) is
+// dropped, and counted as settled.
+func (d *shareDriver) freshen(ctx context.Context, hs []*shareHandle) []*shareHandle {
+	d.ackMu.Lock()
+	defer d.ackMu.Unlock()
+	lease := d.Lease()
+	renewBy := time.Now().Add(lease * 2 / 3)
+	var acks []shareAck
+	for _, h := range hs {
+		if h.lost || h.lockUntil.Before(renewBy) {
+			acks = append(acks, shareAck{h: h, status: kgo.AckRenew})
+		}
+	}
+	if len(acks) == 0 {
+		return hs
+	}
+	refused := d.send(ctx, acks)
+	now := time.Now()
+	var gone []*shareHandle
+	for _, a := range acks {
+		if _, ok := refused[a.h]; ok {
+			gone = append(gone, a.h)
+		} else {
+			a.h.lockUntil = now.Add(lease)
+		}
+	}
+	if len(gone) == 0 {
+		return hs
+	}
+	if ok, left := d.warns.Allow("lock lost"); ok {
+		d.log.Warn("ferry/kafka: records lost their locks while they waited for room in the consumer; the broker delivers them again",
+			"count", len(gone), "unlogged", left)
+	}
+	d.mu.Lock()
+	for _, h := range gone {
+		if !h.settled {
+			h.settled = true
+			d.held--
+		}
+	}
+	if d.held <= 0 && d.done != nil {
+		close(d.done)
+		d.done = nil
+	}
+	d.mu.Unlock()
+	return slices.DeleteFunc(hs, func(h *shareHandle) bool { return slices.Contains(gone, h) })
 }
 
 // errNotAnswered is why an acknowledgement failed when the broker did not
