@@ -590,7 +590,7 @@ func TestShareRecordsWaitingForRoomKeepTheirLocks(t *testing.T) {
 	publishN(t, b, topic, "r", 3)
 	d := shareDriverOf(t, b, topic, group, 3)
 	ctx := testenv.Context(t, 30*time.Second)
-	first := fetchN(t, d, 1) // the poll brings three
+	first := fetchN(t, d, 1)       // the poll brings three
 	time.Sleep(shareLease * 3 / 4) // the waiting records' locks are past two thirds gone
 	second, err := d.Fetch(ctx, nil, 1)
 	if err != nil || len(second) != 1 {
