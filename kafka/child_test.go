@@ -15,9 +15,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
-	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/internal/testenv"
@@ -188,33 +186,10 @@ func (c *child) state() (handled map[[2]int64]int, commits map[int32]int64, bloc
 // SessionTimeout applies to classic groups only).
 func shortenGroupSession(t *testing.T, group string, session time.Duration) {
 	t.Helper()
-	cl, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaBrokers()...))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cl.Close()
-	req := kmsg.NewPtrIncrementalAlterConfigsRequest()
-	res := kmsg.NewIncrementalAlterConfigsRequestResource()
-	res.ResourceType = kmsg.ConfigResourceTypeGroupConfig
-	res.ResourceName = group
-	for k, v := range map[string]string{
+	setGroupConfig(t, group, map[string]string{
 		"consumer.session.timeout.ms":    strconv.Itoa(int(session.Milliseconds())),
 		"consumer.heartbeat.interval.ms": "500",
-	} {
-		c := kmsg.NewIncrementalAlterConfigsRequestResourceConfig()
-		c.Name, c.Value = k, kmsg.StringPtr(v)
-		res.Configs = append(res.Configs, c)
-	}
-	req.Resources = append(req.Resources, res)
-	resp, err := req.RequestWith(testenv.Context(t, 10*time.Second), cl)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, r := range resp.Resources {
-		if err := kerr.ErrorForCode(r.ErrorCode); err != nil {
-			t.Fatalf("set group configs of %s: %v", group, err)
-		}
-	}
+	})
 }
 
 // lines returns every line the child printed so far.

@@ -317,31 +317,7 @@ func (d *kafkaDriver) Fetch(ctx context.Context, dst []driver.Message, max int) 
 	d.mu.Lock()
 	d.adjustPauses(cl, limit, fixed)
 	d.mu.Unlock()
-	ferr := res.err
-	if errors.Is(ferr, kgo.ErrClientClosed) {
-		return dst, driver.Fatal(fmt.Errorf("kafka: fetch %q: %w", d.topic, ErrClosed))
-	}
-	// What the client saw of its connections comes first: a failed
-	// group session, say, is its consequence.
-	err = d.linkErr()
-	switch {
-	case err != nil:
-	case ferr != nil && refusedBy(&d.link, ferr):
-		addr, _ := d.link.last()
-		err = driver.Fatal(fmt.Errorf("kafka: consumer of %q: %w", d.topic, refused(d.b.addrOr(addr), ferr)))
-	case ferr != nil && isDialErr(ferr):
-		// franz-go gave up on something (the group session, say) because
-		// it could not dial a broker: the link's grace has not run out
-		// yet, but the cause is the same.
-		addr, _ := d.link.last()
-		err = fmt.Errorf("kafka: consumer of %q: %w", d.topic, unreachable(d.b.addrOr(addr), ferr))
-	case ferr != nil:
-		err = fmt.Errorf("kafka: fetch %q: %w", d.topic, ferr)
-	case res.ask:
-		err = d.lookAgain(ctx, cl, res.staleID)
-	}
-	d.failed = failureOf(err)
-	return dst, err
+	return dst, d.fetchErr(ctx, cl, res)
 }
 
 // bufferLimit is how many unfinished records of one partition the loop may

@@ -228,3 +228,34 @@ func (m *membership) scan(fs kgo.Fetches, r *pollResult) {
 		}
 	}
 }
+
+// fetchErr is what a Fetch whose polls brought res tells the loop, and
+// notes it in m.failed: the client closed, what the client saw of its
+// connections (first: a failed group session, say, is its consequence),
+// what the polls' errors say, or, when a poll said the topic is gone or
+// none brought records for a while, whether the topic exists.
+func (m *membership) fetchErr(ctx context.Context, cl *kgo.Client, res pollResult) error {
+	ferr := res.err
+	if errors.Is(ferr, kgo.ErrClientClosed) {
+		return driver.Fatal(fmt.Errorf("kafka: fetch %q: %w", m.topic, ErrClosed))
+	}
+	err := m.linkErr()
+	switch {
+	case err != nil:
+	case ferr != nil && refusedBy(&m.link, ferr):
+		addr, _ := m.link.last()
+		err = driver.Fatal(fmt.Errorf("kafka: consumer of %q: %w", m.topic, refused(m.b.addrOr(addr), ferr)))
+	case ferr != nil && isDialErr(ferr):
+		// franz-go gave up on something (the group session, say) because
+		// it could not dial a broker: the link's grace has not run out
+		// yet, but the cause is the same.
+		addr, _ := m.link.last()
+		err = fmt.Errorf("kafka: consumer of %q: %w", m.topic, unreachable(m.b.addrOr(addr), ferr))
+	case ferr != nil:
+		err = fmt.Errorf("kafka: fetch %q: %w", m.topic, ferr)
+	case res.ask:
+		err = m.lookAgain(ctx, cl, res.staleID)
+	}
+	m.failed = failureOf(err)
+	return err
+}

@@ -310,26 +310,7 @@ func (d *shareDriver) Fetch(ctx context.Context, dst []driver.Message, room int)
 	if err := ctx.Err(); err != nil {
 		return dst, err
 	}
-	ferr := res.err
-	if errors.Is(ferr, kgo.ErrClientClosed) {
-		return dst, driver.Fatal(fmt.Errorf("kafka: fetch %q: %w", d.topic, ErrClosed))
-	}
-	err = d.linkErr()
-	switch {
-	case err != nil:
-	case ferr != nil && refusedBy(&d.link, ferr):
-		addr, _ := d.link.last()
-		err = driver.Fatal(fmt.Errorf("kafka: consumer of %q: %w", d.topic, refused(d.b.addrOr(addr), ferr)))
-	case ferr != nil && isDialErr(ferr):
-		addr, _ := d.link.last()
-		err = fmt.Errorf("kafka: consumer of %q: %w", d.topic, unreachable(d.b.addrOr(addr), ferr))
-	case ferr != nil:
-		err = fmt.Errorf("kafka: fetch %q: %w", d.topic, ferr)
-	case res.ask:
-		err = d.lookAgain(ctx, cl, res.staleID)
-	}
-	d.failed = failureOf(err)
-	return dst, err
+	return dst, d.fetchErr(ctx, cl, res)
 }
 
 // message is the record of h as the loop takes it: no lane (a share group

@@ -105,7 +105,7 @@ func BenchmarkShareWorkQueue(b *testing.B) {
 	raw := func() time.Duration {
 		topic := newTopic(b, classic, "bench-workq-raw", 1)
 		group := testenv.UniqueName(b, "workq-raw")
-		setShareGroup(b, group, map[string]string{"share.auto.offset.reset": "earliest"})
+		setGroupConfig(b, group, map[string]string{"share.auto.offset.reset": "earliest"})
 		ctx, cancel := context.WithCancel(context.Background())
 		defer cancel()
 		var warm, handled atomic.Int32
@@ -193,7 +193,7 @@ func BenchmarkShareConsume(b *testing.B) {
 	n++ // the warm-up record
 	raw := func() time.Duration {
 		group := testenv.UniqueName(b, "raw-share")
-		setShareGroup(b, group, map[string]string{"share.auto.offset.reset": "earliest"})
+		setGroupConfig(b, group, map[string]string{"share.auto.offset.reset": "earliest"})
 		cl, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaBrokers()...), kgo.ConsumeTopics(topic),
 			kgo.ShareGroup(group), kgo.ShareMaxRecords(inFlight), kgo.ShareMaxRecordsStrict())
 		if err != nil {

@@ -30,7 +30,7 @@ func newShareGroup(t *testing.T, prefix string, limit int) string {
 	if limit > 0 {
 		set["share.delivery.count.limit"] = strconv.Itoa(limit)
 	}
-	setShareGroup(t, group, set)
+	setGroupConfig(t, group, set)
 	return group
 }
 
@@ -499,7 +499,7 @@ func TestShareLockShortenedAtRunTimeIsKept(t *testing.T) {
 	b := newBroker(t, kafka.WithGroupProtocol(kafka.Share))
 	topic := newTopic(t, b, "share-relock", 1)
 	group := testenv.UniqueName(t, "share-relock")
-	setShareGroup(t, group, map[string]string{"share.record.lock.duration.ms": "30000"})
+	setGroupConfig(t, group, map[string]string{"share.record.lock.duration.ms": "30000"})
 	var c tally
 	for _, name := range []string{"first", "second"} {
 		l, err := b.NewConsumer(t.Context(), topic, consumer.WithName(group), consumer.WithConcurrency(1), consumer.WithMaxInFlight(1))
@@ -514,7 +514,7 @@ func TestShareLockShortenedAtRunTimeIsKept(t *testing.T) {
 			testenv.WaitFor(t, 20*time.Second, "the first consumer to connect", func() bool { return l.Health().State != consumer.HealthStarting })
 		}
 	}
-	setShareGroup(t, group, map[string]string{"share.record.lock.duration.ms": strconv.Itoa(int(shareLease.Milliseconds()))})
+	setGroupConfig(t, group, map[string]string{"share.record.lock.duration.ms": strconv.Itoa(int(shareLease.Milliseconds()))})
 	publishN(t, b, topic, "r", 1)
 	testenv.WaitFor(t, 30*time.Second, "the record handled", func() bool { return c.distinct() == 1 })
 	time.Sleep(5 * shareLease)
@@ -532,7 +532,7 @@ func TestShareLagOfAGroupThatStartsAtTheEnd(t *testing.T) {
 	b := newBroker(t, kafka.WithGroupProtocol(kafka.Share))
 	topic := newTopic(t, b, "share-latest", 1)
 	group := testenv.UniqueName(t, "share-latest")
-	setShareGroup(t, group, map[string]string{"share.auto.offset.reset": "latest"})
+	setGroupConfig(t, group, map[string]string{"share.auto.offset.reset": "latest"})
 	publishN(t, b, topic, "old", 10)
 	d := shareDriverOf(t, b, topic, group, 10)
 	lag, err := d.(driver.LagReporter).Lag(testenv.Context(t, 10*time.Second))

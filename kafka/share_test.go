@@ -50,7 +50,7 @@ func (h *shareHarness) NewSource(t *testing.T, cfg consumertest.SourceConfig) st
 	if lease == 0 {
 		lease = 30 * time.Second
 	}
-	setShareGroup(t, topic+"-share", map[string]string{"share.record.lock.duration.ms": strconv.Itoa(int(lease.Milliseconds()))})
+	setGroupConfig(t, topic+"-share", map[string]string{"share.record.lock.duration.ms": strconv.Itoa(int(lease.Milliseconds()))})
 	return topic
 }
 
@@ -85,9 +85,9 @@ func (h *shareHarness) Capabilities() consumertest.Capabilities {
 	return consumertest.Capabilities{Lease: shareLease, Redelivers: true, MaxBody: 900 << 10}
 }
 
-// setShareGroup sets configuration keys of a share group (it need not
-// exist yet) through the admin API.
-func setShareGroup(t testing.TB, group string, set map[string]string) {
+// setGroupConfig sets configuration keys of a group (it need not exist
+// yet) through the admin API.
+func setGroupConfig(t testing.TB, group string, set map[string]string) {
 	t.Helper()
 	cl, err := kgo.NewClient(kgo.SeedBrokers(testenv.KafkaBrokers()...))
 	if err != nil {
@@ -108,7 +108,7 @@ func setShareGroup(t testing.TB, group string, set map[string]string) {
 	defer cancel()
 	resp, err := req.RequestWith(ctx, cl)
 	if err != nil {
-		t.Fatalf("configure share group %s: %v", group, err)
+		t.Fatalf("configure group %s: %v", group, err)
 	}
 	for _, res := range resp.Resources {
 		if err := kerr.ErrorForCode(res.ErrorCode); err != nil {
@@ -116,7 +116,7 @@ func setShareGroup(t testing.TB, group string, set map[string]string) {
 			if res.ErrorMessage != nil {
 				msg = *res.ErrorMessage
 			}
-			t.Fatalf("configure share group %s: %v %s", group, err, msg)
+			t.Fatalf("configure group %s: %v %s", group, err, msg)
 		}
 	}
 }
