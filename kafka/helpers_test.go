@@ -56,19 +56,16 @@ func newTopic(t testing.TB, b *kafka.Broker, prefix string, partitions int32) st
 	return topic
 }
 
-// running is one consumer's Run in a goroutine.
+// running is one consumer's Run in a goroutine (testenv.Start), which
+// stop ends, failing the test when Run did not return nil.
 type running struct {
-	cancel context.CancelFunc
-	done   chan error
-	once   sync.Once
-	err    error
+	*testenv.Running
+	reported sync.Once
 }
 
 func runConsumer(t testing.TB, c consumer.Consumer, h consumer.Handler) *running {
 	t.Helper()
-	ctx, cancel := context.WithCancel(context.Background())
-	r := &running{cancel: cancel, done: make(chan error, 1)}
-	go func() { r.done <- c.Run(ctx, h) }()
+	r := &running{Running: testenv.Start(t, func(ctx context.Context) error { return c.Run(ctx, h) })}
 	t.Cleanup(func() { r.stop(t) })
 	return r
 }
@@ -76,17 +73,9 @@ func runConsumer(t testing.TB, c consumer.Consumer, h consumer.Handler) *running
 // stop cancels the run and waits for Run to return (nil expected).
 func (r *running) stop(t testing.TB) {
 	t.Helper()
-	r.once.Do(func() {
-		r.cancel()
-		select {
-		case r.err = <-r.done:
-		case <-time.After(60 * time.Second):
-			t.Errorf("Run did not return within 60s of cancel")
-		}
-		if r.err != nil {
-			t.Errorf("Run returned %v", r.err)
-		}
-	})
+	if err := r.Stop(); err != nil {
+		r.reported.Do(func() { t.Errorf("Run: %v", err) })
+	}
 }
 
 // committed reads the group's committed offsets of topic through kadm.

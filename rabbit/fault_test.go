@@ -81,24 +81,7 @@ func (s *seen) dups() int {
 
 // runLoop runs c with h until the test ends or stop is called.
 func runLoop(t *testing.T, c consumer.Consumer, h consumer.Handler) (stop func() error) {
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error, 1)
-	go func() { done <- c.Run(ctx, h) }()
-	var once sync.Once
-	var err error
-	stop = func() error {
-		once.Do(func() {
-			cancel()
-			select {
-			case err = <-done:
-			case <-time.After(30 * time.Second):
-				err = errors.New("Run did not return within 30s of its context ending")
-			}
-		})
-		return err
-	}
-	t.Cleanup(func() { stop() })
-	return stop
+	return testenv.Start(t, func(ctx context.Context) error { return c.Run(ctx, h) }).Stop
 }
 
 // faultTopology is a quorum queue behind a fanout exchange, both named name.
