@@ -49,8 +49,13 @@ var (
 	_ driver.Opener        = (*Broker)(nil)
 )
 
-// System names the broker as OpenTelemetry's messaging.system does: "kafka".
-func (b *Broker) System() string { return "kafka" }
+// System names the broker as OpenTelemetry's messaging.system does:
+// [MessagingSystem].
+func (b *Broker) System() string { return MessagingSystem }
+
+// MessagingSystem is Kafka's messaging.system in OpenTelemetry's semantic
+// conventions, in traces and metrics (Broker.System).
+const MessagingSystem = "kafka"
 
 // GroupProtocol reports the kind of group the Broker's consumers join
 // ([WithGroupProtocol]).
@@ -88,7 +93,7 @@ func New(seeds []string, opts ...Option) (*Broker, error) {
 	if cfg.meters == nil {
 		cfg.meters = otel.GetMeterProvider()
 	}
-	pm, err := msgmetrics.NewPublisher(cfg.meters, "kafka")
+	pm, err := msgmetrics.NewPublisher(cfg.meters, MessagingSystem)
 	if err != nil {
 		return nil, fmt.Errorf("kafka: metrics: %w", err)
 	}

@@ -191,7 +191,7 @@ func (d *kafkaDriver) client() (*kgo.Client, error) {
 // Capabilities reports a log: records cannot be taken back, so the loop
 // retries them in place. The source is the topic.
 func (d *kafkaDriver) Capabilities() driver.Capabilities {
-	return driver.Capabilities{Redelivers: false, Source: d.topic, System: "kafka"}
+	return driver.Capabilities{Redelivers: false, Source: d.topic, System: MessagingSystem}
 }
 
 // connectWithin bounds Connect, so that it returns within

@@ -154,7 +154,7 @@ func (d *shareDriver) client() (*kgo.Client, error) {
 // in place after its delay, renewing its lock meanwhile, and the broker's
 // delivery count grows only when a member dies or stops with a record.
 func (d *shareDriver) Capabilities() driver.Capabilities {
-	return driver.Capabilities{Redelivers: false, Source: d.topic, System: "kafka"}
+	return driver.Capabilities{Redelivers: false, Source: d.topic, System: MessagingSystem}
 }
 
 // Connect makes the client, asks the cluster for the topic, reads the

@@ -68,11 +68,13 @@ var (
 	_ driver.Opener        = (*Broker)(nil)
 )
 
-// System names the broker as OpenTelemetry's messaging.system does: "ferry_memory".
-func (b *Broker) System() string { return system }
+// System names the broker as OpenTelemetry's messaging.system does:
+// [MessagingSystem].
+func (b *Broker) System() string { return MessagingSystem }
 
-// system is the memory broker's messaging.system in traces and metrics.
-const system = "ferry_memory"
+// MessagingSystem is the memory broker's messaging.system in traces and
+// metrics (Broker.System).
+const MessagingSystem = "ferry_memory"
 
 // New returns an empty broker, or a *consumer.ConfigError when an option is
 // invalid.
@@ -89,7 +91,7 @@ func New(opts ...Option) (*Broker, error) {
 	if c.meterProvider == nil {
 		c.meterProvider = otel.GetMeterProvider()
 	}
-	pm, err := msgmetrics.NewPublisher(c.meterProvider, system)
+	pm, err := msgmetrics.NewPublisher(c.meterProvider, MessagingSystem)
 	if err != nil {
 		return nil, fmt.Errorf("memory: metrics: %w", err)
 	}

@@ -265,7 +265,7 @@ func handleErr(op, queue string, n, stale, invalid int) error {
 // Capabilities reports that the queue redelivers returned messages, and
 // names the system in traces "ferry_memory".
 func (d *memDriver) Capabilities() driver.Capabilities {
-	return driver.Capabilities{Redelivers: true, System: system, Source: d.q.name}
+	return driver.Capabilities{Redelivers: true, System: MessagingSystem, Source: d.q.name}
 }
 
 // As serves consumer.Message.As: a *Delivery target gets the delivery as

@@ -61,8 +61,13 @@ var (
 	_ driver.Opener        = (*Broker)(nil)
 )
 
-// System names the broker as OpenTelemetry's messaging.system does: "rabbitmq".
-func (b *Broker) System() string { return "rabbitmq" }
+// System names the broker as OpenTelemetry's messaging.system does:
+// [MessagingSystem].
+func (b *Broker) System() string { return MessagingSystem }
+
+// MessagingSystem is RabbitMQ's messaging.system in OpenTelemetry's
+// semantic conventions, in traces and metrics (Broker.System).
+const MessagingSystem = "rabbitmq"
 
 // Redact returns rawURL with its password replaced by "xxxxx", for logs and
 // errors. The user information runs from after "amqp://" to the last "@"
@@ -124,7 +129,7 @@ func Dial(rawURL string, opts ...Option) (*Broker, error) {
 	if c.meters == nil {
 		c.meters = otel.GetMeterProvider()
 	}
-	pm, err := msgmetrics.NewPublisher(c.meters, "rabbitmq")
+	pm, err := msgmetrics.NewPublisher(c.meters, MessagingSystem)
 	if err != nil {
 		return nil, fmt.Errorf("rabbit: metrics: %w", err)
 	}

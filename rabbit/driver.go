@@ -123,7 +123,7 @@ func (b *Broker) NewConsumer(ctx context.Context, queue string, opts ...consumer
 // the rest of its key, so there the loop retries a failed message in
 // place, holding its key, as on a Kafka partition.
 func (d *queueDriver) Capabilities() driver.Capabilities {
-	return driver.Capabilities{Redelivers: !d.laneKey, System: "rabbitmq", Source: d.queue}
+	return driver.Capabilities{Redelivers: !d.laneKey, System: MessagingSystem, Source: d.queue}
 }
 
 // Connect checks, within [driver.ReportWithin] (or ctx's deadline), that the

@@ -100,8 +100,13 @@ var (
 	_ driver.Opener        = (*Broker)(nil)
 )
 
-// System names the broker as OpenTelemetry's messaging.system does: "aws_sqs".
-func (b *Broker) System() string { return "aws_sqs" }
+// System names the broker as OpenTelemetry's messaging.system does:
+// [MessagingSystem].
+func (b *Broker) System() string { return MessagingSystem }
+
+// MessagingSystem is SQS's messaging.system in OpenTelemetry's semantic
+// conventions, in traces and metrics (Broker.System).
+const MessagingSystem = "aws_sqs"
 
 // New returns a Broker over client, which the caller configured with
 // whatever region, credentials, endpoint, retryer and HTTP client the
@@ -128,7 +133,7 @@ func New(client *awssqs.Client, opts ...Option) (*Broker, error) {
 	if c.meters == nil {
 		c.meters = otel.GetMeterProvider()
 	}
-	pm, err := msgmetrics.NewPublisher(c.meters, "aws_sqs")
+	pm, err := msgmetrics.NewPublisher(c.meters, MessagingSystem)
 	if err != nil {
 		return nil, fmt.Errorf("sqs: metrics: %w", err)
 	}

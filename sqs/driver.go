@@ -829,7 +829,7 @@ func (d *sqsDriver) release(ps []pending) {
 func (d *sqsDriver) Capabilities() driver.Capabilities {
 	// Deletes and returns of different messages are independent calls:
 	// acks decided while a call is out go in another, once they fill one.
-	return driver.Capabilities{Redelivers: true, Source: d.name, System: "aws_sqs", Settlers: settlers, SettleBatch: MaxBatch}
+	return driver.Capabilities{Redelivers: true, Source: d.name, System: MessagingSystem, Settlers: settlers, SettleBatch: MaxBatch}
 }
 
 // Lease is the queue's visibility timeout, as the driver's first look-up

@@ -22,6 +22,10 @@ import (
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/consumer/driver"
 	"github.com/ferrymq/ferry/internal/brokerkind"
+	"github.com/ferrymq/ferry/kafka"
+	"github.com/ferrymq/ferry/memory"
+	"github.com/ferrymq/ferry/rabbit"
+	"github.com/ferrymq/ferry/sqs"
 )
 
 // Exit codes of every ferry command.
@@ -168,21 +172,25 @@ func Open(ctx context.Context, url string) (ferry.Broker, error) {
 }
 
 // Kind names the broker behind b, as ferrytest.Kind does (the constants
-// of package brokerkind): "memory", "kafka", "sqs" or "rabbitmq". It is
-// "unknown" for a broker that does not name its messaging.system.
+// of package brokerkind): "memory", "kafka", "sqs" or "rabbitmq", from
+// the messaging.system its adapter names. It is "unknown" for a broker
+// that names none, or one of no adapter of Ferry's.
 func Kind(b ferry.Broker) string {
 	sn, ok := b.(consumer.SystemNamer)
 	if !ok {
 		return "unknown"
 	}
-	switch sys := sn.System(); sys {
-	case "aws_sqs":
+	switch sn.System() {
+	case kafka.MessagingSystem:
+		return brokerkind.Kafka
+	case sqs.MessagingSystem:
 		return brokerkind.SQS
-	case "ferry_memory":
+	case rabbit.MessagingSystem:
+		return brokerkind.RabbitMQ
+	case memory.MessagingSystem:
 		return brokerkind.Memory
-	default:
-		return sys // Kafka's and RabbitMQ's messaging.system is their name
 	}
+	return "unknown"
 }
 
 // Driver returns the driver of source on b, outside any delivery loop:
