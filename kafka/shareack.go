@@ -72,8 +72,8 @@ func (d *shareDriver) send(ctx context.Context, acks []shareAck) map[*shareHandl
 }
 
 // flushAcks marks acks, flushes them and returns the acks the broker
-// refused (every shareAck of a partition it refused) or that were not answered,
-// with the error.
+// refused (every ack of a partition it refused) or did not answer, with
+// the error.
 func (d *shareDriver) flushAcks(ctx context.Context, acks []shareAck) map[shareAck]error {
 	d.mu.Lock()
 	cl := d.cl
