@@ -77,10 +77,13 @@ func (s BreakerState) String() string {
 // OpenFor the breaker is half-open and lets Trials messages through; the
 // others are held a little longer (a quarter of OpenFor, at most a second). A
 // trial is not spent on a message that has already failed: for that same
-// short while after the breaker turned half-open, a re-run is held and a
-// message on its first run is the trial. Only when none came in that time
-// (on Kafka, every partition may be held at a record that failed in the
-// outage) does a re-run become the trial. A failed trial opens the breaker
+// short while after the breaker turned half-open, a re-run is held (a
+// quarter of OpenFor for each run that failed) and a message on its first
+// run is the trial. Only when none came in that time (on Kafka, every
+// partition may be held at a record that failed in the outage) does a
+// re-run become the trial: the one that failed fewest times comes back
+// first, so the trials of a long outage go round the held messages rather
+// than spend one message's attempts. A failed trial opens the breaker
 // again; Trials successful ones close it, and the backlog drains by itself.
 //
 // State, Opened and Held make it observable, for metrics and health checks.
