@@ -697,21 +697,24 @@ func (d *kafkaDriver) Settle(ctx context.Context, batch []driver.Settlement) err
 // record itself) or a *kgo.Record (a copy).
 func (d *kafkaDriver) As(h, target any) bool {
 	hd, ok := h.(*handle)
-	if !ok || hd == nil {
-		return false
-	}
+	return ok && hd != nil && recordAs(hd.rec, target)
+}
+
+// recordAs sets target, a **kgo.Record or a *kgo.Record, from rec: the
+// record itself, or a copy. Both drivers' As.
+func recordAs(rec *kgo.Record, target any) bool {
 	switch t := target.(type) {
 	case **kgo.Record:
 		if t == nil {
 			return false
 		}
-		*t = hd.rec
+		*t = rec
 		return true
 	case *kgo.Record:
 		if t == nil {
 			return false
 		}
-		*t = *hd.rec
+		*t = *rec
 		return true
 	}
 	return false

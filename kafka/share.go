@@ -452,24 +452,7 @@ func (d *shareDriver) Lag(ctx context.Context) (driver.Lag, error) {
 // record itself) or a *kgo.Record (a copy).
 func (d *shareDriver) As(h, target any) bool {
 	sh, ok := h.(*shareHandle)
-	if !ok || sh == nil {
-		return false
-	}
-	switch t := target.(type) {
-	case **kgo.Record:
-		if t == nil {
-			return false
-		}
-		*t = sh.rec
-		return true
-	case *kgo.Record:
-		if t == nil {
-			return false
-		}
-		*t = *sh.rec
-		return true
-	}
-	return false
+	return ok && sh != nil && recordAs(sh.rec, target)
 }
 
 // Close gives back the records of the last poll nobody took, sends every
