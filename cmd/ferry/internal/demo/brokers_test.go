@@ -61,27 +61,30 @@ func brokerConfig(out *bytes.Buffer, broker string) Config {
 	return c
 }
 
-// The whole story on each real broker: the verdict passes, and the kill is
-// the broker's own kind of takeover.
+// The whole story on each real broker, and on Kafka's share groups: the
+// verdict passes, and the kill is the broker's own kind of takeover.
 func TestRunOnEachRealBrokerHoldsEveryInvariant(t *testing.T) {
 	for _, tc := range []struct {
+		name     string
 		service  testenv.Service
+		query    string // added to the broker's URL
 		broker   string // Verdict.Broker
 		takeover string // how the killed consumer's messages came back
 	}{
-		{testenv.Kafka, "Kafka", "after the rebalance"},
-		{testenv.SQS, "SQS", "after the visibility timeout"},
-		{testenv.RabbitMQ, "RabbitMQ", "once RabbitMQ requeued them"},
+		{"kafka", testenv.Kafka, "", "Kafka", "after the rebalance"},
+		{"kafka-share", testenv.Kafka, "?group_protocol=share", "Kafka", "once the broker had them back"},
+		{"sqs", testenv.SQS, "", "SQS", "after the visibility timeout"},
+		{"rabbitmq", testenv.RabbitMQ, "", "RabbitMQ", "once RabbitMQ requeued them"},
 	} {
-		t.Run(string(tc.service), func(t *testing.T) {
+		t.Run(tc.name, func(t *testing.T) {
 			var out bytes.Buffer
-			c := brokerConfig(&out, brokerURL(t, tc.service))
+			c := brokerConfig(&out, brokerURL(t, tc.service)+tc.query)
 			start := time.Now()
 			v := runDemo(t, c)
-			t.Logf("%s in %s; output:\n%s", tc.service, time.Since(start).Round(100*time.Millisecond), out.String())
+			t.Logf("%s in %s; output:\n%s", tc.name, time.Since(start).Round(100*time.Millisecond), out.String())
 
 			if !v.OK() {
-				t.Fatalf("verdict broken on %s: %v", tc.service, v.Broken())
+				t.Fatalf("verdict broken on %s: %v", tc.name, v.Broken())
 			}
 			if v.Broker != tc.broker {
 				t.Errorf("ran on %q, want %q", v.Broker, tc.broker)
