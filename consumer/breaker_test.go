@@ -415,3 +415,56 @@ func TestHalfOpenTrialsGoRoundTheHeldMessages(t *testing.T) {
 		t.Errorf("%d good messages dead-lettered during the outage (the breaker opened %d times); its trials fell on too few of them", n, b.Opened())
 	}
 }
+
+// On a log, a message's lane waits for it from its first run, Retry's
+// re-runs within the delivery included: an outage that finds a consumer
+// holding a single message (a quiet partition, or a Kafka share group
+// member whose poll gave it one record) opens the breaker from that
+// message's runs before they spend its dead-letter budget. Only the loop's
+// re-runs counted before, so with Retry's 3 runs a delivery the breaker
+// opened at the 7th run, and a good message with a budget of 6 was
+// dead-lettered with the breaker still closed.
+func TestBreakerOpensBeforeALoneMessageOfALogSpendsItsBudget(t *testing.T) {
+	drv := newScriptLog(false)
+	drv.add("0", 1)
+	var down atomic.Bool
+	down.Store(true)
+	b := mustBreaker(t, BreakerFailures(5), BreakerOpenFor(100*time.Millisecond),
+		BreakerOnStateChange(func(_, to BreakerState) {
+			if to == BreakerOpen {
+				down.Store(false) // the dependency comes back while the breaker holds
+			}
+		}))
+	retry, err := NewRetry(RetryAttempts(3), RetryInitial(time.Millisecond), RetryMaxInterval(2*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub := &recordingPublisher{}
+	dl, err := NewDeadLetter(pub, "dlq", DeadLetterMaxAttempts(6))
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := New(drv, WithRedeliveryBackoff(time.Millisecond, 2*time.Millisecond), WithLogger(slog.New(slog.DiscardHandler)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var runs atomic.Int32
+	stop := runLoop(t, l, Chain(HandlerFunc(func(context.Context, *Message) error {
+		runs.Add(1)
+		if down.Load() {
+			return errDown
+		}
+		return nil
+	}), dl.Wrap, retry.Wrap, b.Wrap))
+	testenv.WaitFor(t, 20*time.Second, "the message acked", func() bool { return l.Stats().Acked == 1 },
+		func() string { return fmt.Sprintf("stats %+v, breaker %s opened %d times", l.Stats(), b.State(), b.Opened()) })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if dl.Count() != 0 || b.Opened() == 0 {
+		t.Fatalf("after %d runs the good message was dead-lettered %d times and the breaker opened %d times; want it handled once the breaker opened", runs.Load(), dl.Count(), b.Opened())
+	}
+	if n := runs.Load(); n != 6 {
+		t.Errorf("%d runs, want 6: 5 failures open the breaker, and its trial succeeds", n)
+	}
+}
