@@ -90,6 +90,19 @@ func New(seeds []string, opts ...Option) (*Broker, error) {
 	if err := checkClientOpts(seeds, &cfg); err != nil {
 		return nil, err
 	}
+	switch {
+	case cfg.instanceID == "" || cfg.protocol == Classic:
+	case cfg.protocol == Share:
+		return nil, consumer.ConfigErrorf("InstanceID", "share groups have no static members (KIP-932); drop WithInstanceID or use a consumer group")
+	default:
+		// Measured on Kafka 4.4 with franz-go v1.22.3: the member that
+		// comes back is refused (UNRELEASED_INSTANCE_ID) until the session
+		// timeout, though the one that left sent the static leave (epoch
+		// -2), so a restart would stall its partitions instead of sparing
+		// a rebalance.
+		return nil, consumer.ConfigErrorf("InstanceID", "static members are supported in Classic groups only: "+
+			"a KIP-848 (NextGen) static member that restarts is refused by the coordinator until its session times out")
+	}
 	if cfg.meters == nil {
 		cfg.meters = otel.GetMeterProvider()
 	}
@@ -219,15 +232,7 @@ func (b *Broker) Driver(_ context.Context, topic string, cfg driver.Config) (dri
 	if b.cfg.protocol == Share {
 		return b.newShareDriver(topic, cfg.Name, cfg)
 	}
-	d, err := b.newDriver(topic)
-	if err != nil {
-		return nil, err
-	}
-	if err := d.start(cfg.Name); err != nil {
-		b.forget(d)
-		return nil, err
-	}
-	return d, nil
+	return b.newDriver(topic, cfg.Name)
 }
 
 func (b *Broker) forget(d driver.Driver) {

@@ -81,11 +81,8 @@ func TestNoCommitOfOffsetsReadBeforeALoss(t *testing.T) {
 // caller closes it.
 func startGroupDriver(tb testing.TB, b *Broker, topic, group string) *kafkaDriver {
 	tb.Helper()
-	d, err := b.newDriver(topic)
+	d, err := b.newDriver(topic, group)
 	if err != nil {
-		tb.Fatal(err)
-	}
-	if err := d.start(group); err != nil {
 		tb.Fatal(err)
 	}
 	go func() {

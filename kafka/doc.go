@@ -85,6 +85,11 @@
 //     assignment it was fetched under); the rebalance waits for those
 //     handlers to return (at most a few seconds less than the rebalance
 //     timeout), commits what finished, and lets the partitions go.
+//   - Static membership ([WithInstanceID], instance_id in a URL): a member
+//     that stops does not leave its group, and one that comes back with the
+//     same id within the session timeout gets its partitions back with no
+//     rebalance, so a rolling restart moves nothing. Two processes given
+//     one id fence each other: the one fenced ends its Run with [ErrFenced].
 //   - Lag: per partition, the high watermark minus the group's committed
 //     offset, as kadm reports it and ferry lag prints it: what the group has
 //     not done. Of it, InFlight counts the records this member fetched past
@@ -245,6 +250,9 @@
 //   - group_protocol=classic|consumer|share: the consumer group protocol,
 //     classic (the default) or consumer, the KIP-848 protocol of Kafka 4;
 //     or share, for share groups (see Share groups above).
+//   - instance_id=ID: every consumer joins its group as the static member
+//     ID (WithInstanceID): give each process its own, such as its pod's
+//     name.
 //   - tls=true|false: connect with TLS, trusting the system's roots (or
 //     ca_file's). Default false.
 //   - ca_file=FILE: a PEM file of the CA to trust instead of the system's;

@@ -84,34 +84,39 @@ type handle struct {
 	seq int64
 }
 
-func (b *Broker) newDriver(topic string) (*kafkaDriver, error) {
+// newDriver makes the driver of one member of group over topic. Its
+// client is made by Connect (or the first Fetch), once a loop runs to hear
+// of revocations.
+func (b *Broker) newDriver(topic, group string) (*kafkaDriver, error) {
 	if topic == "" {
 		return nil, consumer.ConfigErrorf("topic", "must not be empty")
+	}
+	if group == "" {
+		return nil, consumer.ConfigErrorf("group", "must not be empty")
 	}
 	if b.isClosed() {
 		return nil, fmt.Errorf("kafka: consumer of %q: %w", topic, ErrClosed)
 	}
 	d := &kafkaDriver{
-		membership: membership{b: b, topic: topic, log: b.log},
+		membership: membership{b: b, topic: topic, group: group, log: b.log.With("topic", topic, "group", group)},
 		revC:       make(chan driver.Revocation),
 		parts:      make(map[int32]*partition),
 		stop:       make(chan struct{}),
 	}
 	b.mu.Lock()
-	b.drivers[d] = struct{}{}
-	b.mu.Unlock()
-	return d, nil
-}
-
-// start names the group. The client is made by Connect (or the first
-// Fetch), once a loop runs to hear of revocations.
-func (d *kafkaDriver) start(group string) error {
-	if group == "" {
-		return consumer.ConfigErrorf("group", "must not be empty")
+	defer b.mu.Unlock()
+	if b.cfg.instanceID != "" {
+		// A second member of the group here would join as the same
+		// static member, and the coordinator would fence the first.
+		for o := range b.drivers {
+			if od, ok := o.(*kafkaDriver); ok && od.group == group {
+				return nil, consumer.ConfigErrorf("InstanceID", "a consumer of group %q is already open on this Broker as static member %q; "+
+					"a second would fence it: close the first, or give the second a Broker with an instance id of its own", group, b.cfg.instanceID)
+			}
+		}
 	}
-	d.group = group
-	d.log = d.b.log.With("topic", d.topic, "group", group)
-	return nil
+	b.drivers[d] = struct{}{}
+	return d, nil
 }
 
 func (d *kafkaDriver) clientOpts() []kgo.Opt {
@@ -132,6 +137,9 @@ func (d *kafkaDriver) clientOpts() []kgo.Opt {
 	}
 	if c.sessionTimeout > 0 {
 		opts = append(opts, kgo.SessionTimeout(c.sessionTimeout))
+	}
+	if c.instanceID != "" {
+		opts = append(opts, kgo.InstanceID(c.instanceID))
 	}
 	if c.rebalanceTO > 0 {
 		opts = append(opts, kgo.RebalanceTimeout(c.rebalanceTO))
@@ -957,8 +965,9 @@ func (d *kafkaDriver) commit(ctx context.Context, only []int32, rebalance bool) 
 	return nil
 }
 
-// Close commits what finished, leaves the group and closes the client.
-// The loop calls it when Run ends.
+// Close commits what finished, leaves the group (a static member stays in
+// it, see WithInstanceID) and closes the client. The loop calls it when Run
+// ends.
 func (d *kafkaDriver) Close() error {
 	d.closeOnce.Do(func() {
 		d.mu.Lock()

@@ -18,6 +18,12 @@ var (
 	// the password.
 	ErrAuthentication = errors.New("kafka: authentication failed")
 
+	// ErrFenced is wrapped by the error that ends a consumer's Run when
+	// another member joined its group with the same instance id
+	// (WithInstanceID): the coordinator fenced this one, and rejoining would
+	// fence the other in turn. Two processes were given one id.
+	ErrFenced = errors.New("kafka: fenced by another member with this instance id")
+
 	// ErrPeekShort is wrapped by Peek's error when it could not read a
 	// partition up to the end offset it listed: nothing more came for a
 	// few seconds. The error names each partition and how far it got.

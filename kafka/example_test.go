@@ -145,3 +145,31 @@ func ExampleBroker_Publish_deadLetter() {
 	fmt.Fprintln(os.Stdout, stack.DeadLetter.MaxAttempts())
 	// Output: 10
 }
+
+// A service deployed as a StatefulSet makes each pod a static member of its
+// groups, named after the pod, so that a rolling restart moves no
+// partitions: a pod back within the session timeout gets its own again.
+// A second consumer of one group on the Broker would join as the same
+// member, and is refused.
+func ExampleWithInstanceID() {
+	pod := os.Getenv("HOSTNAME") // billing-0, billing-1, ...
+	if pod == "" {
+		pod = "billing-0"
+	}
+	b, err := kafka.New([]string{"127.0.0.1:9092"},
+		kafka.WithInstanceID(pod),
+		kafka.WithSessionTimeout(2*time.Minute), // longer than a pod's restart
+	)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer b.Close()
+	ctx := context.Background()
+	if _, err := b.NewConsumer(ctx, "orders", consumer.WithName("billing")); err != nil {
+		log.Fatal(err)
+	}
+	_, err = b.NewConsumer(ctx, "refunds", consumer.WithName("billing"))
+	var ce *consumer.ConfigError
+	fmt.Println(errors.As(err, &ce), ce.Field)
+	// Output: true InstanceID
+}

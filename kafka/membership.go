@@ -239,6 +239,12 @@ func (m *membership) fetchErr(ctx context.Context, cl *kgo.Client, res pollResul
 	if errors.Is(ferr, kgo.ErrClientClosed) {
 		return driver.Fatal(fmt.Errorf("kafka: fetch %q: %w", m.topic, ErrClosed))
 	}
+	if errors.Is(ferr, kerr.FencedInstanceID) {
+		// Another process joined the group as this static member. franz-go
+		// would rejoin, and fence it in turn, for ever.
+		return driver.Fatal(fmt.Errorf("kafka: consumer of %q in group %q: another member joined as static member %q (WithInstanceID): %w: %w",
+			m.topic, m.group, m.b.cfg.instanceID, ErrFenced, ferr))
+	}
 	err := m.linkErr()
 	switch {
 	case err != nil:

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"log/slog"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -74,6 +75,7 @@ type config struct {
 	partitionBuffer int
 	revokeWait      time.Duration
 	sessionTimeout  time.Duration
+	instanceID      string // WithInstanceID
 	rebalanceTO     time.Duration
 	kgoRebalanceTO  time.Duration // kgo.RebalanceTimeout in kopts (franz-go's default when absent)
 	tls             *tls.Config   // WithTLS
@@ -110,7 +112,7 @@ type Option func(*config) error
 // own (a consumer's group and topic are given to NewConsumer or Driver),
 // autocommit settings (Ferry commits only what handlers finished), partition
 // callbacks and BlockRebalanceOnPoll (Ferry owns the rebalance), kgo.InstanceID
-// (every consumer of the Broker would join as one static member), acks other
+// (use [WithInstanceID], which keeps two consumers of one group apart), acks other
 // than all, a disabled idempotent producer, kgo.ManualFlushing and
 // kgo.DefaultProduceTopicAlways (Publish promises durability, order and its
 // topic). A kgo.RebalanceTimeout given here bounds a consumer's wait on
@@ -247,6 +249,41 @@ func WithSessionTimeout(d time.Duration) Option {
 	}
 }
 
+// WithInstanceID makes each consumer of the Broker a static member of its
+// group (group.instance.id, KIP-345): give each process its own id that
+// outlives restarts, such as a StatefulSet pod's name. A static member
+// does not leave its group when it stops, and one that comes back with the
+// same id within the session timeout gets its partitions back with no
+// rebalance, so a rolling restart does not move every partition twice; a
+// member that does not come back keeps its partitions unread until the
+// session timeout ends (raise it with [WithSessionTimeout] to cover a
+// restart, and watch lag). The id is scoped to the group: consumers of
+// different groups on one Broker share it, and a second consumer of one
+// group on the same Broker is refused with a *[consumer.ConfigError], since
+// it would fence the first. When another process joins the group with the
+// same id, the coordinator fences this one: its Run ends with an error
+// wrapping [ErrFenced] rather than fight the other for the id. It applies to
+// Classic groups: New refuses it with [Share] (share groups have no static
+// members) and with [NextGen] (on Kafka 4.4 a KIP-848 static member that
+// restarts is refused until its session times out, which stalls its
+// partitions instead of sparing a rebalance). Default: none (dynamic
+// members).
+func WithInstanceID(id string) Option {
+	return func(c *config) error {
+		if id == "" {
+			return consumer.ConfigErrorf("InstanceID", "must not be empty")
+		}
+		// Kafka checks a group.instance.id as it checks a topic name.
+		if len(id) > 249 || id == "." || id == ".." || strings.ContainsFunc(id, func(r rune) bool {
+			return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '.' || r == '_' || r == '-')
+		}) {
+			return consumer.ConfigErrorf("InstanceID", "%q is not one Kafka takes: at most 249 of ASCII letters, digits, '.', '_' and '-', and not . or ..", id)
+		}
+		c.instanceID = id
+		return nil
+	}
+}
+
 // WithRebalanceTimeout sets how long a classic group waits for its members
 // to rejoin during a rebalance, which bounds how long a member may take to
 // let go of revoked partitions. A consumer waits at most this, less a
@@ -374,7 +411,7 @@ func checkClientOpts(seeds []string, c *config) error {
 		return refuse("kgo.DefaultProduceTopicAlways", "Publish writes to the topic it is given, and dead letters to theirs")
 	}
 	if vs := cl.OptValues(kgo.InstanceID); len(vs) == 2 && vs[1] == true {
-		return refuse("kgo.InstanceID", "every consumer of a Broker would join as the same static member and fence the others")
+		return refuse("kgo.InstanceID", "use kafka.WithInstanceID, which refuses a second consumer of one group on the Broker (it would fence the first)")
 	}
 	if b, _ := cl.OptValue(kgo.DisableIdempotentWrite).(bool); b {
 		return refuse("kgo.DisableIdempotentWrite", "Publish keeps per-key order with the idempotent producer")

@@ -2,6 +2,7 @@ package kafka
 
 import (
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -40,7 +41,7 @@ func TestClientOptsRebalanceTimeoutBoundsRevokeWait(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer b.Close()
-			d, err := b.newDriver("t")
+			d, err := b.newDriver("t", "g")
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -49,4 +50,35 @@ func TestClientOptsRebalanceTimeoutBoundsRevokeWait(t *testing.T) {
 			}
 		})
 	}
+}
+
+func TestWithInstanceIDRefusesWhatKafkaWouldRefuse(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		opts []Option
+	}{
+		{"empty", []Option{WithInstanceID("")}},
+		{"a character Kafka refuses", []Option{WithInstanceID("pod 0")}},
+		{"dot", []Option{WithInstanceID(".")}},
+		{"too long", []Option{WithInstanceID(strings.Repeat("x", 250))}},
+		{"share group", []Option{WithGroupProtocol(Share), WithInstanceID("pod-0")}},
+		{"KIP-848 group", []Option{WithGroupProtocol(NextGen), WithInstanceID("pod-0")}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			b, err := New([]string{"127.0.0.1:9092"}, tc.opts...)
+			if err == nil {
+				b.Close()
+				t.Fatal("New accepted it")
+			}
+			var ce *consumer.ConfigError
+			if !errors.As(err, &ce) || ce.Field != "InstanceID" {
+				t.Fatalf("New = %v, want a *consumer.ConfigError naming InstanceID", err)
+			}
+		})
+	}
+	b, err := New([]string{"127.0.0.1:9092"}, WithInstanceID("billing-0.eu_west-1"))
+	if err != nil {
+		t.Fatalf("New refused a good instance id: %v", err)
+	}
+	b.Close()
 }

@@ -20,7 +20,7 @@ import (
 func init() {
 	brokerurl.Register("kafka", brokerurl.Scheme{Open: openURL, Package: "github.com/ferrymq/ferry/kafka",
 		Section: "Opening from a URL", Form: "kafka://",
-		Params: []string{"client_id", "group_protocol", "tls", "ca_file", "sasl"}})
+		Params: []string{"client_id", "group_protocol", "instance_id", "tls", "ca_file", "sasl"}})
 }
 
 // openURL opens kafka://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...].
@@ -46,6 +46,9 @@ func openURL(_ context.Context, u *url.URL, q url.Values, shown string) (consume
 		opts = append(opts, WithGroupProtocol(Share))
 	default:
 		return nil, &brokerurl.URLError{URL: shown, Part: "query parameter group_protocol", Reason: "is " + v + ", not classic, consumer or share"}
+	}
+	if q.Has("instance_id") {
+		opts = append(opts, WithInstanceID(q.Get("instance_id")))
 	}
 	tlsCfg, err := brokerurl.TLS(q, shown)
 	if err != nil {
