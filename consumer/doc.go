@@ -154,6 +154,7 @@ package consumer
 //	backoff.go        exponential backoff with full jitter, for Retry and redeliveries
 //	retry.go          Retry and its RetryOptions
 //	breaker.go        Breaker and its BreakerOptions
+//	ratelimit.go      RateLimit, its RateLimitOptions and its metrics
 //	deadletter.go     DeadLetter, its DeadLetterOptions and the HeaderDLQ headers
 //	standard.go       Standard, the recommended Stack, and its StandardOptions
 //	timeout.go        Timeout and TimeoutError

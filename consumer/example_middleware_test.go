@@ -69,3 +69,26 @@ func ExampleStandard() {
 	// dead-lettered o-2 permanent after 1 attempt(s): permanent: decode order: unexpected end of JSON input
 	// breaker closed - dead letters 1
 }
+
+// A partner API that takes 50 calls a second per tenant: the stack starts
+// at most that many runs a second for each message key, and a tenant with
+// a backlog waits for its own turns while the others' messages run.
+func ExampleStandardRateLimit() {
+	broker, err := memory.New()
+	if err != nil {
+		panic(err)
+	}
+	defer broker.Close()
+	stack, err := consumer.Standard(broker, "invoices-dlq",
+		consumer.StandardRateLimit(50, consumer.RateLimitPerKey(10_000), consumer.RateLimitBurst(5)))
+	if err != nil {
+		fmt.Println(err)
+		return
+	}
+	handle := consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		return nil // call the partner API for tenant m.Key
+	})
+	_ = stack.Wrap(handle) // DeadLetter → Retry → Breaker → RateLimit → Timeout → Recover → handle
+	fmt.Println(stack.RateLimit.Waited(), stack.RateLimit.Deferred())
+	// Output: 0 0
+}

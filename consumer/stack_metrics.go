@@ -6,6 +6,7 @@ import (
 
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/metric/embedded"
 )
 
 // Metric instrument names of the middleware stack, observed from its
@@ -44,7 +45,26 @@ func (s *Stack) RegisterMetrics(mp metric.MeterProvider, name string) (metric.Re
 		p.breakers = []*Breaker{s.Breaker}
 	}
 	p.markRegistered()
-	return p.registerMetrics(mp, metric.WithAttributes(attribute.String("messaging.consumer.group.name", name)))
+	reg, err := p.registerMetrics(mp, metric.WithAttributes(attribute.String("messaging.consumer.group.name", name)))
+	if err != nil || s.RateLimit == nil {
+		return reg, err
+	}
+	rreg, err := s.RateLimit.RegisterMetrics(mp, name)
+	if err != nil {
+		_ = reg.Unregister()
+		return nil, err
+	}
+	return bothRegistrations{a: reg, b: rreg}, nil
+}
+
+// bothRegistrations unregisters two registrations as one.
+type bothRegistrations struct {
+	embedded.Registration
+	a, b metric.Registration
+}
+
+func (r bothRegistrations) Unregister() error {
+	return errors.Join(r.a.Unregister(), r.b.Unregister())
 }
 
 // markRegistered notes that the parts' metrics were registered by hand.

@@ -7,9 +7,10 @@ import (
 // Stack is the recommended composition of the shared middleware, built by
 // Standard. Its Wrap handles a message as
 //
-//	DeadLetter → Retry → Breaker → Timeout → Recover → handler
+//	DeadLetter → Retry → Breaker → [RateLimit →] Timeout → Recover → handler
 //
-// (outermost first), for these reasons:
+// (outermost first; RateLimit only with StandardRateLimit), for these
+// reasons:
 //
 //   - Recover is innermost, so a panic is an error (*PanicError) to every
 //     other layer: the breaker counts it, Retry retries it, DeadLetter records
@@ -21,6 +22,9 @@ import (
 //     dependency and opens after Failures calls, not after Failures whole
 //     retry sequences; once it is open, Retry's next run is held at once
 //     instead of spending the budget, and Retry passes the hold out.
+//   - The rate limit is inside the breaker and Retry, so that each call to
+//     the dependency takes a turn and an open breaker takes none, and outside
+//     Timeout, so that waiting for a turn does not eat into a run's deadline.
 //   - DeadLetter is outermost, so it judges the final outcome of a delivery:
 //     a hold is never dead-lettered, a failed dead-letter publish never counts
 //     against the dependency's breaker, and Retry stops exactly at
@@ -37,6 +41,8 @@ type Stack struct {
 	DeadLetter *DeadLetter
 	Retry      *Retry
 	Breaker    *Breaker
+	// RateLimit caps the runs started a second; nil for none.
+	RateLimit *RateLimit
 	// Timeout is the deadline of each run of the handler; 0 for none.
 	Timeout time.Duration
 }
@@ -50,6 +56,8 @@ type standardConfig struct {
 	shared     *Breaker
 	deadLetter []DeadLetterOption
 	timeout    time.Duration
+	rate       float64
+	rateOpts   []RateLimitOption
 }
 
 // StandardRetry passes options to the stack's Retry. Default NewRetry's
@@ -104,6 +112,16 @@ func StandardTimeout(d time.Duration) StandardOption {
 	}
 }
 
+// StandardRateLimit adds a RateLimit of perSecond runs a second to the
+// stack, inside the breaker and outside the timeout (see Stack), with opts
+// passed to NewRateLimit. Default: no rate limit.
+func StandardRateLimit(perSecond float64, opts ...RateLimitOption) StandardOption {
+	return func(c *standardConfig) error {
+		c.rate, c.rateOpts = perSecond, opts
+		return nil
+	}
+}
+
 // Standard returns the recommended middleware stack, dead-lettering through
 // pub to dlqDestination. It fails with a *ConfigError naming the field when
 // an argument or option is invalid.
@@ -134,13 +152,19 @@ func Standard(pub Publisher, dlqDestination string, opts ...StandardOption) (*St
 			return nil, err
 		}
 	}
-	return &Stack{DeadLetter: dl, Retry: rt, Breaker: br, Timeout: c.timeout}, nil
+	st := &Stack{DeadLetter: dl, Retry: rt, Breaker: br, Timeout: c.timeout}
+	if c.rate != 0 || c.rateOpts != nil {
+		if st.RateLimit, err = NewRateLimit(c.rate, c.rateOpts...); err != nil {
+			return nil, err
+		}
+	}
+	return st, nil
 }
 
 // layers returns the stack's layers, outermost first, for Chain. A nil
 // part is left out, so a Stack literal may hold only the parts it wants.
 func (s *Stack) layers() []Middleware {
-	mws := make([]Middleware, 0, 5)
+	mws := make([]Middleware, 0, 6)
 	if s.DeadLetter != nil {
 		mws = append(mws, s.DeadLetter.Wrap)
 	}
@@ -149,6 +173,9 @@ func (s *Stack) layers() []Middleware {
 	}
 	if s.Breaker != nil {
 		mws = append(mws, s.Breaker.Wrap)
+	}
+	if s.RateLimit != nil {
+		mws = append(mws, s.RateLimit.Wrap)
 	}
 	return append(mws, Timeout(s.Timeout), Recover())
 }

@@ -51,7 +51,8 @@ func registerEverything(t *testing.T, mp *sdkmetric.MeterProvider, collect func(
 		t.Fatal(err)
 	}
 	defer b.Close()
-	stack, err := consumer.Standard(b, "orders-dlq", consumer.StandardDeadLetter(consumer.DeadLetterLogger(quiet)))
+	stack, err := consumer.Standard(b, "orders-dlq", consumer.StandardDeadLetter(consumer.DeadLetterLogger(quiet)),
+		consumer.StandardRateLimit(1000))
 	if err != nil {
 		t.Fatal(err)
 	}
