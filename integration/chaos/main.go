@@ -17,7 +17,7 @@
 // A planted fault (-fault no-idempotency or -fault ack-first) must make the
 // run fail, naming the broken invariant.
 //
-//	go run ./integration/chaos                       # all three brokers, 100k orders each
+//	go run ./integration/chaos                       # every broker (and Kafka share groups), 100k orders each
 //	go run ./integration/chaos -broker kafka -orders 5000 -duration 30s
 package main
 
@@ -87,7 +87,7 @@ type config struct {
 func parseFlags(args []string) (config, error) {
 	var c config
 	fs := flag.NewFlagSet("chaos", flag.ContinueOnError)
-	brokers := fs.String("broker", "all", "the brokers to break: all (kafka, sqs, rabbitmq), or a comma-separated list of kafka, sqs, rabbitmq, kafka-share (Kafka's share groups)")
+	brokers := fs.String("broker", "all", "the brokers to break: all, or a comma-separated list of kafka, sqs, rabbitmq, kafka-share (Kafka's share groups)")
 	fs.IntVar(&c.Orders, "orders", 100_000, "orders per broker")
 	fs.DurationVar(&c.Duration, "duration", 3*time.Minute, "how long the order service takes to commit the orders (the chaos runs meanwhile)")
 	fs.Uint64Var(&c.Seed, "seed", 1, "the seed of the orders and of the fault schedule")
@@ -118,10 +118,7 @@ func parseFlags(args []string) (config, error) {
 	}
 	switch *brokers {
 	case "all", "":
-		// Kafka's share groups are not in all yet: their row failed one
-		// run in two (a good order dead-lettered in the outage after
-		// taking the breaker's trials); -broker kafka-share runs it.
-		c.Brokers = []string{"kafka", "sqs", "rabbitmq"}
+		c.Brokers = []string{"kafka", "sqs", "rabbitmq", "kafka-share"}
 	default:
 		for b := range strings.SplitSeq(*brokers, ",") {
 			switch b {
