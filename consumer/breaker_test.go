@@ -470,3 +470,56 @@ func TestBreakerOpensBeforeALoneMessageOfALogSpendsItsBudget(t *testing.T) {
 		t.Errorf("%d runs, want 6: 5 failures open the breaker, and its trial succeeds", n)
 	}
 }
+
+// Poison messages held in place on one lane of a log, one after another,
+// with Retry inside the breaker running each of them again within
+// milliseconds, while another lane flows slowly (a success every 250 ms):
+// Retry's quick re-runs often come before the flowing lane's next success,
+// yet they are no evidence, since no time that successes usually take has
+// passed, and the breaker stays closed while each poison spends its
+// budget. Counted on "nothing succeeded since" alone, a poison's first
+// three runs opened it about one time in three.
+func TestBreakerStaysClosedForPoisonsRetriedQuicklyBesideASlowLane(t *testing.T) {
+	drv := newScriptLog(false)
+	drv.add("flowing", 400)
+	b := mustBreaker(t, BreakerFailures(3), BreakerOpenFor(time.Hour))
+	retry, err := NewRetry(RetryAttempts(4), RetryInitial(100*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub := &recordingPublisher{}
+	dl, err := NewDeadLetter(pub, "dlq", DeadLetterMaxAttempts(4), DeadLetterLogger(slog.New(slog.DiscardHandler)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := New(drv, WithConcurrency(2), WithMaxInFlight(1000), WithLogger(slog.New(slog.DiscardHandler)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := runLoop(t, l, Chain(HandlerFunc(func(_ context.Context, m *Message) error {
+		if m.Lane != "flowing" {
+			return errDown
+		}
+		time.Sleep(250 * time.Millisecond)
+		return nil
+	}), dl.Wrap, retry.Wrap, b.Wrap))
+	diag := func() string {
+		return fmt.Sprintf("stats %+v, breaker %s opened %d times", l.Stats(), b.State(), b.Opened())
+	}
+	// Each poison comes once the flow has shown itself (before any
+	// success a consumer cannot tell a poison from an outage), and two
+	// successes after the last: poisons back to back are distinct messages
+	// failing in a row, which is an outage's evidence.
+	for i := range 8 {
+		acked := l.Stats().Acked
+		testenv.WaitFor(t, 20*time.Second, "two successes", func() bool { return l.Stats().Acked >= acked+2 }, diag)
+		drv.add(fmt.Sprintf("poisoned-%d", i), 1)
+		testenv.WaitFor(t, 20*time.Second, "the poison dead-lettered", func() bool { return dl.Count() == int64(i+1) }, diag)
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if n := b.Opened(); n != 0 {
+		t.Fatalf("the breaker opened %d times for poisons beside a flowing lane", n)
+	}
+}
