@@ -139,12 +139,35 @@ func (d *kafkaDriver) clientOpts() []kgo.Opt {
 		opts = append(opts, kgo.SessionTimeout(c.sessionTimeout))
 	}
 	if c.instanceID != "" {
-		opts = append(opts, kgo.InstanceID(c.instanceID))
+		opts = append(opts, kgo.InstanceID(c.instanceID), kgo.WithHooks(fenceHook{d}))
 	}
 	if c.rebalanceTO > 0 {
 		opts = append(opts, kgo.RebalanceTimeout(c.rebalanceTO))
 	}
 	return d.b.clientOpts(&d.link, opts...)
+}
+
+// fenceHook stops a static member's group management as soon as the
+// coordinator fences it (another process joined with its instance id):
+// franz-go would rejoin after a short backoff and fence the newcomer in
+// turn, before the loop has drained and closed the client. LeaveGroup ends
+// the management and sends no leave for a static member; Fetch then ends
+// the Run with ErrFenced.
+type fenceHook struct{ d *kafkaDriver }
+
+var _ kgo.HookGroupManageError = fenceHook{}
+
+// OnGroupManageError implements kgo.HookGroupManageError.
+func (h fenceHook) OnGroupManageError(err error) {
+	if !errors.Is(err, kerr.FencedInstanceID) || !h.d.fenced.CompareAndSwap(false, true) {
+		return
+	}
+	h.d.mu.Lock()
+	cl := h.d.cl
+	h.d.mu.Unlock()
+	if cl != nil {
+		go cl.LeaveGroup() // it waits for the management goroutine, which runs this hook
+	}
 }
 
 // revokeWait is how long a rebalance waits for the loop to let go of

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync/atomic"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kerr"
@@ -33,6 +34,9 @@ type membership struct {
 	failed   failure   // what the last Connect or Fetch told the loop failed
 	askedAt  time.Time // when Connect or Fetch last asked whether the topic exists
 	polledAt time.Time // when a poll last brought records
+	// fenced is set by fenceHook when the coordinator fenced this static
+	// member (WithInstanceID).
+	fenced atomic.Bool
 }
 
 // failure is what a Connect or Fetch told the loop failed, so that the
@@ -239,11 +243,15 @@ func (m *membership) fetchErr(ctx context.Context, cl *kgo.Client, res pollResul
 	if errors.Is(ferr, kgo.ErrClientClosed) {
 		return driver.Fatal(fmt.Errorf("kafka: fetch %q: %w", m.topic, ErrClosed))
 	}
-	if errors.Is(ferr, kerr.FencedInstanceID) {
+	if m.fenced.Load() || errors.Is(ferr, kerr.FencedInstanceID) {
 		// Another process joined the group as this static member. franz-go
 		// would rejoin, and fence it in turn, for ever.
+		cause := ferr
+		if cause == nil {
+			cause = kerr.FencedInstanceID
+		}
 		return driver.Fatal(fmt.Errorf("kafka: consumer of %q in group %q: another member joined as static member %q (WithInstanceID): %w: %w",
-			m.topic, m.group, m.b.cfg.instanceID, ErrFenced, ferr))
+			m.topic, m.group, m.b.cfg.instanceID, ErrFenced, cause))
 	}
 	err := m.linkErr()
 	switch {

@@ -1,14 +1,18 @@
 package kafka
 
 import (
+	"context"
 	"errors"
+	"log/slog"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/consumer/driver"
 )
 
 // New connects to nothing, so these need no broker.
@@ -81,4 +85,34 @@ func TestWithInstanceIDRefusesWhatKafkaWouldRefuse(t *testing.T) {
 		t.Fatalf("New refused a good instance id: %v", err)
 	}
 	b.Close()
+}
+
+// A static member the coordinator fenced ends its Run: the poll's error
+// from franz-go (a group session error wrapping FENCED_INSTANCE_ID) and the
+// flag fenceHook sets when the group management reports it are fatal and
+// match ErrFenced; another management error is neither.
+func TestFencedStaticMemberFailsForGood(t *testing.T) {
+	b, err := New([]string{"127.0.0.1:9092"}, WithInstanceID("pod-0"), WithLogger(slog.New(slog.DiscardHandler)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	d, err := b.newDriver("orders", "billing")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	err = d.fetchErr(ctx, nil, pollResult{err: &kgo.ErrGroupSession{Err: kerr.FencedInstanceID}})
+	if !errors.Is(err, ErrFenced) || !errors.Is(err, kerr.FencedInstanceID) || !driver.IsFatal(err) {
+		t.Fatalf("a fenced poll: %v; want a fatal error wrapping ErrFenced and FENCED_INSTANCE_ID", err)
+	}
+
+	fenceHook{d}.OnGroupManageError(&kgo.ErrGroupSession{Err: kerr.RebalanceInProgress})
+	if d.fenced.Load() {
+		t.Fatal("a rebalance in progress was taken for a fence")
+	}
+	fenceHook{d}.OnGroupManageError(kerr.FencedInstanceID)
+	if err := d.fetchErr(ctx, nil, pollResult{}); !errors.Is(err, ErrFenced) || !driver.IsFatal(err) {
+		t.Fatalf("a poll after the hook saw the fence: %v; want a fatal error wrapping ErrFenced", err)
+	}
 }

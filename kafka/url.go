@@ -2,6 +2,7 @@ package kafka
 
 import (
 	"context"
+	"errors"
 	"net/url"
 	"strings"
 
@@ -48,7 +49,12 @@ func openURL(_ context.Context, u *url.URL, q url.Values, shown string) (consume
 		return nil, &brokerurl.URLError{URL: shown, Part: "query parameter group_protocol", Reason: "is " + v + ", not classic, consumer or share"}
 	}
 	if q.Has("instance_id") {
-		opts = append(opts, WithInstanceID(q.Get("instance_id")))
+		o := WithInstanceID(q.Get("instance_id"))
+		var ce *consumer.ConfigError
+		if err := o(&config{}); errors.As(err, &ce) {
+			return nil, &brokerurl.URLError{URL: shown, Part: "query parameter instance_id", Reason: ce.Reason}
+		}
+		opts = append(opts, o)
 	}
 	tlsCfg, err := brokerurl.TLS(q, shown)
 	if err != nil {
