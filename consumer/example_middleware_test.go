@@ -70,9 +70,9 @@ func ExampleStandard() {
 	// breaker closed - dead letters 1
 }
 
-// A partner API that takes 50 calls a second per tenant: the stack starts
-// at most that many runs a second for each message key, and a tenant with
-// a backlog waits for its own turns while the others' messages run.
+// A partner API that takes 50 calls a second: the stack starts at most that
+// many runs a second (after a quiet while, up to 5 at once), each run
+// waiting for its turn before the handler is called.
 func ExampleStandardRateLimit() {
 	broker, err := memory.New()
 	if err != nil {
@@ -80,15 +80,15 @@ func ExampleStandardRateLimit() {
 	}
 	defer broker.Close()
 	stack, err := consumer.Standard(broker, "invoices-dlq",
-		consumer.StandardRateLimit(50, consumer.RateLimitPerKey(10_000), consumer.RateLimitBurst(5)))
+		consumer.StandardRateLimit(50, consumer.RateLimitBurst(5)))
 	if err != nil {
 		fmt.Println(err)
 		return
 	}
 	handle := consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
-		return nil // call the partner API for tenant m.Key
+		return nil // call the partner API
 	})
 	_ = stack.Wrap(handle) // DeadLetter → Retry → Breaker → RateLimit → Timeout → Recover → handle
-	fmt.Println(stack.RateLimit.Waited(), stack.RateLimit.Deferred())
+	fmt.Println(stack.RateLimit.Waited(), stack.RateLimit.Waiting())
 	// Output: 0 0
 }

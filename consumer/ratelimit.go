@@ -1,11 +1,9 @@
 package consumer
 
 import (
-	"container/list"
 	"context"
 	"errors"
 	"math"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -17,56 +15,50 @@ import (
 // RateLimit caps how many handler runs start a second (over
 // golang.org/x/time/rate's token bucket), for a dependency that takes only
 // so many calls: a partner API's quota, a database that a backlog's drain
-// would swamp. It is one consumer's limit, or one per message key
-// (RateLimitPerKey), or, shared between consumers (one RateLimit wrapping
-// several handlers), one for all of them.
+// would swamp. It is one consumer's limit or, shared between consumers (one
+// RateLimit wrapping several handlers), one for all of them.
 //
-// A run whose turn has not come is not an attempt and never fails the
-// message. With one rate for every message, it waits for its turn before
-// the handler is called: the loop keeps the message's lease while it waits
-// (as for any running handler), and once every worker waits no more is
-// fetched (the loop's in-flight bound), so a backlog stays at the broker
-// rather than in the process. With a rate per key, a run whose turn is more
-// than a few milliseconds away is deferred to it instead (Defer, with its
-// turn kept), so that a busy key's messages do not take the workers from
-// the others'. A consumer that stops, or whose lane is taken away, while a
-// run waits gets the message back unattempted (a Defer).
+// A run whose turn has not come waits for it before the handler is called:
+// the wait is not an attempt and never fails the message, the loop keeps
+// the message's lease while it waits (as for any running handler), and
+// once every worker waits no more is fetched (the loop's in-flight bound),
+// so a backlog stays at the broker rather than in the process. A run whose
+// context ends first (the consumer stopping, its lane taken away, or a
+// deadline that comes before its turn) is not attempted: it gives its turn
+// back and returns a Defer, so the message comes back (in at-most-once mode,
+// where the message was acked before it ran, it is dropped, as any run cut
+// short there).
 //
 // Put it inside Retry and the Breaker, so that each re-run takes a turn of
 // its own and an open breaker takes none, and outside Timeout, so that the
 // wait is not counted against a run's deadline: StandardRateLimit places it
-// so.
+// so. Use one RateLimit in a chain.
 //
-// Waited, Deferred, Waiting and WaitedFor make it observable; a Loop
-// reports them as ferry.ratelimit.* metrics. Build one with NewRateLimit;
-// its Wrap method is a Middleware.
+// Waited, Waiting and WaitedFor make it observable; a Loop reports them as
+// ferry.ratelimit.* metrics. Build one with NewRateLimit; its Wrap method is
+// a Middleware.
 type RateLimit struct {
 	perSecond float64
-	burst     int
-	one       *rate.Limiter // every run's, without RateLimitPerKey
-	keys      *keyLimiters  // one a key, with RateLimitPerKey
+	lim       *rate.Limiter
 	errWait   error
 
 	registered atomic.Bool  // its metrics were registered by hand
 	waited     atomic.Int64 // runs that waited for their turn
-	deferred   atomic.Int64 // runs deferred to their turn (RateLimitPerKey)
 	waiting    atomic.Int64 // runs waiting now
 	waitedNs   atomic.Int64 // nanoseconds spent waiting
 }
 
 // ErrRateLimited matches, through errors.Is, the error inside the Defer
-// with which a RateLimit hands back a message whose turn has not come: one
-// whose wait was cut short (the consumer stopping, or its lane taken away),
-// or, with RateLimitPerKey, one whose turn is further away than a wait.
+// with which a RateLimit hands back a message whose wait for its turn was
+// cut short (the consumer stopping, its lane taken away, or a deadline
+// before its turn).
 var ErrRateLimited = errors.New("rate limited")
 
 // RateLimitOption configures NewRateLimit.
 type RateLimitOption func(*rateLimitConfig) error
 
 type rateLimitConfig struct {
-	burst   int
-	perKey  bool
-	maxKeys int
+	burst int
 }
 
 // RateLimitBurst sets how many runs may start at once after a quiet
@@ -78,21 +70,6 @@ func RateLimitBurst(n int) RateLimitOption {
 			return ConfigErrorf("RateLimit.Burst", "must be >= 1, got %d", n)
 		}
 		c.burst = n
-		return nil
-	}
-}
-
-// RateLimitPerKey gives each message key (Message.Key) a rate of its own,
-// so that one busy tenant's messages do not take the others' turns; the
-// messages without a key share one. At most maxKeys keys are kept: the key
-// unused the longest is forgotten first, and comes back with a full bucket.
-// Default: one rate for every message.
-func RateLimitPerKey(maxKeys int) RateLimitOption {
-	return func(c *rateLimitConfig) error {
-		if maxKeys < 1 {
-			return ConfigErrorf("RateLimit.PerKey", "must keep at least 1 key, got %d", maxKeys)
-		}
-		c.perKey, c.maxKeys = true, maxKeys
 		return nil
 	}
 }
@@ -113,25 +90,11 @@ func NewRateLimit(perSecond float64, opts ...RateLimitOption) (*RateLimit, error
 			return nil, err
 		}
 	}
-	r := &RateLimit{perSecond: perSecond, burst: c.burst, errWait: ErrRateLimited}
-	if c.perKey {
-		r.keys = &keyLimiters{max: c.maxKeys, byKey: make(map[string]*list.Element), newLimiter: r.newLimiter}
-	} else {
-		r.one = r.newLimiter()
-	}
-	return r, nil
-}
-
-func (r *RateLimit) newLimiter() *rate.Limiter {
-	return rate.NewLimiter(rate.Limit(r.perSecond), r.burst)
+	return &RateLimit{perSecond: perSecond, lim: rate.NewLimiter(rate.Limit(perSecond), c.burst), errWait: ErrRateLimited}, nil
 }
 
 // Waited returns how many runs waited for their turn.
 func (r *RateLimit) Waited() int64 { return r.waited.Load() }
-
-// Deferred returns how many runs were deferred to their turn
-// (RateLimitPerKey).
-func (r *RateLimit) Deferred() int64 { return r.deferred.Load() }
 
 // Waiting returns how many runs wait for their turn now.
 func (r *RateLimit) Waiting() int64 { return r.waiting.Load() }
@@ -151,8 +114,7 @@ type rateLimitHandler struct {
 }
 
 func (h *rateLimitHandler) Handle(ctx context.Context, m *Message) error {
-	ctx, rec := withRecord(ctx)
-	if err := h.r.take(ctx, m, rec); err != nil {
+	if err := h.r.take(ctx); err != nil {
 		return err
 	}
 	return h.next.Handle(ctx, m)
@@ -165,39 +127,20 @@ func (h *rateLimitHandler) Unwrap() Handler { return h.next }
 // register its metrics.
 func (h *rateLimitHandler) MetricsSource() MetricsSource { return h.r }
 
-// waitAtMost is the longest a run with a rate per key waits in its worker;
-// a turn further away is deferred to. Shorter than a timer's slack, a
-// deferral would cost more than the wait.
-const waitAtMost = 5 * time.Millisecond
-
-// take takes m's turn: at once, after a wait, or as a Defer to it, kept in
-// rec for the run that comes back. A wait cut short gives the turn back
+// take takes a run's turn, waiting for it when it has not come. A wait
+// cut short, or one that would outlast ctx's deadline, gives the turn back
 // and returns a Defer.
-func (r *RateLimit) take(ctx context.Context, m *Message, rec *record) error {
+func (r *RateLimit) take(ctx context.Context) error {
 	now := time.Now()
-	var (
-		d   time.Duration
-		res *rate.Reservation
-	)
-	if turn := rec.rateTurn; !turn.IsZero() {
-		// Deferred to a turn reserved before: it is this run's.
-		rec.rateTurn = time.Time{}
-		d = turn.Sub(now)
-	} else {
-		lim := r.one
-		if lim == nil {
-			lim = r.keys.get(m.Key)
-		}
-		res = lim.ReserveN(now, 1) // burst >= 1: always ok
-		d = res.DelayFrom(now)
-		if d > waitAtMost && r.keys != nil {
-			rec.rateTurn = now.Add(d)
-			r.deferred.Add(1)
-			return Defer(r.errWait, d)
-		}
-	}
+	res := r.lim.ReserveN(now, 1) // burst >= 1: always ok
+	d := res.DelayFrom(now)
 	if d <= 0 {
 		return nil
+	}
+	if dl, ok := ctx.Deadline(); ok && dl.Sub(now) < d {
+		// As rate.Limiter.Wait does: the run could not start in time.
+		res.CancelAt(now)
+		return Defer(r.errWait, d)
 	}
 	r.waited.Add(1)
 	r.waiting.Add(1)
@@ -209,61 +152,26 @@ func (r *RateLimit) take(ctx context.Context, m *Message, rec *record) error {
 		r.waitedNs.Add(int64(d))
 		return nil
 	case <-ctx.Done():
-		if res != nil {
-			res.Cancel()
-		}
+		res.Cancel()
 		waited := time.Since(now)
 		r.waitedNs.Add(int64(waited))
 		return Defer(r.errWait, d-waited)
 	}
 }
 
-// keyLimiters is RateLimitPerKey's limiters, the least recently used
-// forgotten first beyond max.
-type keyLimiters struct {
-	mu         sync.Mutex
-	max        int
-	byKey      map[string]*list.Element // of *keyLimiter
-	lru        list.List                // front: used last
-	newLimiter func() *rate.Limiter
-}
-
-type keyLimiter struct {
-	key string
-	lim *rate.Limiter
-}
-
-func (k *keyLimiters) get(key string) *rate.Limiter {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	if e, ok := k.byKey[key]; ok {
-		k.lru.MoveToFront(e)
-		return e.Value.(*keyLimiter).lim
-	}
-	if k.lru.Len() >= k.max {
-		old := k.lru.Back()
-		k.lru.Remove(old)
-		delete(k.byKey, old.Value.(*keyLimiter).key)
-	}
-	kl := &keyLimiter{key: key, lim: k.newLimiter()}
-	k.byKey[key] = k.lru.PushFront(kl)
-	return kl.lim
-}
-
 // Metric instrument names of a RateLimit, observed from its counters when
 // a reader collects.
 const (
 	MetricRateLimitWaited    = "ferry.ratelimit.waited"     // counter: runs that waited for their turn
-	MetricRateLimitDeferred  = "ferry.ratelimit.deferred"   // counter: runs deferred to their turn (per key)
 	MetricRateLimitWaiting   = "ferry.ratelimit.waiting"    // gauge: runs waiting for their turn now
-	MetricRateLimitWaitedFor = "ferry.ratelimit.wait_time"  // counter: seconds runs spent waiting
+	MetricRateLimitWaitedFor = "ferry.ratelimit.wait_time"  // counter: seconds runs spent waiting, summed over runs
 	MetricRateLimitRate      = "ferry.ratelimit.per_second" // gauge: the rate it lets through
 )
 
 // RegisterMetrics reports r's counters through mp, labelled with name (the
-// consumer's name), until the returned registration is unregistered. A
-// wait time that grows as fast as the clock means the rate, not the
-// handler, sets the pace: the backlog grows unless the rate is raised.
+// consumer's name), until the returned registration is unregistered. Runs
+// waiting near the consumer's concurrency all the time mean the rate, not
+// the handler, sets the pace: the backlog grows unless the rate is raised.
 //
 // A Loop running r registers these itself, on its own MeterProvider, when
 // Run starts; call RegisterMetrics only to report them elsewhere.
@@ -287,20 +195,17 @@ func (r *RateLimit) registerMetrics(mp metric.MeterProvider, name string) (metri
 		metric.WithDescription("Handler runs waiting for their turn under the rate limit now."))
 	waitedFor, err3 := m.Float64ObservableCounter(MetricRateLimitWaitedFor, metric.WithUnit("s"),
 		metric.WithDescription("Time handler runs spent waiting for their turn under the rate limit, summed."))
-	deferred, err5 := m.Int64ObservableCounter(MetricRateLimitDeferred, metric.WithUnit("{message}"),
-		metric.WithDescription("Handler runs deferred to their turn under a rate per key."))
 	perSecond, err4 := m.Float64ObservableGauge(MetricRateLimitRate, metric.WithUnit("{message}/s"),
-		metric.WithDescription("The rate limit: handler runs let start a second (per key with RateLimitPerKey)."))
-	if err := errors.Join(err1, err2, err3, err4, err5); err != nil {
+		metric.WithDescription("The rate limit: handler runs let start a second."))
+	if err := errors.Join(err1, err2, err3, err4); err != nil {
 		return nil, err
 	}
 	attrs := metric.WithAttributes(attribute.String("messaging.consumer.group.name", name))
 	return m.RegisterCallback(func(_ context.Context, o metric.Observer) error {
 		o.ObserveInt64(waited, r.Waited(), attrs)
-		o.ObserveInt64(deferred, r.Deferred(), attrs)
 		o.ObserveInt64(waiting, r.Waiting(), attrs)
 		o.ObserveFloat64(waitedFor, r.WaitedFor().Seconds(), attrs)
 		o.ObserveFloat64(perSecond, r.perSecond, attrs)
 		return nil
-	}, waited, deferred, waiting, waitedFor, perSecond)
+	}, waited, waiting, waitedFor, perSecond)
 }

@@ -98,63 +98,45 @@ func TestRateLimitCheckCatchesAnUnlimitedConsumer(t *testing.T) {
 	}
 }
 
-// With a rate per key, a busy key's backlog does not hold up a quiet key:
-// the busy key's runs are deferred to their turns, freeing the workers,
-// and the quiet key's messages, published behind the whole backlog, are
-// handled long before it drains. With one rate for all, they wait their
-// turn behind it.
-func TestRateLimitPerKeyKeepsABusyKeyFromStarvingTheOthers(t *testing.T) {
-	for _, perKey := range []bool{true, false} {
-		t.Run(fmt.Sprintf("perKey=%v", perKey), func(t *testing.T) {
-			s := newScenario(t, "tenants", time.Minute)
-			var msgs []consumer.Message
-			for i := range 100 {
-				msgs = append(msgs, consumer.Message{ID: fmt.Sprintf("busy-%d", i), Key: "busy", Body: []byte("b")})
-			}
-			for i := range 3 {
-				msgs = append(msgs, consumer.Message{ID: fmt.Sprintf("quiet-%d", i), Key: "quiet", Body: []byte("q")})
-			}
-			if err := s.b.Publish(context.Background(), s.queue, msgs...); err != nil {
-				t.Fatal(err)
-			}
-			var opts []consumer.RateLimitOption
-			if perKey {
-				opts = append(opts, consumer.RateLimitPerKey(100))
-			}
-			rl, err := consumer.NewRateLimit(20, opts...)
-			if err != nil {
-				t.Fatal(err)
-			}
-			var busyDone, quietDone atomic.Int32
-			busyWhenQuietDone := int32(-1)
-			var once sync.Once
-			l, stop := s.run(rl.Wrap(consumer.HandlerFunc(func(_ context.Context, m *consumer.Message) error {
-				if m.Key == "quiet" {
-					if quietDone.Add(1) == 3 {
-						once.Do(func() { atomic.StoreInt32(&busyWhenQuietDone, busyDone.Load()) })
-					}
-					return nil
-				}
-				busyDone.Add(1)
-				return nil
-			})), consumer.WithConcurrency(4))
-			testenv.WaitFor(t, 30*time.Second, "the quiet key's 3 messages handled", func() bool { return quietDone.Load() == 3 },
-				func() string { return fmt.Sprintf("busy %d done, %+v", busyDone.Load(), l.Stats()) })
-			stop()
-			busy := atomic.LoadInt32(&busyWhenQuietDone)
-			switch {
-			case perKey && busy > 30:
-				t.Fatalf("with a rate per key the quiet key finished after %d of the busy key's 100 messages; want it well before", busy)
-			case !perKey && busy < 90:
-				t.Fatalf("with one rate the quiet key finished after only %d of the busy key's messages; the test no longer shows starvation", busy)
-			}
-			if perKey && rl.Deferred() == 0 {
-				t.Error("no run was deferred with a rate per key")
-			}
-			if l.Stats().Failed != 0 {
-				t.Errorf("%d runs failed; a deferral is no failure", l.Stats().Failed)
-			}
-		})
+// The Standard stack with a rate limit limits the handler's runs, and a
+// run whose context's deadline comes before its turn (a RateLimit a user
+// put inside a Timeout) is handed back at once, unattempted, rather than
+// wait out the deadline.
+func TestStandardRateLimitLimitsAndHandsBackWhatCannotStartInTime(t *testing.T) {
+	s := newScenario(t, "standard-rate", time.Minute)
+	st := standard(t, s.b, s.dlq, consumer.StandardRateLimit(50))
+	if st.RateLimit == nil {
+		t.Fatal("StandardRateLimit(50) made no RateLimit")
+	}
+	s.publish("m", 20)
+	var st2 starts
+	begin := time.Now()
+	l, _ := s.run(st.Wrap(consumer.HandlerFunc(func(context.Context, *consumer.Message) error {
+		st2.add()
+		return nil
+	})), consumer.WithConcurrency(8))
+	testenv.WaitFor(t, 30*time.Second, "20 messages acked", func() bool { return l.Stats().Acked == 20 })
+	if n, at, over := st2.overRate(begin, 50, 1); over {
+		t.Fatalf("%d runs had started %s in: more than the stack's 50 a second allow", n, at)
+	}
+
+	rl, err := consumer.NewRateLimit(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := rl.Wrap(consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }))
+	if err := h.Handle(context.Background(), &consumer.Message{}); err != nil { // takes the one token
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	began := time.Now()
+	err = h.Handle(ctx, &consumer.Message{})
+	if !consumer.IsDeferred(err) || !errors.Is(err, consumer.ErrRateLimited) {
+		t.Fatalf("a run whose deadline comes before its turn = %v, want a Defer of ErrRateLimited", err)
+	}
+	if waited := time.Since(began); waited > 40*time.Millisecond {
+		t.Errorf("it waited %s for a turn it could not reach before its deadline", waited)
 	}
 }
 
@@ -200,7 +182,6 @@ func TestNewRateLimitRefusesBadConfigNamingTheField(t *testing.T) {
 		{"RateLimit.PerSecond", 0, nil},
 		{"RateLimit.PerSecond", -1, nil},
 		{"RateLimit.Burst", 1, []consumer.RateLimitOption{consumer.RateLimitBurst(0)}},
-		{"RateLimit.PerKey", 1, []consumer.RateLimitOption{consumer.RateLimitPerKey(0)}},
 	} {
 		_, err := consumer.NewRateLimit(c.rate, c.opts...)
 		var ce *consumer.ConfigError
@@ -208,7 +189,12 @@ func TestNewRateLimitRefusesBadConfigNamingTheField(t *testing.T) {
 			t.Errorf("NewRateLimit(%v, ...) = %v, want a ConfigError naming %s", c.rate, err, c.field)
 		}
 	}
-	if _, err := consumer.Standard(nil, "dlq", consumer.StandardRateLimit(0)); err == nil {
+	b, err := memory.New()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	if _, err := consumer.Standard(b, "dlq", consumer.StandardRateLimit(0)); err == nil {
 		t.Error("Standard accepted a rate limit of 0")
 	}
 }

@@ -26,10 +26,6 @@ type record struct {
 	// failMark is what a Breaker noted when a run of the message failed
 	// through it: the breaker, and its count of successes then.
 	failMark breakerMark
-	// rateTurn is the turn a RateLimit reserved for the message before it
-	// deferred it: its next run takes that turn instead of asking again,
-	// so deferred messages keep their order and do not come back as a herd.
-	rateTurn time.Time
 	// runStart is when the latest run under a Timeout began (monoNow), as
 	// the Timeout read it for its deadline; Retry above it takes its
 	// MaxElapsed from there instead of reading the clock again.

@@ -57,6 +57,7 @@ type standardConfig struct {
 	deadLetter []DeadLetterOption
 	timeout    time.Duration
 	rate       float64
+	rateSet    bool
 	rateOpts   []RateLimitOption
 }
 
@@ -117,7 +118,7 @@ func StandardTimeout(d time.Duration) StandardOption {
 // passed to NewRateLimit. Default: no rate limit.
 func StandardRateLimit(perSecond float64, opts ...RateLimitOption) StandardOption {
 	return func(c *standardConfig) error {
-		c.rate, c.rateOpts = perSecond, opts
+		c.rate, c.rateOpts, c.rateSet = perSecond, opts, true
 		return nil
 	}
 }
@@ -153,7 +154,7 @@ func Standard(pub Publisher, dlqDestination string, opts ...StandardOption) (*St
 		}
 	}
 	st := &Stack{DeadLetter: dl, Retry: rt, Breaker: br, Timeout: c.timeout}
-	if c.rate != 0 || c.rateOpts != nil {
+	if c.rateSet {
 		if st.RateLimit, err = NewRateLimit(c.rate, c.rateOpts...); err != nil {
 			return nil, err
 		}
