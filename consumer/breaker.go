@@ -61,7 +61,7 @@ func (s BreakerState) String() string {
 // cannot take a message back, its lane waits for it (a Kafka partition, the
 // poll of a share group member, a RabbitMQ single-active-consumer queue),
 // and a re-run of it, Retry's or the loop's, that fails with nothing
-// succeeded through the breaker since the message's last failure, nor for
+// succeeded through the breaker since the message's last failure, for
 // twice the usual time between successes, counts after all. Every lane is
 // then stuck, as in an outage on a topic of fewer partitions than Failures,
 // or one that finds a member holding a single record, which must still open
@@ -400,7 +400,7 @@ func (b *Breaker) report(call breakerCall, rec *record, err error) {
 		b.successes.Add(1)
 		b.noteSuccess()
 	case b.counts(err) && !errors.Is(err, ErrHeld):
-		rec.failMark = breakerMark{b: b, successes: b.successes.Load()}
+		rec.failMark = breakerMark{b: b, successes: b.successes.Load(), at: monoNow()}
 	}
 	call.report(err)
 }
@@ -426,13 +426,12 @@ func (b *Breaker) noteSuccess() {
 	b.successGap.Store(avg + (gap-avg)/8)
 }
 
-// quietSince reports whether no success came through b since mark's
-// failure, and none for long enough that one was to be expected: twice the
-// usual gap between successes. Flowing lanes then had their chance to show
-// the dependency up.
+// quietSince reports whether no success came through b in the time since
+// mark's failure, long enough for one to be expected: twice the usual gap
+// between successes. Flowing lanes then had their chance to show the
+// dependency up.
 func (b *Breaker) quietSince(mark breakerMark) bool {
-	return mark.successes == b.successes.Load() &&
-		monoNow()-time.Duration(b.lastSuccess.Load()) >= 2*time.Duration(b.successGap.Load())
+	return mark.successes == b.successes.Load() && monoNow()-mark.at >= 2*time.Duration(b.successGap.Load())
 }
 
 // logChanges logs the changes of state not yet logged; cause is the result

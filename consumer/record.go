@@ -32,10 +32,12 @@ type record struct {
 	runStart time.Duration
 }
 
-// breakerMark is a Breaker and its count of successful calls at a moment.
+// breakerMark is a Breaker, its count of successful calls at a moment, and
+// the moment (monoNow).
 type breakerMark struct {
 	b         *Breaker
 	successes int64
+	at        time.Duration
 }
 
 type recordKey struct{}
