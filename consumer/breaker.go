@@ -58,17 +58,14 @@ func (s BreakerState) String() string {
 // reaches the dead-letter destination while the breaker stays closed for
 // everyone else, and an outage, which fails every message, still opens the
 // breaker after Failures messages. One case is told apart: where the broker
-// cannot take a message back, its lane waits for it (a Kafka partition, the
-// poll of a share group member, a RabbitMQ single-active-consumer queue),
-// and a re-run of it, Retry's or the loop's, that fails with nothing
-// succeeded through the breaker since the message's last failure, for
-// twice the usual time between successes, counts after all. Every lane is
-// then stuck, as in an outage on a topic of fewer partitions than Failures,
-// or one that finds a member holding a single record, which must still open
-// the breaker before that record's attempts are spent (when its
-// DeadLetter's MaxAttempts is more than Failures); a poison message among
-// lanes that flow never makes it so, however quickly Retry runs it again,
-// since the others' successes come in between. (When every lane of a Kafka topic is
+// cannot take a message back, its lane waits for it (a Kafka partition, or
+// the poll of a share group member), and a re-run of it, Retry's or the
+// loop's, that fails with nothing succeeded through the breaker since the
+// message's last failure counts after all. Every lane is then stuck, as in
+// an outage on a topic of fewer partitions than Failures, or one that finds
+// a member holding a single record, which must still open the breaker
+// before that record's attempts are spent; a poison message among flowing
+// lanes never makes it so. (When every lane of a Kafka topic is
 // held by a poison message at once, that counts too, and the breaker's
 // trials then move them on one at a time.) It opens after Failures of them
 // in a row, or after Failures within its rolling window when they are at least
@@ -119,17 +116,12 @@ type Breaker struct {
 	changes   []breakerChange
 	pending   atomic.Bool
 
-	successes atomic.Int64 // calls that succeeded (for breakerMark)
-	// lastSuccess (monoNow) and successGap, a moving average of the time
-	// between successes (capped at maxSuccessGap), say how soon another
-	// success was to be expected: see allow.
-	lastSuccess atomic.Int64
-	successGap  atomic.Int64
-	openedAt    atomic.Int64 // unix nanoseconds of the last opening
-	halfOpenAt  atomic.Int64 // monotonic nanoseconds (monoNow) of the last turn to half-open
-	registered  atomic.Bool  // its metrics were registered by hand (Stack.RegisterMetrics)
-	opened      atomic.Int64
-	held        atomic.Int64
+	successes  atomic.Int64 // calls that succeeded (for breakerMark)
+	openedAt   atomic.Int64 // unix nanoseconds of the last opening
+	halfOpenAt atomic.Int64 // monotonic nanoseconds (monoNow) of the last turn to half-open
+	registered atomic.Bool  // its metrics were registered by hand (Stack.RegisterMetrics)
+	opened     atomic.Int64
+	held       atomic.Int64
 }
 
 // BreakerOption configures NewBreaker.
@@ -398,40 +390,10 @@ func (b *Breaker) report(call breakerCall, rec *record, err error) {
 	switch {
 	case err == nil:
 		b.successes.Add(1)
-		b.noteSuccess()
 	case b.counts(err) && !errors.Is(err, ErrHeld):
-		rec.failMark = breakerMark{b: b, successes: b.successes.Load(), at: monoNow()}
+		rec.failMark = breakerMark{b: b, successes: b.successes.Load()}
 	}
 	call.report(err)
-}
-
-// maxSuccessGap caps what one gap between successes adds to the average:
-// an idle hour must not make the next outage look like a quiet flow.
-const maxSuccessGap = time.Second
-
-// noteSuccess folds the time since the last success into successGap. Calls
-// that race may lose an update of the average, which is an estimate.
-func (b *Breaker) noteSuccess() {
-	now := int64(monoNow())
-	prev := b.lastSuccess.Swap(now)
-	if prev == 0 {
-		return
-	}
-	gap := min(now-prev, int64(maxSuccessGap))
-	avg := b.successGap.Load()
-	if avg == 0 {
-		b.successGap.Store(gap)
-		return
-	}
-	b.successGap.Store(avg + (gap-avg)/8)
-}
-
-// quietSince reports whether no success came through b in the time since
-// mark's failure, long enough for one to be expected: twice the usual gap
-// between successes. Flowing lanes then had their chance to show the
-// dependency up.
-func (b *Breaker) quietSince(mark breakerMark) bool {
-	return mark.successes == b.successes.Load() && monoNow()-mark.at >= 2*time.Duration(b.successGap.Load())
 }
 
 // logChanges logs the changes of state not yet logged; cause is the result
@@ -505,15 +467,12 @@ func (c breakerCall) report(err error) {
 func (b *Breaker) allow(m *Message, rec *record) (breakerCall, error) {
 	failedBefore := m != nil && m.Attempt > 1
 	rerun := failedBefore // a re-run's failure is no evidence, unless...
-	// A re-run is evidence after all when its lane waits for it (the
-	// broker cannot take it back) and nothing has succeeded through the
-	// breaker since its last failure, for longer than successes usually
-	// take to come: every lane is stuck, which a poison message among
-	// flowing traffic never makes (Retry's quick re-runs included, which
-	// come sooner than a slow flow's next success), and an outage on a topic
-	// of few partitions, or one that finds a consumer holding one record,
-	// always does.
-	if rerun && rec != nil && rec.inPlace && rec.failMark.b == b && b.quietSince(rec.failMark) {
+	// A re-run is evidence after all when its lane waits for it (the loop
+	// holds it in place) and nothing has succeeded through the breaker
+	// since its last failure: every lane is stuck, which a poison message
+	// among flowing traffic never makes, and an outage on a topic of few
+	// partitions always does.
+	if rerun && rec != nil && rec.inPlace && rec.failMark.b == b && rec.failMark.successes == b.successes.Load() {
 		rerun = false
 	}
 	// Only a message that failed before needs the state before its call

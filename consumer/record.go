@@ -18,10 +18,9 @@ type record struct {
 	deadLettered bool
 	first, last  time.Time
 	// inPlace is set by the loop for every message of a broker that cannot
-	// redeliver (a Kafka partition, a share group member's poll, a RabbitMQ
-	// single-active-consumer queue): its lane waits for it from its first
-	// run, through Retry's re-runs and the loop's, which the loop makes in
-	// place after a failure.
+	// redeliver (a Kafka partition, a share group member's poll): its lane
+	// waits for it from its first run, through Retry's re-runs and the
+	// loop's, which the loop makes in place after a failure.
 	inPlace bool
 	// failMark is what a Breaker noted when a run of the message failed
 	// through it: the breaker, and its count of successes then.
@@ -32,12 +31,10 @@ type record struct {
 	runStart time.Duration
 }
 
-// breakerMark is a Breaker, its count of successful calls at a moment, and
-// the moment (monoNow).
+// breakerMark is a Breaker and its count of successful calls at a moment.
 type breakerMark struct {
 	b         *Breaker
 	successes int64
-	at        time.Duration
 }
 
 type recordKey struct{}
