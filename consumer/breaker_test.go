@@ -457,9 +457,7 @@ func TestBreakerOpensBeforeALoneMessageOfALogSpendsItsBudget(t *testing.T) {
 		return nil
 	}), dl.Wrap, retry.Wrap, b.Wrap))
 	testenv.WaitFor(t, 20*time.Second, "the message acked", func() bool { return l.Stats().Acked == 1 },
-		func() string {
-			return fmt.Sprintf("stats %+v, breaker %s opened %d times", l.Stats(), b.State(), b.Opened())
-		})
+		func() string { return fmt.Sprintf("stats %+v, breaker %s opened %d times", l.Stats(), b.State(), b.Opened()) })
 	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
