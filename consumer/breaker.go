@@ -57,15 +57,13 @@ func (s BreakerState) String() string {
 // run, is therefore one failure, not five: it spends its retry budget and
 // reaches the dead-letter destination while the breaker stays closed for
 // everyone else, and an outage, which fails every message, still opens the
-// breaker after Failures messages. One case is told apart: where the broker
-// cannot take a message back, its lane waits for it (a Kafka partition, or
-// the poll of a share group member), and a re-run of it, Retry's or the
-// loop's, that fails with nothing succeeded through the breaker since the
-// message's last failure counts after all. Every lane is then stuck, as in
-// an outage on a topic of fewer partitions than Failures, or one that finds
-// a member holding a single record, which must still open the breaker
-// before that record's attempts are spent; a poison message among flowing
-// lanes never makes it so. (When every lane of a Kafka topic is
+// breaker after Failures messages. One case is told apart: where the loop
+// holds a failed message in place and its lane waits behind it (a Kafka
+// partition), a re-run that fails with nothing succeeded through the
+// breaker since the message's last failure counts after all. Every lane
+// is then stuck, as in an outage on a topic of fewer partitions than
+// Failures, which must still open the breaker; a poison message among
+// flowing lanes never makes it so. (When every lane of a Kafka topic is
 // held by a poison message at once, that counts too, and the breaker's
 // trials then move them on one at a time.) It opens after Failures of them
 // in a row, or after Failures within its rolling window when they are at least

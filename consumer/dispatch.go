@@ -399,11 +399,6 @@ func (dp *dispatcher) admit(d *delivery) {
 		return
 	}
 	dp.countPriorRuns(d)
-	// A broker that cannot take a message back (a log, a share group's
-	// member) keeps its lane waiting on it from its first run, through
-	// Retry's re-runs as well as the loop's: the breaker counts those
-	// re-runs as evidence while nothing else succeeds (see Breaker).
-	d.rec.inPlace = !l.caps.Redelivers
 	if dp.lanes != nil {
 		ls := dp.lanes[d.msg.Lane]
 		if ls == nil {
@@ -564,6 +559,7 @@ func (dp *dispatcher) fail(d *delivery, err error) {
 		return
 	}
 	l.stats.retried.Add(1)
+	d.rec.inPlace = true
 	dp.wait(d, time.Now().Add(delay))
 }
 

@@ -17,10 +17,9 @@ type record struct {
 	// means "settled", and an outer Timeout must not turn it into a failure.
 	deadLettered bool
 	first, last  time.Time
-	// inPlace is set by the loop for every message of a broker that cannot
-	// redeliver (a Kafka partition, a share group member's poll): its lane
-	// waits for it from its first run, through Retry's re-runs and the
-	// loop's, which the loop makes in place after a failure.
+	// inPlace is set by the loop when it holds the message in place after a
+	// failure (a broker that cannot redeliver, such as a Kafka partition):
+	// its lane waits for it, and its next runs are made by the loop.
 	inPlace bool
 	// failMark is what a Breaker noted when a run of the message failed
 	// through it: the breaker, and its count of successes then.
