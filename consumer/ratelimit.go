@@ -40,7 +40,6 @@ import (
 type RateLimit struct {
 	perSecond float64
 	lim       *rate.Limiter
-	errWait   error
 
 	registered atomic.Bool  // its metrics were registered by hand
 	waited     atomic.Int64 // runs that waited for their turn
@@ -90,7 +89,7 @@ func NewRateLimit(perSecond float64, opts ...RateLimitOption) (*RateLimit, error
 			return nil, err
 		}
 	}
-	return &RateLimit{perSecond: perSecond, lim: rate.NewLimiter(rate.Limit(perSecond), c.burst), errWait: ErrRateLimited}, nil
+	return &RateLimit{perSecond: perSecond, lim: rate.NewLimiter(rate.Limit(perSecond), c.burst)}, nil
 }
 
 // Waited returns how many runs waited for their turn.
@@ -140,7 +139,7 @@ func (r *RateLimit) take(ctx context.Context) error {
 	if dl, ok := ctx.Deadline(); ok && dl.Sub(now) < d {
 		// As rate.Limiter.Wait does: the run could not start in time.
 		res.CancelAt(now)
-		return Defer(r.errWait, d)
+		return Defer(ErrRateLimited, d)
 	}
 	r.waited.Add(1)
 	r.waiting.Add(1)
@@ -155,7 +154,7 @@ func (r *RateLimit) take(ctx context.Context) error {
 		res.Cancel()
 		waited := time.Since(now)
 		r.waitedNs.Add(int64(waited))
-		return Defer(r.errWait, d-waited)
+		return Defer(ErrRateLimited, d-waited)
 	}
 }
 
