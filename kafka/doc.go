@@ -101,7 +101,7 @@
 // # Share groups: Kafka as a queue
 //
 // With [WithGroupProtocol]([Share]) (group_protocol=share in a URL), every
-// consumer of the Broker is a member of a share group (KIP-932, Kafka 4.2
+// consumer of the Broker consumes through a share group (KIP-932, Kafka 4.2
 // and later), named by [consumer.WithName] as a consumer group is. The
 // broker hands each record to one member under an acquisition lock, and
 // the member acknowledges each record by itself; there are no offsets to
@@ -111,6 +111,29 @@
 // assignor gives whole partitions to members while they are fewer): ten
 // members on one partition all get work, which a consumer group cannot
 // do.
+//
+// A consumer is up to four members of the group ("sessions", each a
+// franz-go client; fewer when its [consumer.WithMaxInFlight] bound is
+// below four), because franz-go accepts, at a client's next poll, every
+// record of its last poll that has no final acknowledgement yet: a client
+// polls again only once every record of its last poll is settled. A
+// consumer starts with one, which polls up to the in-flight bound; when
+// every session has held records for a tenth of a second while the loop
+// has room (a slow handler, a record retried in place during an outage),
+// it makes another, which polls up to a quarter of the bound, so it goes
+// on taking records, and the circuit breaker hears of an outage from
+// records other than the one held. A new session gets its share of the
+// partitions at the group's next heartbeat (group.share.heartbeat.interval.ms,
+// 5 s by default), so it helps within seconds, not at once. Such a
+// consumer may hold up to 1.75 times the bound, the excess waiting under
+// renewed locks; sessions last until the consumer stops. Count them against the
+// group's member limit (group.share.max.size, 200 by default): a session
+// the group refuses is given up with a WARN line, and the consumer goes on
+// with those it has. Where a topic has more partitions than the group has
+// members, the assignor splits the partitions among the sessions too, and
+// the other records of a partition whose session holds a record wait for
+// it (or for another process's members): more partitions than members
+// make a share group work more like a consumer group.
 //
 //   - Ack is ACCEPT, sent before Settle returns; a record whose
 //     acknowledgement the broker refused is delivered again when its lock
@@ -132,13 +155,6 @@
 //     broker, not delivered again: to the group's dead-letter topic
 //     (errors.deadletterqueue.topic.name, KIP-1191) when it has one,
 //     otherwise dropped. The consumer logs it at WARN, naming which.
-//   - franz-go accepts, at a member's next poll, every record of its last
-//     poll that has no final acknowledgement yet, so a member polls again
-//     only once every record of its last poll is settled: it works in
-//     polls of at most [consumer.WithMaxInFlight] records, and a slow record
-//     keeps its member from taking more until it is done (the other
-//     members go on). Keep the in-flight bound near the concurrency where
-//     handlers take very different times.
 //   - Connect reads the group's lock duration, delivery limit and
 //     dead-letter topic, and logs them; a member not allowed to read them
 //     takes Kafka's defaults and says so at WARN. The lease follows the
@@ -155,7 +171,7 @@
 //   - Lag: per partition, the records the group coordinator counts as not
 //     acknowledged (KIP-1226); the position is the end offset less that lag.
 //     The broker tells no age of a share group's backlog: OldestAge is that
-//     of the oldest record this member holds.
+//     of the oldest record this consumer holds.
 //
 // # When it cannot consume
 //

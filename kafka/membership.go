@@ -37,6 +37,10 @@ type membership struct {
 	// fenced is set by fenceHook when the coordinator fenced this static
 	// member (WithInstanceID).
 	fenced atomic.Bool
+	// clients, when set, are every client of the consumer (a share
+	// group's sessions), which lookAgain subscribes afresh; nil: the one
+	// it is given.
+	clients func() []*kgo.Client
 }
 
 // failure is what a Connect or Fetch told the loop failed, so that the
@@ -146,8 +150,14 @@ func (m *membership) lookAgain(ctx context.Context, cl *kgo.Client, stale [16]by
 	id, err := m.lookUp(lctx, cl)
 	if err == nil && stale != ([16]byte{}) && id != ([16]byte{}) && id != stale {
 		m.log.Warn("ferry/kafka: the topic was deleted and made again; consuming the new one from its committed offsets")
-		cl.PurgeTopicsFromConsuming(m.topic)
-		cl.AddConsumeTopics(m.topic)
+		cls := []*kgo.Client{cl}
+		if m.clients != nil {
+			cls = m.clients()
+		}
+		for _, c := range cls {
+			c.PurgeTopicsFromConsuming(m.topic)
+			c.AddConsumeTopics(m.topic)
+		}
 	}
 	return err
 }

@@ -18,23 +18,23 @@ import (
 	"github.com/ferrymq/ferry/internal/ratelog"
 )
 
-// shareDriver is one member of a share group (KIP-932) over one topic:
+// shareDriver is a consumer of one topic in a share group (KIP-932):
 // Kafka as a queue. The broker hands each record to one member under an
 // acquisition lock, and the member acknowledges it by itself: ACCEPT
 // (done), RELEASE (deliver it again, to anyone), or RENEW (keep the lock).
 // There are no offsets to commit and no order.
 //
-// franz-go accepts, at the next poll, every record of the poll before
-// that has no final acknowledgement yet (a renewed one included), so the
-// driver polls again only once every record of the last poll was settled:
-// it works in waves of at most the loop's in-flight bound
-// (kgo.ShareMaxRecords, strictly). Fetch runs on the loop's fetcher,
-// Settle on its settler, Extend on its extender; mu guards the wave they
-// share, and ackMu makes Settle's and Extend's acknowledgements one flush
-// at a time, so that a flush's failures are its own.
+// The driver polls through up to shareSessions clients, each a member of
+// the group (sharesession.go says why and how). Fetch runs on the loop's
+// fetcher, Settle on its settler, Extend on its extender, and the
+// sessions' polls in goroutines of their own; mu guards the sessions and
+// the stash they share, and ackMu makes Settle's and Extend's
+// acknowledgements one flush at a time, so that a flush's failures are
+// its own.
 type shareDriver struct {
 	membership
-	maxRecords int32 // a poll's records at most: the loop's in-flight bound
+	bound       int32 // the loop's in-flight bound: the first session's poll's records at most
+	maxSessions int   // the most sessions: shareSessions, or the in-flight bound when smaller
 
 	lease  atomic.Int64 // time.Duration: the group's record lock duration
 	limit  atomic.Int32 // the group's delivery count limit
@@ -44,22 +44,38 @@ type shareDriver struct {
 	startsLatest atomic.Bool
 	warns        *ratelog.Limiter // WARN lines, a few a minute of each kind
 
-	mu    sync.Mutex
-	cl    *kgo.Client
-	ready bool           // the group is configured and the topic subscribed
-	wave  []*shareHandle // the last poll's records
-	stash []*shareHandle // of them, those the loop has not taken yet
-	held  int            // of them, those not settled yet
-	done  chan struct{}  // closed when held falls to 0
+	mu       sync.Mutex
+	sessions []*shareSession // the first made by client(), the others by startPolls
+	ready    bool            // the group is configured and the topic subscribed
+	stash    []*shareHandle  // records polled that the loop has not taken yet
+	pending  pollResult      // what the polls said since Fetch last looked (no records)
+	// recordsAt is when a poll last brought records, for the fetcher's
+	// polledAt.
+	recordsAt time.Time
+	// noSessionUntil is when another session may be made again, after
+	// one could not be made or failed.
+	noSessionUntil time.Time
+	// busySince is when startPolls first found every session holding
+	// records; zero while one is idle or polling.
+	busySince    time.Time
+	pollsStopped bool // stopPolling began: no poll starts
 
-	ackMu sync.Mutex // one flush of acknowledgements at a time; the handles' lock reckoning
-
-	failsMu  sync.Mutex
-	flushing bool                 // a Settle or Extend waits for its flush
-	ackFails []kgo.ShareAckResult // what the broker refused since that flush began
-
-	stop      chan struct{}
+	wake      chan struct{}      // a poll ended or a session became idle (a Fetch may wait on it)
+	pollCtx   context.Context    // the sessions' polls run until it ends (Drain, Close)
+	stopPolls context.CancelFunc // ends pollCtx
+	pollers   sync.WaitGroup     // the polls under way
+	// retiring counts what Close waits for besides the polls: the
+	// clients of sessions given up, and renewStash.
+	retiring  sync.WaitGroup
 	closeOnce sync.Once
+	stop      chan struct{}
+
+	ackMu sync.Mutex // one round of flushes of acknowledgements at a time; the handles' lock reckoning
+
+	failsMu sync.Mutex
+	// flushing holds, for each session whose flush a Settle or Extend
+	// waits for, what the broker refused it since that flush began.
+	flushing map[*shareSession][]kgo.ShareAckResult
 }
 
 var (
@@ -74,7 +90,8 @@ var (
 // shareHandle is what the loop holds for one delivery of a share group.
 type shareHandle struct {
 	rec     *kgo.Record
-	settled bool // d.mu: acknowledged, or being
+	s       *shareSession // the session that polled it, which acknowledges it
+	settled bool          // d.mu: acknowledged, or being
 	// lockUntil is when its lock runs out, as the driver reckons it: the
 	// acquisition deadline the poll gave, then a lease from each renewal.
 	// d.ackMu (set before the handle is shared).
@@ -100,12 +117,21 @@ func (b *Broker) newShareDriver(topic, group string, cfg driver.Config) (*shareD
 	if n <= 0 {
 		n = 500 // franz-go's default
 	}
+	n = min(n, 1<<20)
+	sessions := min(shareSessions, n)
+	pctx, stopPolls := context.WithCancel(context.Background())
 	d := &shareDriver{
-		membership: membership{b: b, topic: topic, group: group, log: b.log.With("topic", topic, "share_group", group)},
-		maxRecords: int32(min(n, 1<<20)),
-		warns:      ratelog.New(3, time.Minute),
-		stop:       make(chan struct{}),
+		membership:  membership{b: b, topic: topic, group: group, log: b.log.With("topic", topic, "share_group", group)},
+		bound:       int32(n),
+		maxSessions: sessions,
+		warns:       ratelog.New(3, time.Minute),
+		wake:        make(chan struct{}, 1),
+		pollCtx:     pctx,
+		stopPolls:   stopPolls,
+		stop:        make(chan struct{}),
+		flushing:    make(map[*shareSession][]kgo.ShareAckResult),
 	}
+	d.clients = d.sessionClients
 	// The shortest lease until Connect reads the group's lock: the loop
 	// sets how often it looks for leases to extend from the lease as its
 	// Run starts, before Connect.
@@ -117,7 +143,7 @@ func (b *Broker) newShareDriver(topic, group string, cfg driver.Config) (*shareD
 	return d, nil
 }
 
-// client returns the share group client, making it on first use. It
+// client returns the first session's client, making it on first use. It
 // subscribes to no topic yet: Connect configures the group first, because
 // the group's share-partitions start where share.auto.offset.reset says
 // when its first member fetches.
@@ -129,23 +155,28 @@ func (d *shareDriver) client() (*kgo.Client, error) {
 		return nil, fmt.Errorf("kafka: consumer of %q: %w", d.topic, ErrClosed)
 	default:
 	}
-	if d.cl != nil {
-		return d.cl, nil
+	if len(d.sessions) > 0 {
+		return d.sessions[0].cl, nil
 	}
-	cl, err := kgo.NewClient(d.b.clientOpts(&d.link,
-		kgo.ShareGroup(d.group),
-		kgo.ShareMaxRecords(d.maxRecords),
-		// At most maxRecords a poll, and no fetch ahead of a poll: a
-		// record fetched ahead would sit here under its lock while other
-		// members could work on it.
-		kgo.ShareMaxRecordsStrict(),
-		kgo.ShareAckCallback(d.acked),
-	)...)
+	s, err := d.newSession(false)
 	if err != nil {
-		return nil, fmt.Errorf("kafka: consumer of %q: %w", d.topic, err)
+		return nil, err
 	}
-	d.cl = cl
-	return cl, nil
+	d.sessions = append(d.sessions, s)
+	d.retiring.Add(1)
+	go d.renewStash()
+	return s.cl, nil
+}
+
+// sessionClients returns the clients of every session.
+func (d *shareDriver) sessionClients() []*kgo.Client {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	cls := make([]*kgo.Client, len(d.sessions))
+	for i, s := range d.sessions {
+		cls[i] = s.cl
+	}
+	return cls
 }
 
 // Capabilities reports a queue that keeps no order: records carry no
@@ -227,9 +258,11 @@ func (d *shareDriver) configure(ctx context.Context, cl *kgo.Client) error {
 	return nil
 }
 
-// Fetch hands out what the last poll brought and the loop has not taken
-// yet; once every record of that poll is settled it polls again, up to
-// the loop's in-flight bound. Until then it waits.
+// Fetch hands out the records the sessions' polls brought that the loop
+// has not taken yet, starting a poll of every session whose records are
+// all settled (and another session when none is and the loop has room);
+// until records come it waits, returning within seconds to report what
+// failed or recovered, as the consumer group driver's polls do.
 func (d *shareDriver) Fetch(ctx context.Context, dst []driver.Message, room int) ([]driver.Message, error) {
 	cl, err := d.client()
 	if err != nil {
@@ -237,28 +270,6 @@ func (d *shareDriver) Fetch(ctx context.Context, dst []driver.Message, room int)
 	}
 	room = max(room, 1)
 	d.mu.Lock()
-	if len(d.stash) > 0 {
-		n := min(room, len(d.stash))
-		take := append([]*shareHandle(nil), d.stash[:n]...)
-		d.stash = append(d.stash[:0], d.stash[n:]...)
-		d.mu.Unlock()
-		for _, h := range d.freshen(ctx, take) {
-			dst = append(dst, d.message(h))
-		}
-		return dst, nil
-	}
-	if d.held > 0 && d.done != nil {
-		done := d.done
-		d.mu.Unlock()
-		select {
-		case <-done:
-		case <-ctx.Done():
-			return dst, ctx.Err()
-		case <-d.stop:
-			return dst, driver.Fatal(fmt.Errorf("kafka: fetch %q: %w", d.topic, ErrClosed))
-		}
-		d.mu.Lock()
-	}
 	ready := d.ready
 	d.mu.Unlock()
 	if !ready {
@@ -267,50 +278,85 @@ func (d *shareDriver) Fetch(ctx context.Context, dst []driver.Message, room int)
 			return dst, err
 		}
 	}
-	res := d.poll(ctx, cl, int(d.maxRecords))
-	var recs []*kgo.Record
-	res.fs.EachRecord(func(r *kgo.Record) {
-		if r.Topic == d.topic {
-			recs = append(recs, r)
-		} else {
-			r.Ack(kgo.AckRelease) // not ours: another subscription of the client's (never, today)
-		}
-	})
-	if len(recs) > 0 {
-		now := time.Now()
-		d.polledAt = now
+	res := pollResult{ask: d.failed == failedTopic}
+	var taken pollResult // of res, what came from the polls
+	for {
 		d.mu.Lock()
-		d.wave = make([]*shareHandle, len(recs))
-		var lock time.Duration
-		for i, r := range recs {
-			until := r.AcquisitionDeadline()
-			if until.IsZero() {
-				until = now.Add(d.Lease())
+		if len(d.stash) > 0 {
+			// Records polled as ctx ended still go to the loop (or,
+			// when it fetches no more, to Drain): Close gives back what
+			// nobody took.
+			n := min(room, len(d.stash))
+			take := append([]*shareHandle(nil), d.stash[:n]...)
+			d.stash = append(d.stash[:0], d.stash[n:]...)
+			d.polledAt = d.recordsAt
+			// What the polls said that this Fetch took and did not act
+			// on waits for the next.
+			if taken.err != nil && d.pending.err == nil {
+				d.pending.err = taken.err
 			}
-			lock = max(lock, until.Sub(now))
-			d.wave[i] = &shareHandle{rec: r, lockUntil: until}
+			d.pending.ask = d.pending.ask || taken.ask
+			if d.pending.staleID == ([16]byte{}) {
+				d.pending.staleID = taken.staleID
+			}
+			d.mu.Unlock()
+			for _, h := range d.freshen(ctx, take) {
+				dst = append(dst, d.message(h))
+			}
+			return dst, nil
 		}
-		// The lock the group gives now, as the poll shows it: the
-		// group's configuration may have changed since Connect read it,
-		// or could not be read.
-		d.lease.Store(int64(max(lock, driver.MinLease)))
-		d.stash = append(d.stash[:0], d.wave...)
-		d.held = len(recs)
-		d.done = make(chan struct{})
-		// Records polled as ctx ended still go to the loop (or, when it
-		// fetches no more, to Drain): franz-go would accept them at the
-		// next poll, and Close releases what nobody took.
-		n := min(room, len(d.stash))
-		for _, h := range d.stash[:n] {
-			dst = append(dst, d.message(h))
+		if p := d.pending; p.err != nil || p.ask {
+			if p.err != nil && (res.err == nil || isRefusal(p.err) || errors.Is(p.err, kgo.ErrClientClosed)) {
+				res.err, taken.err = p.err, p.err
+			}
+			taken.ask = taken.ask || p.ask
+			if p.staleID != ([16]byte{}) {
+				taken.staleID = p.staleID
+			}
+			if p.ask {
+				res.ask = true
+			}
+			if p.staleID != ([16]byte{}) {
+				res.staleID = p.staleID
+			}
+			d.pending = pollResult{}
 		}
-		d.stash = append(d.stash[:0], d.stash[n:]...)
+		if ctx.Err() != nil {
+			d.mu.Unlock()
+			return dst, ctx.Err()
+		}
+		canGrow := d.startPolls()
 		d.mu.Unlock()
+		switch {
+		case res.err != nil, res.ask && time.Since(d.askedAt) >= askEvery:
+			return dst, d.fetchErr(ctx, cl, res)
+		case time.Since(d.polledAt) >= quietAsk && time.Since(d.askedAt) >= quietAsk:
+			res.ask = true
+			return dst, d.fetchErr(ctx, cl, res)
+		}
+		if _, err := d.link.down(); err != nil {
+			return dst, d.fetchErr(ctx, cl, res)
+		}
+		if d.failed == failedLink && !d.link.failing.Load() && d.link.everAnswered() {
+			return dst, d.fetchErr(ctx, cl, res)
+		}
+		wait := pollSlice
+		if canGrow {
+			// every session holds records: look again when another
+			// may be made
+			wait = min(wait, max(straggleAfter-time.Since(d.busySince), time.Millisecond))
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-d.wake:
+		case <-t.C:
+		case <-ctx.Done():
+		case <-d.stop:
+			t.Stop()
+			return dst, driver.Fatal(fmt.Errorf("kafka: fetch %q: %w", d.topic, ErrClosed))
+		}
+		t.Stop()
 	}
-	if err := ctx.Err(); err != nil {
-		return dst, err
-	}
-	return dst, d.fetchErr(ctx, cl, res)
 }
 
 // message is the record of h as the loop takes it: no lane (a share group
@@ -334,10 +380,11 @@ func (d *shareDriver) message(h *shareHandle) driver.Message {
 	}
 }
 
-// Drain hands the loop, when it stops fetching, the records of the last
-// poll it has not taken, to run within its grace: given back, each would
-// count one more delivery.
+// Drain hands the loop, when it stops fetching, the records polled that
+// it has not taken, to run within its grace: given back, each would count
+// one more delivery. It stops the sessions' polls first.
 func (d *shareDriver) Drain(ctx context.Context, dst []driver.Message) ([]driver.Message, error) {
+	d.stopPolling()
 	d.mu.Lock()
 	take := d.stash
 	d.stash = nil
@@ -359,9 +406,9 @@ func (d *shareDriver) Drain(ctx context.Context, dst []driver.Message) ([]driver
 // acknowledgement) it reports no lag there; Lag then counts from the
 // partition's start offset, or where the group starts (its log start,
 // Ferry's default, or its end), to its end. Of
-// the sum, InFlight is what this member holds (the unsettled records of
-// its last poll) and Messages the rest; OldestAge is the age of the
-// oldest record this member holds: the broker tells no age of a share
+// the sum, InFlight is what this consumer holds (the unsettled records of
+// its sessions' last polls) and Messages the rest; OldestAge is the age of the
+// oldest record this consumer holds: the broker tells no age of a share
 // group's backlog.
 func (d *shareDriver) Lag(ctx context.Context) (driver.Lag, error) {
 	fail := func(what string, err error) (driver.Lag, error) {
@@ -432,11 +479,13 @@ func (d *shareDriver) Lag(ctx context.Context) (driver.Lag, error) {
 	}
 	d.mu.Lock()
 	var oldest time.Time
-	for _, h := range d.wave {
-		if !h.settled {
-			out.InFlight++
-			if ts := h.rec.Timestamp; oldest.IsZero() || ts.Before(oldest) {
-				oldest = ts
+	for _, s := range d.sessions {
+		for _, h := range s.wave {
+			if !h.settled {
+				out.InFlight++
+				if ts := h.rec.Timestamp; oldest.IsZero() || ts.Before(oldest) {
+					oldest = ts
+				}
 			}
 		}
 	}
@@ -455,43 +504,51 @@ func (d *shareDriver) As(h, target any) bool {
 	return ok && sh != nil && recordAs(sh.rec, target)
 }
 
-// Close gives back the records of the last poll nobody took, sends every
-// acknowledgement still pending, and leaves the group (franz-go releases
-// what is still only renewed). The loop calls it when Run ends.
+// Close stops the sessions' polls, gives back the records polled that
+// nobody took, sends every acknowledgement still pending, and leaves the
+// group (franz-go releases what is still only renewed). The loop calls it
+// when Run ends.
 func (d *shareDriver) Close() error {
 	d.closeOnce.Do(func() {
 		close(d.stop)
 		d.b.forget(d)
+		d.stopPolling()
 		d.mu.Lock()
-		cl := d.cl
-		var back []*kgo.Record
-		for _, h := range d.wave {
-			if !h.settled {
-				h.settled = true
-				back = append(back, h.rec)
+		sessions := d.sessions
+		back := map[*shareSession][]*kgo.Record{}
+		for _, s := range sessions {
+			for _, h := range s.wave {
+				if !h.settled {
+					h.settled = true
+					back[s] = append(back[s], h.rec)
+				}
 			}
+			s.wave, s.held = nil, 0
 		}
-		d.stash, d.wave, d.held = nil, nil, 0
-		if d.done != nil {
-			close(d.done)
-			d.done = nil
-		}
+		d.stash = nil
 		d.mu.Unlock()
-		if cl == nil {
-			return
-		}
+		d.wakeFetch()
 		d.ackMu.Lock()
-		for _, r := range back {
-			d.releasing(r)
-			r.Ack(kgo.AckRelease)
+		var wg sync.WaitGroup
+		for _, s := range sessions {
+			wg.Go(func() {
+				for _, r := range back[s] {
+					d.releasing(r)
+					r.Ack(kgo.AckRelease)
+				}
+				ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+				if err := s.cl.FlushAcks(ctx); err != nil {
+					d.log.Warn("ferry/kafka: acknowledgements not sent as the consumer stopped; their records come back when their locks run out", "err", err)
+				}
+				cancel()
+				s.cl.Close()
+			})
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		if err := cl.FlushAcks(ctx); err != nil {
-			d.log.Warn("ferry/kafka: acknowledgements not sent as the consumer stopped; their records come back when their locks run out", "err", err)
-		}
-		cancel()
+		wg.Wait()
 		d.ackMu.Unlock()
-		cl.Close()
+		// renewStash ends with stop (an Extend of it under way waited
+		// for ackMu, and its flush ends with the polls' context).
+		d.retiring.Wait()
 	})
 	return nil
 }

@@ -28,9 +28,9 @@ const shareLease = 2 * time.Second
 // (kafka.Share): Kafka as a queue, every consumer of a source a member of
 // one share group, on a topic of one partition, made as a user makes them.
 // One partition, because the group's assignor gives a member whole
-// partitions while members are no more than partitions: of two members on
-// two partitions each gets one, and neither can take what the other holds
-// (TestShareMembersShareOnePartition shows many members on one).
+// partitions while members are no more than partitions, and a member
+// cannot take what another holds (TestShareMembersShareOnePartition shows
+// many members on one).
 func TestShareConformance(t *testing.T) {
 	consumertest.Run(t, &shareHarness{b: newBroker(t, kafka.WithGroupProtocol(kafka.Share))})
 }

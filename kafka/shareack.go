@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -71,38 +72,51 @@ func (d *shareDriver) send(ctx context.Context, acks []shareAck) map[*shareHandl
 	return failed
 }
 
-// flushAcks marks acks, flushes them and returns the acks the broker
-// refused (every ack of a partition it refused) or did not answer, with
-// the error.
+// flushAcks marks acks, flushes them through the client of each ack's
+// session (the sessions at once) and returns the acks the broker refused
+// (every ack of a partition it refused) or did not answer, with the
+// error.
 func (d *shareDriver) flushAcks(ctx context.Context, acks []shareAck) map[shareAck]error {
-	d.mu.Lock()
-	cl := d.cl
-	d.mu.Unlock()
-	out := map[shareAck]error{}
-	if cl == nil {
-		for _, a := range acks {
-			out[a] = errors.New("no client")
-		}
-		return out
-	}
-	d.beginFlush()
+	var bySession [][]shareAck
 	for _, a := range acks {
-		a.h.rec.Ack(a.status)
-	}
-	fctx, cancel := context.WithTimeout(ctx, flushWithin)
-	err := cl.FlushAcks(fctx)
-	cancel()
-	fails := d.endFlush()
-	if err != nil {
-		err = fmt.Errorf("%w within %s: %w", errNotAnswered, flushWithin, err)
-	}
-	for _, a := range acks {
-		if err != nil {
-			out[a] = err
-		} else if rerr := refusedFor(fails, a.h.rec); rerr != nil {
-			out[a] = rerr
+		i := slices.IndexFunc(bySession, func(g []shareAck) bool { return g[0].h.s == a.h.s })
+		if i < 0 {
+			bySession = append(bySession, nil)
+			i = len(bySession) - 1
 		}
+		bySession[i] = append(bySession[i], a)
 	}
+	var (
+		mu  sync.Mutex
+		wg  sync.WaitGroup
+		out = map[shareAck]error{}
+	)
+	for _, g := range bySession {
+		wg.Go(func() {
+			s := g[0].h.s
+			d.beginFlush(s)
+			for _, a := range g {
+				a.h.rec.Ack(a.status)
+			}
+			fctx, cancel := context.WithTimeout(ctx, flushWithin)
+			err := s.cl.FlushAcks(fctx)
+			cancel()
+			fails := d.endFlush(s)
+			if err != nil {
+				err = fmt.Errorf("%w within %s: %w", errNotAnswered, flushWithin, err)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			for _, a := range g {
+				if err != nil {
+					out[a] = err
+				} else if rerr := refusedFor(fails, a.h.rec); rerr != nil {
+					out[a] = rerr
+				}
+			}
+		})
+	}
+	wg.Wait()
 	return out
 }
 
@@ -150,13 +164,7 @@ func (d *shareDriver) Settle(ctx context.Context, batch []driver.Settlement) err
 	refused := d.send(ctx, acks)
 	d.ackMu.Unlock()
 
-	d.mu.Lock()
-	d.held -= len(acks)
-	if d.held <= 0 && d.done != nil {
-		close(d.done) // the last poll's records are settled: Fetch polls again
-		d.done = nil
-	}
-	d.mu.Unlock()
+	d.unhold(acks)
 
 	for i, s := range batch {
 		h, _ := s.Handle.(*shareHandle)
@@ -170,6 +178,23 @@ func (d *shareDriver) Settle(ctx context.Context, batch []driver.Settlement) err
 	}
 	slices.Sort(failed)
 	return &driver.SettleError{Failed: failed, Err: fmt.Errorf("kafka: acknowledge records of %q in share group %q: %w", d.topic, d.group, why)}
+}
+
+// unhold counts the records of acks as settled in their sessions, and
+// wakes Fetch when a session's records are all settled: it may poll again.
+func (d *shareDriver) unhold(acks []shareAck) {
+	idle := false
+	d.mu.Lock()
+	for _, a := range acks {
+		if a.h.s.held > 0 {
+			a.h.s.held--
+			idle = idle || a.h.s.held == 0
+		}
+	}
+	d.mu.Unlock()
+	if idle {
+		d.wakeFetch()
+	}
 }
 
 // releasing warns when r goes back on the last delivery the group allows:
@@ -257,7 +282,8 @@ func (d *shareDriver) Extend(ctx context.Context, handles []any, _ time.Duration
 // from when it takes a record: a record whose lock is a third gone is
 // renewed first, and one whose renewal is refused (its lock ran out while
 // it waited here: the broker may have handed it to another member) is
-// dropped, and counted as settled.
+// released, dropped, and counted as settled. One whose renewal was not
+// answered goes to the loop.
 func (d *shareDriver) freshen(ctx context.Context, hs []*shareHandle) []*shareHandle {
 	d.ackMu.Lock()
 	defer d.ackMu.Unlock()
@@ -274,12 +300,21 @@ func (d *shareDriver) freshen(ctx context.Context, hs []*shareHandle) []*shareHa
 	}
 	refused := d.send(ctx, acks)
 	now := time.Now()
-	var gone []*shareHandle
+	var (
+		gone     []*shareHandle
+		releases []shareAck
+	)
 	for _, a := range acks {
-		if _, ok := refused[a.h]; ok {
-			gone = append(gone, a.h)
-		} else {
+		err, ok := refused[a.h]
+		switch {
+		case !ok:
 			a.h.lockUntil = now.Add(lease)
+		case errors.Is(err, errNotAnswered):
+			// The record may still be locked: the loop takes it, and
+			// its renewals go on from there.
+		default:
+			gone = append(gone, a.h)
+			releases = append(releases, shareAck{h: a.h, status: kgo.AckRelease})
 		}
 	}
 	if len(gone) == 0 {
@@ -289,18 +324,20 @@ func (d *shareDriver) freshen(ctx context.Context, hs []*shareHandle) []*shareHa
 		d.log.Warn("ferry/kafka: records lost their locks while they waited for room in the consumer; the broker delivers them again",
 			"count", len(gone), "unlogged", left)
 	}
+	// A dropped record must have a final acknowledgement before its
+	// session polls again, or franz-go accepts it then: the release goes
+	// now (the broker refuses it, the lock being gone; that is all).
+	d.flushAcks(ctx, releases)
 	d.mu.Lock()
+	var dropped []shareAck
 	for _, h := range gone {
 		if !h.settled {
 			h.settled = true
-			d.held--
+			dropped = append(dropped, shareAck{h: h})
 		}
 	}
-	if d.held <= 0 && d.done != nil {
-		close(d.done)
-		d.done = nil
-	}
 	d.mu.Unlock()
+	d.unhold(dropped)
 	return slices.DeleteFunc(hs, func(h *shareHandle) bool { return slices.Contains(gone, h) })
 }
 
@@ -309,19 +346,20 @@ func (d *shareDriver) freshen(ctx context.Context, hs []*shareHandle) []*shareHa
 // still be locked.
 var errNotAnswered = errors.New("the broker did not answer")
 
-// acked is franz-go's ShareAckCallback: it keeps what the broker refused,
-// for the flush under way (FlushAcks returns after the callbacks of what
-// it sent), and logs a refusal of acknowledgements no flush waits for
-// (those Close sends).
-func (d *shareDriver) acked(_ *kgo.Client, rs kgo.ShareAckResults) {
+// acked is franz-go's ShareAckCallback of session s: it keeps what the
+// broker refused, for the flush of s under way (FlushAcks returns after
+// the callbacks of what it sent), and logs a refusal of acknowledgements
+// no flush waits for (those Close sends, and a poll's acknowledgement of
+// records freshen dropped).
+func (d *shareDriver) acked(s *shareSession, rs kgo.ShareAckResults) {
 	d.failsMu.Lock()
 	defer d.failsMu.Unlock()
 	for _, r := range rs {
 		if r.Err == nil || r.Topic != d.topic {
 			continue
 		}
-		if d.flushing {
-			d.ackFails = append(d.ackFails, r)
+		if fails, ok := d.flushing[s]; ok {
+			d.flushing[s] = append(fails, r)
 		} else if ok, left := d.warns.Allow("shareAck refused"); ok {
 			d.log.Warn("ferry/kafka: the broker refused acknowledgements; their records are delivered again when their locks run out",
 				"partition", r.Partition, "err", r.Err, "unlogged", left)
@@ -329,20 +367,20 @@ func (d *shareDriver) acked(_ *kgo.Client, rs kgo.ShareAckResults) {
 	}
 }
 
-// beginFlush forgets earlier refusals, as a flush begins.
-func (d *shareDriver) beginFlush() {
+// beginFlush forgets earlier refusals of s, as a flush of s begins.
+func (d *shareDriver) beginFlush(s *shareSession) {
 	d.failsMu.Lock()
-	d.ackFails = d.ackFails[:0]
-	d.flushing = true
+	d.flushing[s] = []kgo.ShareAckResult{}
 	d.failsMu.Unlock()
 }
 
-// endFlush returns the refusals since beginFlush, as its flush ends.
-func (d *shareDriver) endFlush() []kgo.ShareAckResult {
+// endFlush returns the refusals of s since beginFlush, as its flush ends.
+func (d *shareDriver) endFlush(s *shareSession) []kgo.ShareAckResult {
 	d.failsMu.Lock()
 	defer d.failsMu.Unlock()
-	d.flushing = false
-	return slices.Clone(d.ackFails)
+	fails := d.flushing[s]
+	delete(d.flushing, s)
+	return fails
 }
 
 // refusedFor is the error the broker gave for r's partition, if any.

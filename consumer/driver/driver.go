@@ -332,8 +332,10 @@ type Lag struct {
 // those already received and not yet fetched, without waiting for new
 // ones. The loop calls it once, after its last Fetch returned, when its
 // context ends, and runs what it returns within its shutdown grace like
-// any fetched delivery. Everything it returns fits the in-flight bound, as
-// a prefetch sized from it does.
+// any fetched delivery. What it returns fits the in-flight bound, as a
+// prefetch sized from it does (a Kafka share group consumer whose records
+// straggle may hold up to three quarters of the bound more, which it
+// returns too: given back, each would count one more delivery).
 type Drainer interface {
 	Drain(ctx context.Context, dst []Message) ([]Message, error)
 }

@@ -87,7 +87,7 @@ type config struct {
 func parseFlags(args []string) (config, error) {
 	var c config
 	fs := flag.NewFlagSet("chaos", flag.ContinueOnError)
-	brokers := fs.String("broker", "all", "the brokers to break: all (kafka, sqs, rabbitmq), or a comma-separated list of kafka, sqs, rabbitmq, kafka-share (Kafka's share groups)")
+	brokers := fs.String("broker", "all", "the brokers to break: all (kafka, sqs, rabbitmq, kafka-share), or a comma-separated list of them (kafka-share: Kafka's share groups)")
 	fs.IntVar(&c.Orders, "orders", 100_000, "orders per broker")
 	fs.DurationVar(&c.Duration, "duration", 3*time.Minute, "how long the order service takes to commit the orders (the chaos runs meanwhile)")
 	fs.Uint64Var(&c.Seed, "seed", 1, "the seed of the orders and of the fault schedule")
@@ -118,14 +118,7 @@ func parseFlags(args []string) (config, error) {
 	}
 	switch *brokers {
 	case "all", "":
-		// Kafka's share groups are not in all yet: a member that holds a
-		// single record when the outage starts (its poll gave it one, and
-		// it polls again only once that record is settled) spends the
-		// record's attempts on the breaker's half-open trials, one every
-		// couple of seconds, and in one run of eight after the breaker
-		// fix a good order was dead-lettered that way; -broker kafka-share
-		// runs the row.
-		c.Brokers = []string{"kafka", "sqs", "rabbitmq"}
+		c.Brokers = []string{"kafka", "sqs", "rabbitmq", "kafka-share"}
 	default:
 		for b := range strings.SplitSeq(*brokers, ",") {
 			switch b {
