@@ -64,6 +64,17 @@ type Message struct {
 	// zero otherwise.
 	PublishedAt time.Time
 
+	// NotBefore, on a message to publish, is the earliest time a consumer
+	// may receive it: a delayed or scheduled publish. Zero, or a time that
+	// has passed, publishes it at once. A broker that cannot hold the
+	// message until then refuses it rather than deliver it early: Publish
+	// reports it in a *[PublishError] wrapping [ErrDelayNotSupported] (on
+	// Kafka; on RabbitMQ and on FIFO queues, for now) or [ErrDelayTooLong]
+	// (past what the broker can hold: 15 minutes on SQS), and publishes the
+	// others. An SQS delay is rounded up to whole seconds. On a consumed
+	// message it is zero.
+	NotBefore time.Time
+
 	// unseen is how many earlier deliveries no run count was known for
 	// (each counted as one run in Attempt); set by the loop.
 	unseen int

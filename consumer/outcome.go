@@ -171,6 +171,19 @@ func (e *PanicError) Unwrap() error {
 	return nil
 }
 
+// The reasons a Publisher refuses a message's [Message.NotBefore], wrapped
+// in its *[PublishError].
+var (
+	// ErrDelayNotSupported: the broker cannot hold a message until a later
+	// time (Kafka has no delay; RabbitMQ and FIFO queues are not served
+	// yet).
+	ErrDelayNotSupported = errors.New("delayed publish not supported")
+
+	// ErrDelayTooLong: the message's NotBefore is further away than the
+	// broker can hold a message (15 minutes on SQS).
+	ErrDelayTooLong = errors.New("delay too long")
+)
+
 // PublishError reports the messages of one Publish call that the broker did
 // not take. The other messages of the call were published.
 type PublishError struct {

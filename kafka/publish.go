@@ -31,7 +31,9 @@ import (
 // counted as franz-go counts it), and the records of one key are sent
 // one after another: a record that fails, refused here (larger than the
 // producer's batch limit) or by the cluster, fails every later record of
-// its key in the call, without sending them.
+// its key in the call, without sending them. A record with a NotBefore still
+// ahead is refused so, wrapping [consumer.ErrDelayNotSupported]: Kafka has
+// no delayed delivery.
 func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Message) error {
 	start := time.Now()
 	err := b.publish(ctx, topic, msgs)
@@ -58,6 +60,7 @@ func (b *Broker) publish(ctx context.Context, topic string, msgs []consumer.Mess
 		return fmt.Errorf("kafka: publish to %q: %w", topic, err)
 	}
 	maxBytes := b.maxRecordFor(topic)
+	start := time.Now()
 	var (
 		failed []consumer.FailedMessage
 		dead   map[string]bool // keys with a failed record: their later records are not sent
@@ -164,6 +167,10 @@ func (b *Broker) publish(ctx context.Context, topic string, msgs []consumer.Mess
 			switch {
 			case dead[key]:
 				fail(i, fmt.Errorf("kafka: not sent: an earlier record of key %q in this call failed", key))
+			case msgs[i].NotBefore.After(start):
+				fail(i, fmt.Errorf("kafka: NotBefore %s ahead: Kafka delivers a record as soon as it is written, and cannot hold one back: %w",
+					msgs[i].NotBefore.Sub(start).Round(time.Millisecond), consumer.ErrDelayNotSupported))
+				kill(key)
 			case maxBytes > 0 && recordSize(r) > int(maxBytes):
 				fail(i, fmt.Errorf("kafka: record of about %d bytes exceeds the producer's batch limit of %d bytes: %w", recordSize(r), maxBytes, kerr.MessageTooLarge))
 				kill(key)

@@ -99,5 +99,6 @@ func (h *conformanceHarness) Capabilities() consumertest.Capabilities {
 		Ordered:    true,
 		Lease:      conformanceLease,
 		Redelivers: true,
+		Delays:     true,
 	}
 }

@@ -105,3 +105,48 @@ func ExampleBroker_CreateQueue_deadLetterQueue() {
 	// attempt 3 fails
 	// dead letter pay-42 from payments after 3 receives: not json
 }
+
+// A message published with NotBefore waits, delayed, until then; the one
+// published beside it without a time is consumed at once.
+func ExampleBroker_Publish_notBefore() {
+	b, err := memory.New()
+	if err != nil {
+		panic(err)
+	}
+	defer b.Close()
+	if err := b.CreateQueue("reminders", memory.QueueConfig{}); err != nil {
+		panic(err)
+	}
+	ctx := context.Background()
+	remindAt := time.Now().Add(200 * time.Millisecond)
+	err = b.Publish(ctx, "reminders",
+		consumer.Message{Body: []byte("pay your invoice"), NotBefore: remindAt},
+		consumer.Message{Body: []byte("invoice sent")},
+	)
+	if err != nil {
+		panic(err)
+	}
+	fmt.Printf("%+v\n", b.Stats("reminders"))
+
+	c, err := b.NewConsumer(ctx, "reminders", consumer.WithConcurrency(1))
+	if err != nil {
+		panic(err)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	handled := 0
+	err = c.Run(ctx, consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		fmt.Printf("%s (not early: %t)\n", m.Body, !time.Now().Before(remindAt) || string(m.Body) == "invoice sent")
+		if handled++; handled == 2 {
+			cancel()
+		}
+		return nil
+	}))
+	if err != nil {
+		panic(err)
+	}
+	// Output:
+	// {Visible:1 Delayed:1 InFlight:0 Acked:0 DeadLettered:0}
+	// invoice sent (not early: true)
+	// pay your invoice (not early: true)
+}

@@ -20,6 +20,10 @@ import (
 // dropped (Publish still succeeds, as on SQS). Messages the queue cannot take
 // are reported in a *consumer.PublishError wrapping ErrInvalidMessage; the
 // others are published.
+//
+// A message whose NotBefore is still ahead is held until then, however
+// far: no consumer receives it before (on a standard queue; a FIFO queue
+// refuses it with consumer.ErrDelayNotSupported, as SQS does).
 func (b *Broker) Publish(ctx context.Context, destination string, msgs ...consumer.Message) error {
 	start := time.Now()
 	err := b.publish(ctx, destination, msgs)
@@ -45,18 +49,28 @@ func (b *Broker) publish(ctx context.Context, destination string, msgs []consume
 	// Build the entries outside the lock: one slice of entries, one buffer
 	// for all bodies and one string for all new IDs per call.
 	var perr *consumer.PublishError
-	bodies, newIDs := 0, 0
+	refuse := func(i int, err error) {
+		if perr == nil {
+			perr = &consumer.PublishError{}
+		}
+		perr.Failed = append(perr.Failed, consumer.FailedMessage{Index: i, Err: err})
+	}
+	bodies, newIDs, delayed := 0, 0, false
+	wall := time.Now()
 	for i := range msgs {
 		bodies += len(msgs[i].Body)
 		if msgs[i].ID == "" {
 			newIDs++
 		}
-		if q.cfg.FIFO && msgs[i].Key == "" {
-			if perr == nil {
-				perr = &consumer.PublishError{}
-			}
-			perr.Failed = append(perr.Failed, consumer.FailedMessage{Index: i,
-				Err: fmt.Errorf("%w: Key (the message group) must not be empty on FIFO queue %q", ErrInvalidMessage, destination)})
+		switch {
+		case q.cfg.FIFO && msgs[i].Key == "":
+			refuse(i, fmt.Errorf("%w: Key (the message group) must not be empty on FIFO queue %q", ErrInvalidMessage, destination))
+		case !msgs[i].NotBefore.After(wall):
+		case q.cfg.FIFO:
+			// As on SQS: a FIFO queue delays a whole queue, not a message.
+			refuse(i, fmt.Errorf("memory: NotBefore on FIFO queue %q: %w", destination, consumer.ErrDelayNotSupported))
+		default:
+			delayed = true
 		}
 	}
 	var ids string
@@ -108,6 +122,12 @@ func (b *Broker) publish(ctx context.Context, destination string, msgs []consume
 		}
 		if dedup && msgs[i].ID != "" && q.isDuplicate(msgs[i].ID, now) {
 			continue
+		}
+		if delayed {
+			if d := msgs[i].NotBefore.Sub(wall); d > 0 {
+				q.enqueueDelayed(&ents[i], now, int64(d))
+				continue
+			}
 		}
 		q.enqueue(&ents[i], now)
 	}

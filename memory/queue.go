@@ -201,6 +201,19 @@ func (q *queue) enqueue(e *entry, now int64) {
 	}
 }
 
+// enqueueDelayed appends a new entry that becomes visible after delay (a
+// publish with NotBefore; standard queues only).
+func (q *queue) enqueueDelayed(e *entry, now, delay int64) {
+	e.q = q
+	e.enq = now
+	e.hidx = -1
+	e.state = stDelayed
+	e.due = now + delay
+	q.delayed++
+	q.order.pushBack(e)
+	q.heapPush(e)
+}
+
 // makeVisible puts an entry that left the heap (or was returned with no
 // delay) back where the next Fetch finds it: at the back of a standard queue,
 // at the head of its FIFO group.

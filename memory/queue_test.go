@@ -68,6 +68,36 @@ func TestPublishAssignsUniqueIDs(t *testing.T) {
 	}
 }
 
+// TestPublishNotBefore: a standard queue holds a message until its
+// NotBefore (counted as delayed until then), while a FIFO queue refuses
+// one, as SQS does, and publishes the others of the call.
+func TestPublishNotBefore(t *testing.T) {
+	b := newBroker(t)
+	d := newDriver(t, b, "q")
+	later := msg("later", "body")
+	later.NotBefore = time.Now().Add(300 * time.Millisecond)
+	publish(t, b, "q", later, msg("now", "body"))
+	wantStats(t, b, "q", memory.QueueStats{Visible: 1, Delayed: 1})
+	if ms := fetch(t, d, 10); len(ms) != 1 || ms[0].ID != "now" {
+		t.Fatalf("fetched %v before NotBefore, want now alone", ids(ms))
+	}
+	time.Sleep(time.Until(later.NotBefore))
+	if ms := fetch(t, d, 10); len(ms) != 1 || ms[0].ID != "later" {
+		t.Fatalf("fetched %v after NotBefore, want later", ids(ms))
+	}
+
+	createQueue(t, b, "f.fifo", memory.QueueConfig{FIFO: true})
+	later.Key, later.NotBefore = "k", time.Now().Add(time.Minute)
+	now := msg("now", "body")
+	now.Key = "k"
+	err := b.Publish(t.Context(), "f.fifo", later, now)
+	var pe *consumer.PublishError
+	if !errors.As(err, &pe) || len(pe.Failed) != 1 || pe.Failed[0].Index != 0 || !errors.Is(err, consumer.ErrDelayNotSupported) {
+		t.Fatalf("Publish with NotBefore to a FIFO queue = %v, want message 0 alone refused with ErrDelayNotSupported", err)
+	}
+	wantStats(t, b, "f.fifo", memory.QueueStats{Visible: 1})
+}
+
 func TestVisibilityTimeoutRedelivers(t *testing.T) {
 	const vis = 100 * time.Millisecond
 	b := newBroker(t)

@@ -89,9 +89,10 @@ const (
 
 // pubItem is one message on its way to the broker.
 type pubItem struct {
-	rk  string // routing key
-	key string // Message.Key, for per-key order
-	pub amqp.Publishing
+	rk      string // routing key
+	key     string // Message.Key, for per-key order
+	pub     amqp.Publishing
+	refused error // why it is not sent, found before sending
 }
 
 // publisher publishes in confirm mode over the Broker's publish connection,
@@ -428,6 +429,10 @@ func (p *publisher) publishRaw(ctx context.Context, exchange, dest string, items
 			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, ErrClosed)
 			continue
 		}
+		if err := items[i].refused; err != nil {
+			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, err)
+			continue
+		}
 		props, err := checkLimits(exchange, &items[i], maxBody)
 		if err != nil {
 			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, err)
@@ -594,7 +599,9 @@ func (p *publisher) waitErr(ctx context.Context, dest string) error {
 // it is empty) and its Headers as string header values. While the broker
 // blocks the connection (a memory or disk alarm), Publish waits; when ctx
 // ends first, the messages not confirmed fail with an error matching both
-// [ErrBlocked] and ctx's error.
+// [ErrBlocked] and ctx's error. A message with a NotBefore still ahead
+// fails with [consumer.ErrDelayNotSupported], unsent: delayed publish on
+// RabbitMQ is not served yet.
 func (b *Broker) Publish(ctx context.Context, destination string, msgs ...consumer.Message) error {
 	start := time.Now()
 	err := b.publish(ctx, destination, msgs)
@@ -650,6 +657,11 @@ func (b *Broker) publish(ctx context.Context, destination string, msgs []consume
 			Body:         m.Body,
 		}
 		fitDeadLetter(it, toQueue)
+		if m.NotBefore.After(now) {
+			// The delay queues hold a consumer's retries, by steps; a
+			// publish with a time of its own is not served yet.
+			it.refused = fmt.Errorf("NotBefore %s ahead: %w", m.NotBefore.Sub(now).Round(time.Millisecond), consumer.ErrDelayNotSupported)
+		}
 		if m.Key != "" {
 			wave[i] = seen[m.Key]
 			seen[m.Key]++

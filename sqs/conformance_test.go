@@ -85,6 +85,7 @@ func (h *harness) Capabilities() consumertest.Capabilities {
 		Ordered:    true,
 		Lease:      conformanceLease,
 		Redelivers: true,
+		Delays:     true,
 		// A body that is not text travels base64-encoded: 4/3 of its size,
 		// within SQS's 1 MiB with room for the headers.
 		MaxBody: 3 * (ferrysqs.DefaultMaxMessageSize - 4096) / 4,
@@ -109,6 +110,14 @@ func (h *fifoHarness) NewSource(t *testing.T, cfg consumertest.SourceConfig) str
 }
 
 func (h *fifoHarness) Publisher(t *testing.T) consumer.Publisher { return ownGroups{h.b} }
+
+// Capabilities: a FIFO queue delays the whole queue, never a message, so
+// Publish refuses a NotBefore there.
+func (h *fifoHarness) Capabilities() consumertest.Capabilities {
+	c := h.harness.Capabilities()
+	c.Delays = false
+	return c
+}
 
 func (h *fifoHarness) NewConsumer(t *testing.T, source string, opts ...consumer.Option) consumer.Consumer {
 	return ownGroupsConsumer{h.harness.NewConsumer(t, source, opts...)}

@@ -21,8 +21,12 @@ import (
 // returns nil only once SQS took every message.
 //
 // Each message is checked before any call: one larger than the queue's
-// MaximumMessageSize fails with [ErrMessageTooLarge], and one without a Key on
-// a FIFO queue with [ErrInvalidMessage]; neither is sent, and the others are.
+// MaximumMessageSize fails with [ErrMessageTooLarge], one without a Key on
+// a FIFO queue with [ErrInvalidMessage], and one whose NotBefore SQS cannot
+// keep (further than [MaxDelay], or on a FIFO queue) with
+// [consumer.ErrDelayTooLong] or [consumer.ErrDelayNotSupported]; none of
+// them is sent, and the others are. A NotBefore still ahead is sent as the
+// message's DelaySeconds, rounded up to whole seconds.
 // On a FIFO queue the Key is the message group and the ID the deduplication
 // id (a message without an ID gets a random one, unless the queue
 // deduplicates by content). Headers, the key and bodies that are not SQS
@@ -60,10 +64,16 @@ func (b *Broker) publish(ctx context.Context, destination string, msgs []consume
 	}
 	p := &publish{b: b, q: q, dest: destination, failedKeys: make(map[string]bool)}
 	outs := make([]outgoing, 0, len(msgs))
+	now := time.Now()
 	for i := range msgs {
 		m := &msgs[i]
 		if m.Key != "" && p.failedKeys[m.Key] {
 			p.fail(i, m.Key, ErrNotSent)
+			continue
+		}
+		delay, err := delaySeconds(q, m, now)
+		if err != nil {
+			p.fail(i, m.Key, err)
 			continue
 		}
 		o, err := encode(q, m)
@@ -71,6 +81,7 @@ func (b *Broker) publish(ctx context.Context, destination string, msgs []consume
 			p.fail(i, m.Key, err)
 			continue
 		}
+		o.entry.DelaySeconds = delay
 		o.index = i
 		outs = append(outs, o)
 	}
@@ -80,6 +91,27 @@ func (b *Broker) publish(ctx context.Context, destination string, msgs []consume
 	}
 	slices.SortFunc(p.failed, func(a, b consumer.FailedMessage) int { return a.Index - b.Index })
 	return &consumer.PublishError{Failed: p.failed}
+}
+
+// MaxDelay is the longest SQS holds a message before any consumer may
+// receive it (DelaySeconds).
+const MaxDelay = 15 * time.Minute
+
+// delaySeconds is the DelaySeconds of m: the time to its NotBefore, rounded
+// up to whole seconds (a message is never delivered early), or none when
+// it has passed. A FIFO queue cannot delay a message of its own, and SQS
+// cannot hold one beyond MaxDelay: both are refused, not sent at once.
+func delaySeconds(q *queueInfo, m *consumer.Message, now time.Time) (int32, error) {
+	d := m.NotBefore.Sub(now)
+	switch {
+	case m.NotBefore.IsZero() || d <= 0:
+		return 0, nil
+	case q.fifo:
+		return 0, fmt.Errorf("sqs: NotBefore on FIFO queue %q (a FIFO queue delays the whole queue, not a message): %w", q.name, consumer.ErrDelayNotSupported)
+	case d > MaxDelay:
+		return 0, fmt.Errorf("sqs: NotBefore %s away, beyond the %s SQS can hold a message (DelaySeconds): %w", d.Round(time.Second), MaxDelay, consumer.ErrDelayTooLong)
+	}
+	return int32(min((d+time.Second-1)/time.Second, MaxDelay/time.Second)), nil
 }
 
 // publish is the state of one Publish call.

@@ -139,6 +139,34 @@ func TestPublishRefusesBeforeAnyCall(t *testing.T) {
 	}
 }
 
+// TestPublishRefusesADelaySQSCannotKeep: a NotBefore further than
+// MaxDelay is refused with consumer.ErrDelayTooLong, before any call, and
+// the message beside it is published; a NotBefore within it is kept, to
+// the whole second above it (never early).
+func TestPublishRefusesADelaySQSCannotKeep(t *testing.T) {
+	c := newClient(t, nil)
+	b := newBroker(t, c)
+	std, _ := createQueue(t, c, "delay", queueConfig{})
+	ctx := context.Background()
+	far := consumer.Message{Body: []byte("far"), NotBefore: time.Now().Add(ferrysqs.MaxDelay + time.Minute)}
+	err := b.Publish(ctx, std, consumer.Message{Body: []byte("now")}, far)
+	var pe *consumer.PublishError
+	if !errors.As(err, &pe) || len(pe.Failed) != 1 || pe.Failed[0].Index != 1 || !errors.Is(pe.Failed[0].Err, consumer.ErrDelayTooLong) {
+		t.Fatalf("Publish with a NotBefore past %s = %v, want message 1 alone failed with ErrDelayTooLong", ferrysqs.MaxDelay, err)
+	}
+	if got := consumeN(t, b, std, 1); string(got[0].Body) != "now" {
+		t.Fatalf("consumed %q, want the message without a delay", got[0].Body)
+	}
+	notBefore := time.Now().Add(1500 * time.Millisecond)
+	if err := b.Publish(ctx, std, consumer.Message{Body: []byte("soon"), NotBefore: notBefore}); err != nil {
+		t.Fatal(err)
+	}
+	got := consumeN(t, b, std, 1)
+	if at := time.Now(); string(got[0].Body) != "soon" || at.Before(notBefore) {
+		t.Errorf("consumed %q at %s, want %q not before %s", got[0].Body, at.Format(time.StampMilli), "soon", notBefore.Format(time.StampMilli))
+	}
+}
+
 // TestPublishCarriesAnyNumberOfHeaders: a message with more headers than
 // SQS has attributes, some with names or values SQS refuses, arrives with
 // all of them; on the wire it has at most ten attributes.

@@ -16,5 +16,5 @@ func ExampleRun() {
 	_ = conformance // in a _test.go file: func TestConformance(t *testing.T) { conformance(t) }
 
 	fmt.Printf("%+v\n", (&memHarness{}).Capabilities())
-	// Output: {Ordered:true Lease:1s Redelivers:true MaxBody:0}
+	// Output: {Ordered:true Lease:1s Redelivers:true Delays:true MaxBody:0}
 }

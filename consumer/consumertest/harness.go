@@ -81,6 +81,12 @@ type Capabilities struct {
 	// hold runs only when it is true.
 	Redelivers bool
 
+	// Delays is true when Publish holds a message until its NotBefore (the
+	// memory broker, SQS standard queues); false when it refuses one with
+	// consumer.ErrDelayNotSupported. The delay clause checks whichever is
+	// reported.
+	Delays bool
+
 	// MaxBody is the largest message body, in bytes, that the broker takes
 	// next to a few short headers. Zero means at least 1 MiB. The round-trip
 	// test sends a body of 1 MiB or MaxBody, whichever is smaller.

@@ -27,6 +27,10 @@ type memHarness struct {
 	wrap func(consumer.Consumer) consumer.Consumer
 	// noExtend hides the driver's lease extension from the loop.
 	noExtend bool
+	// publishNow drops every message's NotBefore as it is published.
+	publishNow bool
+	// claimNoDelays reports that Publish cannot delay, though it can.
+	claimNoDelays bool
 	// giveBack returns every message to the queue as soon as it is fetched.
 	giveBack bool
 	// ackReturns acks every message the loop gives back.
@@ -66,7 +70,24 @@ func (h *memHarness) NewSource(t *testing.T, cfg consumertest.SourceConfig) stri
 	return name
 }
 
-func (h *memHarness) Publisher(t *testing.T) consumer.Publisher { return h.broker(t) }
+func (h *memHarness) Publisher(t *testing.T) consumer.Publisher {
+	if h.publishNow {
+		return nowPublisher{h.broker(t)}
+	}
+	return h.broker(t)
+}
+
+// nowPublisher publishes every message at once, whatever its NotBefore.
+type nowPublisher struct{ next consumer.Publisher }
+
+func (p nowPublisher) Publish(ctx context.Context, dest string, msgs ...consumer.Message) error {
+	out := make([]consumer.Message, len(msgs))
+	for i, m := range msgs {
+		m.NotBefore = time.Time{}
+		out[i] = m
+	}
+	return p.next.Publish(ctx, dest, out...)
+}
 
 func (h *memHarness) NewConsumer(t *testing.T, source string, opts ...consumer.Option) consumer.Consumer {
 	d, err := h.broker(t).Driver(t.Context(), source, driver.Config{})
@@ -110,7 +131,7 @@ func checkMemoryAs(m *consumer.Message) error {
 }
 
 func (h *memHarness) Capabilities() consumertest.Capabilities {
-	return consumertest.Capabilities{Ordered: true, Lease: time.Second, Redelivers: true}
+	return consumertest.Capabilities{Ordered: true, Lease: time.Second, Redelivers: true, Delays: !h.claimNoDelays}
 }
 
 // plainDriver shows the loop only driver.Driver, hiding Extend.

@@ -72,6 +72,15 @@ var sabotages = map[string]struct {
 			})
 		}, false)
 	}},
+	// NotBefore dropped: a delayed message published at once.
+	"publish-now": {"NotBeforeHoldsAMessageOrIsRefused", func() *memHarness {
+		return &memHarness{publishNow: true}
+	}},
+	// A broker that delays claimed not to: the clause wants a refusal the
+	// publish never makes.
+	"claim-no-delays": {"NotBeforeHoldsAMessageOrIsRefused", func() *memHarness {
+		return &memHarness{claimNoDelays: true}
+	}},
 	// Leases never extended.
 	"no-extend": {"LongHandlerKeepsItsLease", func() *memHarness {
 		return &memHarness{noExtend: true}

@@ -58,6 +58,7 @@ var tests = []struct {
 	{"AsReachesTheBrokersDelivery", testAs},
 	{"GracefulShutdownHandsNothingBack", testShutdownHandsNothingBack},
 	{"PoisonAmongTransientFailuresNeverOpensTheBreaker", testPoisonMix},
+	{"NotBeforeHoldsAMessageOrIsRefused", testNotBefore},
 }
 
 // testAs: a handler reaches the broker's own representation of its delivery
