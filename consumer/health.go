@@ -145,6 +145,7 @@ type healthSample struct {
 	at           time.Time
 	lagKnown     bool
 	lag          int64 // not yet done: lagOf the driver's Lag
+	delayed      int64 // of lag, what the broker holds until a time (Lag.Delayed)
 	oldest       time.Duration
 	lanes        map[string]int64
 	positions    map[string]int64
@@ -224,6 +225,7 @@ func (l *Loop) takeSample(ctx context.Context) healthSample {
 		cancel()
 		if err == nil {
 			s.lagKnown, s.lag, s.oldest, s.lanes, s.positions = true, lagOf(lag), lag.OldestAge, lag.Lanes, lag.Positions
+			s.delayed = min(max(lag.Delayed, 0), s.lag)
 		}
 	}
 	return s
@@ -267,15 +269,21 @@ func (l *Loop) Health() Health {
 	l.health.mu.Unlock()
 	h := judge(l.cfg, samples, parts)
 	h.Source = l.caps.Source
-	l.judgeLink(&h, lastProgress)
+	var delayed int64
+	if n := len(samples); n > 0 && samples[n-1].lagKnown {
+		delayed = samples[n-1].delayed
+	}
+	l.judgeLink(&h, lastProgress, delayed)
 	h.Live, h.Ready = h.State.live(), !h.State.unhealthy()
 	return h
 }
 
 // judgeLink puts the loop's link to the broker, and whether it makes
 // progress, before what the samples say: a consumer that is stopped,
-// wedged, disconnected or starting is that, whatever its figures.
-func (l *Loop) judgeLink(h *Health, lastProgress time.Time) {
+// wedged, disconnected or starting is that, whatever its figures. delayed
+// is how much of the lag the broker holds until a time: a consumer whose
+// only lag is that has nothing to do, and is not wedged.
+func (l *Loop) judgeLink(h *Health, lastProgress time.Time, delayed int64) {
 	phase, since, failures, err := l.conn.get()
 	if err != nil {
 		h.Error = err.Error()
@@ -292,7 +300,7 @@ func (l *Loop) judgeLink(h *Health, lastProgress time.Time) {
 		h.State, h.Reason = HealthStarting, "Run has not been called"
 		return
 	}
-	waiting := h.Lag > 0 || l.inflight.Load() > 0
+	waiting := h.Lag-delayed > 0 || l.inflight.Load() > 0
 	if stuck := time.Since(lastProgress); phase == phaseConnected && waiting && !lastProgress.IsZero() && stuck > l.cfg.wedgedAfter {
 		h.State = HealthWedged
 		h.Reason = fmt.Sprintf("no progress for %s with %d messages in flight and a lag of %d (WithWedgedAfter %s)",

@@ -185,7 +185,7 @@ func (b *Broker) NewConsumer(ctx context.Context, queue string, opts ...consumer
 // QueueStats is a snapshot of one queue.
 type QueueStats struct {
 	Visible      int64 // waiting to be fetched (in FIFO, also those behind their group's head)
-	Delayed      int64 // returned with a delay that has not yet passed
+	Delayed      int64 // returned with a delay, or published with a NotBefore, not yet due
 	InFlight     int64 // fetched, lease running, not yet settled
 	Acked        int64 // acknowledged, in total
 	DeadLettered int64 // moved to the dead-letter queue, in total

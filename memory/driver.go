@@ -320,7 +320,7 @@ func (d *memDriver) Extend(_ context.Context, handles []any, dur time.Duration) 
 }
 
 // Lag reports the queue's depth: Messages counts visible and delayed
-// messages, InFlight those fetched and not settled, and OldestAge is how long
+// messages (Delayed the latter), InFlight those fetched and not settled, and OldestAge is how long
 // the oldest message not yet acked has been in the queue.
 func (d *memDriver) Lag(ctx context.Context) (driver.Lag, error) {
 	if err := ctx.Err(); err != nil {
@@ -333,7 +333,7 @@ func (d *memDriver) Lag(ctx context.Context) (driver.Lag, error) {
 	q.advance(now)
 	q.notify()
 	q.trimOrder()
-	l := driver.Lag{Messages: q.visible + q.delayed, InFlight: q.inflight}
+	l := driver.Lag{Messages: q.visible + q.delayed, Delayed: q.delayed, InFlight: q.inflight}
 	if q.order.len() > 0 {
 		l.OldestAge = time.Duration(now - q.order.front().enq)
 	}

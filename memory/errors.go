@@ -31,4 +31,9 @@ var (
 	// ErrInvalidMessage is the reason, inside a *consumer.PublishError, for a
 	// message a queue cannot take (a FIFO message without a Key).
 	ErrInvalidMessage = errors.New("memory: invalid message")
+
+	// ErrNotSent is the reason, inside a *consumer.PublishError, for a
+	// message not published because an earlier message of its key in the
+	// same call was refused: publishing it would let it overtake that one.
+	ErrNotSent = errors.New("memory: not sent: an earlier message of its key failed")
 )

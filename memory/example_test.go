@@ -118,7 +118,7 @@ func ExampleBroker_Publish_notBefore() {
 		panic(err)
 	}
 	ctx := context.Background()
-	remindAt := time.Now().Add(200 * time.Millisecond)
+	remindAt := time.Now().Add(time.Second)
 	err = b.Publish(ctx, "reminders",
 		consumer.Message{Body: []byte("pay your invoice"), NotBefore: remindAt},
 		consumer.Message{Body: []byte("invoice sent")},

@@ -13,13 +13,14 @@ import (
 // Publish adds msgs to the queue named destination, in order. It copies Body
 // and Headers, so the caller may reuse them; gives each message with an
 // empty ID a unique one; and sets the time it was published. Once it returns
-// nil the messages can be fetched.
+// nil the messages can be fetched (those with a NotBefore ahead, from then).
 //
 // On a FIFO queue, Key is the message group and must not be empty, and a
 // message whose ID the queue took within the deduplication window is
 // dropped (Publish still succeeds, as on SQS). Messages the queue cannot take
-// are reported in a *consumer.PublishError wrapping ErrInvalidMessage; the
-// others are published.
+// are reported in a *consumer.PublishError wrapping ErrInvalidMessage (or
+// consumer.ErrDelayNotSupported, below), with the later messages of their
+// key in the call, unsent, wrapping ErrNotSent; the others are published.
 //
 // A message whose NotBefore is still ahead is held until then, however
 // far: no consumer receives it before (on a standard queue; a FIFO queue
@@ -48,12 +49,21 @@ func (b *Broker) publish(ctx context.Context, destination string, msgs []consume
 
 	// Build the entries outside the lock: one slice of entries, one buffer
 	// for all bodies and one string for all new IDs per call.
-	var perr *consumer.PublishError
+	var (
+		perr        *consumer.PublishError
+		refusedKeys map[string]bool // keys with a refused message: their later ones are not sent
+	)
 	refuse := func(i int, err error) {
 		if perr == nil {
 			perr = &consumer.PublishError{}
 		}
 		perr.Failed = append(perr.Failed, consumer.FailedMessage{Index: i, Err: err})
+		if k := msgs[i].Key; k != "" {
+			if refusedKeys == nil {
+				refusedKeys = make(map[string]bool)
+			}
+			refusedKeys[k] = true
+		}
 	}
 	bodies, newIDs, delayed := 0, 0, false
 	wall := time.Now()
@@ -63,6 +73,8 @@ func (b *Broker) publish(ctx context.Context, destination string, msgs []consume
 			newIDs++
 		}
 		switch {
+		case msgs[i].Key != "" && refusedKeys[msgs[i].Key]:
+			refuse(i, fmt.Errorf("publish to %q: %w", destination, ErrNotSent))
 		case q.cfg.FIFO && msgs[i].Key == "":
 			refuse(i, fmt.Errorf("%w: Key (the message group) must not be empty on FIFO queue %q", ErrInvalidMessage, destination))
 		case !msgs[i].NotBefore.After(wall):

@@ -12,7 +12,7 @@ import (
 // entry states.
 const (
 	stVisible  uint8 = iota // waiting to be fetched (in FIFO: possibly behind its group's head)
-	stDelayed               // returned with a delay; in the heap until it is due
+	stDelayed               // returned with a delay, or published with a NotBefore ahead; in the heap until it is due
 	stInflight              // fetched; in the heap until its lease runs out
 	stGone                  // acked or moved to the dead-letter queue
 )
@@ -201,6 +201,16 @@ func (q *queue) enqueue(e *entry, now int64) {
 	}
 }
 
+// later is now+delay on the broker's clock, at most the end of time: a
+// delay centuries long (a NotBefore of year 9999) must not wrap around to
+// the past and make the message due at once.
+func later(now, delay int64) int64 {
+	if delay > math.MaxInt64-now {
+		return math.MaxInt64
+	}
+	return now + delay
+}
+
 // enqueueDelayed appends a new entry that becomes visible after delay (a
 // publish with NotBefore; standard queues only).
 func (q *queue) enqueueDelayed(e *entry, now, delay int64) {
@@ -208,7 +218,7 @@ func (q *queue) enqueueDelayed(e *entry, now, delay int64) {
 	e.enq = now
 	e.hidx = -1
 	e.state = stDelayed
-	e.due = now + delay
+	e.due = later(now, delay)
 	q.delayed++
 	q.order.pushBack(e)
 	q.heapPush(e)
@@ -336,7 +346,7 @@ func (q *queue) ret(e *entry, delay, now int64) {
 		return
 	}
 	e.state = stDelayed
-	e.due = now + delay
+	e.due = later(now, delay)
 	q.delayed++
 	q.heapFix(e)
 }

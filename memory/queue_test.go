@@ -69,13 +69,14 @@ func TestPublishAssignsUniqueIDs(t *testing.T) {
 }
 
 // TestPublishNotBefore: a standard queue holds a message until its
-// NotBefore (counted as delayed until then), while a FIFO queue refuses
-// one, as SQS does, and publishes the others of the call.
+// NotBefore (counted as delayed until then), however far ahead, while a
+// FIFO queue refuses one, as SQS does, with the later messages of its key
+// in the call, and publishes the others.
 func TestPublishNotBefore(t *testing.T) {
 	b := newBroker(t)
 	d := newDriver(t, b, "q")
 	later := msg("later", "body")
-	later.NotBefore = time.Now().Add(300 * time.Millisecond)
+	later.NotBefore = time.Now().Add(time.Second)
 	publish(t, b, "q", later, msg("now", "body"))
 	wantStats(t, b, "q", memory.QueueStats{Visible: 1, Delayed: 1})
 	if ms := fetch(t, d, 10); len(ms) != 1 || ms[0].ID != "now" {
@@ -90,12 +91,20 @@ func TestPublishNotBefore(t *testing.T) {
 	later.Key, later.NotBefore = "k", time.Now().Add(time.Minute)
 	now := msg("now", "body")
 	now.Key = "k"
-	err := b.Publish(t.Context(), "f.fifo", later, now)
+	other := msg("other", "body")
+	other.Key = "k2"
+	err := b.Publish(t.Context(), "f.fifo", later, now, other)
 	var pe *consumer.PublishError
-	if !errors.As(err, &pe) || len(pe.Failed) != 1 || pe.Failed[0].Index != 0 || !errors.Is(err, consumer.ErrDelayNotSupported) {
-		t.Fatalf("Publish with NotBefore to a FIFO queue = %v, want message 0 alone refused with ErrDelayNotSupported", err)
+	if !errors.As(err, &pe) || len(pe.Failed) != 2 || !errors.Is(pe.Failed[0].Err, consumer.ErrDelayNotSupported) || !errors.Is(pe.Failed[1].Err, memory.ErrNotSent) || pe.Failed[1].Index != 1 {
+		t.Fatalf("Publish with NotBefore to a FIFO queue = %v, want message 0 refused with ErrDelayNotSupported and 1, of its key, not sent", err)
 	}
 	wantStats(t, b, "f.fifo", memory.QueueStats{Visible: 1})
+
+	// A NotBefore at the end of time is no delay that wraps around.
+	never := msg("never", "body")
+	never.NotBefore = time.Date(9999, 1, 1, 0, 0, 0, 0, time.UTC)
+	publish(t, b, "q", never)
+	fetchNothing(t, d, 200*time.Millisecond)
 }
 
 func TestVisibilityTimeoutRedelivers(t *testing.T) {

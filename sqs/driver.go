@@ -1209,8 +1209,10 @@ func (d *sqsDriver) Lag(ctx context.Context) (driver.Lag, error) {
 		return v
 	}
 	visible := num(types.QueueAttributeNameApproximateNumberOfMessages)
+	delayed := num(types.QueueAttributeNameApproximateNumberOfMessagesDelayed)
 	l := driver.Lag{
-		Messages: visible + num(types.QueueAttributeNameApproximateNumberOfMessagesDelayed),
+		Messages: visible + delayed,
+		Delayed:  delayed,
 		InFlight: num(types.QueueAttributeNameApproximateNumberOfMessagesNotVisible),
 		// SQS's counts are eventually consistent: right after a send or a
 		// receive they may trail the queue for a moment.

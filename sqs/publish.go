@@ -26,7 +26,10 @@ import (
 // keep (further than [MaxDelay], or on a FIFO queue) with
 // [consumer.ErrDelayTooLong] or [consumer.ErrDelayNotSupported]; none of
 // them is sent, and the others are. A NotBefore still ahead is sent as the
-// message's DelaySeconds, rounded up to whole seconds.
+// message's DelaySeconds, rounded up to whole seconds; it replaces the
+// queue's own DelaySeconds for that message (a NotBefore nearer than the
+// queue's delay shortens it), while a message without one keeps the
+// queue's.
 // On a FIFO queue the Key is the message group and the ID the deduplication
 // id (a message without an ID gets a random one, unless the queue
 // deduplicates by content). Headers, the key and bodies that are not SQS
@@ -71,12 +74,12 @@ func (b *Broker) publish(ctx context.Context, destination string, msgs []consume
 			p.fail(i, m.Key, ErrNotSent)
 			continue
 		}
-		delay, err := delaySeconds(q, m, now)
+		o, err := encode(q, m)
 		if err != nil {
 			p.fail(i, m.Key, err)
 			continue
 		}
-		o, err := encode(q, m)
+		delay, err := delaySeconds(q, m, now)
 		if err != nil {
 			p.fail(i, m.Key, err)
 			continue

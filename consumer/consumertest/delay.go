@@ -50,9 +50,6 @@ func testNotBefore(s *suite) {
 		s.t.Fatalf("Publish with a NotBefore %s ahead: %v", delayAhead, err)
 	}
 	s.waitFor("the message without NotBefore handled", func() bool { return len(rec.of("delay-0")) > 0 })
-	if got := rec.of("delay-1"); len(got) > 0 {
-		s.t.Fatalf("the delayed message was handled at %s, before its NotBefore %s", got[0].start.Format(time.StampMilli), notBefore.Format(time.StampMilli))
-	}
 	s.waitFor("the delayed message handled", func() bool { return len(rec.of("delay-1")) > 0 })
 	// The broker's clock and the suite's may differ by a hair (the memory
 	// broker holds a monotonic delay): a few milliseconds early is the same

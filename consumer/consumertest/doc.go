@@ -37,7 +37,11 @@
 //   - a consumer stopped gracefully runs what it fetched instead of handing
 //     it back (each hand-back would count as a delivery);
 //   - Message.As reaches the broker's own delivery ([Harness.AsCheck]) and
-//     refuses a type it does not know.
+//     refuses a type it does not know;
+//   - a message published with a NotBefore ahead is not handled before it
+//     (where [Capabilities].Delays), or is refused with
+//     consumer.ErrDelayNotSupported while the rest of the call is published
+//     (where not).
 //
 // Each check is a subtest named after its clause, such as
 // HandlerErrorRedeliversWithNextAttempt, and runs on a fresh source. Waits

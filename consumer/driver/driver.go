@@ -306,6 +306,10 @@ type Revocation struct {
 type Lag struct {
 	// Messages waiting that no consumer has taken yet (sum over lanes).
 	Messages int64
+	// Delayed is how many of Messages the broker holds until a time (a
+	// publish with NotBefore, a return with a delay), where it says so: no
+	// consumer can take them yet, so they are no sign of a stuck one.
+	Delayed int64
 	// InFlight is how many messages are taken and not yet settled, where the
 	// broker says so; -1 where it does not.
 	InFlight int64
