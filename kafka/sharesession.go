@@ -28,6 +28,7 @@ import (
 // all settled, in a goroutine of its own, and another session is made when
 // every session has held records for straggleAfter while the loop asked
 // for more.
+//
 // The first session polls up to the loop's in-flight bound, as one client
 // would; the others, made only when records straggle, a quarter of it
 // each. So a consumer whose records flow polls as one client does, and one
