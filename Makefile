@@ -3,16 +3,18 @@ GO        ?= go
 GOFLAGS_TEST ?= -race -count=1 -timeout 20m
 PKGS      ?= ./...
 
-.PHONY: test test-restarts restart-loop unit brokers brokers-down brokers-status bench bench-compare bench-test examples-test tools-test vet chaos chaos-short
+.PHONY: test test-rabbit4 test-restarts restart-loop unit brokers brokers-down brokers-status bench bench-compare bench-test examples-test tools-test vet chaos chaos-short
 
 ## test: start the brokers, then run every test (unit and integration) with -race;
-## then, alone, the tests that restart a shared broker, the bench module's short
+## then, alone, the tests that restart a shared broker, the rabbit suite again on
+## RabbitMQ 4.0 (test-rabbit4), the bench module's short
 ## check that every benchmark variant loses no message, the examples module's
 ## tests (each example run against the real brokers) and (for the whole module)
 ## the chaos run's short setting (chaos-short)
 test: brokers
 	$(GO) test $(GOFLAGS_TEST) $(PKGS)
 	$(MAKE) test-restarts
+	$(MAKE) test-rabbit4
 	$(MAKE) restart-loop RESTARTS=$(TEST_RESTARTS)
 	$(MAKE) bench-test
 	$(MAKE) examples-test
@@ -24,6 +26,22 @@ test: brokers
 test-restarts: brokers
 	FERRY_TEST_KAFKA_RESTART=1 $(GO) test $(GOFLAGS_TEST) -run '^TestBrokerRestart$$' ./kafka/
 	FERRY_TEST_RABBIT_RESTART=1 $(GO) test $(GOFLAGS_TEST) -run '^TestBrokerRestartResumesConsumersAndPublishers$$' ./rabbit/
+
+## test-rabbit4: the rabbit package's whole suite, restart test included, on a
+## RabbitMQ 4.0 node of its own (integration/brokers.sh up rabbitmq4: AMQP on 5682,
+## amqps on 5681, run from a Debian trixie root that the script makes once with
+## debootstrap; Debian bookworm ships only 3.10, which make test's rabbit run uses)
+BROKERS_DIR ?= $(or $(FERRY_BROKERS_DIR),$(CURDIR)/.brokers)
+RABBIT4_ENV = FERRY_AMQP_URL=amqp://guest:guest@127.0.0.1:5682/ \
+	FERRY_AMQPS_URL=amqps://guest:guest@127.0.0.1:5681/ \
+	FERRY_AMQP_TENANT_URL=amqp://ferry-tenant:ferry-tenant-secret@127.0.0.1:5682/ferry-tenant \
+	FERRY_AMQPS_CA=$(BROKERS_DIR)/rabbitmq/tls/cert.pem \
+	FERRY_RABBITMQCTL=$(BROKERS_DIR)/rabbitmq4/rabbitmqctl FERRY_RABBITMQ_NODE=rabbit4@localhost \
+	FERRY_RABBITMQ_VERSION=4.0
+test-rabbit4:
+	integration/brokers.sh up rabbitmq4
+	$(RABBIT4_ENV) $(GO) test $(GOFLAGS_TEST) ./rabbit/
+	$(RABBIT4_ENV) FERRY_TEST_RABBIT_RESTART=1 $(GO) test $(GOFLAGS_TEST) -run '^TestBrokerRestartResumesConsumersAndPublishers$$' ./rabbit/
 
 ## restart-loop: restart Kafka, ElasticMQ and RabbitMQ RESTARTS times each (default
 ## 20) while a busy loop holds every core; fails on the first restart that does

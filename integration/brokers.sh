@@ -5,6 +5,8 @@
 #
 #   integration/brokers.sh up       install what is missing, start what is stopped,
 #                                   wait until each answers a real client operation
+#   integration/brokers.sh up rabbitmq4   the optional RabbitMQ 4.0 node alone (5682;
+#                                   make test-rabbit4 runs the rabbit suite on it)
 #   integration/brokers.sh down     stop them (state is kept)
 #   integration/brokers.sh status   one line per service; exit 1 if any is down
 #   integration/brokers.sh restart kafka   stop and start the named services only (the
@@ -33,15 +35,17 @@ die() { log "error: $*"; exit 1; }
 
 usage() {
 	cat >&2 <<EOF
-usage: integration/brokers.sh up | down | status | restart service... | logs [service...]
+usage: integration/brokers.sh up [rabbitmq4] | down | status | restart service... | logs [service...]
 
   up      install what is missing, start the brokers, wait until each is ready
+  up rabbitmq4  start only the optional RabbitMQ 4.0 node (AMQP on 5682, amqps
+          on 5681), run from a Debian trixie root made once with debootstrap
   down    stop the brokers (their state stays in ${STATE/#$ROOT\//})
   status  print one line per broker; exit 1 if any is not ready
   restart stop and start the named brokers only, and wait until they are ready
   logs    print the last lines of each broker's log (or of those named)
 
-services: ${SERVICES[*]}
+services: ${SERVICES[*]}; optional: $RABBIT4 (make test-rabbit4 runs the rabbit suite on it)
 environment: FERRY_BROKERS=docker uses docker-compose.yml when a Docker engine runs;
              FERRY_BROKERS_DIR moves the state folder (default .brokers/).
 EOF
@@ -134,6 +138,7 @@ log_of() {
 	sqs) echo "$STATE/elasticmq/elasticmq.log" ;;
 	postgres) echo "$STATE/postgres/postgres.log" ;;
 	redis) echo "$STATE/redis/redis.log" ;;
+	rabbitmq4) echo "$STATE/rabbitmq4/root/ferry/log/rabbit4@localhost.log $STATE/rabbitmq4/rabbitmq.out $STATE/rabbitmq4/debootstrap.log" ;;
 	esac
 }
 
@@ -347,12 +352,15 @@ rabbitmqctl_() { # rabbitmqctl against our node, as its user
 # on vhost ferry-tenant. Idempotent: run after every up.
 RABBIT_TENANT=ferry-tenant
 RABBIT_TENANT_PASSWORD=ferry-tenant-secret
+# rabbit_tenant [CTL]: CTL is the rabbitmqctl function of the node (default
+# the 3.10 node's).
 rabbit_tenant() {
-	rabbitmqctl_ list_vhosts name | grep -qx "$RABBIT_TENANT" || rabbitmqctl_ add_vhost "$RABBIT_TENANT" >/dev/null
-	if ! rabbitmqctl_ list_users | awk '{print $1}' | grep -qx "$RABBIT_TENANT"; then
-		rabbitmqctl_ add_user "$RABBIT_TENANT" "$RABBIT_TENANT_PASSWORD" >/dev/null
+	local ctl=${1:-rabbitmqctl_}
+	"$ctl" list_vhosts name | grep -qx "$RABBIT_TENANT" || "$ctl" add_vhost "$RABBIT_TENANT" >/dev/null
+	if ! "$ctl" list_users | awk '{print $1}' | grep -qx "$RABBIT_TENANT"; then
+		"$ctl" add_user "$RABBIT_TENANT" "$RABBIT_TENANT_PASSWORD" >/dev/null
 	fi
-	rabbitmqctl_ set_permissions -p "$RABBIT_TENANT" "$RABBIT_TENANT" '.*' '.*' '.*' >/dev/null
+	"$ctl" set_permissions -p "$RABBIT_TENANT" "$RABBIT_TENANT" '.*' '.*' '.*' >/dev/null
 }
 
 # kafka_extras restarts a running Kafka started with other settings (its
@@ -406,6 +414,183 @@ start_rabbitmq() {
 		as_user rabbitmq nohup /usr/lib/rabbitmq/bin/rabbitmq-server >"$d/rabbitmq.out" 2>&1 </dev/null &
 		echo $! >"$d/launcher.pid"
 	)
+}
+
+# ---------------------------------------------------------------- RabbitMQ 4.0
+
+# rabbitmq4 is a RabbitMQ 4.0 node beside the 3.10 one, for make test-rabbit4:
+# Debian bookworm ships only 3.10 (its Erlang 25 is too old for 4.x), so the
+# node runs from a minimal Debian trixie root (RabbitMQ 4.0.5, Erlang 27)
+# made with debootstrap and entered with chroot. It is started only when
+# named (up rabbitmq4); status, down and logs know it. The root is made once
+# a machine (about 40-90 s, 370 MB), kept as a tarball in RABBIT4_CACHE and
+# unpacked into the state folder; the node's own files (configuration,
+# certificate, data, logs) live in /ferry inside the root. It registers with
+# the host's epmd, so its node name differs from the 3.10 node's.
+RABBIT4=rabbitmq4
+RABBIT4_NODE=rabbit4@localhost
+RABBIT4_PORT=5682     # AMQP
+RABBIT4_TLS_PORT=5681 # amqps, with the 3.10 node's certificate
+RABBIT4_DIST_PORT=25682
+RABBIT4_CACHE=${FERRY_RABBIT4_CACHE:-/var/cache/ferry/rabbitmq4-trixie-root.tar}
+DEBIAN_MIRROR=${FERRY_DEBIAN_MIRROR:-http://deb.debian.org/debian}
+
+rabbit4_root() { echo "$STATE/$RABBIT4/root"; }
+
+rabbit4_pid() { # the 4.0 node's beam pid, if it runs
+	local f pid
+	f=$(rabbit4_root)/ferry/rabbitmq.pid
+	[[ -s $f ]] || return 1
+	pid=$(head -n1 "$f" | tr -dc 0-9)
+	[[ -n $pid ]] && kill -0 "$pid" 2>/dev/null || return 1
+	tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- beam || return 1
+	echo "$pid"
+}
+
+# rabbit4_make_root makes the trixie root's tarball with debootstrap, once.
+rabbit4_make_root() {
+	[[ -s $RABBIT4_CACHE ]] && return 0
+	local tmp log=$STATE/$RABBIT4/debootstrap.log
+	if ! command -v debootstrap >/dev/null; then
+		log "$RABBIT4: installing debootstrap with apt-get"
+		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends debootstrap; } \
+			>"$STATE/$RABBIT4/apt.log" 2>&1 || {
+			tail -n 20 "$STATE/$RABBIT4/apt.log" >&2
+			die "$RABBIT4: apt-get install debootstrap failed"
+		}
+	fi
+	log "$RABBIT4: making a Debian trixie root with rabbitmq-server from $DEBIAN_MIRROR (debootstrap, about a minute, 370 MB)"
+	tmp=$(mktemp -d /var/tmp/ferry-trixie.XXXXXX)
+	debootstrap --variant=minbase --include=rabbitmq-server trixie "$tmp/root" "$DEBIAN_MIRROR" >"$log" 2>&1 || {
+		tail -n 20 "$log" >&2
+		rm -rf "$tmp"
+		die "$RABBIT4: debootstrap failed (log: $log)"
+	}
+	mkdir -p "$(dirname "$RABBIT4_CACHE")"
+	tar -C "$tmp/root" -cf "$RABBIT4_CACHE.part" . && mv "$RABBIT4_CACHE.part" "$RABBIT4_CACHE"
+	rm -rf "$tmp"
+}
+
+# rabbit4_root_ready unpacks the root into the state folder once.
+rabbit4_root_ready() {
+	local r
+	r=$(rabbit4_root)
+	[[ -f $r/.ferry-root && -x $r/usr/lib/rabbitmq/bin/rabbitmq-server ]] && return 0
+	[[ $(id -u) == 0 ]] || die "$RABBIT4: RabbitMQ 4.0 runs from a Debian root entered with chroot, which needs root"
+	mkdir -p "$STATE/$RABBIT4"
+	rabbit4_make_root
+	rabbit4_unmount
+	rm -rf "$r"
+	mkdir -p "$r"
+	tar -C "$r" -xf "$RABBIT4_CACHE" || die "$RABBIT4: could not unpack $RABBIT4_CACHE"
+	touch "$r/.ferry-root"
+}
+
+rabbit4_unmount() {
+	local r
+	r=$(rabbit4_root)
+	if mountpoint -q "$r/proc" 2>/dev/null; then umount "$r/proc" 2>/dev/null || umount -l "$r/proc" || true; fi
+}
+
+# rabbit4_in [--nohup] CMD...: run CMD inside the root as the rabbitmq user,
+# with the node's environment.
+rabbit4_in() {
+	local pre=()
+	if [[ $1 == --nohup ]]; then
+		pre=(nohup)
+		shift
+	fi
+	"${pre[@]}" chroot "$(rabbit4_root)" /usr/sbin/runuser -u rabbitmq -- env -i \
+		HOME=/var/lib/rabbitmq PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 \
+		RABBITMQ_NODENAME=$RABBIT4_NODE RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 \
+		RABBITMQ_NODE_PORT=$RABBIT4_PORT RABBITMQ_DIST_PORT=$RABBIT4_DIST_PORT \
+		RABBITMQ_MNESIA_BASE=/ferry/mnesia RABBITMQ_LOG_BASE=/ferry/log \
+		RABBITMQ_PID_FILE=/ferry/rabbitmq.pid RABBITMQ_CONFIG_FILE=/ferry/rabbitmq.conf \
+		RABBITMQ_ENABLED_PLUGINS_FILE=/ferry/enabled_plugins \
+		"RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS=-kernel inet_dist_use_interface {127,0,0,1}" \
+		ERL_EPMD_ADDRESS=127.0.0.1 "$@"
+}
+
+rabbit4ctl_() { rabbit4_in /usr/lib/rabbitmq/bin/rabbitmqctl -n "$RABBIT4_NODE" -q "$@"; }
+
+start_rabbitmq4() {
+	local r d
+	rabbit4_root_ready
+	r=$(rabbit4_root) d=$(rabbit4_root)/ferry
+	mkdir -p "$d/mnesia" "$d/log" "$d/tls"
+	rabbit_tls
+	cp "$STATE/rabbitmq/tls/cert.pem" "$STATE/rabbitmq/tls/key.pem" "$d/tls/"
+	# The 3.10 node's configuration on the 4.0 node's ports, files under /ferry.
+	sed -e "s|@STATE@/rabbitmq/tls|/ferry/tls|g" -e "s|:5672$|:$RABBIT4_PORT|" -e "s|:5671$|:$RABBIT4_TLS_PORT|" \
+		"$CONF/rabbitmq.conf" >"$d/rabbitmq.conf"
+	cp "$CONF/rabbitmq-enabled-plugins" "$d/enabled_plugins"
+	rm -f "$d/rabbitmq.pid"
+	chroot "$r" chown -R rabbitmq:rabbitmq /ferry
+	mountpoint -q "$r/proc" || mount -t proc proc "$r/proc" || die "$RABBIT4: could not mount proc in its root"
+	# The CLI for the tests (FERRY_RABBITMQCTL): the node's own rabbitmqctl,
+	# run inside the root.
+	cat >"$STATE/$RABBIT4/rabbitmqctl" <<EOS
+#!/bin/sh
+# rabbitmqctl of the RabbitMQ 4.0 node (integration/brokers.sh up rabbitmq4),
+# run inside its Debian root: rabbitmqctl -n $RABBIT4_NODE ...
+exec chroot '$r' /usr/sbin/runuser -u rabbitmq -- env -i HOME=/var/lib/rabbitmq \\
+	PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 ERL_EPMD_ADDRESS=127.0.0.1 \\
+	/usr/lib/rabbitmq/bin/rabbitmqctl "\$@"
+EOS
+	chmod 755 "$STATE/$RABBIT4/rabbitmqctl"
+	(
+		cd /
+		rabbit4_in --nohup /usr/lib/rabbitmq/bin/rabbitmq-server >"$STATE/$RABBIT4/rabbitmq.out" 2>&1 </dev/null &
+		echo $! >"$STATE/$RABBIT4/launcher.pid"
+	)
+}
+
+# rabbit4_check waits until the 4.0 node answers AMQP (the checker's
+# rabbitmq check on its port) and prints the checker's line under its name.
+rabbit4_check() {
+	local out rc=0 pid=${1:-}
+	out=$(FERRY_AMQP_URL="amqp://guest:guest@127.0.0.1:$RABBIT4_PORT/" "$CHECKER" ${pid:+-wait "${UP_TIMEOUT}s" -pid="rabbitmq=$pid"} rabbitmq) || rc=$?
+	sed -n "s/^rabbitmq /$RABBIT4/p" <<<"$out"
+	return $rc
+}
+
+stop_rabbitmq4() {
+	local pid i
+	if pid=$(rabbit4_pid); then
+		kill -TERM "$pid" 2>/dev/null || true
+		for ((i = 0; i < 300; i++)); do
+			kill -0 "$pid" 2>/dev/null || break
+			sleep 0.1
+		done
+		if kill -0 "$pid" 2>/dev/null; then
+			log "$RABBIT4 (pid $pid) did not stop in 30 s: killing it"
+			kill -KILL "$pid" 2>/dev/null || true
+		fi
+		echo "$RABBIT4 stopped"
+	fi
+	rabbit4_unmount
+}
+
+# up_rabbitmq4: start the 4.0 node unless it runs, wait until it answers, and
+# give it the restricted user of the 3.10 node.
+up_rabbitmq4() {
+	setup_state
+	build_checker
+	if ! rabbit4_pid >/dev/null; then
+		local port
+		for port in $RABBIT4_PORT $RABBIT4_TLS_PORT $RABBIT4_DIST_PORT; do
+			port_open "$port" && die "port $port ($RABBIT4) is already in use by $(port_owner "$port"), not by integration/brokers.sh; stop it first"
+		done
+		start_rabbitmq4
+		rabbit4_check "$(cat "$STATE/$RABBIT4/launcher.pid")" || {
+			tail_logs "$RABBIT4" 30
+			die "$RABBIT4 is not ready (logs: integration/brokers.sh logs $RABBIT4)"
+		}
+	else
+		echo "$(rabbit4_check) (already running)"
+	fi
+	rabbit_tenant rabbit4ctl_
+	port_open "$RABBIT4_TLS_PORT" || die "$RABBIT4: the amqps listener on 127.0.0.1:$RABBIT4_TLS_PORT is not open"
 }
 
 jvm_start() { # jvm_start PIDFILE OUT ARGS...: start java in the background
@@ -518,6 +703,12 @@ docker_compose() { docker compose -f "$ROOT/docker-compose.yml" "$@"; }
 # ---------------------------------------------------------------- commands
 
 cmd_up() {
+	if (($#)); then
+		[[ $* == "$RABBIT4" ]] || die "up: name no service, or $RABBIT4 alone (the optional RabbitMQ 4.0 node)"
+		use_docker && die "up $RABBIT4: the RabbitMQ 4.0 node runs natively only (docker-compose.yml's rabbitmq is 4.x already)"
+		up_rabbitmq4
+		return
+	fi
 	if use_docker; then
 		docker_compose up -d --wait
 		build_checker
@@ -615,6 +806,7 @@ cmd_down() {
 	for svc in "${SERVICES[@]}"; do
 		stop_service "$svc" &
 	done
+	stop_rabbitmq4 &
 	wait
 }
 
@@ -628,9 +820,14 @@ cmd_restart() {
 		return
 	}
 	setup_state
+	if [[ $* == "$RABBIT4" ]]; then
+		stop_rabbitmq4 >/dev/null
+		up_rabbitmq4
+		return
+	fi
 	local svc out rc=0 watch=() line
 	for svc in "$@"; do
-		[[ -n $(port_of "$svc") ]] || die "unknown service $svc (one of: ${SERVICES[*]})"
+		[[ -n $(port_of "$svc") ]] || die "unknown service $svc (one of: ${SERVICES[*]}; $RABBIT4 alone)"
 	done
 	build_checker
 	for svc in "$@"; do
@@ -666,6 +863,15 @@ cmd_status() {
 		if pid=$(pid_of "$svc"); then line+=" (pid $pid)"; fi
 		echo "$line"
 	done
+	# The optional 4.0 node counts only while it runs.
+	if ! use_docker; then
+		if pid=$(rabbit4_pid); then
+			line=$(rabbit4_check) || rc=1
+			echo "$line (pid $pid)"
+		else
+			printf '%-9s 127.0.0.1:%-13s -                  not started (optional: integration/brokers.sh up %s)\n' "$RABBIT4" "$RABBIT4_PORT" "$RABBIT4"
+		fi
+	fi
 	return $rc
 }
 
@@ -679,13 +885,16 @@ cmd_logs() {
 	local svc
 	(($#)) || set -- "${SERVICES[@]}"
 	for svc in "$@"; do
-		[[ -n $(port_of "$svc") ]] || die "unknown service $svc (one of: ${SERVICES[*]})"
+		[[ -n $(port_of "$svc") || $svc == "$RABBIT4" ]] || die "unknown service $svc (one of: ${SERVICES[*]} $RABBIT4)"
 		tail_logs "$svc" 50 2>&1
 	done
 }
 
 case ${1:-} in
-up) cmd_up ;;
+up)
+	shift
+	cmd_up "$@"
+	;;
 down) cmd_down ;;
 status) cmd_status ;;
 restart)

@@ -381,7 +381,7 @@ func TestRefusalsEndRunWithErrRefused(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			if tc.tls {
 				tu, _ := amqp.ParseURI(tc.url)
-				if c, err := net.DialTimeout("tcp", net.JoinHostPort(tu.Host, "5671"), 2*time.Second); err != nil {
+				if c, err := net.DialTimeout("tcp", net.JoinHostPort(tu.Host, strconv.Itoa(tu.Port)), 2*time.Second); err != nil {
 					unavailable(t, "no amqps listener at %s: %v (integration/brokers.sh up adds it)", rabbit.Redact(tc.url), err)
 				} else {
 					c.Close()

@@ -321,8 +321,9 @@
 //
 // # RabbitMQ 3.10 and 4.x
 //
-// The tests run on RabbitMQ 3.10, the version Debian bookworm ships. On
-// 4.x:
+// The tests run on RabbitMQ 3.10, the version Debian bookworm ships, and
+// the package's whole suite runs again on RabbitMQ 4.0 (make test-rabbit4,
+// both in CI). On 4.x:
 //
 //   - Quorum queues have a delivery limit of 20 by default. A queue declared
 //     with DeliveryLimit 0 then dead-letters (or, without a dead-letter

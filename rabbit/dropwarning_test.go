@@ -3,6 +3,7 @@ package rabbit_test
 import (
 	"context"
 	"log/slog"
+	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -189,5 +190,19 @@ func TestDropWarningOncePerConsumedQueueWithALimit(t *testing.T) {
 	}
 	if len(warnings) != 1+wantPlain {
 		t.Errorf("%d drop warnings in all, want %d", len(warnings), 1+wantPlain)
+	}
+}
+
+// TestSuiteRunsOnTheVersionItWants: with FERRY_RABBITMQ_VERSION set (make
+// test-rabbit4 sets 4.0), the broker under test announces that version, so
+// a run meant for RabbitMQ 4.0 cannot pass against the 3.10 node because an
+// address was lost on the way.
+func TestSuiteRunsOnTheVersionItWants(t *testing.T) {
+	want := os.Getenv("FERRY_RABBITMQ_VERSION")
+	if want == "" {
+		t.Skip("FERRY_RABBITMQ_VERSION is not set: any version will do")
+	}
+	if got := serverVersion(t); got != want && !strings.HasPrefix(got, want+".") {
+		t.Fatalf("the broker at %s is RabbitMQ %s, want %s", rabbit.Redact(amqpURL(t)), got, want)
 	}
 }

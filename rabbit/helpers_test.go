@@ -95,13 +95,16 @@ func deleteLater(t testing.TB, queues, exchanges []string) {
 // tests must not overlap.
 var ctlMu sync.Mutex
 
-// ctl runs rabbitmqctl against the local node and returns its output.
+// ctl runs rabbitmqctl against the node under test and returns its output:
+// FERRY_RABBITMQCTL names the command (default rabbitmqctl on PATH; make
+// test-rabbit4 gives the 4.0 node's, which runs inside its Debian root) and
+// FERRY_RABBITMQ_NODE the node (default rabbit@localhost).
 func ctl(t testing.TB, args ...string) string {
 	t.Helper()
-	path, err := exec.LookPath("rabbitmqctl")
+	path, err := exec.LookPath(envOr("FERRY_RABBITMQCTL", "rabbitmqctl"))
 	if err != nil {
 		if testenv.RequireBrokers() {
-			t.Fatalf("rabbitmqctl not found: the fault tests need it (integration/brokers.sh up installs it)")
+			t.Fatalf("rabbitmqctl not found (%v): the fault tests need it (integration/brokers.sh up installs it)", err)
 		}
 		t.Skip("rabbitmqctl not found; the fault tests need it")
 	}
@@ -109,7 +112,8 @@ func ctl(t testing.TB, args ...string) string {
 	defer ctlMu.Unlock()
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
-	out, err := exec.CommandContext(ctx, path, append([]string{"-n", "rabbit@localhost", "-q"}, args...)...).CombinedOutput()
+	node := envOr("FERRY_RABBITMQ_NODE", "rabbit@localhost")
+	out, err := exec.CommandContext(ctx, path, append([]string{"-n", node, "-q"}, args...)...).CombinedOutput()
 	if err != nil {
 		t.Fatalf("rabbitmqctl %s: %v\n%s", strings.Join(args, " "), err, out)
 	}

@@ -6,8 +6,10 @@ import (
 	"crypto/x509"
 	"errors"
 	"net"
+	"net/url"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -41,6 +43,15 @@ func unavailable(t *testing.T, format string, args ...any) {
 		t.Fatalf(format, args...)
 	}
 	t.Skipf(format, args...)
+}
+
+// withUser returns the broker URL raw with another user and password.
+func withUser(t *testing.T, raw, user, password string) string {
+	t.Helper()
+	u, err := url.Parse(raw)
+	must(t, err)
+	u.User = url.UserPassword(user, password)
+	return u.String()
 }
 
 // amqpsCA finds the certificate brokers.sh made for the amqps listener:
@@ -77,7 +88,7 @@ func amqpsCA(t *testing.T) *x509.CertPool {
 func TestTLSConnects(t *testing.T) {
 	url := envOr("FERRY_AMQPS_URL", defaultAMQPSURL)
 	u, _ := amqp.ParseURI(url)
-	if c, err := net.DialTimeout("tcp", net.JoinHostPort(u.Host, "5671"), 2*time.Second); err != nil {
+	if c, err := net.DialTimeout("tcp", net.JoinHostPort(u.Host, strconv.Itoa(u.Port)), 2*time.Second); err != nil {
 		unavailable(t, "no amqps listener at %s: %v (integration/brokers.sh up adds it)", rabbit.Redact(url), err)
 	} else {
 		c.Close()
@@ -149,7 +160,7 @@ func TestRestrictedUserIsRefusedAnotherVhost(t *testing.T) {
 // consumer.ErrRefused, instead of retrying for ever; its health is
 // stopped; the error holds no password.
 func TestAccessRefusedIsFatal(t *testing.T) {
-	amqpURL(t)
+	base := amqpURL(t)
 	user := testenv.UniqueName(t, "noread")
 	const pw = "noread-Secret-42"
 	ctl(t, "add_user", user, pw)
@@ -161,7 +172,7 @@ func TestAccessRefusedIsFatal(t *testing.T) {
 	must(t, err)
 
 	logger, logs := capture(t)
-	b, err := rabbit.Dial("amqp://"+user+":"+pw+"@127.0.0.1:5672/", rabbit.WithLogger(logger))
+	b, err := rabbit.Dial(withUser(t, base, user, pw), rabbit.WithLogger(logger))
 	must(t, err)
 	t.Cleanup(func() { b.Close() })
 	c, err := b.NewConsumer(t.Context(), q, consumer.WithLogger(logger))
@@ -187,12 +198,12 @@ func TestAccessRefusedIsFatal(t *testing.T) {
 // TestNoPasswordInLogsOrErrors: the URL is redacted in every log line
 // (through a reconnect) and in configuration and connection errors.
 func TestNoPasswordInLogsOrErrors(t *testing.T) {
-	amqpURL(t)
+	base := amqpURL(t)
 	const pw = "Very-Secret-pw-99"
 	if _, err := rabbit.Dial("amqp://guest:" + pw + "@127.0.0.1:notaport/"); err == nil || !errors.Is(err, consumer.ErrInvalidConfig) || strings.Contains(err.Error(), pw) {
 		t.Errorf("Dial with a bad port = %v, want a ConfigError without the password", err)
 	}
-	if _, err := rabbit.Dial("amqp://guest:"+pw+"@127.0.0.1:5672/", rabbit.WithDialTimeout(5*time.Second)); err == nil || strings.Contains(err.Error(), pw) {
+	if _, err := rabbit.Dial(withUser(t, base, "guest", pw), rabbit.WithDialTimeout(5*time.Second)); err == nil || strings.Contains(err.Error(), pw) {
 		t.Errorf("Dial with a wrong password = %v, want an error without the password", err)
 	}
 	if got := rabbit.Redact("amqps://u:" + pw + "@h:5671/v"); strings.Contains(got, pw) || !strings.Contains(got, "u:xxxxx@h:5671") {
