@@ -10,6 +10,7 @@ import (
 	"math/rand/v2"
 	"net/url"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -31,7 +32,7 @@ import (
 // is safe for concurrent use.
 type Broker struct {
 	cfg      config
-	uri      amqp.URI
+	uris     []amqp.URI // the nodes, in the URL's order (see nodeURLs)
 	redacted string
 	log      *slog.Logger
 
@@ -115,16 +116,24 @@ func Dial(rawURL string, opts ...Option) (*Broker, error) {
 		// vhost or the query, and errors quote those.
 		return nil, consumer.ConfigErrorf("URL", "%s: the user and password %v", redacted, err)
 	}
-	uri, err := amqp.ParseURI(rawURL)
+	nodes, err := nodeURLs(rawURL)
 	if err != nil {
-		// url.Parse's errors quote the URL or a part of it (the text
-		// after the first ":" of a password holding a "/" reads as a
-		// port): none of their text is kept.
-		var ue *url.Error
-		if errors.As(err, &ue) {
-			err = errors.New("it does not parse as a URL (reserved characters such as / @ : in the user or password must be percent-escaped)")
+		return nil, consumer.ConfigErrorf("URL", "%s: %v", redacted, err)
+	}
+	var uris []amqp.URI
+	for _, one := range nodes {
+		uri, err := amqp.ParseURI(one)
+		if err != nil {
+			// url.Parse's errors quote the URL or a part of it (the text
+			// after the first ":" of a password holding a "/" reads as a
+			// port): none of their text is kept.
+			var ue *url.Error
+			if errors.As(err, &ue) {
+				err = errors.New("it does not parse as a URL (reserved characters such as / @ : in the user or password must be percent-escaped)")
+			}
+			return nil, consumer.ConfigErrorf("URL", "%s is not an AMQP URL: %v", redacted, scrub(err, one))
 		}
-		return nil, consumer.ConfigErrorf("URL", "%s is not an AMQP URL: %v", redacted, scrub(err, rawURL))
+		uris = append(uris, uri)
 	}
 	if c.meters == nil {
 		c.meters = otel.GetMeterProvider()
@@ -138,7 +147,7 @@ func Dial(rawURL string, opts ...Option) (*Broker, error) {
 	b := &Broker{
 		metrics:    pm,
 		cfg:        c,
-		uri:        uri,
+		uris:       uris,
 		redacted:   redacted,
 		log:        c.logger.With("broker", redacted),
 		idPrefix:   hex.EncodeToString(p[:]) + "-",
@@ -278,4 +287,35 @@ func (b *Broker) sleep(ctx context.Context, d time.Duration, stop <-chan struct{
 	case <-stop:
 	}
 	return false
+}
+
+// nodeURLs splits a URL naming several nodes,
+// amqp://USER:PASSWORD@HOST1[:PORT],HOST2[:PORT]/VHOST, into one URL a
+// node, each with the same scheme, credentials, vhost and query. A URL
+// naming one node is returned as it is.
+func nodeURLs(rawURL string) ([]string, error) {
+	scheme, rest, ok := strings.Cut(rawURL, "://")
+	if !ok {
+		return []string{rawURL}, nil
+	}
+	end := strings.IndexAny(rest, "/?#")
+	if end < 0 {
+		end = len(rest)
+	}
+	authority, tail := rest[:end], rest[end:]
+	userinfo, hosts := "", authority
+	if at := strings.LastIndex(authority, "@"); at >= 0 {
+		userinfo, hosts = authority[:at+1], authority[at+1:]
+	}
+	if !strings.Contains(hosts, ",") {
+		return []string{rawURL}, nil
+	}
+	var out []string
+	for i, h := range strings.Split(hosts, ",") {
+		if h = strings.TrimSpace(h); h == "" {
+			return nil, fmt.Errorf("node %d of the list %q is empty", i+1, hosts)
+		}
+		out = append(out, scheme+"://"+userinfo+h+tail)
+	}
+	return out, nil
 }

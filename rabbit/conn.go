@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -30,6 +32,8 @@ type connMgr struct {
 	watchers sync.WaitGroup
 
 	dialing  *dialCall // the dial under way, nil when none
+	nextNode int       // the node of Broker.uris a dial tries first
+	node     string    // host:port of the node of the last connection
 	failures int       // dials failed in a row
 	lastErr  error     // of the last failed dial
 	nextDial time.Time // no dial before this after a failure (backoff)
@@ -131,17 +135,54 @@ func (m *connMgr) dial(dc *dialCall, wait time.Duration) {
 	gen := m.gen
 	m.watchers.Go(func() { m.watch(conn, gen, dead, closes, blocks) })
 	if gen > 1 {
-		m.b.log.Info("rabbit: reconnected", "connection", m.role, "generation", gen)
+		m.b.log.Info("rabbit: reconnected", "connection", m.role, "generation", gen, "node", m.node)
 	}
 	dc.conn = conn
 	close(dc.done)
 }
 
-// connect opens a connection and declares the topology on it, within the
-// dial timeout and until Close: the TCP connect with the context, the TLS
-// and AMQP handshakes and the declarations under a deadline that Close
-// brings forward.
+// connect opens a connection to one of the Broker's nodes: each in turn,
+// from the one after the node of the last connection (so a node that just
+// died is tried last), until one connects; a single node is tried once.
+// Nodes that failed before one connected are logged at WARN with their
+// errors; when none connects, the last node's error is returned (the
+// caller reports it). Only dial goroutines call it, one at a time.
 func (m *connMgr) connect() (*amqp.Connection, error) {
+	n := len(m.b.uris)
+	var failed []string
+	var err error
+	for i := range n {
+		node := (m.nextNode + i) % n
+		var conn *amqp.Connection
+		conn, err = m.connectTo(m.b.uris[node])
+		if err == nil {
+			m.nextNode = (node + 1) % n
+			m.node = nodeAddr(m.b.uris[node])
+			if len(failed) > 0 {
+				m.b.log.Warn("rabbit: connected to a later node of the list: the nodes before it failed",
+					"connection", m.role, "node", m.node, "failed", strings.Join(failed, "; "))
+			}
+			return conn, nil
+		}
+		if errors.Is(err, ErrClosed) {
+			return nil, err
+		}
+		failed = append(failed, nodeAddr(m.b.uris[node])+": "+err.Error())
+	}
+	if n > 1 {
+		err = fmt.Errorf("%w (every node of the %d failed; this was the last tried)", err, n)
+	}
+	return nil, err
+}
+
+// nodeAddr is a node's host:port, for logs.
+func nodeAddr(u amqp.URI) string { return net.JoinHostPort(u.Host, strconv.Itoa(u.Port)) }
+
+// connectTo opens a connection to the node uri and declares the topology
+// on it, within the dial timeout and until Close: the TCP connect with the
+// context, the TLS and AMQP handshakes and the declarations under a
+// deadline that Close brings forward.
+func (m *connMgr) connectTo(uri amqp.URI) (*amqp.Connection, error) {
 	ctx, cancel := context.WithTimeout(m.b.life, m.b.cfg.dialTimeout)
 	defer cancel()
 	var mu sync.Mutex
@@ -179,24 +220,24 @@ func (m *connMgr) connect() (*amqp.Connection, error) {
 			return c, nil
 		},
 	}
-	if m.b.uri.Scheme == "amqps" {
+	if uri.Scheme == "amqps" {
 		t := m.b.cfg.tls
 		if t == nil {
 			t = &tls.Config{}
 		}
 		t = t.Clone()
 		if t.ServerName == "" {
-			t.ServerName = m.b.uri.Host
+			t.ServerName = uri.Host
 		}
 		cfg.TLSClientConfig = t
 	}
-	conn, err := amqp.DialConfig(m.b.uri.String(), cfg)
+	conn, err := amqp.DialConfig(uri.String(), cfg)
 	if err != nil {
 		if ctx.Err() != nil && m.b.isClosed() {
 			return nil, ErrClosed
 		}
 		kind := classify(err, stageHandshake, m.b.connected.Load())
-		return nil, fmt.Errorf("rabbit: connect to %s: %w: %w", m.b.redacted, kind, scrub(err, m.b.uri.String()))
+		return nil, fmt.Errorf("rabbit: connect to %s: %w: %w", m.b.redacted, kind, scrub(err, uri.String()))
 	}
 	err = m.b.cfg.topology.declare(conn)
 	if !stop() {

@@ -135,21 +135,43 @@
 //
 // # Opening from a URL
 //
-//	amqp://USER:PASSWORD@HOST[:PORT]/VHOST
-//	amqps://USER:PASSWORD@HOST[:PORT]/VHOST[?ca_file=FILE]
+//	amqp://USER:PASSWORD@HOST[:PORT][,HOST[:PORT]...]/VHOST
+//	amqps://USER:PASSWORD@HOST[:PORT][,HOST[:PORT]...]/VHOST[?ca_file=FILE]
 //
 // ferry.Open opens RabbitMQ from a URL in a program that imports this
 // package (blank, or github.com/ferrymq/ferry/brokers, when the program
 // names no rabbit identifier), through Dial with [WithLazyConnect]: it
 // connects on first use, as Kafka and SQS do; amqps:// over TLS. The
 // path is the vhost ("/" or none is the default vhost; %2F escapes a "/"
-// in a vhost's name). A NewConsumer source is a queue, and a Publish
+// in a vhost's name). Several hosts are the nodes of a cluster (see
+// Several nodes). A NewConsumer source is a queue, and a Publish
 // destination the queue of that name, as on the other brokers;
 // ToExchange(exchange) names an exchange.
 // Query parameters:
 //
 //   - ca_file=FILE: a PEM file of the CA to trust instead of the system's
 //     (amqps only). The certificate must name HOST.
+//
+// # Several nodes
+//
+// A URL may name the nodes of a cluster, separated by commas, with one
+// user, password and vhost for all: amqp://u:p@rabbit-1,rabbit-2,rabbit-3/.
+// Each connection (the Broker has one for publishing and one for
+// consuming) dials them in turn, starting after the node of its last
+// connection, so a node that just died is tried last, and the first that
+// accepts is used: when the node under a connection dies, the connection
+// is lost as on a restart (see above) and the next dial reaches another
+// node at once, with no backoff between nodes. Nodes that failed before
+// one accepted are logged at WARN, each with its error; the reconnection's
+// INFO names the node reached. When every node fails, the error is the
+// last node's, saying that every node failed, and the next round waits the
+// reconnect backoff. On amqps each connection verifies the certificate of
+// the node it reached, unless a TLS configuration names a ServerName.
+//
+// Ferry is the only recovery layer: the amqp091-go Config it dials with
+// has no Recovery (amqp091-go's own connection and topology recovery, off
+// by default, which no option turns on), so a lost connection is
+// reconnected, and its topology and consumers declared again, once.
 //
 // # When it cannot consume
 //

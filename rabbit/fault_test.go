@@ -99,15 +99,20 @@ func faultTopology(name string) rabbit.Topology {
 // duplicates are at most what was delivered and unacked when channels were
 // lost.
 func busyThroughFault(t *testing.T, fault func(name string)) {
+	busyThroughFaultAt(t, amqpURL(t), fault)
+}
+
+// busyThroughFaultAt is busyThroughFault with Brokers dialed at url.
+func busyThroughFaultAt(t *testing.T, url string, fault func(name string)) {
 	name := testenv.UniqueName(t, "")
 	deleteLater(t, []string{name}, []string{name})
 	logger, logs := capture(t)
 	opts := []rabbit.Option{rabbit.WithLogger(logger), rabbit.WithReconnectBackoff(50*time.Millisecond, 500*time.Millisecond),
 		rabbit.WithTopology(faultTopology(name)), rabbit.WithConnectionName(name)}
-	cb, err := rabbit.Dial(amqpURL(t), opts...)
+	cb, err := rabbit.Dial(url, opts...)
 	must(t, err)
 	t.Cleanup(func() { cb.Close() })
-	pb, err := rabbit.Dial(amqpURL(t), opts...)
+	pb, err := rabbit.Dial(url, opts...)
 	must(t, err)
 	t.Cleanup(func() { pb.Close() })
 

@@ -37,7 +37,9 @@ func openURL(_ context.Context, u *url.URL, q url.Values, shown string) (consume
 		if err != nil {
 			return nil, err
 		}
-		cfg.ServerName = u.Hostname()
+		if !strings.Contains(u.Host, ",") {
+			cfg.ServerName = u.Hostname()
+		} // with several nodes, each connection names its own node
 		opts = append(opts, WithTLS(cfg))
 	}
 	plain := *u
