@@ -3,11 +3,11 @@ GO        ?= go
 GOFLAGS_TEST ?= -race -count=1 -timeout 20m
 PKGS      ?= ./...
 
-.PHONY: test test-rabbit4 test-restarts restart-loop unit brokers brokers-down brokers-status bench bench-compare bench-test examples-test tools-test vet chaos chaos-short
+.PHONY: test test-rabbit4 test-cluster test-restarts restart-loop unit brokers brokers-down brokers-status bench bench-compare bench-test examples-test tools-test vet chaos chaos-short
 
 ## test: start the brokers, then run every test (unit and integration) with -race;
 ## then, alone, the tests that restart a shared broker, the rabbit suite again on
-## RabbitMQ 4.0 (test-rabbit4), the bench module's short
+## RabbitMQ 4.0 (test-rabbit4), the cluster fault tests (test-cluster), the bench module's short
 ## check that every benchmark variant loses no message, the examples module's
 ## tests (each example run against the real brokers) and (for the whole module)
 ## the chaos run's short setting (chaos-short)
@@ -15,6 +15,7 @@ test: brokers
 	$(GO) test $(GOFLAGS_TEST) $(PKGS)
 	$(MAKE) test-restarts
 	$(MAKE) test-rabbit4
+	$(MAKE) test-cluster
 	$(MAKE) restart-loop RESTARTS=$(TEST_RESTARTS)
 	$(MAKE) bench-test
 	$(MAKE) examples-test
@@ -42,6 +43,21 @@ test-rabbit4:
 	integration/brokers.sh up rabbitmq4
 	$(RABBIT4_ENV) $(GO) test $(GOFLAGS_TEST) ./rabbit/
 	$(RABBIT4_ENV) FERRY_TEST_RABBIT_RESTART=1 $(GO) test $(GOFLAGS_TEST) -run '^TestBrokerRestartResumesConsumersAndPublishers$$' ./rabbit/
+	integration/brokers.sh down rabbitmq4
+
+## test-cluster: the fault tests of broker clusters: three RabbitMQ 4.0 nodes as one
+## cluster (integration/brokers.sh up rabbitmq-cluster, 127.0.0.1:5691-5693), a
+## node SIGKILLed under a busy consumer and publishers of a quorum queue
+## (TestClusterNodeKilledUnderLoad in rabbit/: the queue's leader's node, then
+## the clients' node), every confirmed message consumed
+RABBITC_ENV = FERRY_RABBIT_CLUSTER_URL=amqp://guest:guest@127.0.0.1:5691,127.0.0.1:5692,127.0.0.1:5693/ \
+	FERRY_RABBIT_CLUSTER_DIR=$(BROKERS_DIR)/rabbitmq4/root/ferry \
+	FERRY_RABBIT_CLUSTER_UP="$(CURDIR)/integration/brokers.sh up rabbitmq-cluster" \
+	FERRY_RABBITMQCTL=$(BROKERS_DIR)/rabbitmq4/rabbitmqctl
+test-cluster:
+	integration/brokers.sh up rabbitmq-cluster
+	$(RABBITC_ENV) $(GO) test $(GOFLAGS_TEST) -run '^TestCluster' -v ./rabbit/
+	integration/brokers.sh down rabbitmq-cluster
 
 ## restart-loop: restart Kafka, ElasticMQ and RabbitMQ RESTARTS times each (default
 ## 20) while a busy loop holds every core; fails on the first restart that does

@@ -7,6 +7,8 @@
 #                                   wait until each answers a real client operation
 #   integration/brokers.sh up rabbitmq4   the optional RabbitMQ 4.0 node alone (5682;
 #                                   make test-rabbit4 runs the rabbit suite on it)
+#   integration/brokers.sh up rabbitmq-cluster   three RabbitMQ 4.0 nodes as one
+#                                   cluster (5691-5693; make test-cluster)
 #   integration/brokers.sh down     stop them (state is kept)
 #   integration/brokers.sh status   one line per service; exit 1 if any is down
 #   integration/brokers.sh restart kafka   stop and start the named services only (the
@@ -40,12 +42,16 @@ usage: integration/brokers.sh up [rabbitmq4] | down | status | restart service..
   up      install what is missing, start the brokers, wait until each is ready
   up rabbitmq4  start only the optional RabbitMQ 4.0 node (AMQP on 5682, amqps
           on 5681), run from a Debian trixie root made once with debootstrap
-  down    stop the brokers (their state stays in ${STATE/#$ROOT\//})
+  up rabbitmq-cluster  start only the optional cluster of three RabbitMQ 4.0
+          nodes (AMQP on 5691-5693), from the same root
+  down    stop the brokers (their state stays in ${STATE/#$ROOT\//}); down rabbitmq4
+          or down rabbitmq-cluster stops only those
   status  print one line per broker; exit 1 if any is not ready
   restart stop and start the named brokers only, and wait until they are ready
   logs    print the last lines of each broker's log (or of those named)
 
-services: ${SERVICES[*]}; optional: $RABBIT4 (make test-rabbit4 runs the rabbit suite on it)
+services: ${SERVICES[*]}; optional: $RABBIT4 (make test-rabbit4 runs the rabbit
+          suite on it), $RABBITC (make test-cluster)
 environment: FERRY_BROKERS=docker uses docker-compose.yml when a Docker engine runs;
              FERRY_BROKERS_DIR moves the state folder (default .brokers/).
 EOF
@@ -139,6 +145,7 @@ log_of() {
 	postgres) echo "$STATE/postgres/postgres.log" ;;
 	redis) echo "$STATE/redis/redis.log" ;;
 	rabbitmq4) echo "$STATE/rabbitmq4/root/ferry/log/rabbit4@localhost.log $STATE/rabbitmq4/rabbitmq.out $STATE/rabbitmq4/debootstrap.log" ;;
+	rabbitmq-cluster) echo "$STATE"/rabbitmq4/root/ferry/c?/log/rabbitc?@localhost.log ;;
 	esac
 }
 
@@ -492,26 +499,46 @@ rabbit4_unmount() {
 	if mountpoint -q "$r/proc" 2>/dev/null; then umount "$r/proc" 2>/dev/null || umount -l "$r/proc" || true; fi
 }
 
-# rabbit4_in [--nohup] CMD...: run CMD inside the root as the rabbitmq user,
-# with the node's environment.
-rabbit4_in() {
+# root_in [--nohup] NODE PORT DIST_PORT DIR CMD...: run CMD inside the root
+# as the rabbitmq user, with the environment of the node named NODE, its
+# AMQP and distribution ports and its files in DIR (a path in the root).
+root_in() {
 	local pre=()
 	if [[ $1 == --nohup ]]; then
 		pre=(nohup)
 		shift
 	fi
+	local node=$1 port=$2 dist=$3 dir=$4
+	shift 4
 	"${pre[@]}" chroot "$(rabbit4_root)" /usr/sbin/runuser -u rabbitmq -- env -i \
 		HOME=/var/lib/rabbitmq PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 \
-		RABBITMQ_NODENAME=$RABBIT4_NODE RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 \
-		RABBITMQ_NODE_PORT=$RABBIT4_PORT RABBITMQ_DIST_PORT=$RABBIT4_DIST_PORT \
-		RABBITMQ_MNESIA_BASE=/ferry/mnesia RABBITMQ_LOG_BASE=/ferry/log \
-		RABBITMQ_PID_FILE=/ferry/rabbitmq.pid RABBITMQ_CONFIG_FILE=/ferry/rabbitmq.conf \
-		RABBITMQ_ENABLED_PLUGINS_FILE=/ferry/enabled_plugins \
+		RABBITMQ_NODENAME="$node" RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 \
+		RABBITMQ_NODE_PORT="$port" RABBITMQ_DIST_PORT="$dist" \
+		RABBITMQ_MNESIA_BASE="$dir/mnesia" RABBITMQ_LOG_BASE="$dir/log" \
+		RABBITMQ_PID_FILE="$dir/rabbitmq.pid" RABBITMQ_CONFIG_FILE="$dir/rabbitmq.conf" \
+		RABBITMQ_ENABLED_PLUGINS_FILE="$dir/enabled_plugins" \
 		"RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS=-kernel inet_dist_use_interface {127,0,0,1}" \
 		ERL_EPMD_ADDRESS=127.0.0.1 "$@"
 }
 
-rabbit4ctl_() { rabbit4_in /usr/lib/rabbitmq/bin/rabbitmqctl -n "$RABBIT4_NODE" -q "$@"; }
+rabbit4ctl_() {
+	root_in "$RABBIT4_NODE" "$RABBIT4_PORT" "$RABBIT4_DIST_PORT" /ferry \
+		/usr/lib/rabbitmq/bin/rabbitmqctl -n "$RABBIT4_NODE" -q "$@"
+}
+
+# rabbit4_ctl_wrapper writes the CLI for the tests (FERRY_RABBITMQCTL): the
+# 4.0 nodes' own rabbitmqctl, run inside the root, for any node (-n NODE).
+rabbit4_ctl_wrapper() {
+	cat >"$STATE/$RABBIT4/rabbitmqctl" <<EOS
+#!/bin/sh
+# rabbitmqctl of the RabbitMQ 4.0 nodes (integration/brokers.sh up rabbitmq4,
+# up rabbitmq-cluster), run inside their Debian root: rabbitmqctl -n NODE ...
+exec chroot '$(rabbit4_root)' /usr/sbin/runuser -u rabbitmq -- env -i HOME=/var/lib/rabbitmq \\
+	PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 ERL_EPMD_ADDRESS=127.0.0.1 \\
+	/usr/lib/rabbitmq/bin/rabbitmqctl "\$@"
+EOS
+	chmod 755 "$STATE/$RABBIT4/rabbitmqctl"
+}
 
 start_rabbitmq4() {
 	local r d
@@ -527,20 +554,11 @@ start_rabbitmq4() {
 	rm -f "$d/rabbitmq.pid"
 	chroot "$r" chown -R rabbitmq:rabbitmq /ferry
 	mountpoint -q "$r/proc" || mount -t proc proc "$r/proc" || die "$RABBIT4: could not mount proc in its root"
-	# The CLI for the tests (FERRY_RABBITMQCTL): the node's own rabbitmqctl,
-	# run inside the root.
-	cat >"$STATE/$RABBIT4/rabbitmqctl" <<EOS
-#!/bin/sh
-# rabbitmqctl of the RabbitMQ 4.0 node (integration/brokers.sh up rabbitmq4),
-# run inside its Debian root: rabbitmqctl -n $RABBIT4_NODE ...
-exec chroot '$r' /usr/sbin/runuser -u rabbitmq -- env -i HOME=/var/lib/rabbitmq \\
-	PATH=/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 ERL_EPMD_ADDRESS=127.0.0.1 \\
-	/usr/lib/rabbitmq/bin/rabbitmqctl "\$@"
-EOS
-	chmod 755 "$STATE/$RABBIT4/rabbitmqctl"
+	rabbit4_ctl_wrapper
 	(
 		cd /
-		rabbit4_in --nohup /usr/lib/rabbitmq/bin/rabbitmq-server >"$STATE/$RABBIT4/rabbitmq.out" 2>&1 </dev/null &
+		root_in --nohup "$RABBIT4_NODE" "$RABBIT4_PORT" "$RABBIT4_DIST_PORT" /ferry \
+			/usr/lib/rabbitmq/bin/rabbitmq-server >"$STATE/$RABBIT4/rabbitmq.out" 2>&1 </dev/null &
 		echo $! >"$STATE/$RABBIT4/launcher.pid"
 	)
 }
@@ -568,7 +586,7 @@ stop_rabbitmq4() {
 		fi
 		echo "$RABBIT4 stopped"
 	fi
-	rabbit4_unmount
+	rabbitc_running || rabbit4_unmount
 }
 
 # up_rabbitmq4: start the 4.0 node unless it runs, wait until it answers, and
@@ -591,6 +609,122 @@ up_rabbitmq4() {
 	fi
 	rabbit_tenant rabbit4ctl_
 	port_open "$RABBIT4_TLS_PORT" || die "$RABBIT4: the amqps listener on 127.0.0.1:$RABBIT4_TLS_PORT is not open"
+}
+
+# rabbitmq-cluster is a cluster of three RabbitMQ 4.0 nodes in the same
+# Debian root as rabbitmq4, for make test-cluster: rabbitc1@localhost,
+# rabbitc2@localhost and rabbitc3@localhost, AMQP on 5691-5693 (guest/guest
+# from loopback), Erlang distribution on 25691-25693, each node's files in
+# /ferry/cN. They find each other through classic_config peer discovery at
+# their first boot; a node started again (after a kill) rejoins with its
+# data. `up rabbitmq-cluster` starts the nodes that are not running and
+# waits until all three are running members of one cluster.
+RABBITC=rabbitmq-cluster
+RABBITC_NODES=(1 2 3)
+
+rabbitc_pid() { # rabbitc_pid N: the beam pid of node N, if it runs
+	local f pid
+	f=$(rabbit4_root)/ferry/c$1/rabbitmq.pid
+	[[ -s $f ]] || return 1
+	pid=$(head -n1 "$f" | tr -dc 0-9)
+	[[ -n $pid ]] && kill -0 "$pid" 2>/dev/null || return 1
+	tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- beam || return 1
+	echo "$pid"
+}
+
+# rabbitc_in [--nohup] N CMD...: root_in with node N's environment.
+rabbitc_in() {
+	local pre=()
+	if [[ $1 == --nohup ]]; then
+		pre=(--nohup)
+		shift
+	fi
+	local n=$1
+	shift
+	root_in "${pre[@]}" "rabbitc$n@localhost" $((5690 + n)) $((25690 + n)) "/ferry/c$n" "$@"
+}
+
+start_rabbitc_node() {
+	local n=$1 d
+	d=$(rabbit4_root)/ferry/c$n
+	mkdir -p "$d/mnesia" "$d/log"
+	cat >"$d/rabbitmq.conf" <<EOC
+listeners.tcp.1 = 127.0.0.1:$((5690 + n))
+loopback_users.guest = true
+default_user = guest
+default_pass = guest
+log.console = false
+log.file.level = info
+cluster_formation.peer_discovery_backend = classic_config
+cluster_formation.classic_config.nodes.1 = rabbitc1@localhost
+cluster_formation.classic_config.nodes.2 = rabbitc2@localhost
+cluster_formation.classic_config.nodes.3 = rabbitc3@localhost
+EOC
+	cp "$CONF/rabbitmq-enabled-plugins" "$d/enabled_plugins"
+	rm -f "$d/rabbitmq.pid"
+	chroot "$(rabbit4_root)" chown -R rabbitmq:rabbitmq "/ferry/c$n"
+	(
+		cd /
+		rabbitc_in --nohup "$n" /usr/lib/rabbitmq/bin/rabbitmq-server >"$d/rabbitmq.out" 2>&1 </dev/null &
+		echo $! >"$d/launcher.pid"
+	)
+}
+
+stop_rabbitmq_cluster() {
+	local n pid i
+	for n in "${RABBITC_NODES[@]}"; do
+		pid=$(rabbitc_pid "$n") || continue
+		kill -TERM "$pid" 2>/dev/null || true
+		for ((i = 0; i < 300; i++)); do
+			kill -0 "$pid" 2>/dev/null || break
+			sleep 0.1
+		done
+		kill -KILL "$pid" 2>/dev/null || true
+		echo "$RABBITC node $n stopped"
+	done
+	rabbit4_pid >/dev/null || rabbit4_unmount
+}
+
+rabbitc_running() { # whether any node of the cluster runs
+	local n
+	for n in "${RABBITC_NODES[@]}"; do
+		rabbitc_pid "$n" >/dev/null && return 0
+	done
+	return 1
+}
+
+# up_rabbitmq_cluster: start the nodes that do not run, wait until each
+# answers AMQP and all three run as one cluster.
+up_rabbitmq_cluster() {
+	setup_state
+	build_checker
+	rabbit4_root_ready
+	local r n port started=()
+	r=$(rabbit4_root)
+	mountpoint -q "$r/proc" || mount -t proc proc "$r/proc" || die "$RABBITC: could not mount proc in its root"
+	rabbit4_ctl_wrapper
+	for n in "${RABBITC_NODES[@]}"; do
+		rabbitc_pid "$n" >/dev/null && continue
+		for port in $((5690 + n)) $((25690 + n)); do
+			port_open "$port" && die "port $port ($RABBITC node $n) is already in use by $(port_owner "$port"), not by integration/brokers.sh"
+		done
+		start_rabbitc_node "$n"
+		started+=("$n")
+	done
+	local out rc=0
+	for n in "${RABBITC_NODES[@]}"; do
+		local watch=()
+		[[ " ${started[*]} " == *" $n "* ]] && watch=(-wait "${UP_TIMEOUT}s" -pid="rabbitmq=$(cat "$r/ferry/c$n/launcher.pid")")
+		out=$(FERRY_AMQP_URL="amqp://guest:guest@127.0.0.1:$((5690 + n))/" "$CHECKER" "${watch[@]}" rabbitmq) || rc=1
+		sed -n "s/^rabbitmq /rabbitc$n /p" <<<"$out"
+	done
+	if ((rc)); then
+		tail -n 30 "$r/ferry/c1/log/rabbitc1@localhost.log" >&2 || true
+		die "$RABBITC: not every node is ready (logs in $r/ferry/cN/log)"
+	fi
+	rabbitc_in 1 /usr/lib/rabbitmq/bin/rabbitmqctl -n rabbitc1@localhost -q await_online_nodes 3 --timeout 120000 >/dev/null ||
+		die "$RABBITC: the three nodes did not form one cluster within 120 s"
+	echo "$RABBITC: 3 nodes running as one cluster (amqp://guest:guest@127.0.0.1:5691,127.0.0.1:5692,127.0.0.1:5693/)"
 }
 
 jvm_start() { # jvm_start PIDFILE OUT ARGS...: start java in the background
@@ -704,9 +838,10 @@ docker_compose() { docker compose -f "$ROOT/docker-compose.yml" "$@"; }
 
 cmd_up() {
 	if (($#)); then
-		[[ $* == "$RABBIT4" ]] || die "up: name no service, or $RABBIT4 alone (the optional RabbitMQ 4.0 node)"
-		use_docker && die "up $RABBIT4: the RabbitMQ 4.0 node runs natively only (docker-compose.yml's rabbitmq is 4.x already)"
-		up_rabbitmq4
+		[[ $* == "$RABBIT4" || $* == "$RABBITC" ]] ||
+			die "up: name no service, or one of the optional ones alone: $RABBIT4 (a RabbitMQ 4.0 node), $RABBITC (three)"
+		use_docker && die "up $*: the RabbitMQ 4.0 nodes run natively only (docker-compose.yml's rabbitmq is 4.x already)"
+		if [[ $1 == "$RABBIT4" ]]; then up_rabbitmq4; else up_rabbitmq_cluster; fi
 		return
 	fi
 	if use_docker; then
@@ -796,6 +931,13 @@ cmd_up() {
 }
 
 cmd_down() {
+	if (($#)); then
+		[[ $* == "$RABBIT4" || $* == "$RABBITC" ]] ||
+			die "down: name no service, or one of the optional ones alone: $RABBIT4, $RABBITC"
+		setup_state
+		if [[ $1 == "$RABBIT4" ]]; then stop_rabbitmq4; else stop_rabbitmq_cluster; fi
+		return
+	fi
 	if use_docker; then
 		docker_compose down -v
 		return
@@ -807,7 +949,9 @@ cmd_down() {
 		stop_service "$svc" &
 	done
 	stop_rabbitmq4 &
+	stop_rabbitmq_cluster &
 	wait
+	rabbit4_unmount
 }
 
 # cmd_restart SERVICE...: stop and start only the named services (a broker
@@ -823,6 +967,11 @@ cmd_restart() {
 	if [[ $* == "$RABBIT4" ]]; then
 		stop_rabbitmq4 >/dev/null
 		up_rabbitmq4
+		return
+	fi
+	if [[ $* == "$RABBITC" ]]; then
+		stop_rabbitmq_cluster >/dev/null
+		up_rabbitmq_cluster
 		return
 	fi
 	local svc out rc=0 watch=() line
@@ -871,6 +1020,20 @@ cmd_status() {
 		else
 			printf '%-9s 127.0.0.1:%-13s -                  not started (optional: integration/brokers.sh up %s)\n' "$RABBIT4" "$RABBIT4_PORT" "$RABBIT4"
 		fi
+		if rabbitc_running; then
+			local n
+			for n in "${RABBITC_NODES[@]}"; do
+				if pid=$(rabbitc_pid "$n"); then
+					line=$(FERRY_AMQP_URL="amqp://guest:guest@127.0.0.1:$((5690 + n))/" "$CHECKER" rabbitmq) || rc=1
+					echo "$(sed "s/^rabbitmq /rabbitc$n /" <<<"$line") (pid $pid, $RABBITC)"
+				else
+					echo "rabbitc$n  127.0.0.1:$((5690 + n))         -                  NOT RUNNING ($RABBITC)"
+					rc=1
+				fi
+			done
+		else
+			printf '%-9s 127.0.0.1:%-13s -                  not started (optional: integration/brokers.sh up %s)\n' "rabbitc1-3" "5691-5693" "$RABBITC"
+		fi
 	fi
 	return $rc
 }
@@ -885,7 +1048,7 @@ cmd_logs() {
 	local svc
 	(($#)) || set -- "${SERVICES[@]}"
 	for svc in "$@"; do
-		[[ -n $(port_of "$svc") || $svc == "$RABBIT4" ]] || die "unknown service $svc (one of: ${SERVICES[*]} $RABBIT4)"
+		[[ -n $(port_of "$svc") || $svc == "$RABBIT4" || $svc == "$RABBITC" ]] || die "unknown service $svc (one of: ${SERVICES[*]} $RABBIT4 $RABBITC)"
 		tail_logs "$svc" 50 2>&1
 	done
 }
@@ -895,7 +1058,10 @@ up)
 	shift
 	cmd_up "$@"
 	;;
-down) cmd_down ;;
+down)
+	shift
+	cmd_down "$@"
+	;;
 status) cmd_status ;;
 restart)
 	shift

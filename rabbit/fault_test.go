@@ -69,6 +69,18 @@ func (s *seen) has(id string) bool {
 	return s.counts[id] > 0
 }
 
+// anyFrom says whether an id numbered n or later was seen.
+func (s *seen) anyFrom(n int) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for id := range s.counts {
+		if i, err := strconv.Atoi(id); err == nil && i >= n {
+			return true
+		}
+	}
+	return false
+}
+
 func (s *seen) dups() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -102,10 +114,18 @@ func busyThroughFault(t *testing.T, fault func(name string)) {
 	busyThroughFaultAt(t, amqpURL(t), fault)
 }
 
+// faultRun is what busyThroughFaultAt counted.
+type faultRun struct {
+	confirmed, consumed, dups int
+	// resumed is how long after the fault the first message published
+	// after it was consumed.
+	resumed time.Duration
+}
+
 // busyThroughFaultAt is busyThroughFault with Brokers dialed at url.
-func busyThroughFaultAt(t *testing.T, url string, fault func(name string)) {
+func busyThroughFaultAt(t *testing.T, url string, fault func(name string)) faultRun {
 	name := testenv.UniqueName(t, "")
-	deleteLater(t, []string{name}, []string{name})
+	deleteLaterAt(t, url, []string{name}, []string{name})
 	logger, logs := capture(t)
 	opts := []rabbit.Option{rabbit.WithLogger(logger), rabbit.WithReconnectBackoff(50*time.Millisecond, 500*time.Millisecond),
 		rabbit.WithTopology(faultTopology(name)), rabbit.WithConnectionName(name)}
@@ -130,9 +150,10 @@ func busyThroughFaultAt(t *testing.T, url string, fault func(name string)) {
 	}))
 
 	// Publish batches of 10, one every 20ms, until 600 are confirmed and
-	// the fault is over.
+	// ten of them from batches begun after the fault.
 	var confirmed []string
 	var pubErrs int
+	var sent atomic.Int64 // messages made so far
 	pubDone := make(chan struct{})
 	faulted := make(chan struct{})
 	faultOver := make(chan struct{})
@@ -146,14 +167,16 @@ func busyThroughFaultAt(t *testing.T, url string, fault func(name string)) {
 	}
 	go func() {
 		defer close(pubDone)
-		n := 0
-		for len(confirmed) < 600 || !over() {
+		n, afterFault := 0, 0 // afterFault: confirmed of batches begun after the fault
+		for len(confirmed) < 600 || afterFault < 10 {
 			time.Sleep(20 * time.Millisecond)
+			begunAfter := over()
 			batch := make([]consumer.Message, 10)
 			for i := range batch {
 				batch[i] = consumer.Message{Body: []byte("x"), Headers: map[string]string{"id": strconv.Itoa(n)}}
 				n++
 			}
+			sent.Store(int64(n))
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			err := pb.Publish(ctx, rabbit.ToExchange(name), batch...)
 			cancel()
@@ -175,6 +198,9 @@ func busyThroughFaultAt(t *testing.T, url string, fault func(name string)) {
 			for i, m := range batch {
 				if !failed[i] {
 					confirmed = append(confirmed, m.Headers["id"])
+					if begunAfter {
+						afterFault++
+					}
 				}
 			}
 			if len(confirmed) == 200 {
@@ -189,7 +215,10 @@ func busyThroughFaultAt(t *testing.T, url string, fault func(name string)) {
 	}
 	testenv.WaitFor(t, 30*time.Second, "the consumer to be busy", func() bool { return got.total.Load() >= 100 })
 	fault(name)
+	mark, faultEnd := int(sent.Load()), time.Now()
 	close(faultOver)
+	testenv.WaitFor(t, 120*time.Second, "a message published after the fault to be consumed", func() bool { return got.anyFrom(mark) })
+	resumed := time.Since(faultEnd)
 	select {
 	case <-pubDone:
 	case <-time.After(120 * time.Second):
@@ -217,7 +246,9 @@ func busyThroughFaultAt(t *testing.T, url string, fault func(name string)) {
 	if d := got.dups(); d > prefetch*lost {
 		t.Errorf("%d duplicate deliveries, more than the %d unacked deliveries %d lost channel(s) can hand back", d, prefetch*lost, lost)
 	}
-	t.Logf("confirmed %d, consumed %d deliveries, %d duplicates, %d publish errors, loop stats %+v", len(confirmed), got.total.Load(), got.dups(), pubErrs, st)
+	t.Logf("confirmed %d, consumed %d deliveries, %d duplicates, %d publish errors, resumed %v after the fault, loop stats %+v",
+		len(confirmed), got.total.Load(), got.dups(), pubErrs, resumed.Round(time.Millisecond), st)
+	return faultRun{confirmed: len(confirmed), consumed: int(got.total.Load()), dups: got.dups(), resumed: resumed}
 }
 
 func sleepCtx(ctx context.Context, d time.Duration) error {

@@ -64,7 +64,13 @@ func rawChannel(t testing.TB) *amqp.Channel {
 // own, a failure closing a channel) when t ends.
 func deleteLater(t testing.TB, queues, exchanges []string) {
 	t.Helper()
-	url := amqpURL(t)
+	deleteLaterAt(t, amqpURL(t), queues, exchanges)
+}
+
+// deleteLaterAt is deleteLater on the broker at url (which may name several
+// nodes: exchanges are deleted through the first).
+func deleteLaterAt(t testing.TB, url string, queues, exchanges []string) {
+	t.Helper()
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
@@ -77,7 +83,11 @@ func deleteLater(t testing.TB, queues, exchanges []string) {
 		if len(exchanges) == 0 {
 			return
 		}
-		conn, err := amqp.DialConfig(url, amqp.Config{Dial: amqp.DefaultDial(5 * time.Second)})
+		nodes, err := rabbit.NodeURLs(url)
+		if err != nil {
+			return
+		}
+		conn, err := amqp.DialConfig(nodes[0], amqp.Config{Dial: amqp.DefaultDial(5 * time.Second)})
 		if err != nil {
 			return
 		}
@@ -101,6 +111,12 @@ var ctlMu sync.Mutex
 // FERRY_RABBITMQ_NODE the node (default rabbit@localhost).
 func ctl(t testing.TB, args ...string) string {
 	t.Helper()
+	return ctlAt(t, envOr("FERRY_RABBITMQ_NODE", "rabbit@localhost"), args...)
+}
+
+// ctlAt runs rabbitmqctl against node.
+func ctlAt(t testing.TB, node string, args ...string) string {
+	t.Helper()
 	path, err := exec.LookPath(envOr("FERRY_RABBITMQCTL", "rabbitmqctl"))
 	if err != nil {
 		if testenv.RequireBrokers() {
@@ -112,7 +128,6 @@ func ctl(t testing.TB, args ...string) string {
 	defer ctlMu.Unlock()
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
-	node := envOr("FERRY_RABBITMQ_NODE", "rabbit@localhost")
 	out, err := exec.CommandContext(ctx, path, append([]string{"-n", node, "-q"}, args...)...).CombinedOutput()
 	if err != nil {
 		t.Fatalf("rabbitmqctl %s: %v\n%s", strings.Join(args, " "), err, out)
