@@ -3,6 +3,7 @@ package ferry_test
 import (
 	"context"
 	"errors"
+	"net"
 	"net/url"
 	"strings"
 	"testing"
@@ -175,6 +176,29 @@ func TestOpenRabbitMQ(t *testing.T) {
 	// A URL carries no topology: the queue is declared first, as a
 	// service's own set-up would.
 	q := ferrytest.Open(t, ferrytest.RabbitMQ).Queue(t, "open")
+	roundTrip(t, b, q.Name, q.Name)
+}
+
+// TestOpenRabbitMQNodeList: a URL naming several nodes opens a Broker that
+// reaches the first node that answers (here the first is a closed port).
+func TestOpenRabbitMQNodeList(t *testing.T) {
+	u, err := url.Parse(testenv.RequireRabbitMQ(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := closed.Addr().String()
+	closed.Close()
+	u.Host = dead + "," + u.Host
+	b, err := ferry.Open(context.Background(), u.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	q := ferrytest.Open(t, ferrytest.RabbitMQ).Queue(t, "open-nodes")
 	roundTrip(t, b, q.Name, q.Name)
 }
 

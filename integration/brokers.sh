@@ -9,6 +9,8 @@
 #                                   make test-rabbit4 runs the rabbit suite on it)
 #   integration/brokers.sh up rabbitmq-cluster   three RabbitMQ 4.0 nodes as one
 #                                   cluster (5691-5693; make test-cluster)
+#   integration/brokers.sh up kafka-cluster   three Kafka nodes as one cluster
+#                                   (19091-19093; make test-cluster)
 #   integration/brokers.sh down     stop them (state is kept)
 #   integration/brokers.sh status   one line per service; exit 1 if any is down
 #   integration/brokers.sh restart kafka   stop and start the named services only (the
@@ -44,14 +46,16 @@ usage: integration/brokers.sh up [rabbitmq4] | down | status | restart service..
           on 5681), run from a Debian trixie root made once with debootstrap
   up rabbitmq-cluster  start only the optional cluster of three RabbitMQ 4.0
           nodes (AMQP on 5691-5693), from the same root
+  up kafka-cluster  start only the optional cluster of three Kafka nodes
+          (19091-19093, replication factor 3, min.insync.replicas 2)
   down    stop the brokers (their state stays in ${STATE/#$ROOT\//}); down rabbitmq4
-          or down rabbitmq-cluster stops only those
+          or down rabbitmq-cluster or down kafka-cluster stops only those
   status  print one line per broker; exit 1 if any is not ready
   restart stop and start the named brokers only, and wait until they are ready
   logs    print the last lines of each broker's log (or of those named)
 
 services: ${SERVICES[*]}; optional: $RABBIT4 (make test-rabbit4 runs the rabbit
-          suite on it), $RABBITC (make test-cluster)
+          suite on it), $RABBITC and $KAFKAC (make test-cluster)
 environment: FERRY_BROKERS=docker uses docker-compose.yml when a Docker engine runs;
              FERRY_BROKERS_DIR moves the state folder (default .brokers/).
 EOF
@@ -146,6 +150,7 @@ log_of() {
 	redis) echo "$STATE/redis/redis.log" ;;
 	rabbitmq4) echo "$STATE/rabbitmq4/root/ferry/log/rabbit4@localhost.log $STATE/rabbitmq4/rabbitmq.out $STATE/rabbitmq4/debootstrap.log" ;;
 	rabbitmq-cluster) echo "$STATE"/rabbitmq4/root/ferry/c?/log/rabbitc?@localhost.log ;;
+	kafka-cluster) echo "$STATE"/kafka-cluster/n?/logs/server.log ;;
 	esac
 }
 
@@ -474,7 +479,7 @@ rabbit4_make_root() {
 		die "$RABBIT4: debootstrap failed (log: $log)"
 	}
 	mkdir -p "$(dirname "$RABBIT4_CACHE")"
-	tar -C "$tmp/root" -cf "$RABBIT4_CACHE.part" . && mv "$RABBIT4_CACHE.part" "$RABBIT4_CACHE"
+	tar --numeric-owner -C "$tmp/root" -cf "$RABBIT4_CACHE.part" . && mv "$RABBIT4_CACHE.part" "$RABBIT4_CACHE"
 	rm -rf "$tmp"
 }
 
@@ -487,9 +492,18 @@ rabbit4_root_ready() {
 	mkdir -p "$STATE/$RABBIT4"
 	rabbit4_make_root
 	rabbit4_unmount
-	rm -rf "$r"
+	rm -rf --one-file-system "$r"
 	mkdir -p "$r"
-	tar -C "$r" -xf "$RABBIT4_CACHE" || die "$RABBIT4: could not unpack $RABBIT4_CACHE"
+	tar --numeric-owner -C "$r" -xf "$RABBIT4_CACHE" || die "$RABBIT4: could not unpack $RABBIT4_CACHE"
+	# The root's rabbitmq user takes the host's uid and gid when the host
+	# has one (the 3.10 node's): its own (101) may be another host user's,
+	# whose name ps would show and whose files it could touch.
+	local hu hg
+	if hu=$(id -u rabbitmq 2>/dev/null) && hg=$(id -g rabbitmq 2>/dev/null); then
+		{ chroot "$r" groupmod -g "$hg" rabbitmq && chroot "$r" usermod -u "$hu" -g "$hg" rabbitmq &&
+			chroot "$r" chown -R rabbitmq:rabbitmq /var/lib/rabbitmq /var/log/rabbitmq /etc/rabbitmq; } >/dev/null 2>&1 ||
+			log "$RABBIT4: the root's rabbitmq user keeps its own uid (the host's $hu is taken there): ps may show its nodes under another name"
+	fi
 	touch "$r/.ferry-root"
 }
 
@@ -497,6 +511,7 @@ rabbit4_unmount() {
 	local r
 	r=$(rabbit4_root)
 	if mountpoint -q "$r/proc" 2>/dev/null; then umount "$r/proc" 2>/dev/null || umount -l "$r/proc" || true; fi
+	! mountpoint -q "$r/proc" 2>/dev/null || die "could not unmount $r/proc"
 }
 
 # root_in [--nohup] NODE PORT DIST_PORT DIR CMD...: run CMD inside the root
@@ -821,6 +836,104 @@ kafka_ca_flag() { # the checker also checks the SASL_SSL listener when it can tr
 	return 0
 }
 
+# ---------------------------------------------------------------- Kafka cluster
+
+# kafka-cluster is three Apache Kafka nodes as one cluster, for make
+# test-cluster: each a broker and a controller (KRaft quorum of three),
+# clients on 127.0.0.1:19091-19093, controllers on 19191-19193, replication
+# factor 3 and min.insync.replicas 2 (integration/config/kafka-cluster.properties),
+# the same jars as kafka, files in kafka-cluster/nN. Started only when named;
+# a node killed by a test is started again by the next up.
+KAFKAC=kafka-cluster
+KAFKAC_NODES=(1 2 3)
+KAFKAC_CLUSTER_ID=ZmVycnlLYWZrYUNsdXN0cg # 16 bytes, base64url: a fixed test cluster
+
+kafkac_pid() { # kafkac_pid N: the pid of node N, if it runs
+	local f pid
+	f=$STATE/$KAFKAC/n$1/kafka.pid
+	[[ -s $f ]] || return 1
+	pid=$(head -n1 "$f" | tr -dc 0-9)
+	[[ -n $pid ]] && kill -0 "$pid" 2>/dev/null || return 1
+	tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- kafka.Kafka || return 1
+	echo "$pid"
+}
+
+kafkac_running() { # whether any node of the cluster runs
+	local n
+	for n in "${KAFKAC_NODES[@]}"; do
+		kafkac_pid "$n" >/dev/null && return 0
+	done
+	return 1
+}
+
+start_kafkac_node() {
+	local n=$1 d cp
+	d=$STATE/$KAFKAC/n$n
+	cp=$(cat "$STATE/classpath/kafka.classpath")
+	mkdir -p "$d/data" "$d/logs"
+	sed -e "s|@STATE@|$STATE|g" -e "s|@N@|$n|g" "$CONF/kafka-cluster.properties" >"$d/server.properties"
+	cp "$CONF/kafka-log4j2.properties" "$d/log4j2.properties"
+	local jvm=(-Xms256m -Xmx512m -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -XX:+ExitOnOutOfMemoryError
+		-Djava.awt.headless=true -Dkafka.logs.dir="$d/logs" -Dlog4j2.configurationFile="$d/log4j2.properties")
+	if [[ ! -f $d/data/meta.properties ]]; then
+		java "${jvm[@]}" -cp "$cp" kafka.tools.StorageTool format -t "$KAFKAC_CLUSTER_ID" \
+			-c "$d/server.properties" >"$d/logs/format.log" 2>&1 || {
+			cat "$d/logs/format.log" >&2
+			return 1
+		}
+	fi
+	jvm_start "$d/kafka.pid" "$d/kafka.out" "${jvm[@]}" -cp "$cp" kafka.Kafka "$d/server.properties"
+}
+
+stop_kafka_cluster() {
+	local n pid i
+	for n in "${KAFKAC_NODES[@]}"; do
+		pid=$(kafkac_pid "$n") || continue
+		kill -TERM "$pid" 2>/dev/null || true
+	done
+	for n in "${KAFKAC_NODES[@]}"; do
+		pid=$(kafkac_pid "$n") || continue
+		for ((i = 0; i < 300; i++)); do
+			kill -0 "$pid" 2>/dev/null || break
+			sleep 0.1
+		done
+		kill -KILL "$pid" 2>/dev/null || true
+		echo "$KAFKAC node $n stopped"
+	done
+}
+
+# up_kafka_cluster: start the nodes that do not run and wait until each
+# answers (the checker's kafka check on its port).
+up_kafka_cluster() {
+	setup_state
+	command -v java >/dev/null || ensure_packages
+	build_checker &
+	local build_pid=$!
+	resolve_classpaths
+	wait "$build_pid" || exit 1
+	local n port started=()
+	for n in "${KAFKAC_NODES[@]}"; do
+		kafkac_pid "$n" >/dev/null && continue
+		for port in $((19090 + n)) $((19190 + n)); do
+			port_open "$port" && die "port $port ($KAFKAC node $n) is already in use by $(port_owner "$port"), not by integration/brokers.sh"
+		done
+		start_kafkac_node "$n" || die "$KAFKAC: node $n did not start (logs in $STATE/$KAFKAC/n$n/logs)"
+		started+=("$n")
+	done
+	local out rc=0
+	for n in "${KAFKAC_NODES[@]}"; do
+		local watch=()
+		[[ " ${started[*]} " == *" $n "* ]] && watch=(-wait "${UP_TIMEOUT}s" -pid="kafka=$(cat "$STATE/$KAFKAC/n$n/kafka.pid")")
+		out=$(FERRY_KAFKA_BROKERS="127.0.0.1:$((19090 + n))" "$CHECKER" $(versions) "${watch[@]}" kafka) || rc=1
+		sed -n "s/^kafka    /kafkac$n  /p" <<<"$out"
+	done
+	if ((rc)); then
+		tail -n 30 "$STATE/$KAFKAC"/n?/logs/server.log >&2 || true
+		die "$KAFKAC: not every node is ready (logs in $STATE/$KAFKAC/nN/logs)"
+	fi
+	echo "$KAFKAC: 3 nodes (kafka://127.0.0.1:19091,127.0.0.1:19092,127.0.0.1:19093)"
+}
+
 # ---------------------------------------------------------------- docker
 
 use_docker() {
@@ -838,10 +951,14 @@ docker_compose() { docker compose -f "$ROOT/docker-compose.yml" "$@"; }
 
 cmd_up() {
 	if (($#)); then
-		[[ $* == "$RABBIT4" || $* == "$RABBITC" ]] ||
-			die "up: name no service, or one of the optional ones alone: $RABBIT4 (a RabbitMQ 4.0 node), $RABBITC (three)"
-		use_docker && die "up $*: the RabbitMQ 4.0 nodes run natively only (docker-compose.yml's rabbitmq is 4.x already)"
-		if [[ $1 == "$RABBIT4" ]]; then up_rabbitmq4; else up_rabbitmq_cluster; fi
+		(($# == 1)) || die "up: name no service, or one of the optional ones alone: $RABBIT4 (a RabbitMQ 4.0 node), $RABBITC, $KAFKAC"
+		use_docker && die "up $*: the optional brokers run natively only"
+		case $1 in
+		"$RABBIT4") up_rabbitmq4 ;;
+		"$RABBITC") up_rabbitmq_cluster ;;
+		"$KAFKAC") up_kafka_cluster ;;
+		*) die "up: name no service, or one of the optional ones alone: $RABBIT4 (a RabbitMQ 4.0 node), $RABBITC, $KAFKAC" ;;
+		esac
 		return
 	fi
 	if use_docker; then
@@ -932,10 +1049,14 @@ cmd_up() {
 
 cmd_down() {
 	if (($#)); then
-		[[ $* == "$RABBIT4" || $* == "$RABBITC" ]] ||
-			die "down: name no service, or one of the optional ones alone: $RABBIT4, $RABBITC"
+		(($# == 1)) || die "down: name no service, or one of the optional ones alone: $RABBIT4, $RABBITC, $KAFKAC"
 		setup_state
-		if [[ $1 == "$RABBIT4" ]]; then stop_rabbitmq4; else stop_rabbitmq_cluster; fi
+		case $1 in
+		"$RABBIT4") stop_rabbitmq4 ;;
+		"$RABBITC") stop_rabbitmq_cluster ;;
+		"$KAFKAC") stop_kafka_cluster ;;
+		*) die "down: name no service, or one of the optional ones alone: $RABBIT4, $RABBITC, $KAFKAC" ;;
+		esac
 		return
 	fi
 	if use_docker; then
@@ -950,6 +1071,7 @@ cmd_down() {
 	done
 	stop_rabbitmq4 &
 	stop_rabbitmq_cluster &
+	stop_kafka_cluster &
 	wait
 	rabbit4_unmount
 }
@@ -972,6 +1094,11 @@ cmd_restart() {
 	if [[ $* == "$RABBITC" ]]; then
 		stop_rabbitmq_cluster >/dev/null
 		up_rabbitmq_cluster
+		return
+	fi
+	if [[ $* == "$KAFKAC" ]]; then
+		stop_kafka_cluster >/dev/null
+		up_kafka_cluster
 		return
 	fi
 	local svc out rc=0 watch=() line
@@ -1034,6 +1161,19 @@ cmd_status() {
 		else
 			printf '%-9s 127.0.0.1:%-13s -                  not started (optional: integration/brokers.sh up %s)\n' "rabbitc1-3" "5691-5693" "$RABBITC"
 		fi
+		if kafkac_running; then
+			for n in "${KAFKAC_NODES[@]}"; do
+				if pid=$(kafkac_pid "$n"); then
+					line=$(FERRY_KAFKA_BROKERS="127.0.0.1:$((19090 + n))" "$CHECKER" $(versions) kafka) || rc=1
+					echo "$(sed "s/^kafka    /kafkac$n  /" <<<"$line") (pid $pid, $KAFKAC)"
+				else
+					echo "kafkac$n   127.0.0.1:$((19090 + n))        -                  NOT RUNNING ($KAFKAC)"
+					rc=1
+				fi
+			done
+		else
+			printf '%-9s 127.0.0.1:%-13s -                  not started (optional: integration/brokers.sh up %s)\n' "kafkac1-3" "19091-19093" "$KAFKAC"
+		fi
 	fi
 	return $rc
 }
@@ -1048,7 +1188,8 @@ cmd_logs() {
 	local svc
 	(($#)) || set -- "${SERVICES[@]}"
 	for svc in "$@"; do
-		[[ -n $(port_of "$svc") || $svc == "$RABBIT4" || $svc == "$RABBITC" ]] || die "unknown service $svc (one of: ${SERVICES[*]} $RABBIT4 $RABBITC)"
+		[[ -n $(port_of "$svc") || $svc == "$RABBIT4" || $svc == "$RABBITC" || $svc == "$KAFKAC" ]] ||
+			die "unknown service $svc (one of: ${SERVICES[*]} $RABBIT4 $RABBITC $KAFKAC)"
 		tail_logs "$svc" 50 2>&1
 	done
 }

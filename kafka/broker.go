@@ -32,6 +32,7 @@ type Broker struct {
 
 	authOK    atomic.Bool // the producer has got through once
 	plink     link        // what the producer saw of its connections
+	loadErrs  sync.Map    // topic -> loadErr: the cluster's last refusal of a write to it
 	maxRecord int32       // the producer's batch limit: a larger record cannot be sent
 	maxWrite  int32       // the producer's request limit
 
@@ -128,6 +129,13 @@ func New(seeds []string, opts ...Option) (*Broker, error) {
 		// the producer knows the topic's partitions (see Publish).
 		kgo.ProducerLinger(5*time.Millisecond),
 		kgo.RecordDeliveryTimeout(2*time.Minute),
+		// A Publish ends when its context does, even while its records
+		// are in flight: without this, franz-go's idempotent producer
+		// waits for the outcome of a write it is unsure of, past any
+		// deadline (a partition below min.insync.replicas held Publish
+		// for minutes). What a Publish that failed so may have written,
+		// a retry writes again: at least once, as on every broker.
+		kgo.AllowIdempotentProduceCancellation(),
 	)...)
 	if err != nil {
 		return nil, fmt.Errorf("kafka: producer: %w", err)
@@ -143,11 +151,16 @@ func New(seeds []string, opts ...Option) (*Broker, error) {
 	return b, nil
 }
 
-// clientOpts is every client's base: seeds, a logger, the Broker's dialer
-// (or [WithTLS]'s config for a dialer of the user's), l as hooks, the user's
-// options, and extra.
+// clientOpts is every client's base: seeds, a logger (the producer's, whose
+// link is plink, also keeps the cluster's write refusals), the Broker's
+// dialer (or [WithTLS]'s config for a dialer of the user's), l as hooks,
+// the user's options, and extra.
 func (b *Broker) clientOpts(l *link, extra ...kgo.Opt) []kgo.Opt {
-	o := []kgo.Opt{kgo.SeedBrokers(b.seeds...), kgo.ClientID("ferry"), kgo.WithLogger(kgoLogger{b.log})}
+	var logger kgo.Logger = kgoLogger{b.log}
+	if l == &b.plink {
+		logger = producerLogger{kgoLogger{b.log}, b}
+	}
+	o := []kgo.Opt{kgo.SeedBrokers(b.seeds...), kgo.ClientID("ferry"), kgo.WithLogger(logger)}
 	switch {
 	case b.cfg.dial != nil:
 		o = append(o, kgo.Dialer(b.cfg.dial.dial))

@@ -242,6 +242,18 @@
 // the context's (context.DeadlineExceeded) and says what the client last
 // saw: the address and the dial error ([consumer.ErrUnreachable]).
 //
+// A Publish returns when its context ends, whatever its records are
+// waiting for: a partition whose leader died and has no other yet, or too
+// few in-sync replicas for acks=all (below min.insync.replicas: the error
+// then wraps kerr.NotEnoughReplicas, or names the broker it could not
+// reach while others answer). franz-go's idempotent producer would wait
+// for the outcome of a write it is unsure of past any deadline, so the
+// producer allows in-flight records to be cancelled: records of a Publish
+// that failed so may still be written, and a retry then writes them again
+// (at least once, as on every broker; package idempotency makes the
+// second one no effect). For the same reason a kgo.TransactionalID is
+// refused.
+//
 // # Configuration
 //
 // New takes the bootstrap addresses and options; franz-go options pass

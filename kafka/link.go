@@ -45,6 +45,13 @@ type link struct {
 	failFrom time.Time // the first failure since the last response; zero when none
 	addr     string    // the broker of the last failure
 	err      error     // the last failure
+
+	// The last failure of all, kept when another broker answers: a
+	// cluster with one broker down answers through the others, and a
+	// request waiting for that broker must still be told why.
+	anyAddr string
+	anyErr  error
+	anyAt   time.Time
 }
 
 var (
@@ -92,7 +99,19 @@ func (l *link) failed(meta kgo.BrokerMetadata, err error) {
 		l.failFrom = time.Now()
 	}
 	l.addr, l.err = net.JoinHostPort(meta.Host, strconv.Itoa(int(meta.Port))), err
+	l.anyAddr, l.anyErr, l.anyAt = l.addr, err, time.Now()
 	l.failing.Store(true)
+}
+
+// lastSince returns the last failure to reach a broker at or after t,
+// whether or not other brokers answered since.
+func (l *link) lastSince(t time.Time) (addr string, err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.anyErr == nil || l.anyAt.Before(t) {
+		return "", nil
+	}
+	return l.anyAddr, l.anyErr
 }
 
 // last returns the last failure since a broker last answered, if any.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kbin"
@@ -33,7 +34,10 @@ import (
 // producer's batch limit) or by the cluster, fails every later record of
 // its key in the call, without sending them. A record with a NotBefore still
 // ahead is refused so, wrapping [consumer.ErrDelayNotSupported]: Kafka has
-// no delayed delivery.
+// no delayed delivery. Publish returns when ctx ends, whatever its records
+// wait for (a partition without a leader, too few in-sync replicas), with
+// an error matching ctx's and saying why; records in flight then may still
+// be written (see the package doc).
 func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Message) error {
 	start := time.Now()
 	err := b.publish(ctx, topic, msgs)
@@ -186,7 +190,21 @@ func (b *Broker) publish(ctx context.Context, topic string, msgs []consumer.Mess
 		for _, i := range sendable {
 			batch = append(batch, &recs[i])
 		}
-		for _, res := range b.prod.ProduceSync(ctx, batch...) {
+		results, finished := b.produceSync(ctx, batch)
+		if !finished {
+			// The context ended first: this wave's records and those
+			// queued behind them fail with it.
+			for _, i := range sendable {
+				fail(i, b.publishErr(topic, ctx.Err()))
+			}
+			for _, rest := range queue {
+				for _, i := range rest {
+					fail(i, b.publishErr(topic, ctx.Err()))
+				}
+			}
+			break
+		}
+		for _, res := range results {
 			if res.Err == nil {
 				continue
 			}
@@ -217,10 +235,36 @@ func (b *Broker) publish(ctx context.Context, topic string, msgs []consumer.Mess
 	sortFailed(failed)
 	if len(failed) == len(msgs) {
 		if err := ctx.Err(); err != nil {
-			return b.deadlineErr(topic, err)
+			return b.deadlineErr(topic, err, start)
 		}
 	}
 	return &consumer.PublishError{Failed: failed}
+}
+
+// produceSync is the producer's ProduceSync, returning when ctx ends if
+// that comes first (finished false): franz-go fails a record whose context
+// ended only when it next looks at the record's partition, which for a
+// partition without a leader is its next metadata refresh, up to 5 s later.
+// The records are failed by the producer then, or written if they were in
+// flight already (a Publish that failed may have written some of its
+// records, as on every broker: at least once).
+func (b *Broker) produceSync(ctx context.Context, batch []*kgo.Record) (kgo.ProduceResults, bool) {
+	if ctx.Done() == nil {
+		return b.prod.ProduceSync(ctx, batch...), true
+	}
+	done := make(chan kgo.ProduceResults, 1)
+	go func() { done <- b.prod.ProduceSync(ctx, batch...) }()
+	select {
+	case res := <-done:
+		return res, true
+	case <-ctx.Done():
+		select {
+		case res := <-done:
+			return res, true
+		default:
+			return nil, false
+		}
+	}
 }
 
 // checkAccess makes sure the producer gets through before records wait
@@ -248,10 +292,24 @@ func (b *Broker) checkAccess(ctx context.Context) error {
 	return nil // not answering for now: the producer keeps trying, as it should
 }
 
-// deadlineErr is the error of a Publish to topic whose every record failed
-// as its context ended with ctxErr: that error, and what the producer
-// last saw of the cluster when it had not got through since.
-func (b *Broker) deadlineErr(topic string, ctxErr error) error {
+// deadlineErr is the error of a Publish to topic, begun at start, whose
+// every record failed as its context ended with ctxErr: that error, and why
+// the records were not written: the cluster's last refusal of a write to
+// the topic since start (a partition with too few in-sync replicas, a
+// leader moving), else the last broker the producer could not reach since
+// start (a partition's leader that died, while the others answer), else
+// what the producer last saw of the cluster when it had not got through
+// since.
+func (b *Broker) deadlineErr(topic string, ctxErr error, start time.Time) error {
+	if v, ok := b.loadErrs.Load(topic); ok {
+		if le := v.(loadErr); !le.at.Before(start) {
+			return fmt.Errorf("kafka: publish to %q: %w; the cluster last answered a write to partition %d with: %w", topic, ctxErr, le.partition, le.err)
+		}
+	}
+	if addr, err := b.plink.lastSince(start); err != nil && !b.plink.failing.Load() {
+		return fmt.Errorf("kafka: publish to %q: %w; other brokers answer, but since the call began the producer could not reach %s: %w",
+			topic, ctxErr, addr, err)
+	}
 	addr, seen := b.plink.last()
 	if seen == nil {
 		return fmt.Errorf("kafka: publish to %q: %w", topic, ctxErr)
@@ -309,4 +367,44 @@ func (b *Broker) maxRecordFor(topic string) int32 {
 		}
 	}
 	return m
+}
+
+// loadErr is the cluster's last refusal of a write to a topic's partition
+// that the producer retries (NOT_ENOUGH_REPLICAS, NOT_LEADER_OR_FOLLOWER):
+// franz-go retries such a write until the record's context ends, and tells
+// of the refusal only in a log line, which producerLogger reads.
+type loadErr struct {
+	partition int32
+	err       error
+	at        time.Time
+}
+
+// producerLogger is the producer's kgoLogger: it also keeps, per topic,
+// the last write refusal franz-go logs ("produce partition load error"),
+// so that a Publish that ends at its deadline can say why its records
+// were not written.
+type producerLogger struct {
+	kgoLogger
+	b *Broker
+}
+
+func (l producerLogger) Log(level kgo.LogLevel, msg string, keyvals ...any) {
+	if strings.HasPrefix(msg, "produce partition load error") {
+		var topic string
+		le := loadErr{partition: -1, at: time.Now()}
+		for i := 0; i+1 < len(keyvals); i += 2 {
+			switch keyvals[i] {
+			case "topic":
+				topic, _ = keyvals[i+1].(string)
+			case "partition":
+				le.partition, _ = keyvals[i+1].(int32)
+			case "err":
+				le.err, _ = keyvals[i+1].(error)
+			}
+		}
+		if topic != "" && le.err != nil {
+			l.b.loadErrs.Store(topic, le)
+		}
+	}
+	l.kgoLogger.Log(level, msg, keyvals...)
 }

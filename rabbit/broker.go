@@ -162,7 +162,8 @@ func Dial(rawURL string, opts ...Option) (*Broker, error) {
 	if c.lazy {
 		return b, nil
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 2*c.dialTimeout)
+	// A dial tries each node for up to the dial timeout.
+	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(len(uris)+1)*c.dialTimeout)
 	defer cancel()
 	if _, err := b.pubConn.get(ctx); err != nil {
 		b.endLife()

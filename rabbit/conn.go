@@ -145,16 +145,16 @@ func (m *connMgr) dial(dc *dialCall, wait time.Duration) {
 // from the one after the node of the last connection (so a node that just
 // died is tried last), until one connects; a single node is tried once.
 // Nodes that failed before one connected are logged at WARN with their
-// errors; when none connects, the last node's error is returned (the
-// caller reports it). Only dial goroutines call it, one at a time.
+// errors; when none connects, the error says so (see nodesFailed). Only
+// dial goroutines call it, one at a time, so nextNode and node need no
+// lock.
 func (m *connMgr) connect() (*amqp.Connection, error) {
 	n := len(m.b.uris)
 	var failed []string
-	var err error
+	var errs []error
 	for i := range n {
 		node := (m.nextNode + i) % n
-		var conn *amqp.Connection
-		conn, err = m.connectTo(m.b.uris[node])
+		conn, err := m.connectTo(m.b.uris[node])
 		if err == nil {
 			m.nextNode = (node + 1) % n
 			m.node = nodeAddr(m.b.uris[node])
@@ -168,11 +168,48 @@ func (m *connMgr) connect() (*amqp.Connection, error) {
 			return nil, err
 		}
 		failed = append(failed, nodeAddr(m.b.uris[node])+": "+err.Error())
+		errs = append(errs, err)
 	}
-	if n > 1 {
-		err = fmt.Errorf("%w (every node of the %d failed; this was the last tried)", err, n)
+	return nil, nodesFailed(errs, failed)
+}
+
+// nodesFailed is the error of a dial whose every node failed, errs in the
+// order tried, failed the same as "host:port: error" lines. One node's is
+// its error. Of several, the kind the caller acts on must not depend on
+// which node came last: a refusal of the user (bad credentials, 403) holds
+// on every node of a cluster and is returned as it is, whatever else
+// failed; other refusals (a node's certificate, a vhost down on it) are
+// the answer only when every node refused; otherwise the cluster is
+// unreachable for now, and the first such node's error is returned. Every
+// node's reason is in the message.
+func nodesFailed(errs []error, failed []string) error {
+	if len(errs) == 1 {
+		return errs[0]
 	}
-	return nil, err
+	pick := -1
+	for i, err := range errs {
+		if refusesTheUser(err) {
+			pick = i
+			break
+		}
+		if pick < 0 && !errors.Is(err, consumer.ErrRefused) {
+			pick = i
+		}
+	}
+	if pick < 0 { // every node refused, none the user
+		pick = len(errs) - 1
+	}
+	return fmt.Errorf("%w (every node of the %d failed: %s)", errs[pick], len(errs), strings.Join(failed, "; "))
+}
+
+// refusesTheUser reports whether err refuses the user, which every node of
+// a cluster does alike: bad credentials, or access refused (403).
+func refusesTheUser(err error) bool {
+	if errors.Is(err, amqp.ErrCredentials) || errors.Is(err, amqp.ErrSASL) {
+		return true
+	}
+	var ae *amqp.Error
+	return errors.As(err, &ae) && ae.Code == amqp.AccessRefused
 }
 
 // nodeAddr is a node's host:port, for logs.

@@ -155,7 +155,11 @@
 // # Several nodes
 //
 // A URL may name the nodes of a cluster, separated by commas, with one
-// user, password and vhost for all: amqp://u:p@rabbit-1,rabbit-2,rabbit-3/.
+// user, password and vhost for all:
+// amqp://u:p@rabbit-1:5672,rabbit-2:5672,rabbit-3:5672/. Give each node its
+// port: ferry.Open parses the URL with net/url, which takes a list whose
+// last node has no port, or that holds an IPv6 literal, for a bad port
+// (Dial itself takes both).
 // Each connection (the Broker has one for publishing and one for
 // consuming) dials them in turn, starting after the node of its last
 // connection, so a node that just died is tried last, and the first that

@@ -163,7 +163,11 @@ func TestDropWarningOncePerConsumedQueueWithALimit(t *testing.T) {
 		_, err = pch.QueueDeclarePassive(limited, true, false, false, false, amqp.Table{"x-queue-type": "quorum", "x-delivery-limit": int64(5)})
 		return err == nil
 	})
-	publish(limited, limited+"/2")
+	// A quorum queue just declared again can nack a first publish while
+	// it elects its leader: publish until the broker takes it.
+	testenv.WaitFor(t, 30*time.Second, "the broker to take a publish to "+limited+" again", func() bool {
+		return b.Publish(testenv.Context(t, 10*time.Second), limited, consumer.Message{Body: []byte(limited + "/2")}) == nil
+	})
 	testenv.WaitFor(t, 30*time.Second, "a message of "+limited+" after it came back", func() bool { return got.has(limited + "/2") })
 	for _, stop := range stops {
 		must(t, stop())

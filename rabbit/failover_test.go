@@ -29,6 +29,7 @@ type doomedNode struct {
 	conns    []net.Conn
 	accepted int
 	dead     bool
+	hung     bool // accept and never answer
 }
 
 func newDoomedNode(t *testing.T, target string) *doomedNode {
@@ -43,6 +44,13 @@ func newDoomedNode(t *testing.T, target string) *doomedNode {
 			if err != nil {
 				return
 			}
+			n.mu.Lock()
+			if n.hung {
+				n.conns = append(n.conns, c) // held open, never answered
+				n.mu.Unlock()
+				continue
+			}
+			n.mu.Unlock()
 			up, err := net.DialTimeout("tcp", target, 5*time.Second)
 			n.mu.Lock()
 			if err != nil || n.dead {
@@ -83,6 +91,19 @@ func (n *doomedNode) Kill() {
 	}
 }
 
+// Hang closes every connection through the node and leaves it accepting
+// new ones that it never answers, as a node whose machine froze or whose
+// network drops packets: a dial to it waits out its timeout.
+func (n *doomedNode) Hang() {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.hung = true
+	for _, c := range n.conns {
+		c.Close()
+	}
+	n.conns = nil
+}
+
 // withNodes returns raw, a one-node URL, naming the nodes hosts instead.
 func withNodes(t *testing.T, raw string, hosts ...string) string {
 	t.Helper()
@@ -111,6 +132,26 @@ func TestClientsMoveToTheNextNodeWhenTheirNodeDies(t *testing.T) {
 		}
 		first.Kill()
 	})
+}
+
+// TestReconnectTriesAnotherNodeBeforeTheOneThatFailed: when the node under
+// the clients hangs (it still accepts connections, and never answers), the
+// clients reconnect to the next node at once, instead of waiting out a dial
+// timeout (30 s here) on the node they just lost.
+func TestReconnectTriesAnotherNodeBeforeTheOneThatFailed(t *testing.T) {
+	base := amqpURL(t)
+	u, err := url.Parse(base)
+	must(t, err)
+	first := newDoomedNode(t, u.Host)
+	run := busyThroughFaultAt(t, withNodes(t, base, first.Addr(), u.Host), func(string) {
+		if got := first.Accepted(); got != 3 {
+			t.Fatalf("the first node forwarded %d connections, want 3", got)
+		}
+		first.Hang()
+	}, rabbit.WithDialTimeout(30*time.Second))
+	if run.resumed > 15*time.Second {
+		t.Errorf("the clients resumed %v after their node hung: they dialed it again first", run.resumed)
+	}
 }
 
 // TestDialSkipsADeadNodeAndSaysSo: a first node that refuses connections is

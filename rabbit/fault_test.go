@@ -122,13 +122,14 @@ type faultRun struct {
 	resumed time.Duration
 }
 
-// busyThroughFaultAt is busyThroughFault with Brokers dialed at url.
-func busyThroughFaultAt(t *testing.T, url string, fault func(name string)) faultRun {
+// busyThroughFaultAt is busyThroughFault with Brokers dialed at url, with
+// opts after the test's own.
+func busyThroughFaultAt(t *testing.T, url string, fault func(name string), opts ...rabbit.Option) faultRun {
 	name := testenv.UniqueName(t, "")
 	deleteLaterAt(t, url, []string{name}, []string{name})
 	logger, logs := capture(t)
-	opts := []rabbit.Option{rabbit.WithLogger(logger), rabbit.WithReconnectBackoff(50*time.Millisecond, 500*time.Millisecond),
-		rabbit.WithTopology(faultTopology(name)), rabbit.WithConnectionName(name)}
+	opts = append([]rabbit.Option{rabbit.WithLogger(logger), rabbit.WithReconnectBackoff(50*time.Millisecond, 500*time.Millisecond),
+		rabbit.WithTopology(faultTopology(name)), rabbit.WithConnectionName(name)}, opts...)
 	cb, err := rabbit.Dial(url, opts...)
 	must(t, err)
 	t.Cleanup(func() { cb.Close() })
@@ -168,8 +169,13 @@ func busyThroughFaultAt(t *testing.T, url string, fault func(name string)) fault
 	go func() {
 		defer close(pubDone)
 		n, afterFault := 0, 0 // afterFault: confirmed of batches begun after the fault
+		var reached200 sync.Once
 		for len(confirmed) < 600 || afterFault < 10 {
-			time.Sleep(20 * time.Millisecond)
+			select {
+			case <-t.Context().Done(): // the test failed and ends
+				return
+			case <-time.After(20 * time.Millisecond):
+			}
 			begunAfter := over()
 			batch := make([]consumer.Message, 10)
 			for i := range batch {
@@ -203,8 +209,8 @@ func busyThroughFaultAt(t *testing.T, url string, fault func(name string)) fault
 					}
 				}
 			}
-			if len(confirmed) == 200 {
-				close(faulted)
+			if len(confirmed) >= 200 {
+				reached200.Do(func() { close(faulted) })
 			}
 		}
 	}()
