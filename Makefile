@@ -3,7 +3,7 @@ GO        ?= go
 GOFLAGS_TEST ?= -race -count=1 -timeout 20m
 PKGS      ?= ./...
 
-.PHONY: test test-rabbit4 test-cluster test-restarts restart-loop unit brokers brokers-down brokers-status bench bench-compare bench-test examples-test tools-test vet chaos chaos-short
+.PHONY: chaos-cluster test test-rabbit4 test-cluster test-restarts restart-loop unit brokers brokers-down brokers-status bench bench-compare bench-test examples-test tools-test vet chaos chaos-short
 
 ## test: start the brokers, then run every test (unit and integration) with -race;
 ## then, alone, the tests that restart a shared broker, the rabbit suite again on
@@ -88,6 +88,14 @@ restart-loop: brokers
 ## per broker share two cores in CI).
 chaos-short:
 	FERRY_CHAOS=1 $(GO) test -count=1 -timeout 25m -v -run '^TestChaos' ./integration/chaos
+
+## chaos-cluster: the chaos run's short setting on the clusters (go run
+## ./integration/chaos -cluster -short: kafka and rabbitmq, each broker restart a
+## SIGKILL of a random node of three, started again 5s later); the same as
+## make chaos CHAOS_FLAGS='-cluster -short'; the clusters are stopped after
+chaos-cluster: brokers
+	$(GO) run ./integration/chaos -cluster -short $(CHAOS_FLAGS); \
+		rc=$$?; integration/brokers.sh down kafka-cluster; integration/brokers.sh down rabbitmq-cluster; exit $$rc
 
 ## chaos: break it on every broker: 100k orders each, kills, two broker restarts, a 30s
 ## outage, poison, a slow consumer (CHAOS_FLAGS="-broker kafka -orders 10000" and so on;

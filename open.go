@@ -24,7 +24,7 @@
 //	sqs://                          Amazon SQS (package sqs)
 //	sqs://HOST:PORT                 an SQS-compatible server: the host is the endpoint
 //	https://sqs.REGION.amazonaws.com/ACCOUNT/QUEUE   an SQS queue URL (package sqs)
-//	amqp://USER:PASSWORD@HOST:PORT/VHOST, amqps://...  RabbitMQ (package rabbit)
+//	amqp://USER:PASSWORD@HOST:PORT[,HOST:PORT]/VHOST, amqps://...  RabbitMQ (package rabbit)
 //
 // A query parameter a scheme does not take is an error, as is a value a
 // parameter cannot take. What a URL cannot carry (a TLS configuration of your own,

@@ -53,6 +53,8 @@ usage: integration/brokers.sh up [rabbitmq4] | down | status | restart service..
   status  print one line per broker; exit 1 if any is not ready
   restart stop and start the named brokers only, and wait until they are ready
   logs    print the last lines of each broker's log (or of those named)
+  kill-node kafka-cluster|rabbitmq-cluster [SECONDS]  SIGKILL a random node of the
+          cluster, and start it again SECONDS (5) later
 
 services: ${SERVICES[*]}; optional: $RABBIT4 (make test-rabbit4 runs the rabbit
           suite on it), $RABBITC and $KAFKAC (make test-cluster)
@@ -96,7 +98,7 @@ build_checker() {
 
 # pid_of SERVICE prints the pid of our running process of SERVICE, if any.
 pid_of() {
-	local f pid want
+	local f want
 	case $1 in
 	rabbitmq) f=$STATE/rabbitmq/rabbitmq.pid want=beam ;;
 	kafka) f=$STATE/kafka/kafka.pid want=kafka.Kafka ;;
@@ -104,11 +106,7 @@ pid_of() {
 	postgres) f=$STATE/postgres/data/postmaster.pid want=postgres ;;
 	redis) f=$STATE/redis/redis.pid want=redis-server ;;
 	esac
-	[[ -s $f ]] || return 1
-	pid=$(head -n1 "$f" | tr -dc 0-9)
-	[[ -n $pid ]] && kill -0 "$pid" 2>/dev/null || return 1
-	tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- "$want" || return 1
-	echo "$pid"
+	pid_in "$f" "$want"
 }
 
 # started_pid SERVICE prints the pid the checker watches while SERVICE,
@@ -449,15 +447,28 @@ DEBIAN_MIRROR=${FERRY_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 
 rabbit4_root() { echo "$STATE/$RABBIT4/root"; }
 
-rabbit4_pid() { # the 4.0 node's beam pid, if it runs
-	local f pid
-	f=$(rabbit4_root)/ferry/rabbitmq.pid
-	[[ -s $f ]] || return 1
-	pid=$(head -n1 "$f" | tr -dc 0-9)
+# pid_in FILE WANT prints the pid FILE holds when that process runs and
+# its command line holds WANT.
+pid_in() {
+	local pid
+	[[ -s $1 ]] || return 1
+	pid=$(head -n1 "$1" | tr -dc 0-9)
 	[[ -n $pid ]] && kill -0 "$pid" 2>/dev/null || return 1
-	tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- beam || return 1
+	tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- "$2" || return 1
 	echo "$pid"
 }
+
+# any_running PIDFN N...: whether PIDFN finds a running process for any N.
+any_running() {
+	local fn=$1 n
+	shift
+	for n; do
+		"$fn" "$n" >/dev/null && return 0
+	done
+	return 1
+}
+
+rabbit4_pid() { pid_in "$(rabbit4_root)/ferry/rabbitmq.pid" beam; } # the 4.0 node's, if it runs
 
 # rabbit4_make_root makes the trixie root's tarball with debootstrap, once.
 rabbit4_make_root() {
@@ -637,15 +648,7 @@ up_rabbitmq4() {
 RABBITC=rabbitmq-cluster
 RABBITC_NODES=(1 2 3)
 
-rabbitc_pid() { # rabbitc_pid N: the beam pid of node N, if it runs
-	local f pid
-	f=$(rabbit4_root)/ferry/c$1/rabbitmq.pid
-	[[ -s $f ]] || return 1
-	pid=$(head -n1 "$f" | tr -dc 0-9)
-	[[ -n $pid ]] && kill -0 "$pid" 2>/dev/null || return 1
-	tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- beam || return 1
-	echo "$pid"
-}
+rabbitc_pid() { pid_in "$(rabbit4_root)/ferry/c$1/rabbitmq.pid" beam; } # node N's, if it runs
 
 # rabbitc_in [--nohup] N CMD...: root_in with node N's environment.
 rabbitc_in() {
@@ -700,13 +703,7 @@ stop_rabbitmq_cluster() {
 	rabbit4_pid >/dev/null || rabbit4_unmount
 }
 
-rabbitc_running() { # whether any node of the cluster runs
-	local n
-	for n in "${RABBITC_NODES[@]}"; do
-		rabbitc_pid "$n" >/dev/null && return 0
-	done
-	return 1
-}
+rabbitc_running() { any_running rabbitc_pid "${RABBITC_NODES[@]}"; }
 
 # up_rabbitmq_cluster: start the nodes that do not run, wait until each
 # answers AMQP and all three run as one cluster.
@@ -848,23 +845,8 @@ KAFKAC=kafka-cluster
 KAFKAC_NODES=(1 2 3)
 KAFKAC_CLUSTER_ID=ZmVycnlLYWZrYUNsdXN0cg # 16 bytes, base64url: a fixed test cluster
 
-kafkac_pid() { # kafkac_pid N: the pid of node N, if it runs
-	local f pid
-	f=$STATE/$KAFKAC/n$1/kafka.pid
-	[[ -s $f ]] || return 1
-	pid=$(head -n1 "$f" | tr -dc 0-9)
-	[[ -n $pid ]] && kill -0 "$pid" 2>/dev/null || return 1
-	tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- kafka.Kafka || return 1
-	echo "$pid"
-}
-
-kafkac_running() { # whether any node of the cluster runs
-	local n
-	for n in "${KAFKAC_NODES[@]}"; do
-		kafkac_pid "$n" >/dev/null && return 0
-	done
-	return 1
-}
+kafkac_pid() { pid_in "$STATE/$KAFKAC/n$1/kafka.pid" kafka.Kafka; } # node N's, if it runs
+kafkac_running() { any_running kafkac_pid "${KAFKAC_NODES[@]}"; }
 
 start_kafkac_node() {
 	local n=$1 d cp
@@ -1127,6 +1109,31 @@ cmd_restart() {
 	return $rc
 }
 
+# cmd_kill_node CLUSTER [SECONDS]: SIGKILL one running node of CLUSTER
+# (kafka-cluster or rabbitmq-cluster), chosen at random, wait SECONDS
+# (default 5) and start it again, waiting until the cluster is whole: a node
+# that dies and comes back, as the chaos run's -cluster setting asks.
+cmd_kill_node() {
+	local svc=${1:-} secs=${2:-5} n pid running=()
+	setup_state
+	case $svc in
+	"$KAFKAC")
+		for n in "${KAFKAC_NODES[@]}"; do kafkac_pid "$n" >/dev/null && running+=("$n"); done
+		;;
+	"$RABBITC")
+		for n in "${RABBITC_NODES[@]}"; do rabbitc_pid "$n" >/dev/null && running+=("$n"); done
+		;;
+	*) die "kill-node: name $KAFKAC or $RABBITC" ;;
+	esac
+	((${#running[@]})) || die "kill-node: no node of $svc runs (integration/brokers.sh up $svc)"
+	n=${running[RANDOM % ${#running[@]}]}
+	if [[ $svc == "$KAFKAC" ]]; then pid=$(kafkac_pid "$n"); else pid=$(rabbitc_pid "$n"); fi
+	kill -KILL "$pid"
+	log "$svc: node $n (pid $pid) killed; starting it again in ${secs}s"
+	sleep "$secs"
+	if [[ $svc == "$KAFKAC" ]]; then up_kafka_cluster; else up_rabbitmq_cluster; fi
+}
+
 cmd_status() {
 	if ! use_docker; then
 		[[ -d $STATE ]] && setup_state
@@ -1204,6 +1211,10 @@ down)
 	cmd_down "$@"
 	;;
 status) cmd_status ;;
+kill-node)
+	shift
+	cmd_kill_node "$@"
+	;;
 restart)
 	shift
 	cmd_restart "$@"

@@ -129,13 +129,6 @@ func New(seeds []string, opts ...Option) (*Broker, error) {
 		// the producer knows the topic's partitions (see Publish).
 		kgo.ProducerLinger(5*time.Millisecond),
 		kgo.RecordDeliveryTimeout(2*time.Minute),
-		// A Publish ends when its context does, even while its records
-		// are in flight: without this, franz-go's idempotent producer
-		// waits for the outcome of a write it is unsure of, past any
-		// deadline (a partition below min.insync.replicas held Publish
-		// for minutes). What a Publish that failed so may have written,
-		// a retry writes again: at least once, as on every broker.
-		kgo.AllowIdempotentProduceCancellation(),
 	)...)
 	if err != nil {
 		return nil, fmt.Errorf("kafka: producer: %w", err)

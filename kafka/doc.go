@@ -216,7 +216,7 @@
 //
 // Broker is a [consumer.Publisher]: acks from all in-sync replicas with the
 // idempotent producer, so Publish returns nil only once every record is
-// durable, retries never duplicate or reorder a partition, and records of one
+// durable, the producer's own retries never duplicate or reorder a partition, and records of one
 // key keep their order within and across calls: each record of a call is
 // checked (its size counted as franz-go counts it) before it is sent, and
 // the records of one key in a call are sent one after another, each once
@@ -243,16 +243,21 @@
 // saw: the address and the dial error ([consumer.ErrUnreachable]).
 //
 // A Publish returns when its context ends, whatever its records are
-// waiting for: a partition whose leader died and has no other yet, or too
-// few in-sync replicas for acks=all (below min.insync.replicas: the error
-// then wraps kerr.NotEnoughReplicas, or names the broker it could not
-// reach while others answer). franz-go's idempotent producer would wait
-// for the outcome of a write it is unsure of past any deadline, so the
-// producer allows in-flight records to be cancelled: records of a Publish
-// that failed so may still be written, and a retry then writes them again
-// (at least once, as on every broker; package idempotency makes the
-// second one no effect). For the same reason a kgo.TransactionalID is
-// refused.
+// waiting for: a partition whose leader died and has no other yet (the
+// error then names LEADER_NOT_AVAILABLE, or the broker the producer could
+// not reach while others answered), or too few in-sync replicas for
+// acks=all (below min.insync.replicas the cluster does not answer the
+// write until its timeout). franz-go's idempotent producer waits for the
+// outcome of a write it sent, past any deadline, and writes the record
+// once the cluster takes it: a Publish that failed at its deadline may
+// have written some of its records, or write them later, and a retry then
+// writes them again (at least once, as on every broker; idempotent
+// handling, package idempotency, makes the second one no effect for
+// messages with an ID). The call copies its records' bodies, so the
+// caller may reuse them at once. Records buffered for a partition fail
+// together when the first one's context ends, so a call can fail with
+// another call's deadline; its error then says so, and does not match the
+// context's.
 //
 // # Configuration
 //

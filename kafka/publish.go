@@ -2,6 +2,7 @@ package kafka
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -36,8 +37,8 @@ import (
 // ahead is refused so, wrapping [consumer.ErrDelayNotSupported]: Kafka has
 // no delayed delivery. Publish returns when ctx ends, whatever its records
 // wait for (a partition without a leader, too few in-sync replicas), with
-// an error matching ctx's and saying why; records in flight then may still
-// be written (see the package doc).
+// an error matching ctx's and saying why; its records may still be written
+// after that (see the package doc).
 func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Message) error {
 	start := time.Now()
 	err := b.publish(ctx, topic, msgs)
@@ -88,11 +89,17 @@ func (b *Broker) publish(ctx context.Context, topic string, msgs []consumer.Mess
 	recs := make([]kgo.Record, len(msgs))
 	// The keys' and header values' bytes share one buffer, and the
 	// headers one slice: a few allocations a call rather than a few a
-	// record.
+	// record. A call that can end before its records do (its context has
+	// a deadline or can be cancelled: see produceSync) copies their bodies
+	// there too, since the producer keeps a record until it is written.
+	copyBodies := ctx.Done() != nil
 	nbytes, nheaders := 0, 0
 	for i := range msgs {
 		m := &msgs[i]
 		nbytes += len(m.Key) + len(m.ID)
+		if copyBodies {
+			nbytes += len(m.Body)
+		}
 		nheaders += len(m.Headers)
 		if m.ID != "" {
 			nheaders++
@@ -122,6 +129,11 @@ func (b *Broker) publish(ctx context.Context, topic string, msgs []consumer.Mess
 			r.Key = bytesOf(m.Key)
 		}
 		r.Value = m.Body
+		if copyBodies && m.Body != nil {
+			n := len(buf)
+			buf = append(buf, m.Body...)
+			r.Value = buf[n:len(buf):len(buf)]
+		}
 		if len(m.Headers) > 0 || m.ID != "" {
 			h0 := len(headers)
 			if m.ID != "" {
@@ -170,7 +182,7 @@ func (b *Broker) publish(ctx context.Context, topic string, msgs []consumer.Mess
 			r, key := &recs[i], msgs[i].Key
 			switch {
 			case dead[key]:
-				fail(i, fmt.Errorf("kafka: not sent: an earlier record of key %q in this call failed", key))
+				fail(i, fmt.Errorf("kafka: key %q: %w", key, errEarlierFailed))
 			case msgs[i].NotBefore.After(start):
 				fail(i, fmt.Errorf("kafka: NotBefore %s ahead: Kafka delivers a record as soon as it is written, and cannot hold one back: %w",
 					msgs[i].NotBefore.Sub(start).Round(time.Millisecond), consumer.ErrDelayNotSupported))
@@ -215,7 +227,13 @@ func (b *Broker) publish(ctx context.Context, topic string, msgs []consumer.Mess
 				}
 			}
 			i := index[res.Record]
-			fail(i, b.publishErr(topic, res.Err))
+			err := b.publishErr(topic, res.Err)
+			if isContextErr(res.Err) && ctx.Err() == nil {
+				// franz-go fails a partition's buffered records together
+				// when the first one's context ends: another call's.
+				err = fmt.Errorf("kafka: publish to %q: failed with the records buffered before it for its partition, whose call's context ended (%v); publish it again", topic, res.Err)
+			}
+			fail(i, err)
 			kill(msgs[i].Key)
 		}
 		wave = wave[:0]
@@ -233,21 +251,30 @@ func (b *Broker) publish(ctx context.Context, topic string, msgs []consumer.Mess
 		return nil
 	}
 	sortFailed(failed)
-	if len(failed) == len(msgs) {
-		if err := ctx.Err(); err != nil {
-			return b.deadlineErr(topic, err, start)
-		}
+	// Every record failed with the context (or behind one of its key
+	// that did): the call's error is the deadline's, with why.
+	byContext := func(f consumer.FailedMessage) bool { return isContextErr(f.Err) || errors.Is(f.Err, errEarlierFailed) }
+	if err := ctx.Err(); err != nil && len(failed) == len(msgs) && !slices.ContainsFunc(failed, func(f consumer.FailedMessage) bool { return !byContext(f) }) {
+		return b.deadlineErr(topic, err, start)
 	}
 	return &consumer.PublishError{Failed: failed}
 }
 
+// errEarlierFailed fails the records of a key that come after one of the
+// call that failed: they are not sent, so that a retry keeps their order.
+var errEarlierFailed = errors.New("not sent: an earlier record of its key in this call failed")
+
 // produceSync is the producer's ProduceSync, returning when ctx ends if
-// that comes first (finished false): franz-go fails a record whose context
-// ended only when it next looks at the record's partition, which for a
-// partition without a leader is its next metadata refresh, up to 5 s later.
-// The records are failed by the producer then, or written if they were in
-// flight already (a Publish that failed may have written some of its
-// records, as on every broker: at least once).
+// that comes first (finished false). franz-go fails a record whose context
+// ended only when it next looks at the record's partition (for a partition
+// without a leader, its next metadata refresh, up to 5 s later), and not
+// at all once the record was sent and its outcome is unknown (a write
+// below min.insync.replicas, a broker that died with the request): the
+// idempotent producer waits for that outcome, for minutes if need be, and
+// writes the record when the cluster takes it. ProduceSync goes on in the
+// background meanwhile, holding the call's records (whose bodies the call
+// copied): a Publish that failed at its deadline may have written some of
+// its records, or write them later, as on every broker (at least once).
 func (b *Broker) produceSync(ctx context.Context, batch []*kgo.Record) (kgo.ProduceResults, bool) {
 	if ctx.Done() == nil {
 		return b.prod.ProduceSync(ctx, batch...), true
@@ -301,24 +328,30 @@ func (b *Broker) checkAccess(ctx context.Context) error {
 // what the producer last saw of the cluster when it had not got through
 // since.
 func (b *Broker) deadlineErr(topic string, ctxErr error, start time.Time) error {
+	// No broker answered since the last failure: the cluster is out of
+	// reach (or refuses the client).
+	if addr, seen := b.plink.last(); seen != nil {
+		return fmt.Errorf("kafka: publish to %q: %w; the client last saw: %w", topic, ctxErr, b.linkErr(addr, seen))
+	}
 	if v, ok := b.loadErrs.Load(topic); ok {
 		if le := v.(loadErr); !le.at.Before(start) {
-			return fmt.Errorf("kafka: publish to %q: %w; the cluster last answered a write to partition %d with: %w", topic, ctxErr, le.partition, le.err)
+			return fmt.Errorf("kafka: publish to %q: %w; the cluster's metadata last said of partition %d: %w", topic, ctxErr, le.partition, le.err)
 		}
 	}
-	if addr, err := b.plink.lastSince(start); err != nil && !b.plink.failing.Load() {
-		return fmt.Errorf("kafka: publish to %q: %w; other brokers answer, but since the call began the producer could not reach %s: %w",
-			topic, ctxErr, addr, err)
+	if addr, seen := b.plink.lastSince(start); seen != nil {
+		return fmt.Errorf("kafka: publish to %q: %w; other brokers answer, but since the call began the producer could not reach one: %w",
+			topic, ctxErr, b.linkErr(addr, seen))
 	}
-	addr, seen := b.plink.last()
-	if seen == nil {
-		return fmt.Errorf("kafka: publish to %q: %w", topic, ctxErr)
-	}
-	why := unreachable(addr, seen)
+	return fmt.Errorf("kafka: publish to %q: %w", topic, ctxErr)
+}
+
+// linkErr is a failure the producer's link saw at addr, as the kind it is:
+// a refusal no retry fixes, or a broker out of reach.
+func (b *Broker) linkErr(addr string, seen error) error {
 	if refusedBy(&b.plink, seen) {
-		why = refused(addr, seen)
+		return refused(addr, seen)
 	}
-	return fmt.Errorf("kafka: publish to %q: %w; the client last saw: %w", topic, ctxErr, why)
+	return unreachable(addr, seen)
 }
 
 func (b *Broker) publishErr(topic string, err error) error {
@@ -369,10 +402,11 @@ func (b *Broker) maxRecordFor(topic string) int32 {
 	return m
 }
 
-// loadErr is the cluster's last refusal of a write to a topic's partition
-// that the producer retries (NOT_ENOUGH_REPLICAS, NOT_LEADER_OR_FOLLOWER):
-// franz-go retries such a write until the record's context ends, and tells
-// of the refusal only in a log line, which producerLogger reads.
+// loadErr is what the cluster's metadata last said of a topic's partition
+// the producer has records for and cannot write to (LEADER_NOT_AVAILABLE:
+// its leader died and none has taken over): franz-go waits for a leader
+// until the record's context ends, and tells of it only in a log line,
+// which producerLogger reads.
 type loadErr struct {
 	partition int32
 	err       error
@@ -380,9 +414,10 @@ type loadErr struct {
 }
 
 // producerLogger is the producer's kgoLogger: it also keeps, per topic,
-// the last write refusal franz-go logs ("produce partition load error"),
-// so that a Publish that ends at its deadline can say why its records
-// were not written.
+// the last partition error of the cluster's that franz-go logs ("produce
+// partition load error" with a kerr error; the same line carries dial
+// errors, which the link reports), so that a Publish that ends at its
+// deadline can say why its records were not written.
 type producerLogger struct {
 	kgoLogger
 	b *Broker
@@ -402,7 +437,8 @@ func (l producerLogger) Log(level kgo.LogLevel, msg string, keyvals ...any) {
 				le.err, _ = keyvals[i+1].(error)
 			}
 		}
-		if topic != "" && le.err != nil {
+		var ke *kerr.Error
+		if topic != "" && errors.As(le.err, &ke) {
 			l.b.loadErrs.Store(topic, le)
 		}
 	}

@@ -77,7 +77,9 @@ const MessagingSystem = "rabbitmq"
 func Redact(rawURL string) string { return urlsecret.Redact(rawURL) }
 
 // Dial connects to the RabbitMQ at url (amqp:// or amqps://, with the vhost
-// as its path) and declares the topology of WithTopology. An invalid URL or
+// as its path; several hosts separated by commas are the nodes of a
+// cluster, see the package doc's Several nodes) and declares the topology
+// of WithTopology. An invalid URL or
 // option fails with a *[consumer.ConfigError]; a broker that cannot be reached
 // fails with an error wrapping [consumer.ErrUnreachable], one that refuses the
 // credentials, the vhost, the TLS handshake or the topology with an error

@@ -1,17 +1,12 @@
 package rabbit_test
 
 import (
-	"context"
 	"encoding/json"
 	"fmt"
-	"net"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -69,35 +64,19 @@ func (c testCluster) url(t *testing.T, order ...int) string {
 	return withNodes(t, c.nodes[0], hosts...)
 }
 
-// kill SIGKILLs node i.
+// kill SIGKILLs node i and waits until its port refuses connections.
 func (c testCluster) kill(t *testing.T, i int) {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join(c.dir, fmt.Sprintf("c%d", i), "rabbitmq.pid"))
-	must(t, err)
-	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
-	must(t, err)
-	must(t, syscall.Kill(pid, syscall.SIGKILL))
 	u, err := url.Parse(c.nodes[i-1])
 	must(t, err)
-	testenv.WaitFor(t, 10*time.Second, "the killed node's port to refuse connections", func() bool {
-		conn, err := net.DialTimeout("tcp", u.Host, time.Second)
-		if err == nil {
-			conn.Close()
-		}
-		return err != nil
-	})
+	testenv.KillNode(t, filepath.Join(c.dir, fmt.Sprintf("c%d", i), "rabbitmq.pid"), u.Host)
 }
 
 // restore starts the nodes that are down and waits until all three run as
 // one cluster.
 func (c testCluster) restore(t *testing.T) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	f := strings.Fields(c.up)
-	if out, err := exec.CommandContext(ctx, f[0], f[1:]...).CombinedOutput(); err != nil {
-		t.Fatalf("%s: %v\n%s", c.up, err, out)
-	}
+	testenv.RunCommand(t, c.up, 3*time.Minute)
 }
 
 // queueInfo is a quorum queue's leader and members, as rabbitmqctl

@@ -26,6 +26,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"os/exec"
 	"os/signal"
 	"path/filepath"
 	"strings"
@@ -43,6 +44,10 @@ func main() {
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "chaos:", err)
 		os.Exit(2)
+	}
+	if err := useClusters(cfg); err != nil {
+		fmt.Fprintln(os.Stderr, "chaos:", err)
+		os.Exit(1)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
@@ -82,7 +87,15 @@ type config struct {
 	Keep           bool
 	KeepFailed     bool
 	Quiet          bool
+	Cluster        bool // break three-node clusters: a broker restart kills a random node
 }
+
+// The clusters of integration/brokers.sh up kafka-cluster and up
+// rabbitmq-cluster, which -cluster runs against.
+const (
+	clusterKafka    = "127.0.0.1:19091,127.0.0.1:19092,127.0.0.1:19093"
+	clusterRabbitMQ = "amqp://guest:guest@127.0.0.1:5691,127.0.0.1:5692,127.0.0.1:5693/"
+)
 
 func parseFlags(args []string) (config, error) {
 	var c config
@@ -109,6 +122,7 @@ func parseFlags(args []string) (config, error) {
 	fs.BoolVar(&c.Keep, "keep", false, "keep the run's schema, queues and logs")
 	fs.BoolVar(&c.KeepFailed, "keep-failed", true, "keep the schema, queues and logs of a failed run")
 	fs.BoolVar(&c.Quiet, "quiet", false, "no progress lines, only the tables")
+	fs.BoolVar(&c.Cluster, "cluster", false, "break three-node clusters instead of single brokers (kafka and rabbitmq; integration/brokers.sh up kafka-cluster, up rabbitmq-cluster): each broker restart SIGKILLs a random node and starts it again 5s later (brokers.sh kill-node)")
 	short := fs.Bool("short", false, "the short setting CI runs: 10,000 orders over 1m, one broker restart, a 10s outage (flags given after it override it)")
 	if err := fs.Parse(args); err != nil {
 		return c, err
@@ -129,6 +143,19 @@ func parseFlags(args []string) (config, error) {
 			}
 		}
 	}
+	if c.Cluster {
+		if *brokers == "all" || *brokers == "" {
+			c.Brokers = []string{"kafka", "rabbitmq"}
+		}
+		for _, b := range c.Brokers {
+			if b != "kafka" && b != "rabbitmq" {
+				return c, fmt.Errorf("-cluster: %q has no cluster to break (kafka and rabbitmq have)", b)
+			}
+		}
+		if c.RestartCmd != "" {
+			return c, fmt.Errorf("-cluster picks its own -restart-cmd (brokers.sh kill-node)")
+		}
+	}
 	switch c.Fault {
 	case faultNone, faultNoIdem, faultAckFirst:
 	default:
@@ -144,7 +171,30 @@ func parseFlags(args []string) (config, error) {
 		}
 		c.BrokersSh = filepath.Join(root, "integration", "brokers.sh")
 	}
+	if c.Cluster {
+		c.RestartCmd = `"$FERRY_CHAOS_BROKERS_SH" kill-node "$FERRY_CHAOS_SERVICE-cluster" 5`
+	}
 	return c, nil
+}
+
+// useClusters starts the clusters the run breaks (brokers.sh up, which
+// starts only the nodes that are down) and points this process and the
+// children it starts (they inherit its environment) at them.
+func useClusters(c config) error {
+	if !c.Cluster {
+		return nil
+	}
+	for _, b := range c.Brokers {
+		cmd := exec.Command(c.BrokersSh, "up", b+"-cluster")
+		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+		if err := cmd.Run(); err != nil {
+			return fmt.Errorf("%s up %s-cluster: %w", c.BrokersSh, b, err)
+		}
+	}
+	os.Setenv(testenv.EnvKafkaBrokers, clusterKafka)
+	os.Setenv(testenv.EnvAMQPURL, clusterRabbitMQ)
+	os.Setenv("FERRY_CHAOS_BROKERS_SH", c.BrokersSh)
+	return nil
 }
 
 // shortOverride keeps the -short values except where a flag was given

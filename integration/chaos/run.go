@@ -270,6 +270,9 @@ func runBroker(ctx context.Context, cfg config, kind string, out io.Writer) (*re
 	progress("run %s: %d orders over %s; queue %s; logs in %s", runID, cfg.Orders, cfg.Duration, q.Name, runDir)
 
 	res := &result{Kind: kind, Seed: cfg.Seed, Fault: cfg.Fault, Orders: cfg.Orders}
+	if cfg.Cluster {
+		res.Notes = append(res.Notes, "a three-node cluster: each broker restart is a SIGKILL of a random node, started again 5s later")
+	}
 	var mu sync.Mutex // guards res's schedule fields below
 	var outageEnd time.Time
 	var outageSeq int64 // orders committed when the outage ended
