@@ -715,6 +715,14 @@ up_rabbitmq_cluster() {
 	r=$(rabbit4_root)
 	mountpoint -q "$r/proc" || mount -t proc proc "$r/proc" || die "$RABBITC: could not mount proc in its root"
 	rabbit4_ctl_wrapper
+	# With no node running, the cluster is made anew: three nodes of a
+	# cluster formed before, started together, can fail to boot (Mnesia's
+	# protocol negotiation between them is killed), and a test cluster
+	# keeps nothing worth that. A node started while the others run (after
+	# a kill) keeps its data and rejoins.
+	if ! rabbitc_running; then
+		rm -rf --one-file-system "$r"/ferry/c?/mnesia
+	fi
 	for n in "${RABBITC_NODES[@]}"; do
 		rabbitc_pid "$n" >/dev/null && continue
 		for port in $((5690 + n)) $((25690 + n)); do

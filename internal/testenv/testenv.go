@@ -263,6 +263,11 @@ func urlHostPort(raw, defPort string) (string, error) {
 	if u.Host == "" {
 		return "", fmt.Errorf("testenv: no host in %q", raw)
 	}
+	if first, _, several := strings.Cut(u.Host, ","); several {
+		// The nodes of a cluster (amqp://u:p@n1:5672,n2:5672/): the
+		// first stands for them.
+		u.Host = first
+	}
 	port := u.Port()
 	if port == "" {
 		port = defPort

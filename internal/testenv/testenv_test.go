@@ -61,6 +61,11 @@ func TestEnvOverride(t *testing.T) {
 	if _, err := Addr("nope"); err == nil {
 		t.Error("Addr of an unknown service: no error")
 	}
+	// A cluster's nodes: the first stands for them.
+	t.Setenv(EnvAMQPURL, "amqp://u:p@r1:5691,r2:5692,r3:5693/")
+	if got, err := Addr(RabbitMQ); err != nil || got != "r1:5691" {
+		t.Errorf("Addr(rabbitmq) of a node list = %q, %v; want r1:5691", got, err)
+	}
 }
 
 func TestRequireBrokers(t *testing.T) {
