@@ -91,8 +91,8 @@ chaos-short:
 
 ## chaos-cluster: the chaos run's short setting on the clusters (go run
 ## ./integration/chaos -cluster -short: kafka and rabbitmq, each broker restart a
-## SIGKILL of a random node of three, started again 5s later); the same as
-## make chaos CHAOS_FLAGS='-cluster -short'; the clusters are stopped after
+## SIGKILL of a random node of three, started again 5s later), as make chaos
+## CHAOS_FLAGS='-cluster -short' does, and stops the clusters after
 chaos-cluster: brokers
 	$(GO) run ./integration/chaos -cluster -short $(CHAOS_FLAGS); \
 		rc=$$?; integration/brokers.sh down kafka-cluster; integration/brokers.sh down rabbitmq-cluster; exit $$rc

@@ -1133,9 +1133,13 @@ cmd_kill_node() {
 		;;
 	*) die "kill-node: name $KAFKAC or $RABBITC" ;;
 	esac
-	((${#running[@]})) || die "kill-node: no node of $svc runs (integration/brokers.sh up $svc)"
-	n=${running[RANDOM % ${#running[@]}]}
-	if [[ $svc == "$KAFKAC" ]]; then pid=$(kafkac_pid "$n"); else pid=$(rabbitc_pid "$n"); fi
+	# A node is killed only from a whole cluster: a second loss would take
+	# the quorum (and, with every RabbitMQ node down, up makes the cluster
+	# anew, its messages gone).
+	((${#running[@]} == 3)) || die "kill-node: $svc has ${#running[@]} of 3 nodes running; up $svc first"
+	n=${running[RANDOM % 3]}
+	if [[ $svc == "$KAFKAC" ]]; then pid=$(kafkac_pid "$n") || true; else pid=$(rabbitc_pid "$n") || true; fi
+	[[ -n $pid ]] || die "kill-node: node $n of $svc stopped by itself"
 	kill -KILL "$pid"
 	log "$svc: node $n (pid $pid) killed; starting it again in ${secs}s"
 	sleep "$secs"

@@ -33,6 +33,7 @@ func TestNewRefusesWhatBreaksTheContract(t *testing.T) {
 		"revoked callback": kafka.WithClientOpts(kgo.OnPartitionsRevoked(func(context.Context, *kgo.Client, map[string][]int32) {})),
 		"no idempotence":   kafka.WithClientOpts(kgo.DisableIdempotentWrite()),
 		"leader acks":      kafka.WithClientOpts(kgo.RequiredAcks(kgo.LeaderAck()), kgo.DisableIdempotentWrite()),
+		"transactional id": kafka.WithClientOpts(kgo.TransactionalID("tx")),
 		"nil opt":          kafka.WithClientOpts(nil),
 		"commit interval":  kafka.WithCommitInterval(0),
 		"buffer":           kafka.WithPartitionBuffer(-1),

@@ -246,8 +246,10 @@
 // waiting for: a partition whose leader died and has no other yet (the
 // error then names LEADER_NOT_AVAILABLE, or the broker the producer could
 // not reach while others answered), or too few in-sync replicas for
-// acks=all (below min.insync.replicas the cluster does not answer the
-// write until its timeout). franz-go's idempotent producer waits for the
+// acks=all (the leader refuses the write with NOT_ENOUGH_REPLICAS, which
+// franz-go retries and tells of only at debug level, or does not answer
+// while dead followers still count as in sync: the error then gives no
+// reason beyond the deadline). franz-go's idempotent producer waits for the
 // outcome of a write it sent, past any deadline, and writes the record
 // once the cluster takes it: a Publish that failed at its deadline may
 // have written some of its records, or write them later, and a retry then

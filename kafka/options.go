@@ -413,6 +413,9 @@ func checkClientOpts(seeds []string, c *config) error {
 	if vs := cl.OptValues(kgo.InstanceID); len(vs) == 2 && vs[1] == true {
 		return refuse("kgo.InstanceID", "use kafka.WithInstanceID, which refuses a second consumer of one group on the Broker (it would fence the first)")
 	}
+	if id, _ := cl.OptValue(kgo.TransactionalID).(string); id != "" {
+		return refuse("kgo.TransactionalID", "Publish runs no transactions, and franz-go fails every record a transactional producer writes outside one; for writes that commit with your data, use the outbox")
+	}
 	if b, _ := cl.OptValue(kgo.DisableIdempotentWrite).(bool); b {
 		return refuse("kgo.DisableIdempotentWrite", "Publish keeps per-key order with the idempotent producer")
 	}

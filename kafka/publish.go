@@ -37,8 +37,8 @@ import (
 // ahead is refused so, wrapping [consumer.ErrDelayNotSupported]: Kafka has
 // no delayed delivery. Publish returns when ctx ends, whatever its records
 // wait for (a partition without a leader, too few in-sync replicas), with
-// an error matching ctx's and saying why; its records may still be written
-// after that (see the package doc).
+// an error matching ctx's and, where the client saw it, why; its records
+// may still be written after that (see the package doc).
 func (b *Broker) Publish(ctx context.Context, topic string, msgs ...consumer.Message) error {
 	start := time.Now()
 	err := b.publish(ctx, topic, msgs)
@@ -177,6 +177,20 @@ func (b *Broker) publish(ctx context.Context, topic string, msgs []consumer.Mess
 		index    map[*kgo.Record]int // a record's place in recs, made on the first failure
 	)
 	for len(wave) > 0 {
+		if ctx.Err() != nil {
+			// The context ended with the last wave: what is left is not
+			// handed to the producer (it could be written after the
+			// call returned).
+			for _, i := range wave {
+				fail(i, b.publishErr(topic, ctx.Err()))
+			}
+			for _, rest := range queue {
+				for _, i := range rest {
+					fail(i, b.publishErr(topic, ctx.Err()))
+				}
+			}
+			break
+		}
 		sendable = sendable[:0]
 		for _, i := range wave {
 			r, key := &recs[i], msgs[i].Key
@@ -328,9 +342,9 @@ func (b *Broker) checkAccess(ctx context.Context) error {
 // what the producer last saw of the cluster when it had not got through
 // since.
 func (b *Broker) deadlineErr(topic string, ctxErr error, start time.Time) error {
-	// No broker answered since the last failure: the cluster is out of
-	// reach (or refuses the client).
-	if addr, seen := b.plink.last(); seen != nil {
+	// No broker answered during the call, and one failed: the cluster is
+	// out of reach (or refuses the client).
+	if addr, seen := b.plink.last(); seen != nil && b.plink.okAt.Load() < start.UnixNano() {
 		return fmt.Errorf("kafka: publish to %q: %w; the client last saw: %w", topic, ctxErr, b.linkErr(addr, seen))
 	}
 	if v, ok := b.loadErrs.Load(topic); ok {

@@ -193,7 +193,6 @@ func useClusters(c config) error {
 	}
 	os.Setenv(testenv.EnvKafkaBrokers, clusterKafka)
 	os.Setenv(testenv.EnvAMQPURL, clusterRabbitMQ)
-	os.Setenv("FERRY_CHAOS_BROKERS_SH", c.BrokersSh)
 	return nil
 }
 

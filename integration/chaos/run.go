@@ -331,7 +331,7 @@ func runBroker(ctx context.Context, cfg config, kind string, out io.Writer) (*re
 					cmd := exec.CommandContext(schedCtx, cfg.BrokersSh, "restart", svc)
 					if cfg.RestartCmd != "" {
 						cmd = exec.CommandContext(schedCtx, "sh", "-c", cfg.RestartCmd)
-						cmd.Env = append(os.Environ(), "FERRY_CHAOS_SERVICE="+svc)
+						cmd.Env = append(os.Environ(), "FERRY_CHAOS_SERVICE="+svc, "FERRY_CHAOS_BROKERS_SH="+cfg.BrokersSh)
 					}
 					progress("restarting the broker: %s", strings.Join(cmd.Args, " "))
 					outp, err := cmd.CombinedOutput()
