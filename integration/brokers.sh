@@ -39,7 +39,7 @@ die() { log "error: $*"; exit 1; }
 
 usage() {
 	cat >&2 <<EOF
-usage: integration/brokers.sh up [rabbitmq4] | down | status | restart service... | logs [service...]
+usage: integration/brokers.sh up [OPTIONAL] | down [OPTIONAL] | status | restart service... | logs [service...] | kill-node CLUSTER [SECONDS]
 
   up      install what is missing, start the brokers, wait until each is ready
   up rabbitmq4  start only the optional RabbitMQ 4.0 node (AMQP on 5682, amqps
