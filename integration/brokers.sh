@@ -366,8 +366,8 @@ RABBIT_TENANT_PASSWORD=ferry-tenant-secret
 # the 3.10 node's).
 rabbit_tenant() {
 	local ctl=${1:-rabbitmqctl_}
-	"$ctl" list_vhosts name | grep -qx "$RABBIT_TENANT" || "$ctl" add_vhost "$RABBIT_TENANT" >/dev/null
-	if ! "$ctl" list_users | awk '{print $1}' | grep -qx "$RABBIT_TENANT"; then
+	"$ctl" list_vhosts name | grep -x "$RABBIT_TENANT" >/dev/null || "$ctl" add_vhost "$RABBIT_TENANT" >/dev/null
+	if ! "$ctl" list_users | awk '{print $1}' | grep -x "$RABBIT_TENANT" >/dev/null; then
 		"$ctl" add_user "$RABBIT_TENANT" "$RABBIT_TENANT_PASSWORD" >/dev/null
 	fi
 	"$ctl" set_permissions -p "$RABBIT_TENANT" "$RABBIT_TENANT" '.*' '.*' '.*' >/dev/null
@@ -599,18 +599,10 @@ rabbit4_check() {
 }
 
 stop_rabbitmq4() {
-	local pid i
+	local pid
 	if pid=$(rabbit4_pid); then
 		kill -TERM "$pid" 2>/dev/null || true
-		for ((i = 0; i < 300; i++)); do
-			kill -0 "$pid" 2>/dev/null || break
-			sleep 0.1
-		done
-		if kill -0 "$pid" 2>/dev/null; then
-			log "$RABBIT4 (pid $pid) did not stop in 30 s: killing it"
-			kill -KILL "$pid" 2>/dev/null || true
-		fi
-		echo "$RABBIT4 stopped"
+		await_stop "$RABBIT4" "$pid"
 	fi
 	rabbitc_running || rabbit4_unmount
 }
@@ -689,16 +681,11 @@ EOC
 }
 
 stop_rabbitmq_cluster() {
-	local n pid i
+	local n pid
 	for n in "${RABBITC_NODES[@]}"; do
 		pid=$(rabbitc_pid "$n") || continue
 		kill -TERM "$pid" 2>/dev/null || true
-		for ((i = 0; i < 300; i++)); do
-			kill -0 "$pid" 2>/dev/null || break
-			sleep 0.1
-		done
-		kill -KILL "$pid" 2>/dev/null || true
-		echo "$RABBITC node $n stopped"
+		await_stop "$RABBITC node $n" "$pid"
 	done
 	rabbit4_pid >/dev/null || rabbit4_unmount
 }
@@ -806,21 +793,28 @@ start_sqs() {
 }
 
 stop_service() {
-	local svc=$1 pid i
+	local svc=$1 pid
 	pid=$(pid_of "$svc") || return 0
 	case $svc in
 	postgres) as_user postgres "$(pg_bindir)/pg_ctl" -D "$STATE/postgres/data" -m fast -w -t 30 stop >/dev/null 2>&1 || true ;;
 	*) kill -TERM "$pid" 2>/dev/null || true ;;
 	esac
+	await_stop "$svc" "$pid"
+}
+
+# await_stop NAME PID: wait up to 30 s for PID, asked to stop, to end;
+# kill it then; say NAME stopped.
+await_stop() {
+	local i
 	for ((i = 0; i < 300; i++)); do
-		kill -0 "$pid" 2>/dev/null || break
+		kill -0 "$2" 2>/dev/null || break
 		sleep 0.1
 	done
-	if kill -0 "$pid" 2>/dev/null; then
-		log "$svc (pid $pid) did not stop in 30 s: killing it"
-		kill -KILL "$pid" 2>/dev/null || true
+	if kill -0 "$2" 2>/dev/null; then
+		log "$1 (pid $2) did not stop in 30 s: killing it"
+		kill -KILL "$2" 2>/dev/null || true
 	fi
-	echo "$svc stopped"
+	echo "$1 stopped"
 }
 
 versions() { # versions for the checker's lines, from what we run
@@ -876,19 +870,14 @@ start_kafkac_node() {
 }
 
 stop_kafka_cluster() {
-	local n pid i
-	for n in "${KAFKAC_NODES[@]}"; do
+	local n pid pids=()
+	for n in "${KAFKAC_NODES[@]}"; do # all asked at once, then waited for
 		pid=$(kafkac_pid "$n") || continue
+		pids[n]=$pid
 		kill -TERM "$pid" 2>/dev/null || true
 	done
-	for n in "${KAFKAC_NODES[@]}"; do
-		pid=$(kafkac_pid "$n") || continue
-		for ((i = 0; i < 300; i++)); do
-			kill -0 "$pid" 2>/dev/null || break
-			sleep 0.1
-		done
-		kill -KILL "$pid" 2>/dev/null || true
-		echo "$KAFKAC node $n stopped"
+	for n in "${!pids[@]}"; do
+		await_stop "$KAFKAC node $n" "${pids[n]}"
 	done
 }
 
