@@ -161,17 +161,25 @@ func (c *kafkaCluster) restore(t *testing.T) {
 }
 
 // committedNeverDrops samples the group's committed offsets every 200 ms
+// until stop is called (or the test ends), and stop reports each time one
+// went down.
 // until stop is closed and reports each time one went down.
-func (c *kafkaCluster) committedNeverDrops(t *testing.T, group string, stop <-chan struct{}) (done func() []string) {
-	var mu sync.Mutex
+func (c *kafkaCluster) committedNeverDrops(t *testing.T, group string) (stop func() []string) {
 	var drops []string
 	last := map[int32]int64{}
-	finished := make(chan struct{})
+	stopping, finished := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	stop = func() []string {
+		once.Do(func() { close(stopping) })
+		<-finished
+		return drops
+	}
+	t.Cleanup(func() { stop() })
 	go func() {
 		defer close(finished)
 		for {
 			select {
-			case <-stop:
+			case <-stopping:
 				return
 			case <-time.After(200 * time.Millisecond):
 			}
@@ -186,20 +194,13 @@ func (c *kafkaCluster) committedNeverDrops(t *testing.T, group string, stop <-ch
 					return
 				}
 				if prev, ok := last[o.Partition]; ok && o.At < prev {
-					mu.Lock()
 					drops = append(drops, fmt.Sprintf("partition %d: %d after %d", o.Partition, o.At, prev))
-					mu.Unlock()
 				}
 				last[o.Partition] = max(last[o.Partition], o.At)
 			})
 		}
 	}()
-	return func() []string {
-		<-finished
-		mu.Lock()
-		defer mu.Unlock()
-		return drops
-	}
+	return stop
 }
 
 // clusterLoad is a consumer group member and a publisher (acks=all,
@@ -374,10 +375,7 @@ func killUnderLoad(t *testing.T, fault string, pick func(kc *kafkaCluster, topic
 	group := testenv.UniqueName(t, "cluster-group")
 
 	load := startClusterLoad(t, b, topic, group, 2*time.Minute)
-	stopSampling := make(chan struct{})
-	var stopOnce sync.Once
-	t.Cleanup(func() { stopOnce.Do(func() { close(stopSampling) }) })
-	drops := kc.committedNeverDrops(t, group, stopSampling)
+	stopSampling := kc.committedNeverDrops(t, group)
 	testenv.WaitFor(t, 60*time.Second, "records to flow", func() bool { return load.handledCount() >= 300 })
 
 	victim, what := pick(kc, topic)
@@ -394,8 +392,7 @@ func killUnderLoad(t *testing.T, fault string, pick func(kc *kafkaCluster, topic
 	kc.restore(t)
 	time.Sleep(2 * time.Second) // and on three again
 	confirmed, deliveries, dups := load.finish(t)
-	stopOnce.Do(func() { close(stopSampling) })
-	if d := drops(); len(d) > 0 {
+	if d := stopSampling(); len(d) > 0 {
 		t.Errorf("committed offsets went down: %v", d)
 	}
 	// Each time partitions move (the kill; the group's coordinator moving
@@ -441,10 +438,7 @@ func TestClusterBelowMinInSync(t *testing.T) {
 	}
 
 	load := startClusterLoad(t, b, topic, group, 10*time.Second)
-	stopSampling := make(chan struct{})
-	var stopOnce sync.Once
-	t.Cleanup(func() { stopOnce.Do(func() { close(stopSampling) }) })
-	drops := kc.committedNeverDrops(t, group, stopSampling)
+	stopSampling := kc.committedNeverDrops(t, group)
 	testenv.WaitFor(t, 60*time.Second, "records to flow", func() bool { return load.handledCount() >= 300 })
 
 	t.Cleanup(func() { kc.restore(t) }) // first of all, should the test fail from here
@@ -491,8 +485,7 @@ func TestClusterBelowMinInSync(t *testing.T) {
 	})
 	time.Sleep(2 * time.Second)
 	confirmed, deliveries, dups := load.finish(t)
-	stopOnce.Do(func() { close(stopSampling) })
-	if d := drops(); len(d) > 0 {
+	if d := stopSampling(); len(d) > 0 {
 		t.Errorf("committed offsets went down: %v", d)
 	}
 	load.mu.Lock()

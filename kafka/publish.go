@@ -176,19 +176,24 @@ func (b *Broker) publish(ctx context.Context, topic string, msgs []consumer.Mess
 		batch    []*kgo.Record
 		index    map[*kgo.Record]int // a record's place in recs, made on the first failure
 	)
+	// failWithContext fails records, and every record queued behind the
+	// wave, with the context that ended.
+	failWithContext := func(records []int) {
+		for _, i := range records {
+			fail(i, b.publishErr(topic, ctx.Err()))
+		}
+		for _, rest := range queue {
+			for _, i := range rest {
+				fail(i, b.publishErr(topic, ctx.Err()))
+			}
+		}
+	}
 	for len(wave) > 0 {
 		if ctx.Err() != nil {
 			// The context ended with the last wave: what is left is not
 			// handed to the producer (it could be written after the
 			// call returned).
-			for _, i := range wave {
-				fail(i, b.publishErr(topic, ctx.Err()))
-			}
-			for _, rest := range queue {
-				for _, i := range rest {
-					fail(i, b.publishErr(topic, ctx.Err()))
-				}
-			}
+			failWithContext(wave)
 			break
 		}
 		sendable = sendable[:0]
@@ -218,16 +223,7 @@ func (b *Broker) publish(ctx context.Context, topic string, msgs []consumer.Mess
 		}
 		results, finished := b.produceSync(ctx, batch)
 		if !finished {
-			// The context ended first: this wave's records and those
-			// queued behind them fail with it.
-			for _, i := range sendable {
-				fail(i, b.publishErr(topic, ctx.Err()))
-			}
-			for _, rest := range queue {
-				for _, i := range rest {
-					fail(i, b.publishErr(topic, ctx.Err()))
-				}
-			}
+			failWithContext(sendable) // the context ended first
 			break
 		}
 		for _, res := range results {
