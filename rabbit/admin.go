@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
@@ -29,7 +30,13 @@ var _ consumer.Admin = (*Broker)(nil)
 //     dead-letters a message. It needs DeadLetter (without one RabbitMQ
 //     drops such messages): alone it is a *[consumer.ConfigError]. With
 //     DeadLetter and 0, the broker's default applies (20 on RabbitMQ 4,
-//     none on 3).
+//     none on 3). Without DeadLetter, and on RabbitMQ 4 or later, the
+//     queue is declared with no limit (x-delivery-limit -1), as on 3:
+//     RabbitMQ 4's default of 20 would drop a message that goes back 20
+//     times with nowhere to dead-letter it, and the loop's own retry and
+//     dead-letter middleware decide a message's end instead. A queue that
+//     exists with the default (declared without the argument, by an earlier
+//     CreateSource or another client) is kept, and a warning says it drops.
 //   - Retention: x-message-ttl, in milliseconds (at least 1).
 //
 // Lease is a *[consumer.ConfigError]: a RabbitMQ delivery holds no lease
@@ -74,10 +81,53 @@ func (b *Broker) CreateSource(ctx context.Context, name string, cfg consumer.Sou
 			return fmt.Errorf("rabbit: create queue %q: dead-letter queue %q: %w", name, cfg.DeadLetter, err)
 		}
 	}
-	if err := b.onChannel(ctx, func(ch *amqp.Channel) error { return declareQueue(ch, q) }); err != nil {
+	version, err := b.serverVersion(ctx)
+	if err != nil {
+		return fmt.Errorf("rabbit: create queue %q: %w", name, err)
+	}
+	unlimited := cfg.DeadLetter == "" && serverMajor(version) >= 4
+	if unlimited {
+		if q.Args == nil {
+			q.Args = amqp.Table{}
+		}
+		q.Args["x-delivery-limit"] = int64(-1)
+	}
+	err = b.onChannel(ctx, func(ch *amqp.Channel) error { return declareQueue(ch, q) })
+	if unlimited && isInequivalent(err, "x-delivery-limit") {
+		// The queue exists with the broker's default limit: keep it.
+		delete(q.Args, "x-delivery-limit")
+		if err = b.onChannel(ctx, func(ch *amqp.Channel) error { return declareQueue(ch, q) }); err == nil {
+			b.log.Warn("rabbit: CreateSource found the quorum queue declared with RabbitMQ's default delivery limit and no dead-letter exchange: a message delivered more than delivery_limit times is dropped (delete the queue and create it again, or give it a DeadLetter)",
+				"queue", name, "delivery_limit", defaultDeliveryLimit, "rabbitmq_version", version)
+		}
+	}
+	if err != nil {
 		return fmt.Errorf("rabbit: create %w", err)
 	}
 	return nil
+}
+
+// serverVersion is the version the broker of the consuming connection
+// announces ("4.0.5"), or "" when it announces none.
+func (b *Broker) serverVersion(ctx context.Context) (string, error) {
+	if b.isClosed() {
+		return "", ErrClosed
+	}
+	conn, err := b.consConn.get(ctx)
+	if err != nil {
+		return "", err
+	}
+	v, _ := conn.Properties["version"].(string)
+	return v, nil
+}
+
+// isInequivalent reports whether err is the broker's refusal of a
+// declaration whose argument arg differs from the existing queue's (406
+// PRECONDITION_FAILED, "inequivalent arg").
+func isInequivalent(err error, arg string) bool {
+	var ae *amqp.Error
+	return errors.As(err, &ae) && ae.Code == amqp.PreconditionFailed &&
+		strings.Contains(ae.Reason, "inequivalent arg '"+arg+"'")
 }
 
 // DeleteSource deletes queue name and its messages ([consumer.Admin]),

@@ -3,6 +3,9 @@ package rabbit_test
 import (
 	"context"
 	"errors"
+	"log/slog"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -10,6 +13,7 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/internal/testenv"
+	"github.com/ferrymq/ferry/rabbit"
 )
 
 // CreateSource declares a quorum queue with a single active consumer, a
@@ -112,6 +116,64 @@ func TestAdminRefusesDeliveryLimitWithoutDeadLetter(t *testing.T) {
 	}
 	if _, err := rawChannel(t).QueueDeclarePassive(name, true, false, false, false, nil); err == nil {
 		t.Fatalf("a refused CreateSource declared %q", name)
+	}
+}
+
+// A queue CreateSource makes without a DeadLetter drops nothing however
+// often a message goes back: on RabbitMQ 4 its default delivery limit of 20
+// would drop the message at its 21st delivery, with nowhere to dead-letter
+// it. On 3.x there is no default limit, and this passes either way.
+func TestAdminQueueWithoutDeadLetterDropsNothing(t *testing.T) {
+	b := dial(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	name := testenv.UniqueName(t, "admin-nolimit")
+	deleteLater(t, []string{name}, nil)
+	if err := b.CreateSource(ctx, name, consumer.SourceConfig{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.CreateSource(ctx, name, consumer.SourceConfig{}); err != nil {
+		t.Fatalf("declaring the queue again: %v", err)
+	}
+	if err := b.Publish(ctx, name, consumer.Message{ID: "m-1", Body: []byte("one")}); err != nil {
+		t.Fatal(err)
+	}
+	ch := rawChannel(t)
+	const returns = 25 // past RabbitMQ 4's default limit of 20
+	for i := range returns {
+		d := getOne(t, ch, name)
+		if err := d.Nack(false, true); err != nil {
+			t.Fatalf("return %d: %v", i+1, err)
+		}
+	}
+	if d := getOne(t, ch, name); string(d.Body) != "one" {
+		t.Fatalf("after %d returns got %q, want the message", returns, d.Body)
+	}
+}
+
+// On RabbitMQ 4, a queue that exists with the broker's default delivery
+// limit and no dead-letter exchange (declared by an earlier Ferry, or by
+// hand) is kept by CreateSource, not refused for the argument it now
+// declares, and the Broker warns that the queue drops.
+func TestAdminKeepsAQueueWithTheDefaultLimitAndWarns(t *testing.T) {
+	if serverMajor := serverVersion(t); !strings.HasPrefix(serverMajor, "4.") {
+		t.Skipf("RabbitMQ %s sets no default delivery limit", serverMajor)
+	}
+	rec := newRecorder(t)
+	b := dial(t, rabbit.WithLogger(slog.New(rec)))
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	name := testenv.UniqueName(t, "admin-default-limit")
+	deleteLater(t, []string{name}, nil)
+	if _, err := rawChannel(t).QueueDeclare(name, true, false, false, false, amqp.Table{"x-queue-type": "quorum"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.CreateSource(ctx, name, consumer.SourceConfig{}); err != nil {
+		t.Fatalf("CreateSource of a queue with the default limit: %v", err)
+	}
+	warns := rec.matching("rabbit: CreateSource found the quorum queue declared with RabbitMQ's default delivery limit")
+	if len(warns) != 1 || !slices.Contains(warns[0].values("queue"), name) {
+		t.Fatalf("warnings %v, want one naming queue %s", warns, name)
 	}
 }
 

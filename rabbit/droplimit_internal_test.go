@@ -22,6 +22,8 @@ func TestDropLimitOnlyWhereAMessageCanBeDropped(t *testing.T) {
 		{"quorum, no limit, RabbitMQ 3", Queue{Name: "q"}, "3.10.8", 0, false, false},
 		{"quorum, no limit, RabbitMQ 4: the default of 20", Queue{Name: "q"}, "4.1.0", 20, true, true},
 		{"quorum, unlimited on RabbitMQ 4", Queue{Name: "q", Args: amqp.Table{"x-delivery-limit": int64(-1)}}, "4.1.0", 0, false, false},
+		{"quorum, negative limit on RabbitMQ 3: taken as 0", Queue{Name: "q", Args: amqp.Table{"x-delivery-limit": int64(-1)}}, "3.10.8", 0, false, true},
+		{"quorum, limit 0 in Args", Queue{Name: "q", Args: amqp.Table{"x-delivery-limit": int64(0)}}, "4.0.5", 0, false, true},
 		{"quorum, no limit, version unknown", Queue{Name: "q"}, "", 0, false, false},
 		{"quorum, limit, dead-letter exchange", Queue{Name: "q", DeliveryLimit: 5, DeadLetterExchange: "dlx"}, "4.1.0", 0, false, false},
 		{"quorum, limit, the default exchange by routing key", Queue{Name: "q", DeliveryLimit: 5, DeadLetterRoutingKey: "q-dlq"}, "3.10.8", 0, false, false},

@@ -201,10 +201,12 @@ const defaultDeliveryLimit = 20
 // dead-letter exchange: when it passes the queue's delivery limit, or is
 // rejected without requeue, which the driver does only past DeliveryLimit.
 // Classic queues have no limit. The limit is DeliveryLimit, else an
-// x-delivery-limit of Args (a negative one is none, on 4.x), else on a
-// broker of version 4.0 or later (server, the version it announces) the
-// default of 20 (byDefault). Policies are not seen: a dead-letter
-// exchange or a delivery limit set by a policy is taken for none.
+// x-delivery-limit of Args, else on a broker of version 4.0 or later
+// (server, the version it announces) the default of 20 (byDefault). An
+// x-delivery-limit of 0 drops a message the first time it goes back; a
+// negative one is no limit on 4.x but is taken as 0 by 3.x (both checked
+// against the brokers). Policies are not seen: a dead-letter exchange or a
+// delivery limit set by a policy is taken for none.
 func dropLimit(q Queue, server string) (limit int64, byDefault, drops bool) {
 	if q.Classic || q.args()["x-dead-letter-exchange"] != nil {
 		return 0, false, false
@@ -212,21 +214,34 @@ func dropLimit(q Queue, server string) (limit int64, byDefault, drops bool) {
 	if q.DeliveryLimit > 0 {
 		return int64(q.DeliveryLimit), false, true
 	}
+	major := serverMajor(server)
 	if v, ok := q.Args["x-delivery-limit"]; ok {
-		n, isInt := intArg(v)
-		if isInt && n > 0 {
-			return n, false, true
-		}
-		if isInt && n < 0 {
-			return 0, false, false
+		if n, isInt := intArg(v); isInt {
+			switch {
+			case n < 0 && major >= 4:
+				return 0, false, false
+			case n < 0:
+				return 0, false, true
+			default:
+				return n, false, true
+			}
 		}
 	}
-	if major, _, _ := strings.Cut(server, "."); major != "" {
-		if m, err := strconv.Atoi(major); err == nil && m >= 4 {
-			return defaultDeliveryLimit, true, true
-		}
+	if major >= 4 {
+		return defaultDeliveryLimit, true, true
 	}
 	return 0, false, false
+}
+
+// serverMajor is the major version of a broker that announces version
+// server, or 0 when it cannot be read.
+func serverMajor(server string) int {
+	major, _, _ := strings.Cut(server, ".")
+	m, err := strconv.Atoi(major)
+	if err != nil {
+		return 0
+	}
+	return m
 }
 
 // intArg reads an integer declare argument.
