@@ -926,12 +926,44 @@ use_docker() {
 
 docker_compose() { docker compose -f "$ROOT/docker-compose.yml" "$@"; }
 
+# docker_services OPTIONAL: the services of docker-compose.yml's profile
+# "cluster" that stand for an optional broker of brokers.sh.
+docker_services() {
+	case $1 in
+	"$RABBIT4") echo rabbitmq4 ;;
+	"$RABBITC") echo rabbitc1 rabbitc2 rabbitc3 ;;
+	"$KAFKAC") echo kafkac1 kafkac2 kafkac3 ;;
+	*) die "name no service, or one of the optional ones alone: $RABBIT4, $RABBITC, $KAFKAC" ;;
+	esac
+}
+
+# docker_kill_node CLUSTER SECONDS: kill-node on docker-compose.yml's
+# containers: SIGKILL one of the three, chosen at random, and start it again.
+docker_kill_node() {
+	local svc=$1 secs=$2 nodes running=() n
+	[[ $svc == "$KAFKAC" || $svc == "$RABBITC" ]] || die "kill-node: name $KAFKAC or $RABBITC"
+	read -ra nodes <<<"$(docker_services "$svc")"
+	for n in "${nodes[@]}"; do
+		[[ -n $(docker_compose --profile cluster ps --status running -q "$n") ]] && running+=("$n")
+	done
+	((${#running[@]} == 3)) || die "kill-node: $svc has ${#running[@]} of 3 nodes running; up $svc first"
+	n=${running[RANDOM % 3]}
+	docker_compose --profile cluster kill -s KILL "$n" >/dev/null
+	log "$svc: container $n killed; starting it again in ${secs}s"
+	sleep "$secs"
+	docker_compose --profile cluster up -d --wait "${nodes[@]}"
+}
+
 # ---------------------------------------------------------------- commands
 
 cmd_up() {
 	if (($#)); then
 		(($# == 1)) || die "up: name no service, or one of the optional ones alone: $RABBIT4 (a RabbitMQ 4.0 node), $RABBITC, $KAFKAC"
-		use_docker && die "up $*: the optional brokers run natively only"
+		if use_docker; then
+			# shellcheck disable=SC2046 # the services are words
+			docker_compose --profile cluster up -d --wait $(docker_services "$1")
+			return
+		fi
 		case $1 in
 		"$RABBIT4") up_rabbitmq4 ;;
 		"$RABBITC") up_rabbitmq_cluster ;;
@@ -1029,6 +1061,11 @@ cmd_up() {
 cmd_down() {
 	if (($#)); then
 		(($# == 1)) || die "down: name no service, or one of the optional ones alone: $RABBIT4, $RABBITC, $KAFKAC"
+		if use_docker; then
+			# shellcheck disable=SC2046 # the services are words
+			docker_compose --profile cluster rm -sfv $(docker_services "$1")
+			return
+		fi
 		setup_state
 		case $1 in
 		"$RABBIT4") stop_rabbitmq4 ;;
@@ -1039,7 +1076,7 @@ cmd_down() {
 		return
 	fi
 	if use_docker; then
-		docker_compose down -v
+		docker_compose --profile cluster down -v
 		return
 	fi
 	[[ -d $STATE ]] || return 0
@@ -1112,6 +1149,10 @@ cmd_restart() {
 # that dies and comes back, as the chaos run's -cluster setting asks.
 cmd_kill_node() {
 	local svc=${1:-} secs=${2:-5} n pid running=()
+	if use_docker; then
+		docker_kill_node "$svc" "$secs"
+		return
+	fi
 	setup_state
 	case $svc in
 	"$KAFKAC")
