@@ -184,3 +184,60 @@ func BenchmarkBacklog(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkWriterAdd measures Add: one transaction a round with 100 events
+// of 10 keys, none held (NotBefore zero), committed. On PostgreSQL each
+// event's insert looks for a held event of its key (see
+// pgoutbox's insert); this shows what that costs.
+func BenchmarkWriterAdd(b *testing.B) {
+	for _, db := range benchBackends(b) {
+		b.Run(db, func(b *testing.B) {
+			be := openBench(b, db)
+			ctx := context.Background()
+			evs := make([]outbox.Event, 100)
+			for i := range evs {
+				evs[i] = outbox.Event{Destination: queue, Key: "k" + strconv.Itoa(i%10), Body: []byte("order")}
+			}
+			b.ReportAllocs()
+			for b.Loop() {
+				for i := range evs {
+					evs[i].ID = "" // a new id each round
+				}
+				if err := be.add(ctx, evs...); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*len(evs)), "ns/event")
+		})
+	}
+}
+
+// BenchmarkStoreFetch measures one read of a relay that holds every lane,
+// one event at a time, from an outbox of 5,000 events: the cost of the
+// statement itself (its planning included), which a relay with a batch
+// size of 1 pays per event.
+func BenchmarkStoreFetch(b *testing.B) {
+	for _, db := range benchBackends(b) {
+		b.Run(db, func(b *testing.B) {
+			be := openBench(b, db)
+			ctx := context.Background()
+			evs := make([]outbox.Event, 5000)
+			for i := range evs {
+				evs[i] = outbox.Event{Destination: queue, Key: "k" + strconv.Itoa(i%100)}
+			}
+			if err := be.add(ctx, evs...); err != nil {
+				b.Fatal(err)
+			}
+			st := be.store(b, "")
+			lanes := make([]int, 64)
+			for i := range lanes {
+				lanes[i] = i
+			}
+			for b.Loop() {
+				if _, err := st.Fetch(ctx, lanes, 1); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}

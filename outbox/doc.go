@@ -90,6 +90,29 @@
 // same process, which read again over the next 100ms while the transaction
 // commits; relays in other processes poll.
 //
+// # Events held until a time
+//
+// An event with a NotBefore ahead ([Event].NotBefore) stays in the outbox
+// until then, on any broker and however far ahead: a reminder next week, a
+// retry tomorrow, a message for Kafka, which cannot delay one. The relay
+// publishes it at its first read after the time, so within the poll
+// interval when nothing else wakes it; nothing polls faster for it. The
+// message it publishes carries no NotBefore.
+//
+// A key's events keep their order. An event written behind a held event of
+// its key (in the same Add or in a later transaction) is held at least as
+// long: its NotBefore becomes the later of the two. Writers of a key take
+// turns (see above), so the held event they wait behind is always seen.
+// Events with an empty key are held by their own NotBefore only.
+//
+// Held events cost the relay nothing to read past: a read takes the events
+// to publish at once and the held events that are due, each through an
+// index of its own (migration 2 adds them). [Backlog] counts held events in
+// Events and in Scheduled, and OldestAge is how long the longest-waiting
+// event has been due (since it was written, or since its NotBefore), so an
+// alert on the age fires for an event whose time passed unpublished and not
+// for one scheduled ahead.
+//
 // # Observing
 //
 // [Relay.Stats] counts events published, publish calls and failures, events
@@ -99,7 +122,8 @@
 // cost does not grow with the backlog. While it runs ([Relay.Run]), a relay
 // reports the same as OpenTelemetry metrics ([MetricPublished],
 // [MetricPublishFailures], [MetricFailed], [MetricBacklog],
-// [MetricOldestAge], [MetricLanes]; see [WithMeterProvider]). Alert on the
+// [MetricOldestAge], [MetricScheduled], [MetricLanes]; see
+// [WithMeterProvider]). Alert on the
 // age of the oldest event: a backlog that grows without errors is the silent
 // failure.
 //

@@ -3,6 +3,7 @@ package outbox
 import (
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/outbox/internal/row"
@@ -44,6 +45,16 @@ type Event struct {
 	// which the outbox sets from ID: a header of that name with another
 	// value is refused.
 	Headers map[string]string
+	// NotBefore holds the event in the outbox until this time: the relay
+	// publishes it at its first read after it (within the poll interval,
+	// WithPollInterval, default 1s), on any broker, however far ahead. The
+	// zero time, or one already past when the event is written, publishes
+	// it at once. A key's events keep their order: an event written after
+	// one of its key that still waits (in the same Add or an earlier
+	// transaction) waits at least as long, so a later NotBefore holds back
+	// every later event of its key. The message published carries no
+	// NotBefore of its own.
+	NotBefore time.Time
 }
 
 // ErrInvalidEvent matches, through errors.Is, every [*EventError].

@@ -22,7 +22,8 @@ const (
 	MetricPublishFailures = "ferry.outbox.publish_failures" // counter: Publish calls that failed
 	MetricFailed          = "ferry.outbox.failed"           // counter: events moved to the failed-events table
 	MetricBacklog         = "ferry.outbox.backlog"          // gauge: events waiting to be published, counted up to BacklogCountLimit
-	MetricOldestAge       = "ferry.outbox.oldest_age"       // gauge, seconds: age of the oldest waiting event
+	MetricOldestAge       = "ferry.outbox.oldest_age"       // gauge, seconds: how long the longest-waiting due event has been due
+	MetricScheduled       = "ferry.outbox.scheduled"        // gauge: events held until a NotBefore still ahead, counted up to BacklogCountLimit
 	MetricLanes           = "ferry.outbox.lanes"            // gauge: lanes this relay holds
 )
 
@@ -59,7 +60,9 @@ func (r *Relay) registerMetrics() (metric.Registration, error) {
 	failed := counter(MetricFailed, "Outbox events refused for good and moved to the failed-events table.")
 	backlog, err := m.Int64ObservableGauge(MetricBacklog, metric.WithDescription("Outbox events waiting to be published."), metric.WithUnit("{event}"))
 	errs = append(errs, err)
-	oldest, err := m.Float64ObservableGauge(MetricOldestAge, metric.WithDescription("Age of the oldest outbox event waiting to be published."), metric.WithUnit("s"))
+	oldest, err := m.Float64ObservableGauge(MetricOldestAge, metric.WithDescription("How long the longest-waiting outbox event has been due: since it was written, or since its NotBefore."), metric.WithUnit("s"))
+	errs = append(errs, err)
+	scheduled, err := m.Int64ObservableGauge(MetricScheduled, metric.WithDescription("Outbox events held until a NotBefore still ahead (part of the backlog)."), metric.WithUnit("{event}"))
 	errs = append(errs, err)
 	lanes, err := m.Int64ObservableGauge(MetricLanes, metric.WithDescription("Outbox lanes this relay holds."), metric.WithUnit("{lane}"))
 	errs = append(errs, err)
@@ -78,7 +81,8 @@ func (r *Relay) registerMetrics() (metric.Registration, error) {
 		if b, err := r.store.Backlog(bctx); err == nil {
 			o.ObserveInt64(backlog, b.Events, attrs)
 			o.ObserveFloat64(oldest, b.OldestAge.Seconds(), attrs)
+			o.ObserveInt64(scheduled, b.Scheduled, attrs)
 		}
 		return nil
-	}, published, failures, failed, backlog, oldest, lanes)
+	}, published, failures, failed, backlog, oldest, scheduled, lanes)
 }

@@ -50,6 +50,9 @@ func collect(t *testing.T, reader *sdkmetric.ManualReader) map[string]float64 {
 	return out
 }
 
+// The relay's metrics: the backlog while the publisher is down, its age,
+// the events held for later (scheduled, in the backlog, and no age), and
+// what was published once it is back.
 func TestMetricsReportBacklogAgeAndPublished(t *testing.T) {
 	b := openSQLite(t)
 	ctx := testenv.Context(t, 30*time.Second)
@@ -68,18 +71,23 @@ func TestMetricsReportBacklogAgeAndPublished(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// Two held for an hour: in the backlog and scheduled, not published.
+	later := time.Now().Add(time.Hour)
+	if err := b.add(ctx, outbox.Event{Destination: queue, Key: "later", NotBefore: later}, outbox.Event{Destination: queue, NotBefore: later}); err != nil {
+		t.Fatal(err)
+	}
 	runRelay(t, b.store(t, ""), pub, fast(outbox.WithMeterProvider(mp))...)
 	var m map[string]float64
 	testenv.WaitFor(t, 20*time.Second, "no publish failure reported", func() bool {
 		m = collect(t, reader)
 		return m[outbox.MetricPublishFailures] >= 1
 	})
-	if m[outbox.MetricBacklog] != 5 || m[outbox.MetricOldestAge] <= 0 || m[outbox.MetricLanes] != outbox.Lanes {
+	if m[outbox.MetricBacklog] != 7 || m[outbox.MetricScheduled] != 2 || m[outbox.MetricOldestAge] <= 0 || m[outbox.MetricLanes] != outbox.Lanes {
 		t.Fatalf("metrics while the publisher is down: %v", m)
 	}
 	pub.failing.Store(false)
 	testenv.WaitFor(t, 20*time.Second, "the drained backlog was not reported", func() bool {
 		m = collect(t, reader)
-		return m[outbox.MetricPublished] == 5 && m[outbox.MetricBacklog] == 0 && m[outbox.MetricOldestAge] == 0
+		return m[outbox.MetricPublished] == 5 && m[outbox.MetricBacklog] == 2 && m[outbox.MetricScheduled] == 2 && m[outbox.MetricOldestAge] == 0
 	})
 }

@@ -3,6 +3,7 @@ package outbox_test
 import (
 	"context"
 	"errors"
+	"io/fs"
 	"strings"
 	"testing"
 	"time"
@@ -48,9 +49,13 @@ func TestPostgresDatabaseSQLWriter(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	files, err := fs.Glob(pgoutbox.Migrations, "migrations/*.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
 	var versions int
-	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM ferry_outbox_migrations`).Scan(&versions); err != nil || versions != 1 {
-		t.Fatalf("migrations recorded: %d, %v", versions, err)
+	if err := db.QueryRowContext(ctx, `SELECT count(*) FROM ferry_outbox_migrations`).Scan(&versions); err != nil || versions != len(files) {
+		t.Fatalf("migrations recorded: %d, %v; want one per file, %d", versions, err, len(files))
 	}
 
 	w, err := pgoutbox.NewWriter(outbox.WriterMaxEventSize(40))

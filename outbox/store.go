@@ -26,12 +26,17 @@ const BacklogCountLimit = 10_000
 // Backlog describes the events not yet published.
 type Backlog struct {
 	// Events is how many events wait to be published, up to
-	// BacklogCountLimit.
+	// BacklogCountLimit, those held until their NotBefore included.
 	Events int64
-	// OldestAge is the age of the oldest of them (the first written); zero
-	// when there are none. It is exact however long the backlog: alert on
-	// it.
+	// OldestAge is how long the longest-waiting of them has been due: the
+	// age of the first written, or the time since its NotBefore for an
+	// event that was held (an event still held is not due, and does not
+	// count); zero when there are none. It is exact however long the
+	// backlog: alert on it.
 	OldestAge time.Duration
+	// Scheduled is how many of Events are held until a NotBefore still
+	// ahead, up to BacklogCountLimit.
+	Scheduled int64
 	// Failed is how many events sit in the failed-events table, up to
 	// BacklogCountLimit.
 	Failed int64
@@ -53,7 +58,8 @@ type Store interface {
 	// other relays take its lanes at once.
 	Release(ctx context.Context, owner string) error
 
-	// Fetch returns up to max committed events of lanes, in ascending Seq.
+	// Fetch returns up to max committed events of lanes that are due (no
+	// NotBefore, or one past), in ascending Seq.
 	Fetch(ctx context.Context, lanes []int, max int) ([]Record, error)
 
 	// Delete removes published events by Seq.

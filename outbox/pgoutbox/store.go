@@ -114,8 +114,7 @@ func (s *Store) Release(ctx context.Context, owner string) error {
 
 // Fetch implements outbox.Store.
 func (s *Store) Fetch(ctx context.Context, lanes []int, max int) ([]outbox.Record, error) {
-	rows, err := s.pool.Query(ctx, `SELECT id, event_id, lane::int, destination, key, body, headers, created_at
-		FROM ferry_outbox WHERE lane = ANY($1::int4[]) ORDER BY id LIMIT $2`, lanes, max)
+	rows, err := s.pool.Query(ctx, fetchSQL, laneSet(lanes), max)
 	if err != nil {
 		return nil, fmt.Errorf("outbox/pgoutbox: fetch: %w", err)
 	}
@@ -161,13 +160,49 @@ func (s *Store) Fail(ctx context.Context, seq int64, reason string) error {
 	return nil
 }
 
+// fetchSQL reads the lowest ids among the due events of lanes ($1), at most
+// $2: the lowest ids of the events to publish at once, through
+// ferry_outbox_ready, and the first due of the held events whose
+// not_before has passed, through ferry_outbox_scheduled (so that events
+// held for later cost nothing to read past). A key's events fall due in id
+// order (see insert), so both keep every key's order, and so do the lowest
+// ids of the two. Each half has an index in the order it reads: a plan that
+// sorted whole lanes (the planner's choice for a table without statistics,
+// and lane order alone) cost 4-15 ms a read at 50,000 events.
+//
+// The lanes come as a bit set ($1, bit n for lane n): a plan that does not
+// depend on the list is cached after a few reads, where a list made
+// PostgreSQL plan every read again, at 0.18 ms a plan.
+const fetchSQL = `SELECT id, event_id, lane::int, destination, key, body, headers, created_at FROM (
+	(SELECT * FROM ferry_outbox WHERE ($1::int8 >> lane) & 1 = 1 AND not_before IS NULL ORDER BY id LIMIT $2)
+	UNION ALL
+	(SELECT * FROM ferry_outbox WHERE ($1::int8 >> lane) & 1 = 1 AND not_before IS NOT NULL AND not_before <= now()
+		ORDER BY not_before, id LIMIT $2)
+) e ORDER BY id LIMIT $2`
+
+// laneSet is lanes as a bit set, bit n for lane n (outbox.Lanes is 64).
+func laneSet(lanes []int) int64 {
+	var set uint64
+	for _, l := range lanes {
+		set |= 1 << uint(l)
+	}
+	return int64(set)
+}
+
 // backlogSQL reads the backlog at a cost that does not grow with it: the
-// counts stop at outbox.BacklogCountLimit rows ($1) of the primary key
-// index, and the oldest event is the first by id.
+// counts stop at outbox.BacklogCountLimit rows ($1) of an index, the oldest
+// event to publish at once is the first of ferry_outbox_ready, and the
+// longest overdue of the held events the first of ferry_outbox_scheduled.
 const backlogSQL = `SELECT
 	(SELECT count(*) FROM (SELECT 1 FROM ferry_outbox ORDER BY id LIMIT $1) e),
-	coalesce((SELECT extract(epoch FROM clock_timestamp() - created_at) FROM ferry_outbox ORDER BY id LIMIT 1), 0)::float8,
-	(SELECT count(*) FROM (SELECT 1 FROM ferry_outbox_failed ORDER BY id LIMIT $1) f)`
+	greatest(
+		(SELECT extract(epoch FROM clock_timestamp() - created_at) FROM ferry_outbox
+			WHERE not_before IS NULL ORDER BY id LIMIT 1),
+		(SELECT extract(epoch FROM clock_timestamp() - not_before) FROM ferry_outbox
+			WHERE not_before IS NOT NULL AND not_before <= now() ORDER BY not_before LIMIT 1),
+		0)::float8,
+	(SELECT count(*) FROM (SELECT 1 FROM ferry_outbox_failed ORDER BY id LIMIT $1) f),
+	(SELECT count(*) FROM (SELECT 1 FROM ferry_outbox WHERE not_before > now() ORDER BY not_before LIMIT $1) s)`
 
 func backlogArgs() []any { return []any{outbox.BacklogCountLimit} }
 
@@ -177,7 +212,7 @@ func (s *Store) Backlog(ctx context.Context) (outbox.Backlog, error) {
 		b   outbox.Backlog
 		age float64
 	)
-	if err := s.pool.QueryRow(ctx, backlogSQL, backlogArgs()...).Scan(&b.Events, &age, &b.Failed); err != nil {
+	if err := s.pool.QueryRow(ctx, backlogSQL, backlogArgs()...).Scan(&b.Events, &age, &b.Failed, &b.Scheduled); err != nil {
 		return b, fmt.Errorf("outbox/pgoutbox: backlog: %w", err)
 	}
 	b.OldestAge = time.Duration(age * float64(time.Second))

@@ -138,25 +138,54 @@ func (w *Writer) Add(ctx context.Context, tx *sql.Tx, events ...outbox.Event) er
 		return err
 	}
 	now := time.Now().UnixMicro()
+	var first int64 // the id of the call's first event
 	for _, c := range row.Chunks(rows, maxRowsPerInsert, maxBytesPerInsert) {
 		n := len(c)
 		var b strings.Builder
-		b.WriteString(`INSERT INTO ferry_outbox (event_id, lane, destination, key, body, headers, created_at) VALUES `)
-		args := make([]any, 0, 7*n)
+		b.WriteString(`INSERT INTO ferry_outbox (event_id, lane, destination, key, body, headers, created_at, not_before) VALUES `)
+		args := make([]any, 0, 8*n)
 		for i, r := range c {
 			if i > 0 {
 				b.WriteByte(',')
 			}
-			b.WriteString(`(?,?,?,?,?,?,?)`)
+			b.WriteString(`(?,?,?,?,?,?,?,?)`)
 			var hdr any // NULL without headers
 			if r.Headers != nil {
 				hdr = r.Headers
 			}
-			args = append(args, r.EventID, r.Lane, r.Destination, r.Key, r.Body, hdr, now)
+			var nb any // NULL: at once
+			if !r.NotBefore.IsZero() {
+				nb = r.NotBefore.UnixMicro()
+			}
+			args = append(args, r.EventID, r.Lane, r.Destination, r.Key, r.Body, hdr, now, nb)
 		}
-		if _, err := tx.ExecContext(ctx, b.String(), args...); err != nil {
+		res, err := tx.ExecContext(ctx, b.String(), args...)
+		if err != nil {
 			return fmt.Errorf("outbox/sqliteoutbox: insert %d events: %w", n, err)
 		}
+		if first == 0 {
+			// The transaction writes alone, and AUTOINCREMENT numbers a
+			// statement's rows one after the other.
+			last, err := res.LastInsertId()
+			if err != nil {
+				return fmt.Errorf("outbox/sqliteoutbox: insert %d events: %w", n, err)
+			}
+			first = last - int64(n) + 1
+		}
+	}
+	// A key's events fall due in their order: an event written behind a
+	// held event of its key waits at least as long. One statement for the
+	// call, which does nothing when no event is held (one probe of
+	// ferry_outbox_scheduled), else probes ferry_outbox_scheduled_key once
+	// an event: a subquery per row of the INSERT made SQLite parse and
+	// plan one per event, three times the cost of the insert.
+	if _, err := tx.ExecContext(ctx, `UPDATE ferry_outbox AS n SET not_before = (
+			SELECT max(o.not_before) FROM ferry_outbox o
+			WHERE o.lane = n.lane AND o.key = n.key AND o.not_before IS NOT NULL AND o.id < n.id)
+		WHERE EXISTS (SELECT 1 FROM ferry_outbox WHERE not_before IS NOT NULL) AND n.id >= ? AND n.key <> x'' AND coalesce(n.not_before, 0) < (
+			SELECT max(o.not_before) FROM ferry_outbox o
+			WHERE o.lane = n.lane AND o.key = n.key AND o.not_before IS NOT NULL AND o.id < n.id)`, first); err != nil {
+		return fmt.Errorf("outbox/sqliteoutbox: hold events behind their key's: %w", err)
 	}
 	if w.cfg.Notify {
 		wakeAll()
@@ -346,13 +375,20 @@ func (s *Store) Release(ctx context.Context, owner string) error {
 
 // Fetch implements outbox.Store.
 func (s *Store) Fetch(ctx context.Context, lanes []int, max int) ([]outbox.Record, error) {
-	args := make([]any, 0, len(lanes)+1)
+	// The lowest ids among the due events of lanes: those to publish at
+	// once and those whose not_before has passed, each through its own
+	// index (see the PostgreSQL store's fetchSQL), the lanes as a bit set
+	// (bit n for lane n; SQLite's >> keeps the sign, so lane 63 works).
+	var set uint64
 	for _, l := range lanes {
-		args = append(args, l)
+		set |= 1 << uint(l)
 	}
-	args = append(args, max)
-	rows, err := s.db.QueryContext(ctx, `SELECT id, event_id, lane, destination, key, body, headers, created_at
-		FROM ferry_outbox WHERE lane IN (`+placeholders(len(lanes))+`) ORDER BY id LIMIT ?`, args...)
+	rows, err := s.db.QueryContext(ctx, `SELECT id, event_id, lane, destination, key, body, headers, created_at FROM (
+		SELECT * FROM (SELECT * FROM ferry_outbox WHERE (?1 >> lane) & 1 = 1 AND not_before IS NULL ORDER BY id LIMIT ?2)
+		UNION ALL
+		SELECT * FROM (SELECT * FROM ferry_outbox WHERE (?1 >> lane) & 1 = 1 AND not_before IS NOT NULL AND not_before <= ?3
+			ORDER BY not_before, id LIMIT ?2)
+	) ORDER BY id LIMIT ?2`, int64(set), max, time.Now().UnixMicro())
 	if err != nil {
 		return nil, fmt.Errorf("outbox/sqliteoutbox: fetch: %w", err)
 	}
@@ -419,25 +455,35 @@ func (s *Store) Fail(ctx context.Context, seq int64, reason string) error {
 }
 
 // backlogSQL reads the backlog at a cost that does not grow with it: the
-// counts stop at outbox.BacklogCountLimit rows, and the oldest event is the
-// first by id.
+// counts stop at outbox.BacklogCountLimit rows (?1) of an index, the oldest
+// event to publish at once is the first of ferry_outbox_ready, and the
+// longest overdue of the held events (due by ?2, now) the first of
+// ferry_outbox_scheduled.
 const backlogSQL = `SELECT
 	(SELECT count(*) FROM (SELECT 1 FROM ferry_outbox ORDER BY id LIMIT ?1)),
-	(SELECT created_at FROM ferry_outbox ORDER BY id LIMIT 1),
-	(SELECT count(*) FROM (SELECT 1 FROM ferry_outbox_failed ORDER BY id LIMIT ?1))`
+	(SELECT created_at FROM ferry_outbox WHERE not_before IS NULL ORDER BY id LIMIT 1),
+	(SELECT min(not_before) FROM ferry_outbox WHERE not_before IS NOT NULL AND not_before <= ?2),
+	(SELECT count(*) FROM (SELECT 1 FROM ferry_outbox_failed ORDER BY id LIMIT ?1)),
+	(SELECT count(*) FROM (SELECT 1 FROM ferry_outbox WHERE not_before > ?2 ORDER BY not_before LIMIT ?1))`
 
 // Backlog implements outbox.Store.
 func (s *Store) Backlog(ctx context.Context) (outbox.Backlog, error) {
 	var (
-		b      outbox.Backlog
-		oldest sql.NullInt64
+		b               outbox.Backlog
+		oldest, overdue sql.NullInt64
 	)
-	err := s.db.QueryRowContext(ctx, backlogSQL, outbox.BacklogCountLimit).Scan(&b.Events, &oldest, &b.Failed)
+	now := time.Now()
+	err := s.db.QueryRowContext(ctx, backlogSQL, outbox.BacklogCountLimit, now.UnixMicro()).
+		Scan(&b.Events, &oldest, &overdue, &b.Failed, &b.Scheduled)
 	if err != nil {
 		return b, fmt.Errorf("outbox/sqliteoutbox: backlog: %w", err)
 	}
-	if oldest.Valid {
-		b.OldestAge = max(time.Since(time.UnixMicro(oldest.Int64)), 0)
+	// The longest wait since an event fell due: its writing, or its
+	// not_before.
+	for _, t := range []sql.NullInt64{oldest, overdue} {
+		if t.Valid {
+			b.OldestAge = max(b.OldestAge, now.Sub(time.UnixMicro(t.Int64)))
+		}
 	}
 	return b, nil
 }

@@ -45,6 +45,7 @@ type Event struct {
 	Key         string
 	Body        []byte
 	Headers     map[string]string
+	NotBefore   time.Time
 }
 
 // Row is an event ready to insert. Every text of the event is stored as
@@ -58,6 +59,11 @@ type Row struct {
 	Body        []byte
 	Headers     []byte // EncodeHeaders, or nil when there are none
 	KeyHash     int32  // for per-key write serialisation
+	// NotBefore is when the event may be published: the event's own, or
+	// the latest of an earlier event of its key in the same call, so that
+	// a key's events become due in their order. Zero: at once (the store
+	// may raise it to a pending event's of the key, see outbox.Event).
+	NotBefore time.Time
 }
 
 // NewID returns a random UUID (version 4) string.
@@ -121,6 +127,8 @@ const EventIDHeader = consumer.EventIDHeader
 func Prepare(ctx context.Context, cfg Config, events []Event, invalid Invalid) ([]Row, error) {
 	rows := make([]Row, len(events))
 	tc := traceHeaders(ctx)
+	now := time.Now()
+	var latest map[string]time.Time // per key, the latest NotBefore so far; nil while none is set
 	for i := range events {
 		e := &events[i]
 		if tc != nil && e.Headers[traceparent] == "" {
@@ -155,6 +163,22 @@ func Prepare(ctx context.Context, cfg Config, events []Event, invalid Invalid) (
 			Body:        body,
 			Headers:     EncodeHeaders(e.Headers),
 			KeyHash:     int32(Hash32(e.Key)),
+		}
+		if e.NotBefore.After(now) {
+			rows[i].NotBefore = e.NotBefore
+			if latest == nil {
+				latest = make(map[string]time.Time)
+			}
+		}
+		if latest != nil && e.Key != "" {
+			// A key's events keep their order: one due before an earlier
+			// event of its key in this call waits for it.
+			if t := latest[e.Key]; t.After(rows[i].NotBefore) {
+				rows[i].NotBefore = t
+			}
+			if !rows[i].NotBefore.IsZero() {
+				latest[e.Key] = rows[i].NotBefore
+			}
 		}
 	}
 	return rows, nil
