@@ -69,8 +69,9 @@ type outgoing struct {
 	size  int // as SQS counts it: body and attribute names, types and values
 }
 
-// encode maps m onto a SendMessageBatch entry for q.
-func encode(q *queueInfo, m *consumer.Message) (outgoing, error) {
+// encode maps m onto a SendMessageBatch entry for q; fair sends the Key as
+// the message group id on a standard queue too (WithFairQueues).
+func encode(q *queueInfo, m *consumer.Message, fair bool) (outgoing, error) {
 	out := outgoing{key: m.Key}
 	var flags byte
 	body := ""
@@ -105,6 +106,13 @@ func encode(q *queueInfo, m *consumer.Message) (outgoing, error) {
 		}
 	} else if m.Key != "" {
 		carryKey = true
+		if fair {
+			group := m.Key
+			if !validGroupID(group) {
+				group = hashID(group)
+			}
+			out.entry.MessageGroupId = aws.String(group)
+		}
 	}
 	if carryKey {
 		flags |= flagKey

@@ -178,7 +178,10 @@
 // and returns nil only once SQS took every message; a partial failure is a
 // *[consumer.PublishError] naming each failed message. On a FIFO queue the
 // Key is the MessageGroupId (a message without one is refused, there is no
-// default group) and the ID the MessageDeduplicationId.
+// default group) and the ID the MessageDeduplicationId. With
+// [WithFairQueues], a standard queue's messages carry their Key as the
+// MessageGroupId too, which SQS fair queues use to keep one noisy tenant
+// from holding back the others (order is still not kept).
 //
 // SQS carries less than a [consumer.Message] holds: a body of text only, ten
 // message attributes, group ids of printable ASCII. What does not fit

@@ -17,6 +17,7 @@ type config struct {
 	publishParallel int
 	receivers       int
 	meters          metric.MeterProvider
+	fairQueues      bool
 }
 
 // WithMeterProvider sets where Publish reports its calls, as the
@@ -107,6 +108,27 @@ func WithMaxReceivers(n int) Option {
 			return consumer.ConfigErrorf("MaxReceivers", "must be >= 1, got %d", n)
 		}
 		c.receivers = n
+		return nil
+	}
+}
+
+// WithFairQueues makes Publish send a message's Key as its message group id
+// (MessageGroupId) on standard queues too, as SQS fair queues take it:
+// when one group (a tenant, say) floods a queue, SQS serves the other
+// groups' messages first, so that one noisy tenant does not hold back the
+// rest. Order is not kept on a standard queue, with or without it; the
+// consumer still reads the Key back exactly. A Key that is not a valid
+// group id (up to 128 characters of letters, digits and punctuation) is
+// sent as its hash, as on FIFO queues; a message without a Key has no
+// group. Default off. FIFO queues always group by Key.
+//
+// SQS gives no backlog per group through its API (its CloudWatch metrics
+// ApproximateNumberOfNoisyGroups and the per-group dwell times are where a
+// noisy tenant shows). ElasticMQ, on which Ferry's tests run, keeps the
+// group id but does not reorder by it.
+func WithFairQueues(on bool) Option {
+	return func(c *config) error {
+		c.fairQueues = on
 		return nil
 	}
 }

@@ -74,7 +74,7 @@ func (b *Broker) publish(ctx context.Context, destination string, msgs []consume
 			p.fail(i, m.Key, ErrNotSent)
 			continue
 		}
-		o, err := encode(q, m)
+		o, err := encode(q, m, b.cfg.fairQueues)
 		if err != nil {
 			p.fail(i, m.Key, err)
 			continue
