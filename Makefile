@@ -32,7 +32,7 @@ NATIVE_ROOT_WHY := they run RabbitMQ 4.0 natively from a Debian root entered wit
 ## run when nothing else uses it
 test-restarts: brokers
 	FERRY_TEST_KAFKA_RESTART=1 $(GO) test $(GOFLAGS_TEST) -run '^TestBrokerRestart$$' ./kafka/
-	FERRY_TEST_RABBIT_RESTART=1 $(GO) test $(GOFLAGS_TEST) -run '^TestBrokerRestartResumesConsumersAndPublishers$$' ./rabbit/
+	FERRY_TEST_RABBIT_RESTART=1 $(GO) test $(GOFLAGS_TEST) -run '^TestBrokerRestart(ResumesConsumersAndPublishers|KeepsDelayedMessages)$$' ./rabbit/
 
 ## test-rabbit4: the rabbit package's whole suite, restart test included, on a
 ## RabbitMQ 4.0 node of its own (integration/brokers.sh up rabbitmq4: AMQP on 5682,
@@ -48,7 +48,7 @@ RABBIT4_ENV = FERRY_AMQP_URL=amqp://guest:guest@127.0.0.1:5682/ \
 test-rabbit4:
 	integration/brokers.sh up rabbitmq4
 	$(RABBIT4_ENV) $(GO) test $(GOFLAGS_TEST) ./rabbit/ && \
-		$(RABBIT4_ENV) FERRY_TEST_RABBIT_RESTART=1 $(GO) test $(GOFLAGS_TEST) -run '^TestBrokerRestartResumesConsumersAndPublishers$$' ./rabbit/; \
+		$(RABBIT4_ENV) FERRY_TEST_RABBIT_RESTART=1 $(GO) test $(GOFLAGS_TEST) -run '^TestBrokerRestart(ResumesConsumersAndPublishers|KeepsDelayedMessages)$$' ./rabbit/; \
 		rc=$$?; integration/brokers.sh down rabbitmq4; exit $$rc
 
 ## test-cluster: the fault tests of broker clusters (TestCluster* in rabbit/ and

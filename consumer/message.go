@@ -69,10 +69,12 @@ type Message struct {
 	// has passed, publishes it at once. A broker that cannot hold the
 	// message until then refuses it rather than deliver it early: Publish
 	// reports it in a *[PublishError] wrapping [ErrDelayNotSupported] (on
-	// Kafka; on RabbitMQ and on FIFO queues, for now) or [ErrDelayTooLong]
-	// (past what the broker can hold: 15 minutes on SQS), and publishes the
-	// others. An SQS delay is rounded up to whole seconds. On a consumed
-	// message it is zero.
+	// Kafka, SQS FIFO queues and RabbitMQ exchanges) or [ErrDelayTooLong]
+	// (past what the broker can hold: 15 minutes on SQS, about eight and a
+	// half years on RabbitMQ), and publishes the others. SQS and RabbitMQ
+	// round a delay up to whole seconds. The outbox holds an event for any
+	// broker and any time (outbox.Event.NotBefore). On a consumed message
+	// it is zero.
 	NotBefore time.Time
 
 	// unseen is how many earlier deliveries no run count was known for

@@ -175,12 +175,13 @@ func (e *PanicError) Unwrap() error {
 // in its *[PublishError].
 var (
 	// ErrDelayNotSupported: the broker cannot hold a message until a later
-	// time (Kafka has no delay; RabbitMQ and FIFO queues are not served
-	// yet).
+	// time (Kafka has no delay; an SQS FIFO queue delays only as a whole; a
+	// RabbitMQ exchange would lose its routing through the delay levels).
 	ErrDelayNotSupported = errors.New("delayed publish not supported")
 
 	// ErrDelayTooLong: the message's NotBefore is further away than the
-	// broker can hold a message (15 minutes on SQS).
+	// broker can hold a message (15 minutes on SQS, rabbit.MaxDelay on
+	// RabbitMQ).
 	ErrDelayTooLong = errors.New("delay too long")
 )
 

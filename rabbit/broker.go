@@ -48,6 +48,8 @@ type Broker struct {
 	drivers    map[*queueDriver]struct{}
 	dropWarned map[string]bool // queues whose drop warning was logged
 
+	sched schedule // the declarations of delayed publish
+
 	connected atomic.Bool // a connection was ever opened (see classify)
 
 	closeOnce sync.Once

@@ -58,6 +58,7 @@ func (d *queueDriver) toMessage(dv *amqp.Delivery) driver.Message {
 				m.Headers[k] = s
 			}
 		}
+		dropScheduleDeaths(m.Headers)
 		if len(m.Headers) == 0 {
 			m.Headers = nil
 		}
@@ -158,4 +159,19 @@ func parseHistory(s string) driver.History {
 		h.FirstFailure = time.Unix(0, n[3])
 	}
 	return h
+}
+
+// dropScheduleDeaths removes from headers the first and last death that
+// the delay levels of delayed publish recorded (a level's queue
+// dead-letters a message when its time there is up): a delayed message is
+// not a dead-lettered one. The x-death table keeps every record, for
+// Message.As.
+func dropScheduleDeaths(headers map[string]string) {
+	for _, which := range [...]string{"x-first-death-", "x-last-death-"} {
+		if strings.HasPrefix(headers[which+"queue"], scheduleLevelPrefix) {
+			delete(headers, which+"queue")
+			delete(headers, which+"exchange")
+			delete(headers, which+"reason")
+		}
+	}
 }

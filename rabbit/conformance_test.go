@@ -72,5 +72,5 @@ func (h *harness) AsCheck(m *consumer.Message) error {
 func (h *harness) InFlight(t *testing.T, source string) int { return unacked(t, source) }
 
 func (h *harness) Capabilities() consumertest.Capabilities {
-	return consumertest.Capabilities{Ordered: true, Redelivers: true}
+	return consumertest.Capabilities{Ordered: true, Redelivers: true, Delays: true}
 }

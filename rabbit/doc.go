@@ -296,6 +296,35 @@
 // id is in [consumer.HeaderDLQMessageID]); a header name over 255 bytes is
 // cut and suffixed with its hash.
 //
+// # Delayed publish
+//
+// A message published to a queue with a NotBefore ahead
+// ([consumer.Message].NotBefore) reaches the queue at that time, to the
+// second (the delay is rounded up to whole seconds), up to [MaxDelay]
+// (about eight and a half years), with no plugin (the delayed-message
+// exchange is archived and does not run on RabbitMQ 4.3). It waits in
+// levels of delay, as NServiceBus's transport does: level n, a topic
+// exchange and a quorum queue named ferry.delay.level.NN, holds a message
+// 2^n seconds, and a message passes the levels of its delay's bits, from
+// level 27 down, then the exchange ferry.delay.deliver routes it to its
+// queue, bound there by a hash of the queue's name. Every queue of the
+// levels holds messages of one time to live, which RabbitMQ expires in
+// order; each dead-letters at least once (x-dead-letter-strategy
+// at-least-once), so a message is always in a level or in its queue, across
+// restarts (TestBrokerRestartKeepsDelayedMessages) and node failures.
+//
+// The levels are declared at the first delayed publish of a connection,
+// the queue's binding at every call that holds a message (a queue that does
+// not exist fails those messages with [consumer.ErrSourceNotFound]).
+// Delays past [MaxDelay] fail with [consumer.ErrDelayTooLong]; a delayed
+// message to an exchange ([ToExchange]) with [consumer.ErrDelayNotSupported]
+// (its routing key spells the delay, so an exchange's own routing would be
+// lost). A delayed message keeps its key, id, headers and body; the headers
+// of the levels' dead-lettering (x-first-death-*, x-last-death-*) are taken
+// off, and the x-death table keeps their records. A key's order holds only
+// among messages of one delay: a later message with a shorter delay comes
+// first.
+//
 // # Retries after a delay
 //
 // No plugin is needed. A Return with a delay publishes a copy of the

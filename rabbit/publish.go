@@ -89,10 +89,14 @@ const (
 
 // pubItem is one message on its way to the broker.
 type pubItem struct {
-	rk      string // routing key
-	key     string // Message.Key, for per-key order
-	pub     amqp.Publishing
-	refused error // why it is not sent, found before sending
+	// exchange, when delayed, is where the message goes instead of the
+	// call's exchange: the top level of delayed publish (see schedule.go).
+	exchange string
+	delayed  bool
+	rk       string // routing key
+	key      string // Message.Key, for per-key order
+	pub      amqp.Publishing
+	refused  error // why it is not sent, found before sending
 }
 
 // publisher publishes in confirm mode over the Broker's publish connection,
@@ -433,7 +437,11 @@ func (p *publisher) publishRaw(ctx context.Context, exchange, dest string, items
 			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, err)
 			continue
 		}
-		props, err := checkLimits(exchange, &items[i], maxBody)
+		ex := exchange
+		if items[i].delayed {
+			ex = items[i].exchange
+		}
+		props, err := checkLimits(ex, &items[i], maxBody)
 		if err != nil {
 			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, err)
 			continue
@@ -467,7 +475,7 @@ func (p *publisher) publishRaw(ctx context.Context, exchange, dest string, items
 			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, err)
 			continue
 		}
-		pd, err := pc.publish(exchange, &items[i])
+		pd, err := pc.publish(ex, &items[i])
 		p.release(pc)
 		if err != nil {
 			errs[i] = fmt.Errorf("rabbit: publish to %q: %w", dest, err)
@@ -599,9 +607,16 @@ func (p *publisher) waitErr(ctx context.Context, dest string) error {
 // it is empty) and its Headers as string header values. While the broker
 // blocks the connection (a memory or disk alarm), Publish waits; when ctx
 // ends first, the messages not confirmed fail with an error matching both
-// [ErrBlocked] and ctx's error. A message with a NotBefore still ahead
-// fails with [consumer.ErrDelayNotSupported], unsent: delayed publish on
-// RabbitMQ is not served yet.
+// [ErrBlocked] and ctx's error.
+//
+// A message to a queue with a NotBefore still ahead is held until then, to
+// the second (its delay is rounded up to whole seconds), through the delay
+// levels (see the package documentation, "Delayed publish"); nil means the
+// broker holds it durably. Its queue must exist: the first delayed message
+// of a queue binds it, and a queue that does not exist fails the messages
+// held for it. A delay past [MaxDelay] fails with
+// [consumer.ErrDelayTooLong], and one to an exchange (ToExchange) with
+// [consumer.ErrDelayNotSupported], unsent.
 func (b *Broker) Publish(ctx context.Context, destination string, msgs ...consumer.Message) error {
 	start := time.Now()
 	err := b.publish(ctx, destination, msgs)
@@ -627,6 +642,7 @@ func (b *Broker) publish(ctx context.Context, destination string, msgs []consume
 	wave := make([]int, len(msgs))
 	seen := map[string]int{}
 	waves := 1
+	delayed := false // some message goes through the delay levels
 	for i := range msgs {
 		m := &msgs[i]
 		it := &items[i]
@@ -658,14 +674,33 @@ func (b *Broker) publish(ctx context.Context, destination string, msgs []consume
 		}
 		fitDeadLetter(it, toQueue)
 		if m.NotBefore.After(now) {
-			// The delay queues hold a consumer's retries, by steps; a
-			// publish with a time of its own is not served yet.
-			it.refused = fmt.Errorf("NotBefore %s ahead: %w", m.NotBefore.Sub(now).Round(time.Millisecond), consumer.ErrDelayNotSupported)
+			delay := scheduleDelay(m.NotBefore, now)
+			switch {
+			case !toQueue:
+				it.refused = fmt.Errorf("NotBefore %s ahead on exchange %q: a delayed message goes to a queue (its routing key spells the delay), so an exchange's own routing is lost: %w",
+					m.NotBefore.Sub(now).Round(time.Millisecond), exchange, consumer.ErrDelayNotSupported)
+			case delay > MaxDelay:
+				it.refused = fmt.Errorf("NotBefore %s ahead, beyond the %s the delay levels hold: %w", delay, MaxDelay, consumer.ErrDelayTooLong)
+			default:
+				it.delayed = true
+				it.exchange, it.rk = scheduleRoute(delay, queue)
+				delayed = true
+			}
 		}
 		if m.Key != "" {
 			wave[i] = seen[m.Key]
 			seen[m.Key]++
 			waves = max(waves, wave[i]+1)
+		}
+	}
+
+	if delayed {
+		if err := b.prepareSchedule(ctx, queue); err != nil {
+			for i := range items {
+				if items[i].delayed && items[i].refused == nil {
+					items[i].refused = err
+				}
+			}
 		}
 	}
 

@@ -82,7 +82,7 @@ type Capabilities struct {
 	Redelivers bool
 
 	// Delays is true when Publish holds a message until its NotBefore (the
-	// memory broker, SQS standard queues); false when it refuses one with
+	// memory broker, SQS standard queues, RabbitMQ queues); false when it refuses one with
 	// consumer.ErrDelayNotSupported. The delay clause checks whichever is
 	// reported.
 	Delays bool

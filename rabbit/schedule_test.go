@@ -1,0 +1,176 @@
+package rabbit_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/testenv"
+	"github.com/ferrymq/ferry/rabbit"
+)
+
+// arrivals records when each message (by ID) reached a handler, and what it
+// was.
+type arrivals struct {
+	mu  sync.Mutex
+	at  map[string]time.Time
+	msg map[string]consumer.Message
+}
+
+func (a *arrivals) handler() consumer.Handler {
+	a.at, a.msg = map[string]time.Time{}, map[string]consumer.Message{}
+	return consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		if _, ok := a.at[m.ID]; !ok {
+			a.at[m.ID] = time.Now()
+			c := *m
+			c.Body = append([]byte(nil), m.Body...)
+			a.msg[m.ID] = c
+		}
+		return nil
+	})
+}
+
+func (a *arrivals) get(id string) (time.Time, consumer.Message, bool) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	t, ok := a.at[id]
+	return t, a.msg[id], ok
+}
+
+// Messages published with a NotBefore reach their queue's consumer not
+// before it and within a second or so after it (the delay rounded up to
+// whole seconds, through the delay levels: 1 s takes level 0, 2 s level 1,
+// 5 s levels 2 and 0), whole: body, key, id and headers, with no header of
+// the levels' dead-lettering (a delayed message is not a dead-lettered
+// one); a message of the same call without one comes at once.
+func TestDelayedPublishHoldsEachMessageToTheSecond(t *testing.T) {
+	b := dial(t)
+	name := testenv.UniqueName(t, "delayed")
+	deleteLater(t, []string{name}, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	must(t, b.CreateSource(ctx, name, consumer.SourceConfig{}))
+	var got arrivals
+	l, err := b.NewConsumer(ctx, name)
+	must(t, err)
+	h := got.handler()
+	testenv.Start(t, func(ctx context.Context) error { return l.Run(ctx, h) })
+
+	start := time.Now()
+	delays := map[string]time.Duration{"d-0": 0, "d-1": time.Second, "d-2": 2 * time.Second, "d-5": 5 * time.Second}
+	var msgs []consumer.Message
+	for id, d := range delays {
+		m := consumer.Message{ID: id, Key: "k-" + id, Body: []byte("body of " + id), Headers: map[string]string{"type": "reminder"}}
+		if d > 0 {
+			m.NotBefore = start.Add(d)
+		}
+		msgs = append(msgs, m)
+	}
+	must(t, b.Publish(ctx, name, msgs...))
+	testenv.WaitFor(t, 30*time.Second, "every message handled", func() bool {
+		for id := range delays {
+			if _, _, ok := got.get(id); !ok {
+				return false
+			}
+		}
+		return true
+	})
+	for id, d := range delays {
+		at, m, _ := got.get(id)
+		if d > 0 && at.Before(start.Add(d)) {
+			t.Errorf("%s, held %s, was handled %s early", id, d, start.Add(d).Sub(at))
+		}
+		if late := at.Sub(start.Add(d)); late > 3*time.Second {
+			t.Errorf("%s, held %s, was handled %s after its time", id, d, late)
+		}
+		if string(m.Body) != "body of "+id || m.Key != "k-"+id || m.Header("type") != "reminder" || len(m.Headers) != 1 {
+			t.Errorf("%s arrived as %+v", id, m)
+		}
+	}
+}
+
+// What the delay levels cannot carry is refused, unsent, naming why, and
+// the other messages of the call go: a delay past MaxDelay
+// (consumer.ErrDelayTooLong), a delayed message to an exchange, whose own
+// routing the levels would lose (consumer.ErrDelayNotSupported); a delayed
+// message to a queue that does not exist fails instead of vanishing.
+func TestDelayedPublishRefusesWhatItCannotHold(t *testing.T) {
+	b := dial(t)
+	name := testenv.UniqueName(t, "delayed-refused")
+	deleteLater(t, []string{name}, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	must(t, b.CreateSource(ctx, name, consumer.SourceConfig{}))
+
+	err := b.Publish(ctx, name,
+		consumer.Message{ID: "too-far", NotBefore: time.Now().Add(rabbit.MaxDelay + time.Hour)},
+		consumer.Message{ID: "now"})
+	var perr *consumer.PublishError
+	if !errors.As(err, &perr) || len(perr.Failed) != 1 || perr.Failed[0].Index != 0 || !errors.Is(perr.Failed[0].Err, consumer.ErrDelayTooLong) {
+		t.Fatalf("Publish of a delay past MaxDelay = %v; want index 0 alone failing with ErrDelayTooLong", err)
+	}
+
+	err = b.Publish(ctx, rabbit.ToExchange("amq.topic"), consumer.Message{ID: "ex", NotBefore: time.Now().Add(time.Minute)})
+	if !errors.As(err, &perr) || len(perr.Failed) != 1 || !errors.Is(perr.Failed[0].Err, consumer.ErrDelayNotSupported) {
+		t.Fatalf("Publish of a delayed message to an exchange = %v; want it failing with ErrDelayNotSupported", err)
+	}
+
+	missing := testenv.UniqueName(t, "delayed-missing")
+	err = b.Publish(ctx, missing, consumer.Message{ID: "nowhere", NotBefore: time.Now().Add(time.Minute)})
+	if !errors.As(err, &perr) || len(perr.Failed) != 1 || !errors.Is(perr.Failed[0].Err, consumer.ErrSourceNotFound) {
+		t.Fatalf("Publish of a delayed message to a missing queue = %v; want it failing with ErrSourceNotFound", err)
+	}
+	if !strings.Contains(err.Error(), missing) {
+		t.Fatalf("the error of a delayed message to a missing queue does not name it: %v", err)
+	}
+	t.Logf("a delayed message to a missing queue: %v", err)
+}
+
+// A message held in the delay levels is durable: the broker stops and
+// starts while it waits, and it still reaches its queue, once, after its
+// time.
+func TestBrokerRestartKeepsDelayedMessages(t *testing.T) {
+	if os.Getenv(envRestart) != "1" {
+		t.Skipf("restarts the shared RabbitMQ: set %s=1 to run it", envRestart)
+	}
+	b := dial(t)
+	name := testenv.UniqueName(t, "delayed-restart")
+	deleteLater(t, []string{name}, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+	defer cancel()
+	must(t, b.CreateSource(ctx, name, consumer.SourceConfig{}))
+	notBefore := time.Now().Add(12 * time.Second)
+	must(t, b.Publish(ctx, name, consumer.Message{ID: "survivor", NotBefore: notBefore}))
+
+	stopped := false
+	t.Cleanup(func() {
+		if stopped {
+			ctl(t, "start_app")
+		}
+	})
+	ctl(t, "stop_app")
+	stopped = true
+	time.Sleep(2 * time.Second)
+	ctl(t, "start_app")
+	stopped = false
+
+	var got arrivals
+	l, err := b.NewConsumer(ctx, name)
+	must(t, err)
+	h := got.handler()
+	testenv.Start(t, func(ctx context.Context) error { return l.Run(ctx, h) })
+	testenv.WaitFor(t, 60*time.Second, "the delayed message handled after the restart", func() bool {
+		_, _, ok := got.get("survivor")
+		return ok
+	})
+	if at, _, _ := got.get("survivor"); at.Before(notBefore) {
+		t.Fatalf("the delayed message was handled %s before its time", notBefore.Sub(at))
+	}
+}
