@@ -39,6 +39,9 @@ type backend struct {
 	// kill ends the named connections, as a server restart does; nil where
 	// the database has none.
 	kill func(ctx context.Context, appName string) (int, error)
+	// pool is the PostgreSQL database's pool, for a test's own
+	// transactions; nil on SQLite.
+	pool *pgxpool.Pool
 }
 
 type addFunc func(ctx context.Context, events ...outbox.Event) error
@@ -175,6 +178,7 @@ func openPostgres(t testing.TB) *backend {
 		t.Fatal(err)
 	}
 	return &backend{
+		pool: pool,
 		name: "postgres",
 		store: func(t testing.TB, appName string) outbox.Store {
 			p := pool

@@ -105,6 +105,16 @@
 // turns (see above), so the held event they wait behind is always seen.
 // Events with an empty key are held by their own NotBefore only.
 //
+// A relay keeps the order also where a writer cannot: a transaction under
+// REPEATABLE READ or SERIALIZABLE whose snapshot predates a held event of
+// its key writes its event due at once, and the relay holds it back behind
+// the held one all the same.
+//
+// Upgrading: migration 2 must run, and every relay and writer must run a
+// release that knows NotBefore, before any event sets it. A relay of an
+// earlier release publishes held events at once, and a writer of one does
+// not hold an event behind its key's held event.
+//
 // Held events cost the relay nothing to read past: a read takes the events
 // to publish at once and the held events that are due, each through an
 // index of its own (migration 2 adds them). [Backlog] counts held events in

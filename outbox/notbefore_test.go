@@ -2,6 +2,7 @@ package outbox_test
 
 import (
 	"context"
+	"hash/fnv"
 	"slices"
 	"strconv"
 	"sync"
@@ -10,8 +11,11 @@ import (
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/internal/testenv"
+	"github.com/jackc/pgx/v5"
+
 	"github.com/ferrymq/ferry/memory"
 	"github.com/ferrymq/ferry/outbox"
+	"github.com/ferrymq/ferry/outbox/pgoutbox"
 )
 
 // stamped is a Publisher that records when each message was published, by
@@ -231,7 +235,12 @@ func TestFetchReadsExactlyItsLanes(t *testing.T) {
 			t.Fatal(err)
 		}
 		st := b.store(t, "")
-		for _, lanes := range [][]int{{0}, {63}, {1, 62}, {0, 31, 32, 63}} {
+		many := []int{63}
+		for l := range 33 {
+			many = append(many, l)
+		}
+		// Few lanes are read lane by lane on PostgreSQL, many across lanes.
+		for _, lanes := range [][]int{{0}, {63}, {1, 62}, {0, 31, 32, 63}, many} {
 			recs, err := st.Fetch(ctx, lanes, 5000)
 			if err != nil {
 				t.Fatal(err)
@@ -248,4 +257,66 @@ func TestFetchReadsExactlyItsLanes(t *testing.T) {
 			}
 		}
 	})
+}
+
+// On PostgreSQL, a writer whose transaction took its snapshot before a held
+// event of its key committed (REPEATABLE READ or SERIALIZABLE, having read
+// something before Add) cannot see that event, and writes its own event due
+// now; the relay still holds it behind the held one, so the key keeps its
+// order.
+func TestNotBeforeKeepsOrderForWritersOfAnOlderSnapshot(t *testing.T) {
+	for _, iso := range []pgx.TxIsoLevel{pgx.RepeatableRead, pgx.Serializable} {
+		t.Run(string(iso), func(t *testing.T) {
+			b := openPostgres(t)
+			ctx := testenv.Context(t, 30*time.Second)
+			w, err := pgoutbox.NewWriter()
+			if err != nil {
+				t.Fatal(err)
+			}
+			tx2, err := b.pool.BeginTx(ctx, pgx.TxOptions{IsoLevel: iso})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tx2.Rollback(ctx)
+			if _, err := tx2.Exec(ctx, `SELECT count(*) FROM ferry_outbox_lanes`); err != nil { // the snapshot is taken
+				t.Fatal(err)
+			}
+			if err := b.add(ctx, outbox.Event{ID: "held", Destination: queue, Key: "k", NotBefore: time.Now().Add(time.Hour)}); err != nil {
+				t.Fatal(err)
+			}
+			if err := w.Add(ctx, tx2, outbox.Event{ID: "behind", Destination: queue, Key: "k"},
+				outbox.Event{ID: "other", Destination: queue, Key: "other"}); err != nil {
+				t.Fatal(err)
+			}
+			if err := tx2.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			st := b.store(t, "")
+			all := make([]int, outbox.Lanes)
+			for i := range all {
+				all[i] = i
+			}
+			for _, lanes := range [][]int{all, {laneOf("other"), laneOf("k")}} {
+				recs, err := st.Fetch(ctx, lanes, 100)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if len(recs) != 1 || recs[0].ID != "other" {
+					var ids []string
+					for _, r := range recs {
+						ids = append(ids, r.ID)
+					}
+					t.Fatalf("Fetch of lanes %v read %v; want only the event of the other key, the one behind the held event of its key held too", lanes, ids)
+				}
+			}
+		})
+	}
+}
+
+// laneOf is the lane of key, as outbox.Lanes documents it: the FNV-1a hash
+// of the key modulo Lanes.
+func laneOf(key string) int {
+	h := fnv.New32a()
+	h.Write([]byte(key))
+	return int(h.Sum32() % outbox.Lanes)
 }
