@@ -158,6 +158,7 @@ func Dial(rawURL string, opts ...Option) (*Broker, error) {
 		drivers:    make(map[*queueDriver]struct{}),
 		dropWarned: make(map[string]bool),
 		closed:     make(chan struct{}),
+		sched:      schedule{turn: make(chan struct{}, 1)},
 	}
 	b.life, b.endLife = context.WithCancel(context.Background())
 	b.pubConn = newConnMgr(b, "publish")

@@ -22,9 +22,10 @@ func (d *queueDriver) toMessage(dv *amqp.Delivery) driver.Message {
 		Source: d.queue,
 		Offset: -1,
 	}
-	if dv.Exchange == "" {
+	if dv.Exchange == "" || strings.HasPrefix(dv.Exchange, scheduleExchangePrefix) {
 		// Through the default exchange the routing key is the queue's
-		// name, not a key: a keyed message has its Key in HeaderKey.
+		// name, not a key, and through the delay levels it spells the
+		// delay: a keyed message has its Key in HeaderKey.
 		m.Key = ""
 	}
 	if !dv.Timestamp.IsZero() {
@@ -58,7 +59,7 @@ func (d *queueDriver) toMessage(dv *amqp.Delivery) driver.Message {
 				m.Headers[k] = s
 			}
 		}
-		dropScheduleDeaths(m.Headers)
+		dropScheduleDeaths(m.Headers, dv.Headers["x-death"])
 		if len(m.Headers) == 0 {
 			m.Headers = nil
 		}
@@ -161,17 +162,43 @@ func parseHistory(s string) driver.History {
 	return h
 }
 
-// dropScheduleDeaths removes from headers the first and last death that
-// the delay levels of delayed publish recorded (a level's queue
-// dead-letters a message when its time there is up): a delayed message is
-// not a dead-lettered one. The x-death table keeps every record, for
+// dropScheduleDeaths takes the delay levels of delayed publish out of the
+// first and last death headers (a level's queue dead-letters a message when
+// its time there is up, and a delayed message is not a dead-lettered one).
+// Where a level is named, both are set again from the deaths of xDeath (the
+// x-death table, newest first) that are not a level's, or removed when
+// there are none; RabbitMQ 3.10 sets only the first death, which a delayed
+// message always had in a level. The x-death table keeps every record, for
 // Message.As.
-func dropScheduleDeaths(headers map[string]string) {
+func dropScheduleDeaths(headers map[string]string, xDeath any) {
+	if !strings.HasPrefix(headers["x-first-death-queue"], scheduleLevelPrefix) &&
+		!strings.HasPrefix(headers["x-last-death-queue"], scheduleLevelPrefix) {
+		return
+	}
 	for _, which := range [...]string{"x-first-death-", "x-last-death-"} {
-		if strings.HasPrefix(headers[which+"queue"], scheduleLevelPrefix) {
-			delete(headers, which+"queue")
-			delete(headers, which+"exchange")
-			delete(headers, which+"reason")
+		delete(headers, which+"queue")
+		delete(headers, which+"exchange")
+		delete(headers, which+"reason")
+	}
+	deaths, _ := xDeath.([]any)
+	var real []amqp.Table
+	for _, d := range deaths {
+		if t, ok := d.(amqp.Table); ok {
+			if q, _ := t["queue"].(string); q != "" && !strings.HasPrefix(q, scheduleLevelPrefix) {
+				real = append(real, t)
+			}
 		}
 	}
+	if len(real) == 0 {
+		return
+	}
+	set := func(which string, t amqp.Table) {
+		for _, f := range [...]string{"queue", "exchange", "reason"} {
+			if v, ok := t[f].(string); ok {
+				headers[which+f] = v
+			}
+		}
+	}
+	set("x-first-death-", real[len(real)-1])
+	set("x-last-death-", real[0])
 }

@@ -311,11 +311,24 @@
 // levels holds messages of one time to live, which RabbitMQ expires in
 // order; each dead-letters at least once (x-dead-letter-strategy
 // at-least-once), so a message is always in a level or in its queue, across
-// restarts (TestBrokerRestartKeepsDelayedMessages) and node failures.
+// restarts (TestBrokerRestartKeepsDelayedMessages) and node failures; a
+// hop may repeat a message after a node failure or a lost confirm, so a
+// delayed message comes at least once, like any other. A message whose
+// queue was deleted while it waited goes, when its time comes, to the
+// quorum queue ferry.delay.orphans (the delivery exchange's alternate
+// exchange), to inspect or move with the tools for dead letters: kept in
+// its level instead, RabbitMQ would retry it for ever, and 32 such
+// messages stop every later message of the level for the whole vhost.
+// Quorum queues keep a little memory per message, so a backlog of millions
+// of delayed messages costs the broker memory in proportion.
 //
 // The levels are declared at the first delayed publish of a connection,
 // the queue's binding at every call that holds a message (a queue that does
-// not exist fails those messages with [consumer.ErrSourceNotFound]).
+// not exist fails those messages with [consumer.ErrSourceNotFound]). The
+// user needs configure, write and read permission on the names that start
+// with ferry.delay. (and write on the queue); a user that may not configure
+// them uses levels an administrator declared (checked passively), and
+// otherwise gets an [ErrRefused] that says so.
 // Delays past [MaxDelay] fail with [consumer.ErrDelayTooLong]; a delayed
 // message to an exchange ([ToExchange]) with [consumer.ErrDelayNotSupported]
 // (its routing key spells the delay, so an exchange's own routing would be

@@ -2,6 +2,7 @@ package rabbit
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -676,11 +677,13 @@ func (b *Broker) publish(ctx context.Context, destination string, msgs []consume
 		if m.NotBefore.After(now) {
 			delay := scheduleDelay(m.NotBefore, now)
 			switch {
+			case m.NotBefore.Sub(now) > MaxDelay:
+				// Before rounding: Sub saturates for a time centuries
+				// ahead, and rounding the largest Duration up overflows.
+				it.refused = fmt.Errorf("NotBefore %s ahead, beyond the %s the delay levels hold: %w", m.NotBefore.Sub(now).Round(time.Second), MaxDelay, consumer.ErrDelayTooLong)
 			case !toQueue:
 				it.refused = fmt.Errorf("NotBefore %s ahead on exchange %q: a delayed message goes to a queue (its routing key spells the delay), so an exchange's own routing is lost: %w",
 					m.NotBefore.Sub(now).Round(time.Millisecond), exchange, consumer.ErrDelayNotSupported)
-			case delay > MaxDelay:
-				it.refused = fmt.Errorf("NotBefore %s ahead, beyond the %s the delay levels hold: %w", delay, MaxDelay, consumer.ErrDelayTooLong)
 			default:
 				it.delayed = true
 				it.exchange, it.rk = scheduleRoute(delay, queue)
@@ -706,6 +709,11 @@ func (b *Broker) publish(ctx context.Context, destination string, msgs []consume
 
 	var perr *consumer.PublishError
 	fail := func(i int, err error) {
+		if items[i].delayed && errors.Is(err, ErrUnroutable) {
+			// A level is gone (deleted by hand): declare them again.
+			b.sched.forget()
+			err = fmt.Errorf("rabbit: publish to %q: a delay level is missing (the levels are declared again at the next call): %w", destination, err)
+		}
 		if perr == nil {
 			perr = &consumer.PublishError{}
 		}

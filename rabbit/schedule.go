@@ -4,9 +4,9 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"strings"
-	"sync"
 	"time"
 
 	amqp "github.com/rabbitmq/amqp091-go"
@@ -45,8 +45,20 @@ const MaxDelay = (1<<scheduleLevels - 1) * time.Second
 // its destination queue.
 const scheduleDeliver = "ferry.delay.deliver"
 
-// scheduleLevelPrefix starts the name of every level's exchange and queue.
-const scheduleLevelPrefix = "ferry.delay.level."
+// scheduleOrphans is the fanout exchange and the quorum queue that take a
+// delayed message whose queue is gone when its time comes: the alternate
+// exchange of scheduleDeliver. Without it, a level's at-least-once
+// dead-lettering keeps such a message and retries it for ever, and 32 of
+// them (its worker's prefetch) stop every later message of the level, for
+// every queue of the vhost (RabbitMQ PR 14961; reproduced on 3.10 and 4.0).
+const scheduleOrphans = "ferry.delay.orphans"
+
+// scheduleExchangePrefix starts the name of every exchange of delayed
+// publish; scheduleLevelPrefix, of every level's exchange and queue.
+const (
+	scheduleExchangePrefix = "ferry.delay."
+	scheduleLevelPrefix    = "ferry.delay.level."
+)
 
 // scheduleLevel is the name of level n's exchange and queue.
 func scheduleLevel(n int) string { return fmt.Sprintf("%s%02d", scheduleLevelPrefix, n) }
@@ -94,22 +106,34 @@ func levelPattern(n int, bit string) string {
 // schedule declares the levels of delayed publish once per consuming
 // connection (which an alarm does not block).
 type schedule struct {
-	mu     sync.Mutex
-	levels *amqp.Connection // the connection the levels were declared on
+	turn   chan struct{}    // held while the levels are checked or declared; made by newBroker
+	levels *amqp.Connection // the connection the levels were declared on; under turn
+}
+
+// forget makes the next delayed publish declare the levels again (one of
+// them was found gone).
+func (s *schedule) forget() {
+	s.turn <- struct{}{}
+	s.levels = nil
+	<-s.turn
 }
 
 // prepareSchedule declares the levels, when not done on this connection
 // yet, and the binding of queue to the delivery exchange. A queue that does
 // not exist fails it (404, [consumer.ErrSourceNotFound]): a delayed message
-// would have nowhere to go.
+// would have nowhere to go. A user that may not declare the levels (403)
+// uses them where they exist; the refusal is an [ErrRefused].
 func (b *Broker) prepareSchedule(ctx context.Context, queue string) error {
 	conn, err := b.consConn.get(ctx)
 	if err != nil {
 		return err
 	}
 	s := &b.sched
-	s.mu.Lock()
-	defer s.mu.Unlock()
+	select {
+	case s.turn <- struct{}{}:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 	if s.levels != conn {
 		err := withContext(ctx, func() error {
 			ch, err := conn.Channel()
@@ -117,13 +141,20 @@ func (b *Broker) prepareSchedule(ctx context.Context, queue string) error {
 				return err
 			}
 			defer closeChannel(ch)
-			return declareLevels(ch)
+			err = declareLevels(ch)
+			var ae *amqp.Error
+			if errors.As(err, &ae) && ae.Code == amqp.AccessRefused && levelsExist(conn) == nil {
+				return nil
+			}
+			return err
 		})
 		if err != nil {
-			return fmt.Errorf("rabbit: declare the delay levels: %w", err)
+			<-s.turn
+			return fmt.Errorf("rabbit: declare the delay levels (the user needs to configure %s*, or an administrator to declare them): %w", "ferry.delay.", refused(err))
 		}
 		s.levels = conn
 	}
+	<-s.turn
 	// The binding is declared on every call (a round trip): a queue deleted
 	// and declared again since the last call lost it, and its delayed
 	// messages would reach no queue.
@@ -139,16 +170,27 @@ func (b *Broker) prepareSchedule(ctx context.Context, queue string) error {
 		return fmt.Errorf("rabbit: bind queue %q to the delivery of delayed messages: %w: %w", queue, consumer.ErrSourceNotFound, err)
 	}
 	if err != nil {
-		return fmt.Errorf("rabbit: bind queue %q to the delivery of delayed messages: %w", queue, err)
+		return fmt.Errorf("rabbit: bind queue %q to the delivery of delayed messages: %w", queue, refused(err))
 	}
 	return nil
 }
 
-// declareLevels declares the delivery exchange and every level: its
-// exchange, its queue, the binding of the queue for messages with the
-// level's bit set, and the binding to the next level for those without.
+// declareLevels declares the orphans, the delivery exchange and every
+// level: its exchange, its queue, the binding of the queue for messages
+// with the level's bit set, and the binding to the next level for those
+// without.
 func declareLevels(ch *amqp.Channel) error {
-	if err := ch.ExchangeDeclare(scheduleDeliver, amqp.ExchangeTopic, true, false, false, false, nil); err != nil {
+	if err := ch.ExchangeDeclare(scheduleOrphans, amqp.ExchangeFanout, true, false, false, false, nil); err != nil {
+		return fmt.Errorf("exchange %q: %w", scheduleOrphans, err)
+	}
+	if _, err := ch.QueueDeclare(scheduleOrphans, true, false, false, false, amqp.Table{"x-queue-type": "quorum"}); err != nil {
+		return fmt.Errorf("queue %q: %w", scheduleOrphans, err)
+	}
+	if err := ch.QueueBind(scheduleOrphans, "", scheduleOrphans, false, nil); err != nil {
+		return fmt.Errorf("bind queue %q: %w", scheduleOrphans, err)
+	}
+	if err := ch.ExchangeDeclare(scheduleDeliver, amqp.ExchangeTopic, true, false, false, false,
+		amqp.Table{"alternate-exchange": scheduleOrphans}); err != nil {
 		return fmt.Errorf("exchange %q: %w", scheduleDeliver, err)
 	}
 	next := scheduleDeliver
@@ -175,4 +217,42 @@ func declareLevels(ch *amqp.Channel) error {
 		next = name
 	}
 	return nil
+}
+
+// levelsExist reports whether the orphans, the delivery exchange and every
+// level's exchange and queue exist, declared passively (which takes no
+// configure permission): a user that may not declare them can use levels
+// an administrator declared. Bindings cannot be checked so; they are taken
+// to be there.
+func levelsExist(conn *amqp.Connection) error {
+	ch, err := conn.Channel()
+	if err != nil {
+		return err
+	}
+	defer closeChannel(ch)
+	if err := ch.ExchangeDeclarePassive(scheduleDeliver, amqp.ExchangeTopic, true, false, false, false, nil); err != nil {
+		return err
+	}
+	if _, err := ch.QueueDeclarePassive(scheduleOrphans, true, false, false, false, nil); err != nil {
+		return err
+	}
+	for n := range scheduleLevels {
+		if err := ch.ExchangeDeclarePassive(scheduleLevel(n), amqp.ExchangeTopic, true, false, false, false, nil); err != nil {
+			return err
+		}
+		if _, err := ch.QueueDeclarePassive(scheduleLevel(n), true, false, false, false, nil); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// refused wraps err in [ErrRefused] when it is the broker's refusal (403
+// ACCESS_REFUSED, 406 PRECONDITION_FAILED), as a refused publish is.
+func refused(err error) error {
+	var ae *amqp.Error
+	if errors.As(err, &ae) && (ae.Code == amqp.AccessRefused || ae.Code == amqp.PreconditionFailed) {
+		return fmt.Errorf("%w: %w", ErrRefused, err)
+	}
+	return err
 }

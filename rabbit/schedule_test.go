@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -47,7 +48,8 @@ func (a *arrivals) get(id string) (time.Time, consumer.Message, bool) {
 // Messages published with a NotBefore reach their queue's consumer not
 // before it and within a second or so after it (the delay rounded up to
 // whole seconds, through the delay levels: 1 s takes level 0, 2 s level 1,
-// 5 s levels 2 and 0), whole: body, key, id and headers, with no header of
+// 5 s levels 2 and 0), whole: body, key (none for one sent without: not
+// the levels' routing key), id and headers, with no header of
 // the levels' dead-lettering (a delayed message is not a dead-lettered
 // one); a message of the same call without one comes at once.
 func TestDelayedPublishHoldsEachMessageToTheSecond(t *testing.T) {
@@ -64,10 +66,13 @@ func TestDelayedPublishHoldsEachMessageToTheSecond(t *testing.T) {
 	testenv.Start(t, func(ctx context.Context) error { return l.Run(ctx, h) })
 
 	start := time.Now()
-	delays := map[string]time.Duration{"d-0": 0, "d-1": time.Second, "d-2": 2 * time.Second, "d-5": 5 * time.Second}
+	delays := map[string]time.Duration{"d-0": 0, "d-1": time.Second, "d-2": 2 * time.Second, "d-5": 5 * time.Second, "d-3-nokey": 3 * time.Second}
 	var msgs []consumer.Message
 	for id, d := range delays {
 		m := consumer.Message{ID: id, Key: "k-" + id, Body: []byte("body of " + id), Headers: map[string]string{"type": "reminder"}}
+		if strings.HasSuffix(id, "nokey") {
+			m.Key = ""
+		}
 		if d > 0 {
 			m.NotBefore = start.Add(d)
 		}
@@ -90,15 +95,19 @@ func TestDelayedPublishHoldsEachMessageToTheSecond(t *testing.T) {
 		if late := at.Sub(start.Add(d)); late > 3*time.Second {
 			t.Errorf("%s, held %s, was handled %s after its time", id, d, late)
 		}
-		if string(m.Body) != "body of "+id || m.Key != "k-"+id || m.Header("type") != "reminder" || len(m.Headers) != 1 {
+		wantKey := "k-" + id
+		if strings.HasSuffix(id, "nokey") {
+			wantKey = "" // not the routing key of the levels
+		}
+		if string(m.Body) != "body of "+id || m.Key != wantKey || m.Header("type") != "reminder" || len(m.Headers) != 1 {
 			t.Errorf("%s arrived as %+v", id, m)
 		}
 	}
 }
 
 // What the delay levels cannot carry is refused, unsent, naming why, and
-// the other messages of the call go: a delay past MaxDelay
-// (consumer.ErrDelayTooLong), a delayed message to an exchange, whose own
+// the other messages of the call go: a delay past MaxDelay, centuries
+// ahead included (consumer.ErrDelayTooLong), a delayed message to an exchange, whose own
 // routing the levels would lose (consumer.ErrDelayNotSupported); a delayed
 // message to a queue that does not exist fails instead of vanishing.
 func TestDelayedPublishRefusesWhatItCannotHold(t *testing.T) {
@@ -115,6 +124,13 @@ func TestDelayedPublishRefusesWhatItCannotHold(t *testing.T) {
 	var perr *consumer.PublishError
 	if !errors.As(err, &perr) || len(perr.Failed) != 1 || perr.Failed[0].Index != 0 || !errors.Is(perr.Failed[0].Err, consumer.ErrDelayTooLong) {
 		t.Fatalf("Publish of a delay past MaxDelay = %v; want index 0 alone failing with ErrDelayTooLong", err)
+	}
+
+	// Centuries ahead: the time to it saturates a Duration, which must not
+	// wrap round to a short delay.
+	err = b.Publish(ctx, name, consumer.Message{ID: "centuries", NotBefore: time.Now().AddDate(300, 0, 0)})
+	if !errors.As(err, &perr) || len(perr.Failed) != 1 || !errors.Is(perr.Failed[0].Err, consumer.ErrDelayTooLong) {
+		t.Fatalf("Publish of a delay of 300 years = %v; want it failing with ErrDelayTooLong", err)
 	}
 
 	err = b.Publish(ctx, rabbit.ToExchange("amq.topic"), consumer.Message{ID: "ex", NotBefore: time.Now().Add(time.Minute)})
@@ -172,5 +188,84 @@ func TestBrokerRestartKeepsDelayedMessages(t *testing.T) {
 	})
 	if at, _, _ := got.get("survivor"); at.Before(notBefore) {
 		t.Fatalf("the delayed message was handled %s before its time", notBefore.Sub(at))
+	}
+}
+
+// Delayed messages whose queue was deleted while they waited go to the
+// orphans queue when their time comes, and do not stop the delayed
+// messages of other queues: without it, a level's at-least-once
+// dead-lettering kept them and retried them for ever, and 32 of them
+// stopped every later message of the level.
+func TestDelayedMessagesOfADeletedQueueDoNotBlockOthers(t *testing.T) {
+	b := dial(t)
+	gone := testenv.UniqueName(t, "delayed-gone")
+	live := testenv.UniqueName(t, "delayed-live")
+	deleteLater(t, []string{gone, live}, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	must(t, b.CreateSource(ctx, gone, consumer.SourceConfig{}))
+	must(t, b.CreateSource(ctx, live, consumer.SourceConfig{}))
+	orphans := func() int {
+		q, err := rawChannel(t).QueueDeclarePassive("ferry.delay.orphans", true, false, false, false, nil)
+		must(t, err)
+		return q.Messages
+	}
+	var msgs []consumer.Message
+	for i := range 40 {
+		msgs = append(msgs, consumer.Message{ID: "orphan-" + strconv.Itoa(i), NotBefore: time.Now().Add(time.Second)})
+	}
+	must(t, b.Publish(ctx, gone, msgs...))
+	before := orphans()
+	must(t, b.DeleteSource(ctx, gone))
+	time.Sleep(1500 * time.Millisecond) // their time has come
+	must(t, b.Publish(ctx, live, consumer.Message{ID: "after", NotBefore: time.Now().Add(time.Second)}))
+
+	var got arrivals
+	l, err := b.NewConsumer(ctx, live)
+	must(t, err)
+	h := got.handler()
+	testenv.Start(t, func(ctx context.Context) error { return l.Run(ctx, h) })
+	testenv.WaitFor(t, 30*time.Second, "the delayed message of the live queue handled", func() bool {
+		_, _, ok := got.get("after")
+		return ok
+	})
+	testenv.WaitFor(t, 30*time.Second, "the 40 orphans in ferry.delay.orphans", func() bool { return orphans() >= before+40 })
+}
+
+// A delayed message that is later really dead-lettered (rejected by its
+// consumer into its queue's dead-letter queue) says where it died, not in
+// which delay level it waited: on RabbitMQ 3.10, which sets only the first
+// death, the first death was always a level. (Its exchange is
+// ferry.delay.deliver, which did route it to the queue.)
+func TestDelayedMessageDeadLetteredLaterNamesItsQueue(t *testing.T) {
+	b := dial(t)
+	name := testenv.UniqueName(t, "delayed-dl")
+	dlq := name + "-dlq"
+	deleteLater(t, []string{name, dlq}, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	must(t, b.CreateSource(ctx, name, consumer.SourceConfig{DeadLetter: dlq}))
+	must(t, b.Publish(ctx, name, consumer.Message{ID: "late-poison", NotBefore: time.Now().Add(time.Second)}))
+	ch := rawChannel(t)
+	d := getOne(t, ch, name)
+	must(t, d.Reject(false))
+
+	var got arrivals
+	l, err := b.NewConsumer(ctx, dlq)
+	must(t, err)
+	h := got.handler()
+	testenv.Start(t, func(ctx context.Context) error { return l.Run(ctx, h) })
+	testenv.WaitFor(t, 30*time.Second, "the dead-lettered message handled", func() bool {
+		_, _, ok := got.get("late-poison")
+		return ok
+	})
+	_, m, _ := got.get("late-poison")
+	if m.Header("x-first-death-queue") != name || m.Header("x-first-death-reason") != "rejected" {
+		t.Fatalf("the dead-lettered delayed message has headers %v; want its first death in %s, rejected", m.Headers, name)
+	}
+	for k, v := range m.Headers {
+		if strings.Contains(v, "ferry.delay.level.") {
+			t.Errorf("header %s=%q names a delay level", k, v)
+		}
 	}
 }
