@@ -96,6 +96,16 @@ those the redrive holds), about (SQS), or unknown, with why. On a
 terminal a progress bar shows on stderr; off one (a Job's log) a progress
 line comes every --progress.
 
+On SQS, --native moves server side instead, with SQS's message move task
+(StartMessageMoveTask): every message as it is (its ferry-dlq-* story and
+id kept, no ferry-redriven-from), to --to, or without it to the queues SQS
+records as their sources (those whose redrive policy dead-lettered them;
+a message Ferry's DeadLetter sent there has none: give --to). It takes no
+--filter or --limit, and --rate from 1 to 500/s. The progress shows what
+SQS reports moved; stopped by a signal, it cancels the task (what moved
+stays moved). A native move is much faster on a large queue: no message
+passes through this process.
+
 Stopped by SIGINT (Ctrl-C) or SIGTERM (a Job's deadline, timeout(1)), it
 finishes the message in flight, gives the others back, says how many
 moved, and exits 130 (SIGINT) or 143 (SIGTERM); nothing in flight is
@@ -257,6 +267,7 @@ type redriveOpts struct {
 	filters                 []string
 	limit                   int
 	wait, idle, progress    time.Duration
+	native                  bool
 }
 
 func redriveFlags(w io.Writer) (*flag.FlagSet, *redriveOpts) {
@@ -278,6 +289,7 @@ func redriveFlags(w io.Writer) (*flag.FlagSet, *redriveOpts) {
 	fs.DurationVar(&o.wait, "wait", 2*time.Second, "how long one receive waits before asking what is left")
 	fs.DurationVar(&o.idle, "idle", 40*time.Second, "stop when no message came for this long although the broker says\nsome are left (on SQS, what a killed run held comes back after the\nvisibility timeout)")
 	fs.DurationVar(&o.progress, "progress", 5*time.Second, "off a terminal, print a progress line this often (0: none)")
+	fs.BoolVar(&o.native, "native", false, "sqs: move server side with SQS's message move task (StartMessageMoveTask),\nevery message as it is, to --to or to the sources SQS records\n(no --filter or --limit; --rate from 1 to 500/s)")
 	fs.Usage = func() {
 		fmt.Fprint(w, redriveUsage)
 		fs.PrintDefaults()
@@ -342,8 +354,17 @@ func runRedrive(ctx context.Context, args []string, stdout, stderr io.Writer, op
 		if err := refuseShareGroups(b); err != nil {
 			return err
 		}
+		if o.native {
+			if err := nativeRefusal(b, cfg); err != nil {
+				return err
+			}
+		}
 		ran = true
-		res, err = Redrive(ctx, b, cfg)
+		if o.native {
+			res, err = RedriveNative(ctx, b, cfg)
+		} else {
+			res, err = Redrive(ctx, b, cfg)
+		}
 		return err
 	}()
 	if ran {
