@@ -97,14 +97,17 @@ terminal a progress bar shows on stderr; off one (a Job's log) a progress
 line comes every --progress.
 
 On SQS, --native moves server side instead, with SQS's message move task
-(StartMessageMoveTask): every message as it is (its ferry-dlq-* story and
-id kept, no ferry-redriven-from), to --to, or without it to the queues SQS
-records as their sources (those whose redrive policy dead-lettered them;
-a message Ferry's DeadLetter sent there has none: give --to). It takes no
---filter or --limit, and --rate from 1 to 500/s. The progress shows what
-SQS reports moved; stopped by a signal, it cancels the task (what moved
-stays moved). A native move is much faster on a large queue: no message
-passes through this process.
+(StartMessageMoveTask): every message with its ferry-dlq-* story, under a
+new message id (SQS's; no ferry-redriven-from), to --to, or without it to
+the queues SQS records as their sources (those whose redrive policy
+dead-lettered them; a message Ferry's DeadLetter sent there has none: give
+--to). SQS takes only a DESTINATION that is the dead-letter queue of some
+queue's redrive policy, and a --to of the same type (FIFO to FIFO). It
+takes no --filter or --limit; --rate, when given, is a whole number from
+1 to 500/s, else SQS picks the rate. The progress shows what SQS reports
+moved; stopped by a signal, it cancels the task and waits until SQS says
+so (what moved stays moved); a second signal leaves the task running. No
+message passes through this process.
 
 Stopped by SIGINT (Ctrl-C) or SIGTERM (a Job's deadline, timeout(1)), it
 finishes the message in flight, gives the others back, says how many
@@ -289,7 +292,7 @@ func redriveFlags(w io.Writer) (*flag.FlagSet, *redriveOpts) {
 	fs.DurationVar(&o.wait, "wait", 2*time.Second, "how long one receive waits before asking what is left")
 	fs.DurationVar(&o.idle, "idle", 40*time.Second, "stop when no message came for this long although the broker says\nsome are left (on SQS, what a killed run held comes back after the\nvisibility timeout)")
 	fs.DurationVar(&o.progress, "progress", 5*time.Second, "off a terminal, print a progress line this often (0: none)")
-	fs.BoolVar(&o.native, "native", false, "sqs: move server side with SQS's message move task (StartMessageMoveTask),\nevery message as it is, to --to or to the sources SQS records\n(no --filter or --limit; --rate from 1 to 500/s)")
+	fs.BoolVar(&o.native, "native", false, "sqs: move server side with SQS's message move task (StartMessageMoveTask),\nevery message to --to or to the sources SQS records\n(no --filter or --limit; --rate from 1 to 500/s, else SQS's rate)")
 	fs.Usage = func() {
 		fmt.Fprint(w, redriveUsage)
 		fs.PrintDefaults()
@@ -355,6 +358,12 @@ func runRedrive(ctx context.Context, args []string, stdout, stderr io.Writer, op
 			return err
 		}
 		if o.native {
+			// SQS picks the task's rate unless --rate was given.
+			given := false
+			fs.Visit(func(f *flag.Flag) { given = given || f.Name == "rate" })
+			if !given {
+				cfg.Rate = 0
+			}
 			if err := nativeRefusal(b, cfg); err != nil {
 				return err
 			}

@@ -2,9 +2,13 @@ package dlqcmd
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/aws/aws-sdk-go-v2/aws"
+	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
 
 	"github.com/ferrymq/ferry/internal/testenv"
 )
@@ -14,7 +18,7 @@ import (
 // summary saying how many moved and that none is left; the messages are
 // the dead letters as they were (their story kept).
 func TestRedriveNativeMovesEveryMessageWithSQSsTask(t *testing.T) {
-	f := sqsFixture(t)
+	f := nativeFixture(t)
 	const n = 25
 	f.seed(t, n)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -46,7 +50,7 @@ func TestRedriveNativeRefusesWhatSQSCannotDo(t *testing.T) {
 	}{
 		{f, []string{"--filter", "reason=permanent"}, "no --filter or --limit"},
 		{f, []string{"--limit", "1"}, "no --filter or --limit"},
-		{f, []string{"--rate", "1000/s"}, "from 1 to 500 messages a second"},
+		{f, []string{"--rate", "1000/s"}, "from 1 to 500 (SQS's MaxNumberOfMessagesPerSecond)"},
 		{mem, nil, "not SQS"},
 	} {
 		args := append([]string{"redrive", tc.on.dlq, "--native", "--to", tc.on.to, "--broker", tc.on.url}, tc.args...)
@@ -65,7 +69,7 @@ func TestRedriveNativeRefusesWhatSQSCannotDo(t *testing.T) {
 // the run says it was interrupted, and a second run moves the rest; every
 // message ends at the source exactly once.
 func TestRedriveNativeInterruptedCancelsTheTask(t *testing.T) {
-	f := sqsFixture(t)
+	f := nativeFixture(t)
 	const n = 20
 	f.seed(t, n)
 	testenv.WaitFor(t, 10*time.Second, "the dead letters in the DLQ", func() bool { return f.inDLQ(t) == n })
@@ -85,8 +89,35 @@ func TestRedriveNativeInterruptedCancelsTheTask(t *testing.T) {
 	}
 	ctx2, cancel2 := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel2()
-	if code, out, errOut := ferryDLQ(t, ctx2, "redrive", f.dlq, "--native", "--to", f.to, "--broker", f.url, "--rate", "0"); code != 0 {
+	code, out, errOut = ferryDLQ(t, ctx2, "redrive", f.dlq, "--native", "--to", f.to, "--broker", f.url)
+	if code != 0 {
 		t.Fatalf("second run: exit %d: %s%s", code, out, errOut)
 	}
+	// The second run counts its own task, not the cancelled one before it.
+	if want := fmt.Sprintf("moved %d messages", n-moved); !strings.Contains(out, want) {
+		t.Errorf("second run: %q, want %q", out, want)
+	}
 	checkOnce(t, f.drain(t), n, 0)
+}
+
+// nativeFixture is the SQS fixture with its DLQ made the dead-letter queue
+// of the source's redrive policy: SQS starts a message move task only from
+// such a queue (ElasticMQ does not check).
+func nativeFixture(t *testing.T) *fixture {
+	f := sqsFixture(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	dlq, _, err := queueARN(ctx, f.client, f.dlq)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, src, err := queueARN(ctx, f.client, f.to)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.client.SetQueueAttributes(ctx, &awssqs.SetQueueAttributesInput{QueueUrl: aws.String(src),
+		Attributes: map[string]string{"RedrivePolicy": `{"deadLetterTargetArn":"` + dlq + `","maxReceiveCount":"10"}`}}); err != nil {
+		t.Fatal(err)
+	}
+	return f
 }
