@@ -150,7 +150,12 @@ func (b *Broker) prepareSchedule(ctx context.Context, queue string) error {
 		})
 		if err != nil {
 			<-s.turn
-			return fmt.Errorf("rabbit: declare the delay levels (the user needs to configure %s*, or an administrator to declare them): %w", "ferry.delay.", refused(err))
+			err = refused(err)
+			hint := ""
+			if errors.Is(err, ErrRefused) {
+				hint = " (the user needs to configure " + scheduleExchangePrefix + "*, or an administrator to declare them as Ferry does)"
+			}
+			return fmt.Errorf("rabbit: declare the delay levels%s: %w", hint, err)
 		}
 		s.levels = conn
 	}

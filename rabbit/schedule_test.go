@@ -23,8 +23,19 @@ type arrivals struct {
 	msg map[string]consumer.Message
 }
 
+// consumeArrivals runs a consumer of queue on b until the test ends, and
+// returns what it records.
+func consumeArrivals(t *testing.T, b *rabbit.Broker, queue string) *arrivals {
+	t.Helper()
+	a := &arrivals{at: map[string]time.Time{}, msg: map[string]consumer.Message{}}
+	l, err := b.NewConsumer(context.Background(), queue)
+	must(t, err)
+	h := a.handler()
+	testenv.Start(t, func(ctx context.Context) error { return l.Run(ctx, h) })
+	return a
+}
+
 func (a *arrivals) handler() consumer.Handler {
-	a.at, a.msg = map[string]time.Time{}, map[string]consumer.Message{}
 	return consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
 		a.mu.Lock()
 		defer a.mu.Unlock()
@@ -59,11 +70,7 @@ func TestDelayedPublishHoldsEachMessageToTheSecond(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	must(t, b.CreateSource(ctx, name, consumer.SourceConfig{}))
-	var got arrivals
-	l, err := b.NewConsumer(ctx, name)
-	must(t, err)
-	h := got.handler()
-	testenv.Start(t, func(ctx context.Context) error { return l.Run(ctx, h) })
+	got := consumeArrivals(t, b, name)
 
 	start := time.Now()
 	delays := map[string]time.Duration{"d-0": 0, "d-1": time.Second, "d-2": 2 * time.Second, "d-5": 5 * time.Second, "d-3-nokey": 3 * time.Second}
@@ -177,11 +184,7 @@ func TestBrokerRestartKeepsDelayedMessages(t *testing.T) {
 	ctl(t, "start_app")
 	stopped = false
 
-	var got arrivals
-	l, err := b.NewConsumer(ctx, name)
-	must(t, err)
-	h := got.handler()
-	testenv.Start(t, func(ctx context.Context) error { return l.Run(ctx, h) })
+	got := consumeArrivals(t, b, name)
 	testenv.WaitFor(t, 60*time.Second, "the delayed message handled after the restart", func() bool {
 		_, _, ok := got.get("survivor")
 		return ok
@@ -220,11 +223,7 @@ func TestDelayedMessagesOfADeletedQueueDoNotBlockOthers(t *testing.T) {
 	time.Sleep(1500 * time.Millisecond) // their time has come
 	must(t, b.Publish(ctx, live, consumer.Message{ID: "after", NotBefore: time.Now().Add(time.Second)}))
 
-	var got arrivals
-	l, err := b.NewConsumer(ctx, live)
-	must(t, err)
-	h := got.handler()
-	testenv.Start(t, func(ctx context.Context) error { return l.Run(ctx, h) })
+	got := consumeArrivals(t, b, live)
 	testenv.WaitFor(t, 30*time.Second, "the delayed message of the live queue handled", func() bool {
 		_, _, ok := got.get("after")
 		return ok
@@ -250,11 +249,7 @@ func TestDelayedMessageDeadLetteredLaterNamesItsQueue(t *testing.T) {
 	d := getOne(t, ch, name)
 	must(t, d.Reject(false))
 
-	var got arrivals
-	l, err := b.NewConsumer(ctx, dlq)
-	must(t, err)
-	h := got.handler()
-	testenv.Start(t, func(ctx context.Context) error { return l.Run(ctx, h) })
+	got := consumeArrivals(t, b, dlq)
 	testenv.WaitFor(t, 30*time.Second, "the dead-lettered message handled", func() bool {
 		_, _, ok := got.get("late-poison")
 		return ok
