@@ -292,7 +292,7 @@ func redriveFlags(w io.Writer) (*flag.FlagSet, *redriveOpts) {
 	fs.DurationVar(&o.wait, "wait", 2*time.Second, "how long one receive waits before asking what is left")
 	fs.DurationVar(&o.idle, "idle", 40*time.Second, "stop when no message came for this long although the broker says\nsome are left (on SQS, what a killed run held comes back after the\nvisibility timeout)")
 	fs.DurationVar(&o.progress, "progress", 5*time.Second, "off a terminal, print a progress line this often (0: none)")
-	fs.BoolVar(&o.native, "native", false, "sqs: move server side with SQS's message move task (StartMessageMoveTask),\nevery message to --to or to the sources SQS records\n(no --filter or --limit; --rate from 1 to 500/s, else SQS's rate)")
+	fs.BoolVar(&o.native, "native", false, "sqs: move server side with SQS's message move task\n(StartMessageMoveTask), every message to --to or to the sources SQS\nrecords (no --filter or --limit; --rate from 1 to 500/s, else SQS's)")
 	fs.Usage = func() {
 		fmt.Fprint(w, redriveUsage)
 		fs.PrintDefaults()
