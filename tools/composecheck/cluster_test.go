@@ -1,8 +1,8 @@
 package composecheck_test
 
 import (
-	"context"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -11,7 +11,6 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/compose-spec/compose-go/v2/cli"
 	"github.com/compose-spec/compose-go/v2/types"
 )
 
@@ -30,20 +29,6 @@ var clusterServices = []string{"kafkac1", "kafkac2", "kafkac3", "rabbitc1", "rab
 var kafkaClusterNodeOnly = []string{
 	"node.id", "controller.quorum.voters", "listeners", "advertised.listeners",
 	"inter.broker.listener.name", "listener.security.protocol.map", "log.dirs",
-}
-
-// loadClusterProfile loads a compose file with the profile "cluster".
-func loadClusterProfile(ctx context.Context, root, file string) (*types.Project, error) {
-	opts, err := cli.NewProjectOptions([]string{file},
-		cli.WithWorkingDirectory(root),
-		cli.WithEnv(nil),
-		cli.WithResolvedPaths(true),
-		cli.WithProfiles([]string{"cluster"}),
-	)
-	if err != nil {
-		return nil, fmt.Errorf("compose options: %w", err)
-	}
-	return opts.LoadProject(ctx)
 }
 
 // clusterMismatches lists every way the profile "cluster" of p differs
@@ -130,13 +115,7 @@ func clusterMismatches(p *types.Project, sh string, props map[string]string) []s
 		if got := env(s, "CLUSTER_ID"); got == "" || got != env(p.Services["kafkac1"], "CLUSTER_ID") {
 			add("%s: CLUSTER_ID %q, want one the three nodes share", name, got)
 		}
-		for _, prop := range slices.Sorted(func(yield func(string) bool) {
-			for k := range props {
-				if !yield(k) {
-					return
-				}
-			}
-		}) {
+		for _, prop := range slices.Sorted(maps.Keys(props)) {
 			if slices.Contains(kafkaClusterNodeOnly, prop) {
 				continue
 			}
@@ -166,7 +145,7 @@ func readProperties(text string) map[string]string {
 func TestDockerComposeClusterProfileMatchesBrokersSh(t *testing.T) {
 	t.Parallel()
 	root := repoRoot(t)
-	p, err := loadClusterProfile(t.Context(), root, filepath.Join(root, "docker-compose.yml"))
+	p, err := loadCompose(t.Context(), root, filepath.Join(root, "docker-compose.yml"), "cluster")
 	if err != nil {
 		t.Fatalf("docker-compose.yml with the profile cluster does not load: %v", err)
 	}
@@ -197,7 +176,7 @@ func TestDockerComposeClusterCheckCatchesDrift(t *testing.T) {
 			if err := os.WriteFile(f, []byte(strings.Replace(orig, c.old, c.new, 1)), 0o644); err != nil {
 				t.Fatal(err)
 			}
-			p, err := loadClusterProfile(t.Context(), root, f)
+			p, err := loadCompose(t.Context(), root, f, "cluster")
 			if err != nil {
 				t.Fatal(err)
 			}

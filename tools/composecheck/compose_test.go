@@ -58,12 +58,14 @@ func readFile(t *testing.T, rel string) string {
 }
 
 // loadCompose loads a compose file with compose-go, as docker compose would,
-// from the repository's root, without the process environment.
-func loadCompose(ctx context.Context, root, file string) (*types.Project, error) {
+// from the repository's root, without the process environment, with the
+// given profiles active.
+func loadCompose(ctx context.Context, root, file string, profiles ...string) (*types.Project, error) {
 	opts, err := cli.NewProjectOptions([]string{file},
 		cli.WithWorkingDirectory(root),
 		cli.WithEnv(nil),
 		cli.WithResolvedPaths(true),
+		cli.WithProfiles(profiles),
 	)
 	if err != nil {
 		return nil, fmt.Errorf("compose options: %w", err)
@@ -107,7 +109,7 @@ func must1(t *testing.T, re, s, what string) string {
 func readNative(t *testing.T) native {
 	t.Helper()
 	sh := readFile(t, "integration/brokers.sh")
-	n := native{ports: map[string]string{}, allPorts: map[string][]string{}, kafka: map[string]string{}}
+	n := native{ports: map[string]string{}, allPorts: map[string][]string{}}
 	n.services = strings.Fields(must1(t, `(?m)^SERVICES=\(([^)]*)\)`, sh, "brokers.sh SERVICES"))
 	portOf := must1(t, `(?s)\nport_of\(\) \{(.*?)\n\}`, sh, "brokers.sh port_of")
 	for _, m := range regexp.MustCompile(`(\w+)\) echo (\d+) ;;`).FindAllStringSubmatch(portOf, -1) {
@@ -138,12 +140,7 @@ func readNative(t *testing.T) native {
 	n.rabbitPass = must1(t, `(?m)^default_pass\s*=\s*(\S+)`, conf, "rabbitmq.conf default_pass")
 	n.amqpsPort = must1(t, `(?m)^listeners\.ssl\.default\s*=\s*\S*:(\d+)$`, conf, "rabbitmq.conf listeners.ssl.default")
 
-	for _, line := range strings.Split(readFile(t, "integration/config/kafka-server.properties"), "\n") {
-		line = strings.TrimSpace(line)
-		if k, v, ok := strings.Cut(line, "="); ok && !strings.HasPrefix(line, "#") {
-			n.kafka[strings.TrimSpace(k)] = strings.TrimSpace(v)
-		}
-	}
+	n.kafka = readProperties(readFile(t, "integration/config/kafka-server.properties"))
 	n.kafkaVersion = must1(t, `<kafka.version>([^<]+)</kafka.version>`, readFile(t, "integration/kafka/pom.xml"), "kafka pom")
 	n.elasticMQ = must1(t, `<elasticmq.version>([^<]+)</elasticmq.version>`, readFile(t, "integration/elasticmq/pom.xml"), "elasticmq pom")
 	return n
