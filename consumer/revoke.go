@@ -20,9 +20,9 @@ type revocationWait struct {
 
 // revoke lets go of every delivery in the revoked lanes: running handlers
 // have their context cancelled and their outcome ignored; ready, queued and
-// waiting ones are dropped. Settlements already decided are still made. Done
-// closes once the running handlers have returned and those settlements are
-// made.
+// waiting ones are dropped, and so are those in the work queue that no
+// worker took yet. Settlements already decided are still made. Done closes
+// once the running handlers have returned and those settlements are made.
 func (dp *dispatcher) revoke(rev driver.Revocation) {
 	if ok, left := dp.l.logs.Allow("revoke"); ok {
 		dp.log.Info("ferry: the broker took lanes away (a rebalance, a lost channel); their running handlers are cancelled and their messages come again",
@@ -48,6 +48,7 @@ func (dp *dispatcher) revoke(rev driver.Revocation) {
 	// revocation waits only for handlers that run, not for a slow handler
 	// of another lane ahead of them in a train.
 	dp.takeBackLoose()
+	dp.reclaimWork(lanes)
 	dropped := false
 	for d := dp.head.next; d != &dp.head; {
 		next := d.next
@@ -84,6 +85,40 @@ func (dp *dispatcher) revoke(rev driver.Revocation) {
 	}
 	dp.revocations = append(dp.revocations, rw)
 	dp.checkRevocations()
+}
+
+// reclaimWork takes the deliveries of revoked lanes out of the work queue,
+// where they wait for a worker (every worker busy, perhaps in slow handlers
+// of other lanes), and lets them go as a worker would hand them back
+// unstarted, trains with them: a revocation waits for the handlers that
+// run, not for a worker to come free. The other deliveries go back to the
+// queue in their order.
+func (dp *dispatcher) reclaimWork(lanes map[string]bool) {
+	var keep []*delivery
+	for taking := true; taking; {
+		select {
+		case d := <-dp.work:
+			if !lanes[d.msg.Lane] {
+				keep = append(keep, d)
+				continue
+			}
+			d.revoked, d.err = true, errNotStarted
+			if d.loose != nil {
+				d.cut = d.loose.rest() // empty after takeBackLoose
+			} else if len(d.train) > 0 {
+				d.cut = d.train // its key's, so its lane's
+			}
+			dp.running--
+			dp.finish(d)
+		default:
+			taking = false
+		}
+	}
+	for _, d := range keep {
+		// The dispatcher alone sends, and it took at least these out: the
+		// queue has room for them.
+		dp.work <- d
+	}
 }
 
 // drop lets a revoked delivery go without settling it.

@@ -2,7 +2,10 @@ package consumer
 
 import (
 	"context"
+	"log/slog"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -272,5 +275,73 @@ func TestMessagesOfARevokedGenerationAreDropped(t *testing.T) {
 	}
 	if got := l.Stats().Revoked; got != 1 {
 		t.Errorf("Revoked = %d, want 1", got)
+	}
+}
+
+// A revocation does not wait for a worker to come free: deliveries of the
+// revoked lane that sit in the work queue (here behind the one worker, busy
+// with a handler of another lane that does not return until the test ends),
+// trains of their keys with them, are let go at once and never run. Found
+// when every Kafka rebalance of a consumer whose workers were all busy
+// elsewhere waited out the driver's whole revocation wait.
+func TestRevocationDoesNotWaitForAWorkerToTakeItsWork(t *testing.T) {
+	drv := newScriptLog(false)
+	msgs := []driver.Message{{ID: "slow", Lane: "0", Key: "a", Deliveries: 1, Handle: "slow"}}
+	for i := range 5 {
+		id := "1/" + strconv.Itoa(i)
+		msgs = append(msgs, driver.Message{ID: id, Lane: "1", Key: "b", Deliveries: 1, Handle: id})
+	}
+	msgs = append(msgs, driver.Message{ID: "0/after", Lane: "0", Key: "c", Deliveries: 1, Handle: "0/after"})
+	drv.push(msgs...)
+	l, err := New(drv, WithConcurrency(1), WithMaxInFlight(16), WithOrdering(OrderByKey),
+		WithShutdownGrace(50*time.Millisecond), WithLogger(slog.New(slog.DiscardHandler)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := make(chan string, len(msgs))
+	release := make(chan struct{})
+	releaseOnce := sync.OnceFunc(func() { close(release) })
+	stop := sync.OnceValue(runLoop(t, l, HandlerFunc(func(ctx context.Context, m *Message) error {
+		started <- m.ID
+		if m.ID == "slow" {
+			<-release // lane 0 is not revoked: it keeps running
+		}
+		return nil
+	})))
+	// On a failure too, the stuck handler returns, then the loop stops.
+	defer stop()
+	defer releaseOnce()
+	if id := <-started; id != "slow" {
+		t.Fatalf("%s ran first, want slow", id)
+	}
+	// 1/0 goes to the work queue (room for one) with 1/1-1/4, its key's
+	// train; 0/after waits in the ready queue.
+	testenv.WaitFor(t, 20*time.Second, "all to be fetched", func() bool { return l.Stats().Fetched == int64(len(msgs)) })
+	time.Sleep(20 * time.Millisecond)
+	done := make(chan struct{})
+	drv.revCh <- driver.Revocation{Lanes: []string{"1"}, Done: done}
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the revocation of lane 1, none of whose messages started, was not done 5s later: it waits for a worker to take lane 1's work")
+	}
+	if got := l.Stats().Revoked; got != 5 {
+		t.Errorf("Revoked = %d, want the 5 messages of lane 1", got)
+	}
+	releaseOnce()
+	testenv.WaitFor(t, 20*time.Second, "lane 0's second message to run", func() bool { return len(drv.outcomes()["0/after"]) == 1 })
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	close(started)
+	for id := range started {
+		if strings.HasPrefix(id, "1/") {
+			t.Errorf("%s of the revoked lane ran", id)
+		}
+	}
+	for id, acts := range drv.outcomes() {
+		if strings.HasPrefix(id, "1/") {
+			t.Errorf("%s of the revoked lane settled %v", id, acts)
+		}
 	}
 }

@@ -115,7 +115,9 @@ func (dp *dispatcher) returnUnstarted(d *delivery) {
 	dp.running--
 	d.passKey = false
 	if d.revoked {
-		// Its lane was taken away: nothing of it is settled.
+		// Its lane was taken away: nothing of it is settled. (The
+		// revocation took its lane's deliveries out of the work queue
+		// already; this guards the rule all the same.)
 		dp.drop(d)
 		return
 	}

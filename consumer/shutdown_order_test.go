@@ -87,9 +87,10 @@ func TestShutdownKeepsLaneOrderForALateBatch(t *testing.T) {
 
 // TestRevokedRunInTheWorkQueueAtTheGrace: the only worker is stuck in a
 // handler that ignores cancellation; lane 0's head waits in the work queue
-// with its train. Lane 0 is revoked (its Done must wait for them), then the
-// grace ends: endGrace reclaims the head and its train; none of lane 0 is
-// settled, the revocation's Done closes, and nothing stays in flight.
+// with its train. Lane 0 is revoked, then the grace ends: the revocation
+// takes the head and its train out of the work queue (reclaimWork; before
+// it, endGrace did); none of lane 0 is settled, the revocation's Done
+// closes, and nothing stays in flight.
 func TestRevokedRunInTheWorkQueueAtTheGrace(t *testing.T) {
 	drv := newScriptLog(false)
 	drv.push(driver.Message{ID: "S", Lane: "s", Deliveries: 1, Handle: "S"})

@@ -323,14 +323,13 @@ func TestHandlerThatFinishedBeforeTheGraceIsAcked(t *testing.T) {
 	}
 }
 
-// Revocation then shutdown: endGrace reclaims what sits in the work queue
-// (a worker stuck in a handler that ignores its context never takes it)
-// and settles each with a Return (shutdown.go:363-371) without looking at
-// d.revoked. A delivery handed to the work queue before its lane was
-// revoked is stateRunning, so revoke only marks it revoked and waits for
-// it; the reclaim then settles it, breaking "the loop settles nothing for
-// [revoked lanes]" (driver.Revoker), and Done closes only after that
-// settlement. finish drops a revoked delivery; the reclaim should too.
+// Revocation then shutdown: a delivery of the revoked lane that sits in
+// the work queue (a worker stuck in a handler that ignores its context
+// never takes it) is not settled when the grace ends. endGrace once
+// reclaimed it and settled it with a Return, breaking "the loop settles
+// nothing for [revoked lanes]" (driver.Revoker); now the revocation itself
+// takes it out of the work queue and drops it (reclaimWork), and endGrace's
+// reclaim drops a revoked delivery too (returnUnstarted).
 func TestRevokedDeliveryInTheWorkQueueIsNotSettledAtTheGrace(t *testing.T) {
 	drv := newScriptLog(true)
 	drv.push(
