@@ -19,18 +19,15 @@ import (
 // plain error (a bug) and with a permanent one (bad input), and duplicates.
 // Every good message has its effect exactly once, every poison message
 // reaches the dead-letter destination with its reason and no good one does,
-// the breaker never opens (one message failing run after run is no outage),
-// and the run takes at most about twice as long as the same run without a
-// breaker.
+// and the breaker never opens (one message failing run after run is no
+// outage). How long the mix took with and without the breaker is logged, not
+// compared: a broker's redelivery times vary too much under load to hold a
+// test to them (an SQS return once took 30 s instead of 1 s here), and the
+// breaker's own count says whether it opened.
 func testPoisonMix(s *suite) {
 	without := s.poisonMix("nobreaker", false)
 	with := s.poisonMix("breaker", true)
 	s.t.Logf("the mix took %s with the breaker, %s without", with.Round(time.Millisecond), without.Round(time.Millisecond))
-	// Twice the time, and a few seconds for a loaded machine: a breaker that
-	// opened even once would hold everything for its 10 s open period.
-	if limit := 2*without + 3*time.Second; with > limit {
-		s.t.Errorf("with the breaker the mix took %s, over twice the %s it took without one", with, without)
-	}
 }
 
 const (
