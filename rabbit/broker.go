@@ -48,7 +48,8 @@ type Broker struct {
 	drivers    map[*queueDriver]struct{}
 	dropWarned map[string]bool // queues whose drop warning was logged
 
-	sched schedule // the declarations of delayed publish
+	sched   schedule    // the declarations of delayed publish
+	orphans orphanWatch // of the queue delayed messages go to when theirs is gone
 
 	connected atomic.Bool // a connection was ever opened (see classify)
 
@@ -159,6 +160,11 @@ func Dial(rawURL string, opts ...Option) (*Broker, error) {
 		dropWarned: make(map[string]bool),
 		closed:     make(chan struct{}),
 		sched:      schedule{turn: make(chan struct{}, 1)},
+	}
+	b.orphans.every = DefaultOrphanCheck
+	b.orphans.count.Store(-1)
+	if err := b.registerOrphanGauge(c.meters); err != nil {
+		return nil, fmt.Errorf("rabbit: metrics: %w", err)
 	}
 	b.life, b.endLife = context.WithCancel(context.Background())
 	b.pubConn = newConnMgr(b, "publish")

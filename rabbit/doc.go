@@ -319,6 +319,9 @@
 // exchange), to inspect or move with the tools for dead letters: kept in
 // its level instead, RabbitMQ would retry it for ever, and 32 such
 // messages stop every later message of the level for the whole vhost.
+// Nothing consumes that queue, so a Broker that published a delayed
+// message counts it every [DefaultOrphanCheck], reports the count in the
+// gauge [MetricDelayOrphans], and logs a warning each time it grows.
 // Quorum queues keep a little memory per message, so a backlog of millions
 // of delayed messages costs the broker memory in proportion.
 //

@@ -158,6 +158,7 @@ func (b *Broker) prepareSchedule(ctx context.Context, queue string) error {
 			return fmt.Errorf("rabbit: declare the delay levels%s: %w", hint, err)
 		}
 		s.levels = conn
+		b.watchOrphans()
 	}
 	<-s.turn
 	// The binding is declared on every call (a round trip): a queue deleted

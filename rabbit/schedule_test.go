@@ -4,11 +4,15 @@ import (
 	"context"
 	"errors"
 	"os"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/internal/testenv"
@@ -198,9 +202,16 @@ func TestBrokerRestartKeepsDelayedMessages(t *testing.T) {
 // orphans queue when their time comes, and do not stop the delayed
 // messages of other queues: without it, a level's at-least-once
 // dead-lettering kept them and retried them for ever, and 32 of them
-// stopped every later message of the level.
+// stopped every later message of the level. Nothing consumes the orphans
+// queue, so the Broker that published them tells the operator: a warning
+// with the count, and the count in MetricDelayOrphans.
 func TestDelayedMessagesOfADeletedQueueDoNotBlockOthers(t *testing.T) {
-	b := dial(t)
+	log, logs := capture(t)
+	reader := sdkmetric.NewManualReader()
+	mp := sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))
+	defer mp.Shutdown(context.Background())
+	b := dial(t, rabbit.WithLogger(log), rabbit.WithMeterProvider(mp))
+	rabbit.SetOrphanCheck(b, 200*time.Millisecond)
 	gone := testenv.UniqueName(t, "delayed-gone")
 	live := testenv.UniqueName(t, "delayed-live")
 	deleteLater(t, []string{gone, live}, nil)
@@ -229,6 +240,32 @@ func TestDelayedMessagesOfADeletedQueueDoNotBlockOthers(t *testing.T) {
 		return ok
 	})
 	testenv.WaitFor(t, 30*time.Second, "the 40 orphans in ferry.delay.orphans", func() bool { return orphans() >= before+40 })
+
+	// What the operator sees.
+	warned := regexp.MustCompile(`level=WARN msg=".*wait in ferry\.delay\.orphans.*" .*messages=(\d+)`)
+	testenv.WaitFor(t, 10*time.Second, "a warning that counts the 40 orphans", func() bool {
+		for _, m := range warned.FindAllStringSubmatch(logs.String(), -1) {
+			if n, _ := strconv.Atoi(m[1]); n >= before+40 {
+				return true
+			}
+		}
+		return false
+	})
+	testenv.WaitFor(t, 10*time.Second, rabbit.MetricDelayOrphans+" to count the 40 orphans", func() bool {
+		var rm metricdata.ResourceMetrics
+		must(t, reader.Collect(context.Background(), &rm))
+		for _, sm := range rm.ScopeMetrics {
+			for _, m := range sm.Metrics {
+				if g, ok := m.Data.(metricdata.Gauge[int64]); ok && m.Name == rabbit.MetricDelayOrphans && len(g.DataPoints) == 1 {
+					if m.Unit != "{message}" {
+						t.Fatalf("%s has the unit %q; docs/METRICS.md gives {message}", m.Name, m.Unit)
+					}
+					return g.DataPoints[0].Value >= int64(before+40)
+				}
+			}
+		}
+		return false
+	})
 }
 
 // A delayed message that is later really dead-lettered (rejected by its

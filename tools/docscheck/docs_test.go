@@ -211,6 +211,13 @@ func kindOf(d metricdata.Aggregation) string {
 // tableRow matches a row of the metrics table: | `name` | kind | unit | ...
 var tableRow = regexp.MustCompile("(?m)^\\| `([a-z_.]+)` \\| ([a-z]+) \\| ([^|]*?) \\|")
 
+// needsABroker are the metrics that only an adapter's Broker registers, at
+// work against its broker, which registerEverything does not run: each is
+// checked, with its unit, by its package's tests against the real broker.
+var needsABroker = map[string]bool{
+	"ferry.rabbit.delay.orphans": true, // rabbit: TestDelayedMessagesOfADeletedQueueDoNotBlockOthers
+}
+
 // tableMismatches lists every way the metrics table differs from what is
 // registered: a metric missing from either, or listed with another kind or
 // unit.
@@ -232,7 +239,7 @@ func tableMismatches(table string, registered map[string]instrument) []string {
 		}
 	}
 	for _, name := range slices.Sorted(maps.Keys(listed)) {
-		if _, ok := registered[name]; !ok {
+		if _, ok := registered[name]; !ok && !needsABroker[name] {
 			bad = append(bad, fmt.Sprintf("%s is in the table but Ferry does not register it", name))
 		}
 	}
