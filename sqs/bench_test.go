@@ -428,3 +428,146 @@ func BenchmarkFIFOOneGroup(b *testing.B) {
 	b.ReportMetric(float64(totalCalls(rawCalls.snapshot(), nil))/float64(rawN), "raw-calls/msg")
 	b.ReportMetric(0, "ns/op")
 }
+
+// largeBody is a message of a little under 512 KiB: two of them and their
+// "seq" attribute fit in one SendMessageBatch (MaxBatchSize, 1 MiB), three
+// do not, so a batch is cut by bytes long before its ten entries.
+var largeBody = []byte(strings.Repeat("x", 512<<10-64))
+
+// BenchmarkPublishLarge publishes b.N messages of largeBody
+// (-benchtime=600x or more) by turns, on one queue in one run: a raw loop
+// of SendMessageBatch in benchParallel goroutines, each call packed as SQS
+// allows (up to ten entries and MaxBatchSize bytes as SQS counts them: so
+// two a call), then Broker.Publish of ten messages in as many goroutines,
+// which splits them the same way, benchRounds times. It reports Ferry's
+// msgs/s, the raw loop's, SendMessageBatch calls a message of each, and
+// x-raw: the median over the rounds of Ferry's rate over the raw loop's in
+// the same round (issue 31: at least 0.9).
+func BenchmarkPublishLarge(b *testing.B) {
+	var rawCalls, ferryCalls calls
+	rc := newClient(b, &rawCalls)
+	br := newBroker(b, newClient(b, &ferryCalls))
+	name, url := createQueue(b, rc, "bench-pub-large", queueConfig{})
+	msg := func(i int) consumer.Message {
+		return consumer.Message{Body: largeBody, Headers: map[string]string{"seq": strconv.Itoa(i)}}
+	}
+	if err := br.Publish(context.Background(), name, msg(-1)); err != nil { // looks the queue up, and checks that it takes such messages
+		b.Fatal(err)
+	}
+	per := max(b.N/benchRounds, 2*benchParallel)
+	var rawTook, ferryTook time.Duration
+	var n int
+	var ratios []float64
+	b.ResetTimer()
+	for range benchRounds {
+		start := time.Now()
+		benchPublishBySize(b, rc, url, per)
+		rawRound := time.Since(start)
+
+		start = time.Now()
+		var next atomic.Int64
+		var wg sync.WaitGroup
+		for range benchParallel {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				msgs := make([]consumer.Message, 0, 10)
+				for {
+					first := int(next.Add(10)) - 10
+					if first >= per {
+						return
+					}
+					msgs = msgs[:0]
+					for i := first; i < min(first+10, per); i++ {
+						msgs = append(msgs, msg(i))
+					}
+					if err := br.Publish(context.Background(), name, msgs...); err != nil {
+						b.Error(err)
+						return
+					}
+				}
+			}()
+		}
+		wg.Wait()
+		ferryRound := time.Since(start)
+		if b.Failed() {
+			b.FailNow()
+		}
+		rawTook, ferryTook, n = rawTook+rawRound, ferryTook+ferryRound, n+per
+		ratios = append(ratios, rawRound.Seconds()/ferryRound.Seconds())
+
+		b.StopTimer()
+		// Empty the queue between rounds, so that ElasticMQ's memory does
+		// not grow by 300 MiB a round.
+		if _, err := rc.PurgeQueue(context.Background(), &awssqs.PurgeQueueInput{QueueUrl: aws.String(url)}); err != nil {
+			b.Fatal(err)
+		}
+		b.StartTimer()
+	}
+	b.StopTimer()
+	b.ReportMetric(float64(n)/ferryTook.Seconds(), "msgs/s")
+	b.ReportMetric(float64(n)/rawTook.Seconds(), "raw-msgs/s")
+	slices.Sort(ratios)
+	b.ReportMetric(ratios[len(ratios)/2], "x-raw")
+	b.ReportMetric(float64(ferryCalls.get("SendMessageBatch")-1)/float64(n), "calls/msg")
+	b.ReportMetric(float64(rawCalls.get("SendMessageBatch"))/float64(n), "raw-calls/msg")
+	b.ReportMetric(0, "ns/op")
+}
+
+// benchPublishBySize sends n messages of largeBody to url through the raw
+// client in benchParallel goroutines, each SendMessageBatch as full as
+// SQS's limits allow: at most ten entries and MaxBatchSize bytes, counted
+// as SQS counts them (the body, and each attribute's name, type and value).
+func benchPublishBySize(b *testing.B, c *awssqs.Client, url string, n int) {
+	b.Helper()
+	const attr, typ = "seq", "String"
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	errs := make(chan error, benchParallel)
+	for range benchParallel {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			entries := make([]types.SendMessageBatchRequestEntry, 0, 10)
+			size := 0
+			flush := func() error {
+				if len(entries) == 0 {
+					return nil
+				}
+				out, err := c.SendMessageBatch(context.Background(), &awssqs.SendMessageBatchInput{QueueUrl: aws.String(url), Entries: entries})
+				if err == nil && len(out.Failed) > 0 {
+					err = fmt.Errorf("%d entries failed: %s", len(out.Failed), aws.ToString(out.Failed[0].Message))
+				}
+				entries, size = entries[:0], 0
+				return err
+			}
+			for {
+				i := int(next.Add(1)) - 1
+				if i >= n {
+					if err := flush(); err != nil {
+						errs <- err
+					}
+					return
+				}
+				seq := strconv.Itoa(i)
+				s := len(largeBody) + len(attr) + len(typ) + len(seq)
+				if len(entries) == 10 || size+s > ferrysqs.MaxBatchSize {
+					if err := flush(); err != nil {
+						errs <- err
+						return
+					}
+				}
+				entries = append(entries, types.SendMessageBatchRequestEntry{
+					Id: aws.String(strconv.Itoa(len(entries))), MessageBody: aws.String(string(largeBody)),
+					MessageAttributes: map[string]types.MessageAttributeValue{attr: {DataType: aws.String(typ), StringValue: aws.String(seq)}},
+				})
+				size += s
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		b.Fatal(err)
+	}
+}
