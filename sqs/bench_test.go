@@ -243,34 +243,44 @@ func BenchmarkPublish(b *testing.B) {
 			before := cs.snapshot()
 			b.ResetTimer()
 			start := time.Now()
-			var next atomic.Int64
-			var wg sync.WaitGroup
-			for range parallel {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					msgs := make([]consumer.Message, 0, per)
-					for {
-						first := int(next.Add(int64(per))) - per
-						if first >= b.N {
-							return
-						}
-						msgs = msgs[:0]
-						for i := first; i < min(first+per, b.N); i++ {
-							msgs = append(msgs, msg(i))
-						}
-						if err := br.Publish(context.Background(), name, msgs...); err != nil {
-							b.Error(err)
-							return
-						}
-					}
-				}()
-			}
-			wg.Wait()
+			benchFerryPublish(b, br, name, b.N, per, parallel, msg)
 			elapsed := time.Since(start)
 			b.StopTimer()
 			reportRate(b, "publish", b.N, elapsed, cs.snapshot(), before)
 		})
+	}
+}
+
+// benchFerryPublish publishes n messages, msg(0) to msg(n-1), to the queue
+// name through br: Publish calls of per messages from parallel goroutines.
+func benchFerryPublish(b *testing.B, br *ferrysqs.Broker, name string, n, per, parallel int, msg func(int) consumer.Message) {
+	b.Helper()
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for range parallel {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			msgs := make([]consumer.Message, 0, per)
+			for {
+				first := int(next.Add(int64(per))) - per
+				if first >= n {
+					return
+				}
+				msgs = msgs[:0]
+				for i := first; i < min(first+per, n); i++ {
+					msgs = append(msgs, msg(i))
+				}
+				if err := br.Publish(context.Background(), name, msgs...); err != nil {
+					b.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if b.Failed() {
+		b.FailNow()
 	}
 }
 
@@ -465,34 +475,8 @@ func BenchmarkPublishLarge(b *testing.B) {
 		rawRound := time.Since(start)
 
 		start = time.Now()
-		var next atomic.Int64
-		var wg sync.WaitGroup
-		for range benchParallel {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				msgs := make([]consumer.Message, 0, 10)
-				for {
-					first := int(next.Add(10)) - 10
-					if first >= per {
-						return
-					}
-					msgs = msgs[:0]
-					for i := first; i < min(first+10, per); i++ {
-						msgs = append(msgs, msg(i))
-					}
-					if err := br.Publish(context.Background(), name, msgs...); err != nil {
-						b.Error(err)
-						return
-					}
-				}
-			}()
-		}
-		wg.Wait()
+		benchFerryPublish(b, br, name, per, 10, benchParallel, msg)
 		ferryRound := time.Since(start)
-		if b.Failed() {
-			b.FailNow()
-		}
 		rawTook, ferryTook, n = rawTook+rawRound, ferryTook+ferryRound, n+per
 		ratios = append(ratios, rawRound.Seconds()/ferryRound.Seconds())
 
