@@ -163,9 +163,6 @@ func Dial(rawURL string, opts ...Option) (*Broker, error) {
 	}
 	b.orphans.every = DefaultOrphanCheck
 	b.orphans.count.Store(-1)
-	if err := b.registerOrphanGauge(c.meters); err != nil {
-		return nil, fmt.Errorf("rabbit: metrics: %w", err)
-	}
 	b.life, b.endLife = context.WithCancel(context.Background())
 	b.pubConn = newConnMgr(b, "publish")
 	b.consConn = newConnMgr(b, "consume")
@@ -240,6 +237,7 @@ func (b *Broker) Close() error {
 	b.closeOnce.Do(func() {
 		close(b.closed)
 		b.endLife() // a dial under way ends now
+		b.stopOrphanGauge()
 		b.mu.Lock()
 		ds := make([]*queueDriver, 0, len(b.drivers))
 		for d := range b.drivers {

@@ -321,7 +321,9 @@
 // messages stop every later message of the level for the whole vhost.
 // Nothing consumes that queue, so a Broker that published a delayed
 // message counts it every [DefaultOrphanCheck], reports the count in the
-// gauge [MetricDelayOrphans], and logs a warning each time it grows.
+// gauge [MetricDelayOrphans], logs a warning each time it grows, and
+// declares the queue again if it was deleted. On RabbitMQ 4 it has no
+// delivery limit, so that looking at its messages does not drop them.
 // Quorum queues keep a little memory per message, so a backlog of millions
 // of delayed messages costs the broker memory in proportion.
 //

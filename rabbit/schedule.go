@@ -135,13 +135,30 @@ func (b *Broker) prepareSchedule(ctx context.Context, queue string) error {
 		return ctx.Err()
 	}
 	if s.levels != conn {
+		version, _ := conn.Properties["version"].(string)
 		err := withContext(ctx, func() error {
 			ch, err := conn.Channel()
 			if err != nil {
 				return err
 			}
 			defer closeChannel(ch)
-			err = declareLevels(ch)
+			// No delivery limit on the orphans where RabbitMQ 4 would
+			// set one (20): each look (ferry dlq peek) is a delivery,
+			// and a message past the limit would be dropped.
+			unlimited := serverMajor(version) >= 4
+			err = declareLevels(ch, unlimited)
+			if unlimited && isInequivalent(err, "x-delivery-limit") {
+				// The orphans exist with the default limit: keep them.
+				ch2, err2 := conn.Channel()
+				if err2 != nil {
+					return err2
+				}
+				defer closeChannel(ch2)
+				if err = declareLevels(ch2, false); err == nil {
+					b.log.Warn("ferry/rabbit: the queue "+scheduleOrphans+" has RabbitMQ's default delivery limit: a message looked at (ferry dlq peek) more than delivery_limit times is dropped; delete the queue once it is empty, and Ferry declares it without one",
+						"delivery_limit", defaultDeliveryLimit, "rabbitmq_version", version)
+				}
+			}
 			var ae *amqp.Error
 			if errors.As(err, &ae) && ae.Code == amqp.AccessRefused && levelsExist(conn) == nil {
 				return nil
@@ -181,19 +198,13 @@ func (b *Broker) prepareSchedule(ctx context.Context, queue string) error {
 	return nil
 }
 
-// declareLevels declares the orphans, the delivery exchange and every
-// level: its exchange, its queue, the binding of the queue for messages
-// with the level's bit set, and the binding to the next level for those
-// without.
-func declareLevels(ch *amqp.Channel) error {
-	if err := ch.ExchangeDeclare(scheduleOrphans, amqp.ExchangeFanout, true, false, false, false, nil); err != nil {
-		return fmt.Errorf("exchange %q: %w", scheduleOrphans, err)
-	}
-	if _, err := ch.QueueDeclare(scheduleOrphans, true, false, false, false, amqp.Table{"x-queue-type": "quorum"}); err != nil {
-		return fmt.Errorf("queue %q: %w", scheduleOrphans, err)
-	}
-	if err := ch.QueueBind(scheduleOrphans, "", scheduleOrphans, false, nil); err != nil {
-		return fmt.Errorf("bind queue %q: %w", scheduleOrphans, err)
+// declareLevels declares the orphans (with no delivery limit when
+// unlimitedOrphans: RabbitMQ 4), the delivery exchange and every level: its
+// exchange, its queue, the binding of the queue for messages with the
+// level's bit set, and the binding to the next level for those without.
+func declareLevels(ch *amqp.Channel, unlimitedOrphans bool) error {
+	if err := declareOrphans(ch, unlimitedOrphans); err != nil {
+		return err
 	}
 	if err := ch.ExchangeDeclare(scheduleDeliver, amqp.ExchangeTopic, true, false, false, false,
 		amqp.Table{"alternate-exchange": scheduleOrphans}); err != nil {
@@ -221,6 +232,24 @@ func declareLevels(ch *amqp.Channel) error {
 			return fmt.Errorf("bind exchange %q to %q: %w", name, next, err)
 		}
 		next = name
+	}
+	return nil
+}
+
+// declareOrphans declares the orphans' exchange and queue, and binds them.
+func declareOrphans(ch *amqp.Channel, unlimited bool) error {
+	if err := ch.ExchangeDeclare(scheduleOrphans, amqp.ExchangeFanout, true, false, false, false, nil); err != nil {
+		return fmt.Errorf("exchange %q: %w", scheduleOrphans, err)
+	}
+	args := amqp.Table{"x-queue-type": "quorum"}
+	if unlimited {
+		args["x-delivery-limit"] = int64(-1)
+	}
+	if _, err := ch.QueueDeclare(scheduleOrphans, true, false, false, false, args); err != nil {
+		return fmt.Errorf("queue %q: %w", scheduleOrphans, err)
+	}
+	if err := ch.QueueBind(scheduleOrphans, "", scheduleOrphans, false, nil); err != nil {
+		return fmt.Errorf("bind queue %q: %w", scheduleOrphans, err)
 	}
 	return nil
 }

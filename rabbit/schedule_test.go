@@ -5,12 +5,14 @@ import (
 	"errors"
 	"os"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	amqp "github.com/rabbitmq/amqp091-go"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 
@@ -260,12 +262,101 @@ func TestDelayedMessagesOfADeletedQueueDoNotBlockOthers(t *testing.T) {
 					if m.Unit != "{message}" {
 						t.Fatalf("%s has the unit %q; docs/METRICS.md gives {message}", m.Name, m.Unit)
 					}
+					var keys []string
+					for _, kv := range g.DataPoints[0].Attributes.ToSlice() {
+						keys = append(keys, string(kv.Key))
+					}
+					// As tools/docscheck's needsABroker has them, for the alerts' labels.
+					if want := []string{"ferry.rabbit.vhost", "messaging.destination.name", "messaging.system", "server.address", "server.port"}; !slices.Equal(keys, want) {
+						t.Fatalf("%s has the attributes %v, want %v", m.Name, keys, want)
+					}
 					return g.DataPoints[0].Value >= int64(before+40)
 				}
 			}
 		}
 		return false
 	})
+}
+
+// The orphans queue is declared with no delivery limit (RabbitMQ 4 gives a
+// quorum queue 20 by default): a message in it, looked at (a get returned
+// unacked, as ferry dlq peek does) more often than that, stays. And when
+// the queue is deleted, the Broker's watch says so and declares it again:
+// without it, the delivery exchange's alternate routes nowhere and an
+// orphan would stay in its level for ever, stopping the level.
+func TestOrphansSurviveBeingLookedAtAndComeBackWhenDeleted(t *testing.T) {
+	ch := rawChannel(t)
+	if _, err := ch.QueueDelete("ferry.delay.orphans", false, false, false); err != nil {
+		t.Fatal(err)
+	}
+	log, logs := capture(t)
+	b := dial(t, rabbit.WithLogger(log))
+	rabbit.SetOrphanCheck(b, 200*time.Millisecond)
+	gone := testenv.UniqueName(t, "orphan-looked-at")
+	deleteLater(t, []string{gone}, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	must(t, b.CreateSource(ctx, gone, consumer.SourceConfig{}))
+	must(t, b.Publish(ctx, gone, consumer.Message{ID: "looked-at", NotBefore: time.Now().Add(time.Second)}))
+	must(t, b.DeleteSource(ctx, gone))
+
+	for i := range 25 {
+		d := getOne(t, ch, "ferry.delay.orphans")
+		if d.MessageId != "looked-at" {
+			t.Fatalf("look %d found %q in ferry.delay.orphans, want looked-at alone", i, d.MessageId)
+		}
+		must(t, d.Nack(false, true))
+	}
+	if d := getOne(t, ch, "ferry.delay.orphans"); d.MessageId != "looked-at" {
+		t.Fatalf("after 25 looks ferry.delay.orphans holds %q, want looked-at", d.MessageId)
+	}
+	if _, err := ch.QueueDelete("ferry.delay.orphans", false, false, false); err != nil {
+		t.Fatal(err)
+	}
+	testenv.WaitFor(t, 10*time.Second, "the watch to say the orphans queue was deleted", func() bool {
+		return strings.Contains(logs.String(), "ferry.delay.orphans was deleted; declared it again")
+	})
+	if _, err := rawChannel(t).QueueDeclarePassive("ferry.delay.orphans", true, false, false, false, nil); err != nil {
+		t.Fatalf("the watch did not declare the orphans queue again: %v", err)
+	}
+	// And bound it: a message of a deleted queue reaches it.
+	again := testenv.UniqueName(t, "orphan-again")
+	deleteLater(t, []string{again}, nil)
+	must(t, b.CreateSource(ctx, again, consumer.SourceConfig{}))
+	must(t, b.Publish(ctx, again, consumer.Message{ID: "again", NotBefore: time.Now().Add(time.Second)}))
+	must(t, b.DeleteSource(ctx, again))
+	if d := getOne(t, ch, "ferry.delay.orphans"); d.MessageId != "again" {
+		t.Fatalf("the orphans queue declared again holds %q, want again", d.MessageId)
+	}
+}
+
+// An orphans queue declared before it had no delivery limit (RabbitMQ 4's
+// default of 20) is kept, and the Broker says that it drops a message
+// looked at too often: declaring it again without the limit would be
+// refused (406), and delayed publish with it.
+func TestOrphansWithTheDefaultDeliveryLimitAreKeptWithAWarning(t *testing.T) {
+	if v := serverVersion(t); !strings.HasPrefix(v, "4.") {
+		t.Skipf("RabbitMQ %s sets no delivery limit of its own", v)
+	}
+	ch := rawChannel(t)
+	if _, err := ch.QueueDelete("ferry.delay.orphans", false, false, false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ch.QueueDeclare("ferry.delay.orphans", true, false, false, false, amqp.Table{"x-queue-type": "quorum"}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _, _ = rawChannel(t).QueueDelete("ferry.delay.orphans", false, false, false) }) // the next declares it without
+	log, logs := capture(t)
+	b := dial(t, rabbit.WithLogger(log))
+	q := testenv.UniqueName(t, "orphan-limit")
+	deleteLater(t, []string{q}, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	must(t, b.CreateSource(ctx, q, consumer.SourceConfig{}))
+	must(t, b.Publish(ctx, q, consumer.Message{ID: "delayed", NotBefore: time.Now().Add(time.Second)}))
+	if !strings.Contains(logs.String(), "ferry.delay.orphans has RabbitMQ's default delivery limit") {
+		t.Errorf("no warning that the orphans queue drops a message looked at too often; the log:\n%s", logs)
+	}
 }
 
 // A delayed message that is later really dead-lettered (rejected by its
