@@ -276,6 +276,17 @@ func TestDelayedMessagesOfADeletedQueueDoNotBlockOthers(t *testing.T) {
 		}
 		return false
 	})
+	// A closed Broker reports nothing more (the provider let go of it).
+	must(t, b.Close())
+	var rm metricdata.ResourceMetrics
+	must(t, reader.Collect(context.Background(), &rm))
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			if g, ok := m.Data.(metricdata.Gauge[int64]); ok && m.Name == rabbit.MetricDelayOrphans && len(g.DataPoints) > 0 {
+				t.Errorf("%s still reports %d after Close", m.Name, g.DataPoints[0].Value)
+			}
+		}
+	}
 }
 
 // The orphans queue is declared with no delivery limit (RabbitMQ 4 gives a
