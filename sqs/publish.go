@@ -2,6 +2,7 @@ package sqs
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -40,8 +41,10 @@ import (
 // one was taken, in a later batch shared with other keys. When a message fails, the later messages of its
 // key in the call are not sent and fail with ErrNotSent. Failures are
 // reported in a *[consumer.PublishError], by index in msgs, each an
-// *EntryError for an entry SQS refused, or the call's error; errors.As
-// reaches the typed AWS errors inside.
+// *EntryError for an entry SQS refused, or the call's error (or, for an
+// entry the answer names neither successful nor failed, an error that
+// says so: it is not taken for sent); errors.As reaches the typed AWS
+// errors inside.
 func (b *Broker) Publish(ctx context.Context, destination string, msgs ...consumer.Message) error {
 	start := time.Now()
 	err := b.publish(ctx, destination, msgs)
@@ -250,6 +253,21 @@ func (p *publish) sendBatch(ctx context.Context, b *batch) {
 		if !ok {
 			continue
 		}
+		delete(byID, aws.ToString(f.Id))
 		p.fail(o.index, o.key, entryError(op, p.q.name, f))
 	}
+	for _, r := range out.Successful {
+		delete(byID, aws.ToString(r.Id))
+	}
+	// An entry the answer names neither way was not confirmed taken: it
+	// fails rather than pass for sent (the caller publishes it again).
+	for _, e := range entries {
+		if o, ok := byID[*e.Id]; ok {
+			p.fail(o.index, o.key, fmt.Errorf("sqs: %s to queue %q: the answer names entry %s neither successful nor failed: %w", op, p.q.name, *e.Id, errUnconfirmed))
+		}
+	}
 }
+
+// errUnconfirmed is the error of a message a SendMessageBatch answer did
+// not say it took.
+var errUnconfirmed = errors.New("not confirmed")

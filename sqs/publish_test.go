@@ -12,6 +12,7 @@ import (
 	"github.com/aws/aws-sdk-go-v2/aws"
 	awssqs "github.com/aws/aws-sdk-go-v2/service/sqs"
 	"github.com/aws/aws-sdk-go-v2/service/sqs/types"
+	"github.com/aws/smithy-go/middleware"
 
 	"github.com/ferrymq/ferry/consumer"
 	ferrysqs "github.com/ferrymq/ferry/sqs"
@@ -330,5 +331,31 @@ func TestPublishLaterMessageOfFailedKeyInSameBatchIsNotSent(t *testing.T) {
 	}
 	for _, m := range out.Messages {
 		t.Errorf("the queue holds %q: a later message of key g overtook the failed g-1", aws.ToString(m.Body))
+	}
+}
+
+// An entry that SQS's answer names neither successful nor failed is not
+// taken for sent: Publish fails it (the caller publishes it again), and
+// only it. (The answer is the real server's, with one success cut out on
+// its way back.)
+func TestPublishFailsAnEntryTheAnswerDoesNotName(t *testing.T) {
+	cut := func(stack *middleware.Stack) error {
+		return stack.Initialize.Add(middleware.InitializeMiddlewareFunc("ferry-test-cut-success",
+			func(ctx context.Context, in middleware.InitializeInput, next middleware.InitializeHandler) (middleware.InitializeOutput, middleware.Metadata, error) {
+				out, md, err := next.HandleInitialize(ctx, in)
+				if r, ok := out.Result.(*awssqs.SendMessageBatchOutput); ok && err == nil && len(r.Successful) > 1 {
+					r.Successful = r.Successful[1:]
+				}
+				return out, md, err
+			}), middleware.After)
+	}
+	c := newClient(t, nil, func(o *awssqs.Options) { o.APIOptions = append(o.APIOptions, cut) })
+	b := newBroker(t, c)
+	name, _ := createQueue(t, c, "unnamed", queueConfig{})
+	err := b.Publish(context.Background(), name,
+		consumer.Message{Body: []byte("a")}, consumer.Message{Body: []byte("b")}, consumer.Message{Body: []byte("c")})
+	var pe *consumer.PublishError
+	if !errors.As(err, &pe) || len(pe.Failed) != 1 || !strings.Contains(err.Error(), "neither successful nor failed") {
+		t.Fatalf("Publish with an entry the answer does not name = %v; want that entry alone failed, saying so", err)
 	}
 }
