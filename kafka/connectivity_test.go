@@ -13,6 +13,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -196,10 +197,11 @@ type proxy struct {
 	addr   string
 	target string
 
-	mu    sync.Mutex
-	ln    net.Listener
-	conns map[net.Conn]struct{}
-	wg    sync.WaitGroup
+	mu     sync.Mutex
+	ln     net.Listener
+	conns  map[net.Conn]struct{}
+	wg     sync.WaitGroup
+	silent atomic.Bool
 }
 
 // newProxy listens on addr ("" for any free port) and forwards to target.
@@ -243,7 +245,7 @@ func (p *proxy) listen(addr string) {
 				p.wg.Add(1)
 				go func() {
 					defer p.wg.Done()
-					_, _ = io.Copy(dir[0], dir[1])
+					p.copy(dir[0], dir[1])
 					_ = dir[0].Close()
 					_ = dir[1].Close()
 				}()
@@ -279,6 +281,27 @@ func (p *proxy) cut() {
 	for c := range p.conns {
 		_ = c.Close()
 		delete(p.conns, c)
+	}
+}
+
+// silence makes the network silent: connections stay open and dials
+// connect, and nothing goes through either way.
+func (p *proxy) silence() { p.silent.Store(true) }
+
+// copy forwards what src sends to dst until either fails, dropping it
+// while the proxy is silent.
+func (p *proxy) copy(dst, src net.Conn) {
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 && !p.silent.Load() {
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
 	}
 }
 

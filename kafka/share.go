@@ -525,9 +525,24 @@ func (d *shareDriver) Close() error {
 			}
 			s.wave, s.held = nil, 0
 		}
+		untaken := len(d.stash)
 		d.stash = nil
 		d.mu.Unlock()
 		d.wakeFetch()
+		var buffered int64
+		for _, s := range sessions {
+			buffered += s.cl.BufferedFetchRecords()
+		}
+		if untaken > 0 || buffered > 0 {
+			// Each counts one more delivery, for records that never
+			// ran: Drain hands the loop what the polls brought, so this
+			// is a Close without a Drain, or a fetch franz-go sent
+			// while its session held records (releasing warns of those
+			// on their last delivery that it sees; the buffered ones it
+			// cannot see).
+			d.log.Warn("ferry/kafka: records this share group consumer fetched and never ran are given back as it closes; each counts one more delivery, and one on the group's last delivery is archived",
+				"polled_not_taken", untaken, "fetched_not_polled", buffered)
+		}
 		d.ackMu.Lock()
 		var wg sync.WaitGroup
 		for _, s := range sessions {
@@ -541,7 +556,7 @@ func (d *shareDriver) Close() error {
 					d.log.Warn("ferry/kafka: acknowledgements not sent as the consumer stopped; their records come back when their locks run out", "err", err)
 				}
 				cancel()
-				s.cl.Close()
+				d.closeSession(s)
 			})
 		}
 		wg.Wait()
@@ -552,3 +567,29 @@ func (d *shareDriver) Close() error {
 	})
 	return nil
 }
+
+// closeSession leaves the group with s's client and closes it, waiting
+// for the leave at most leaveWithin. franz-go's leave first waits for the
+// client's requests under way, which wait for the cluster's answer (a
+// silent cluster held a Close for over a minute): past leaveWithin they
+// are cancelled, with the client's context. The member it could not take
+// out of the group drops out when its session times out, and the records
+// it held come back as their locks run out.
+func (d *shareDriver) closeSession(s *shareSession) {
+	ctx, cancel := context.WithTimeout(context.Background(), leaveWithin)
+	err := s.cl.LeaveGroupContext(ctx)
+	cancel()
+	if err != nil {
+		s.cancel()
+		if ok, left := d.warns.Allow("leave"); ok {
+			d.log.Warn("ferry/kafka: a share group member could not leave the group as the consumer stopped; the group drops it when its session times out, and the records it held come back as their locks run out",
+				"within", leaveWithin, "err", err, "unlogged", left)
+		}
+	}
+	s.cl.Close()
+	s.cancel()
+}
+
+// leaveWithin bounds how long a share group member's leave may take as
+// the consumer stops.
+const leaveWithin = 5 * time.Second

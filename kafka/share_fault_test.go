@@ -613,3 +613,42 @@ func TestShareRecordsWaitingForRoomKeepTheirLocks(t *testing.T) {
 		t.Error("giving back a record whose lock ran out succeeded")
 	}
 }
+
+// TestShareCloseIsBoundedWhenTheClusterIsSilent: a share group consumer
+// whose cluster stops answering (its connections stay open, nothing comes
+// back) closes within seconds and says at WARN that its member could not
+// leave the group; franz-go's leave waited for an answer for over a
+// minute. The record it held comes back to another member when its lock
+// runs out.
+func TestShareCloseIsBoundedWhenTheClusterIsSilent(t *testing.T) {
+	var logs syncBuffer
+	log := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	admin := newBroker(t, kafka.WithGroupProtocol(kafka.Share))
+	topic := newTopic(t, admin, "share-silent", 1)
+	group := newShareGroup(t, "share-silent", 0)
+	publishN(t, admin, topic, "r", 1)
+	p := newProxy(t, "", testenv.KafkaBrokers()[0])
+	b := newBroker(t, kafka.WithGroupProtocol(kafka.Share), kafka.WithLogger(log), kafka.WithClientOpts(p.dialer()))
+	d := shareDriverOf(t, b, topic, group, 8)
+	held := fetchN(t, d, 1)[0]
+	p.silence()
+	began := time.Now()
+	closed := make(chan struct{})
+	go func() {
+		_ = d.Close()
+		close(closed)
+	}()
+	select {
+	case <-closed:
+	case <-time.After(40 * time.Second):
+		t.Fatal("Close of a share group consumer whose cluster is silent did not return within 40 s")
+	}
+	t.Logf("Close took %s", time.Since(began))
+	if !strings.Contains(logs.String(), "could not leave the group") {
+		t.Errorf("no WARN line says the member could not leave the group; logs:\n%s", logs.String())
+	}
+	got := fetchN(t, shareDriverOf(t, admin, topic, group, 8), 1)[0]
+	if string(got.Body) != string(held.Body) || got.Deliveries != 2 {
+		t.Errorf("another member got %s on delivery %d; want %s, which the closed consumer held, on its second", got.Body, got.Deliveries, held.Body)
+	}
+}

@@ -251,14 +251,17 @@ func (d *shareDriver) Extend(ctx context.Context, handles []any, _ time.Duration
 	if len(acks) == 0 {
 		return nil
 	}
+	// The broker renews a lock when the renewal reaches it: reckoned
+	// from before it went, never after the lock really ends (the answer
+	// may take up to flushWithin).
+	sent := time.Now()
 	refused := d.send(ctx, acks)
-	now := time.Now()
 	var lost int
 	var why error
 	for _, a := range acks {
 		err, ok := refused[a.h]
 		if !ok {
-			a.h.lockUntil = now.Add(lease)
+			a.h.lockUntil = sent.Add(lease)
 			continue
 		}
 		why = err
@@ -298,8 +301,11 @@ func (d *shareDriver) freshen(ctx context.Context, hs []*shareHandle) []*shareHa
 	if len(acks) == 0 {
 		return hs
 	}
+	// The broker renews a lock when the renewal reaches it: reckoned
+	// from before it went, never after the lock really ends (the answer
+	// may take up to flushWithin).
+	sent := time.Now()
 	refused := d.send(ctx, acks)
-	now := time.Now()
 	var (
 		gone     []*shareHandle
 		releases []shareAck
@@ -308,7 +314,7 @@ func (d *shareDriver) freshen(ctx context.Context, hs []*shareHandle) []*shareHa
 		err, ok := refused[a.h]
 		switch {
 		case !ok:
-			a.h.lockUntil = now.Add(lease)
+			a.h.lockUntil = sent.Add(lease)
 		case errors.Is(err, errNotAnswered):
 			// The record may still be locked: the loop takes it, and
 			// its renewals go on from there.

@@ -5,9 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync/atomic"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/ferrymq/ferry/consumer/driver"
 )
@@ -56,7 +58,9 @@ const straggleAfter = 100 * time.Millisecond
 // shareSession is one client of a share group consumer and its last poll.
 type shareSession struct {
 	cl      *kgo.Client
-	perPoll int32 // a poll's records at most
+	cancel  context.CancelFunc // ends the client's context: its requests under way fail
+	perPoll int32              // a poll's records at most
+	fetches fetchWatch
 	// The rest is guarded by the driver's mu.
 	wave    []*shareHandle // its last poll's records
 	held    int            // of them, those not settled yet
@@ -70,7 +74,8 @@ func (s *shareSession) idle() bool { return !s.polling && s.held == 0 }
 // newSession makes the client of one session; the first is made by
 // client(), before the group is configured, the others subscribed at once.
 func (d *shareDriver) newSession(subscribe bool) (*shareSession, error) {
-	s := &shareSession{perPoll: d.bound}
+	ctx, cancel := context.WithCancel(context.Background())
+	s := &shareSession{perPoll: d.bound, cancel: cancel}
 	if subscribe {
 		s.perPoll = max(d.bound/shareSessions, 1)
 	}
@@ -82,12 +87,15 @@ func (d *shareDriver) newSession(subscribe bool) (*shareSession, error) {
 		// other members could work on it.
 		kgo.ShareMaxRecordsStrict(),
 		kgo.ShareAckCallback(func(_ *kgo.Client, rs kgo.ShareAckResults) { d.acked(s, rs) }),
+		kgo.WithHooks(&s.fetches),
+		kgo.WithContext(ctx),
 	}
 	if subscribe {
 		opts = append(opts, kgo.ConsumeTopics(d.topic))
 	}
 	cl, err := kgo.NewClient(d.b.clientOpts(&d.link, opts...)...)
 	if err != nil {
+		cancel()
 		return nil, fmt.Errorf("kafka: consumer of %q: %w", d.topic, err)
 	}
 	s.cl = cl
@@ -152,7 +160,8 @@ func (d *shareDriver) sessionFailed(err error) {
 // not be made or failed (the group may be full: group.share.max.size).
 const sessionRetry = time.Minute
 
-// stopPolling ends the sessions' polls and waits for them: what they
+// stopPolling ends the sessions' polls and waits for them, and for the
+// records their last ShareFetch requests bring after that: what they
 // brought is in the stash then. Once it began, no poll starts.
 func (d *shareDriver) stopPolling() {
 	d.mu.Lock()
@@ -160,7 +169,120 @@ func (d *shareDriver) stopPolling() {
 	d.stopPolls()
 	d.mu.Unlock()
 	d.pollers.Wait()
+	d.takeLateFetches()
 }
+
+// takeLateFetches takes into the stash the records that idle sessions'
+// ShareFetch requests brought after their polls ended.
+//
+// A poll that ends (its context cancelled) leaves its session's last
+// ShareFetch at the broker, which holds it up to the fetch's wait
+// (500 ms) for records to come. The records it brings are acquired for
+// this member, counting a delivery, and no poll takes them: the client's
+// Close gave them back, each on one more delivery, and one on the group's
+// last delivery was archived (dropped, without a dead-letter topic),
+// never run and with nothing said. So stopPolling waits, at most
+// lateFetchWait, until no ShareFetch of an idle session is unanswered,
+// and polls what they brought: Drain hands it to the loop, Close gives
+// it back with a warning.
+//
+// Only idle sessions are polled: franz-go accepts a client's unsettled
+// records of its last poll at its next one. A session holding records
+// (or one whose extra fetch franz-go sent while it held them) keeps what
+// it buffered; Close warns of it.
+func (d *shareDriver) takeLateFetches() {
+	stopped := time.Now()
+	d.mu.Lock()
+	var idle []*shareSession
+	for _, s := range d.sessions {
+		if s.idle() {
+			s.polling = true // ours: a concurrent Close (or Drain) leaves it alone
+			idle = append(idle, s)
+		}
+	}
+	d.mu.Unlock()
+	deadline := stopped.Add(lateFetchWait)
+	for _, s := range idle {
+		for !s.fetches.quiet(stopped) && time.Now().Before(deadline) {
+			time.Sleep(5 * time.Millisecond)
+		}
+		var recs []*kgo.Record
+		if s.cl.BufferedFetchRecords() > 0 {
+			// A done context: PollRecords takes what is buffered and
+			// does not wait. (Its brief poll may let franz-go send one
+			// more fetch; Close warns of what that brings.)
+			fs := s.cl.PollRecords(doneContext, int(s.perPoll))
+			fs.EachRecord(func(rec *kgo.Record) {
+				if rec.Topic == d.topic {
+					recs = append(recs, rec)
+				}
+			})
+		}
+		if len(recs) > 0 {
+			d.log.Debug("ferry/kafka: records a share group session fetched as its polls stopped go to the consumer", "count", len(recs))
+		}
+		d.polled(s, recs, pollResult{}, true)
+	}
+}
+
+// lateFetchWait is the longest stopPolling waits for the sessions' last
+// ShareFetch requests: the broker holds one up to its wait (franz-go's
+// default for share groups, 500 ms), and its answer has to get here.
+const lateFetchWait = 500*time.Millisecond + 500*time.Millisecond
+
+// doneContext is a context that is already done.
+var doneContext = func() context.Context {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	return ctx
+}()
+
+// fetchWatch is a franz-go hook of one session's client that counts its
+// ShareFetch requests the broker has not answered.
+type fetchWatch struct {
+	out       atomic.Int32 // written, not answered
+	writtenAt atomic.Int64 // unix nanoseconds of the last one written
+	readAt    atomic.Int64 // unix nanoseconds of the last answer
+}
+
+var (
+	_ kgo.HookBrokerWrite = (*fetchWatch)(nil)
+	_ kgo.HookBrokerRead  = (*fetchWatch)(nil)
+)
+
+// OnBrokerWrite counts a ShareFetch written.
+func (w *fetchWatch) OnBrokerWrite(_ kgo.BrokerMetadata, key int16, _ int, _, _ time.Duration, err error) {
+	if key == kmsg.ShareFetch.Int16() && err == nil {
+		w.writtenAt.Store(time.Now().UnixNano())
+		w.out.Add(1)
+	}
+}
+
+// OnBrokerRead counts a ShareFetch answered (or failed as it was read).
+func (w *fetchWatch) OnBrokerRead(_ kgo.BrokerMetadata, key int16, _ int, _, _ time.Duration, _ error) {
+	if key == kmsg.ShareFetch.Int16() {
+		w.readAt.Store(time.Now().UnixNano())
+		w.out.Add(-1)
+	}
+}
+
+// quiet says whether nothing more comes of the session's fetches: none
+// is unanswered, and lateMargin passed since the last answer (franz-go
+// buffers its records after it reads it) and since since (a fetch
+// franz-go let go just before a poll ended is written a moment later).
+// A fetch written long ago counts as answered: a connection that dies
+// fails its requests without reading them.
+func (w *fetchWatch) quiet(since time.Time) bool {
+	now := time.Now()
+	if now.Sub(since) < lateMargin || now.Sub(time.Unix(0, w.readAt.Load())) < lateMargin {
+		return false
+	}
+	return w.out.Load() <= 0 || now.Sub(time.Unix(0, w.writtenAt.Load())) > lateFetchWait
+}
+
+// lateMargin is how long after a ShareFetch's answer (or a poll's end)
+// stopPolling looks for its records.
+const lateMargin = 25 * time.Millisecond
 
 // pollSession polls s, in slices of pollSlice, until a poll brings records
 // or an error franz-go does not retry, or the driver stops polling; then
@@ -253,7 +375,7 @@ func (d *shareDriver) polled(s *shareSession, recs []*kgo.Record, r pollResult, 
 	if retired != nil {
 		// It holds no record: leaving gives back nothing. Its leave may
 		// retry for a while; Close waits for it, polls do not.
-		d.retiring.Go(retired.cl.Close)
+		d.retiring.Go(func() { d.closeSession(retired) })
 	}
 	d.wakeFetch()
 }
