@@ -79,6 +79,7 @@ func New(seeds []string, opts ...Option) (*Broker, error) {
 		logger:         slog.Default(),
 		commitInterval: DefaultCommitInterval,
 		revokeWait:     DefaultRevokeWait,
+		kgoContext:     context.Background(),
 	}
 	for _, o := range opts {
 		if o == nil {

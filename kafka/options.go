@@ -1,6 +1,7 @@
 package kafka
 
 import (
+	"context"
 	"crypto/tls"
 	"fmt"
 	"log/slog"
@@ -78,11 +79,14 @@ type config struct {
 	instanceID      string // WithInstanceID
 	rebalanceTO     time.Duration
 	kgoRebalanceTO  time.Duration // kgo.RebalanceTimeout in kopts (franz-go's default when absent)
-	tls             *tls.Config   // WithTLS
-	dial            *dialer       // the Broker's own dialer; nil when kopts bring one
-	commitHook      func(CommitEvent)
-	rebalanceHook   func(RebalanceEvent)
-	meters          metric.MeterProvider
+	// kgoContext is kgo.WithContext in kopts (context.Background when
+	// absent): share group sessions derive their clients' contexts from it.
+	kgoContext    context.Context
+	tls           *tls.Config // WithTLS
+	dial          *dialer     // the Broker's own dialer; nil when kopts bring one
+	commitHook    func(CommitEvent)
+	rebalanceHook func(RebalanceEvent)
+	meters        metric.MeterProvider
 }
 
 // WithMeterProvider sets where Publish reports its calls, as the
@@ -404,6 +408,9 @@ func checkClientOpts(seeds []string, c *config) error {
 		return refuse("kgo.AutoCommitInterval", "Ferry commits itself; use WithCommitInterval")
 	}
 	c.kgoRebalanceTO, _ = cl.OptValue(kgo.RebalanceTimeout).(time.Duration)
+	if ctx, ok := cl.OptValue(kgo.WithContext).(context.Context); ok && ctx != nil {
+		c.kgoContext = ctx
+	}
 	if b, _ := cl.OptValue(kgo.ManualFlushing).(bool); b {
 		return refuse("kgo.ManualFlushing", "Publish returns once its records are durable, and nothing would ever flush them")
 	}

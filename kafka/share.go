@@ -59,6 +59,9 @@ type shareDriver struct {
 	// records; zero while one is idle or polling.
 	busySince    time.Time
 	pollsStopped bool // stopPolling began: no poll starts
+	// lateMu makes the takeLateFetches of a Drain and of a Close take
+	// turns.
+	lateMu sync.Mutex
 
 	wake      chan struct{}      // a poll ended or a session became idle (a Fetch may wait on it)
 	pollCtx   context.Context    // the sessions' polls run until it ends (Drain, Close)
@@ -531,6 +534,10 @@ func (d *shareDriver) Close() error {
 		d.wakeFetch()
 		var buffered int64
 		for _, s := range sessions {
+			// A fetch that is still out is counted once it is here.
+			for wait := time.Now().Add(lateFetchWait); !s.fetches.quiet(time.Time{}) && time.Now().Before(wait); {
+				time.Sleep(5 * time.Millisecond)
+			}
 			buffered += s.cl.BufferedFetchRecords()
 		}
 		if untaken > 0 || buffered > 0 {
@@ -582,7 +589,7 @@ func (d *shareDriver) closeSession(s *shareSession) {
 	if err != nil {
 		s.cancel()
 		if ok, left := d.warns.Allow("leave"); ok {
-			d.log.Warn("ferry/kafka: a share group member could not leave the group as the consumer stopped; the group drops it when its session times out, and the records it held come back as their locks run out",
+			d.log.Warn("ferry/kafka: a share group member could not leave the group; the group drops it when its session times out, and the records it held come back as their locks run out",
 				"within", leaveWithin, "err", err, "unlogged", left)
 		}
 	}

@@ -74,7 +74,9 @@ func (s *shareSession) idle() bool { return !s.polling && s.held == 0 }
 // newSession makes the client of one session; the first is made by
 // client(), before the group is configured, the others subscribed at once.
 func (d *shareDriver) newSession(subscribe bool) (*shareSession, error) {
-	ctx, cancel := context.WithCancel(context.Background())
+	// The client's context (the user's kgo.WithContext, if any): Close
+	// ends it once a leave has waited long enough.
+	ctx, cancel := context.WithCancel(d.b.cfg.kgoContext)
 	s := &shareSession{perPoll: d.bound, cancel: cancel}
 	if subscribe {
 		s.perPoll = max(d.bound/shareSessions, 1)
@@ -88,6 +90,7 @@ func (d *shareDriver) newSession(subscribe bool) (*shareSession, error) {
 		kgo.ShareMaxRecordsStrict(),
 		kgo.ShareAckCallback(func(_ *kgo.Client, rs kgo.ShareAckResults) { d.acked(s, rs) }),
 		kgo.WithHooks(&s.fetches),
+		kgo.FetchMaxWait(shareFetchWait),
 		kgo.WithContext(ctx),
 	}
 	if subscribe {
@@ -177,46 +180,56 @@ func (d *shareDriver) stopPolling() {
 //
 // A poll that ends (its context cancelled) leaves its session's last
 // ShareFetch at the broker, which holds it up to the fetch's wait
-// (500 ms) for records to come. The records it brings are acquired for
-// this member, counting a delivery, and no poll takes them: the client's
-// Close gave them back, each on one more delivery, and one on the group's
-// last delivery was archived (dropped, without a dead-letter topic),
-// never run and with nothing said. So stopPolling waits, at most
-// lateFetchWait, until no ShareFetch of an idle session is unanswered,
-// and polls what they brought: Drain hands it to the loop, Close gives
-// it back with a warning.
+// (shareFetchWait) for records to come. The records it brings are
+// acquired for this member, counting a delivery, and no poll takes them:
+// the client's Close gave them back, each on one more delivery, and one on
+// the group's last delivery was archived (dropped, without a dead-letter
+// topic), never run and with nothing said. So stopPolling waits, at most
+// lateFetchWait, until no ShareFetch of an idle session is unanswered and
+// nothing more has come for lateMargin, and polls what they brought:
+// Drain hands it to the loop, Close gives it back with a warning.
 //
-// Only idle sessions are polled: franz-go accepts a client's unsettled
-// records of its last poll at its next one. A session holding records
-// (or one whose extra fetch franz-go sent while it held them) keeps what
-// it buffered; Close warns of it.
+// Only idle sessions are polled, and one only until a poll brings it
+// records: franz-go accepts a client's unsettled records of its last poll
+// at its next one. A session holding records (or one whose extra fetch
+// franz-go sent while it held them, or that the brief poll here let go)
+// keeps what it buffered; Close warns of it. A Drain and a Close at once
+// (a Broker closed while its consumer stops) take turns here.
 func (d *shareDriver) takeLateFetches() {
-	stopped := time.Now()
+	d.lateMu.Lock()
+	defer d.lateMu.Unlock()
 	d.mu.Lock()
 	var idle []*shareSession
 	for _, s := range d.sessions {
 		if s.idle() {
-			s.polling = true // ours: a concurrent Close (or Drain) leaves it alone
+			s.polling = true // taken: nothing else polls it or counts it idle
 			idle = append(idle, s)
 		}
 	}
 	d.mu.Unlock()
-	deadline := stopped.Add(lateFetchWait)
+	deadline := time.Now().Add(lateFetchWait)
 	for _, s := range idle {
-		for !s.fetches.quiet(stopped) && time.Now().Before(deadline) {
-			time.Sleep(5 * time.Millisecond)
-		}
+		since := time.Now()
 		var recs []*kgo.Record
-		if s.cl.BufferedFetchRecords() > 0 {
+		for len(recs) == 0 && time.Now().Before(deadline) {
+			if s.cl.BufferedFetchRecords() == 0 {
+				if s.fetches.quiet(since) {
+					break
+				}
+				time.Sleep(5 * time.Millisecond)
+				continue
+			}
 			// A done context: PollRecords takes what is buffered and
-			// does not wait. (Its brief poll may let franz-go send one
-			// more fetch; Close warns of what that brings.)
-			fs := s.cl.PollRecords(doneContext, int(s.perPoll))
-			fs.EachRecord(func(rec *kgo.Record) {
+			// does not wait. It finds nothing when franz-go counted
+			// the records before it made them ready: then again.
+			s.cl.PollRecords(doneContext, int(s.perPoll)).EachRecord(func(rec *kgo.Record) {
 				if rec.Topic == d.topic {
 					recs = append(recs, rec)
+				} else {
+					rec.Ack(kgo.AckRelease) // not ours (never, today)
 				}
 			})
+			since = time.Now()
 		}
 		if len(recs) > 0 {
 			d.log.Debug("ferry/kafka: records a share group session fetched as its polls stopped go to the consumer", "count", len(recs))
@@ -225,10 +238,15 @@ func (d *shareDriver) takeLateFetches() {
 	}
 }
 
+// shareFetchWait is how long the broker holds a share group session's
+// ShareFetch for records to come (kgo.FetchMaxWait, set on every session:
+// franz-go's default for share groups).
+const shareFetchWait = 500 * time.Millisecond
+
 // lateFetchWait is the longest stopPolling waits for the sessions' last
-// ShareFetch requests: the broker holds one up to its wait (franz-go's
-// default for share groups, 500 ms), and its answer has to get here.
-const lateFetchWait = 500*time.Millisecond + 500*time.Millisecond
+// ShareFetch requests: the broker holds one up to shareFetchWait, and its
+// answer has to get here.
+const lateFetchWait = shareFetchWait + 500*time.Millisecond
 
 // doneContext is a context that is already done.
 var doneContext = func() context.Context {
@@ -268,10 +286,11 @@ func (w *fetchWatch) OnBrokerRead(_ kgo.BrokerMetadata, key int16, _ int, _, _ t
 
 // quiet says whether nothing more comes of the session's fetches: none
 // is unanswered, and lateMargin passed since the last answer (franz-go
-// buffers its records after it reads it) and since since (a fetch
-// franz-go let go just before a poll ended is written a moment later).
-// A fetch written long ago counts as answered: a connection that dies
-// fails its requests without reading them.
+// decodes it and buffers its records after the read) and since since (a
+// fetch franz-go let go just before a poll ended is written a moment
+// later). A fetch written longer ago than lateFetchWait counts as
+// answered: a request queued behind one whose connection died is failed
+// without a read, and would count as unanswered for ever.
 func (w *fetchWatch) quiet(since time.Time) bool {
 	now := time.Now()
 	if now.Sub(since) < lateMargin || now.Sub(time.Unix(0, w.readAt.Load())) < lateMargin {
@@ -282,7 +301,7 @@ func (w *fetchWatch) quiet(since time.Time) bool {
 
 // lateMargin is how long after a ShareFetch's answer (or a poll's end)
 // stopPolling looks for its records.
-const lateMargin = 25 * time.Millisecond
+const lateMargin = 50 * time.Millisecond
 
 // pollSession polls s, in slices of pollSlice, until a poll brings records
 // or an error franz-go does not retry, or the driver stops polling; then

@@ -334,7 +334,9 @@ type Lag struct {
 // broker already sent would otherwise go back to it, each counting a
 // delivery. Drain stops the broker from sending more and appends to dst
 // those already received and not yet fetched, without waiting for new
-// ones. The loop calls it once, after its last Fetch returned, when its
+// ones (a Kafka share group consumer waits, up to a second, for what its
+// requests still at the broker bring: those records are acquired for it
+// already). The loop calls it once, after its last Fetch returned, when its
 // context ends, and runs what it returns within its shutdown grace like
 // any fetched delivery. What it returns fits the in-flight bound, as a
 // prefetch sized from it does (a Kafka share group consumer whose records
