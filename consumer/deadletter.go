@@ -285,6 +285,25 @@ func (d *DeadLetter) handle(ctx context.Context, m *Message, next Handler) error
 	return d.deadLetter(ctx, m, rec, reason, err)
 }
 
+// Send dead-letters m now, with its story, as if its last run had failed
+// with cause: reason "permanent" when cause is permanent (IsPermanent),
+// "max-attempts" otherwise. It is for middleware that decides a message's
+// runs are over by a rule of its own, such as the Kafka adapter's retry
+// topics on their last tier. It returns nil once the message is published,
+// and a *DeadLetterError when the publish failed (the message should then
+// stay unacknowledged).
+func (d *DeadLetter) Send(ctx context.Context, m *Message, cause error) error {
+	if cause == nil {
+		return ConfigErrorf("DeadLetter.Send", "needs the error that ended the message's runs")
+	}
+	ctx, rec := withRecord(ctx)
+	reason := DLQReasonMaxAttempts
+	if IsPermanent(cause) {
+		reason = DLQReasonPermanent
+	}
+	return d.deadLetter(ctx, m, rec, reason, cause)
+}
+
 func (d *DeadLetter) deadLetter(ctx context.Context, m *Message, rec *record, reason string, cause error) error {
 	if ra, ok := cause.(*RetryAfterError); ok {
 		cause = ra.Err // Retry's way of giving the message back, not the story

@@ -315,3 +315,40 @@ func TestErrorHeadersClassifyAndCut(t *testing.T) {
 		t.Errorf("cut to %d bytes, valid prefix: %v", len(cut), strings.HasPrefix(long, cut))
 	}
 }
+
+// TestDeadLetterSendDeadLettersNowWithItsStory: Send publishes the message
+// at once, whatever its attempts, with reason max-attempts for an
+// ordinary error and permanent for a permanent one; a failed publish is a
+// *DeadLetterError, and Send without a cause is refused.
+func TestDeadLetterSendDeadLettersNowWithItsStory(t *testing.T) {
+	pub := &recordingPublisher{}
+	d := mustDeadLetter(t, pub)
+	m := Message{ID: "m-1", Key: "k", Body: []byte("b"), Source: "orders", Offset: 7, Attempt: 2}
+	if err := d.Send(context.Background(), &m, errors.New("down")); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Send(context.Background(), &m, Permanent(errors.New("bad"))); err != nil {
+		t.Fatal(err)
+	}
+	if len(pub.got) != 2 || d.Count() != 2 {
+		t.Fatalf("published %d, counted %d; want 2 and 2", len(pub.got), d.Count())
+	}
+	for i, want := range []map[string]string{
+		{HeaderDLQReason: DLQReasonMaxAttempts, HeaderDLQAttempts: "2", HeaderDLQSource: "orders", HeaderDLQOffset: "7", HeaderDLQError: "down"},
+		{HeaderDLQReason: DLQReasonPermanent, HeaderDLQErrorKind: "permanent"},
+	} {
+		for k, v := range want {
+			if got := pub.got[i].Headers[k]; got != v {
+				t.Errorf("dead letter %d: %s = %q, want %q", i+1, k, got, v)
+			}
+		}
+	}
+	pub.down = true
+	var dle *DeadLetterError
+	if err := d.Send(context.Background(), &m, errors.New("down")); !errors.As(err, &dle) {
+		t.Errorf("Send with the destination down: %v, want a *DeadLetterError", err)
+	}
+	if err := d.Send(context.Background(), &m, nil); !errors.Is(err, ErrInvalidConfig) {
+		t.Errorf("Send without a cause: %v, want a configuration error", err)
+	}
+}

@@ -113,6 +113,9 @@ func (l *Loop) signalSpace() {
 // Name is the consumer's name, as set by WithName.
 func (l *Loop) Name() string { return l.cfg.name }
 
+// Ordering is what the loop keeps in order, as set by WithOrdering.
+func (l *Loop) Ordering() Ordering { return l.cfg.ordering }
+
 // MaxInFlight is the most messages the loop holds unsettled at once, as set
 // by WithMaxInFlight (default four times the concurrency). A driver whose
 // broker pushes deliveries (an AMQP prefetch) is sized from it before Run.

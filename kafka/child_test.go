@@ -3,6 +3,7 @@ package kafka_test
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -34,6 +35,9 @@ const (
 	childBlockEnv   = "FERRY_KAFKA_TEST_CHILD_BLOCK_AFTER"
 	childSessionEnv = "FERRY_KAFKA_TEST_CHILD_SESSION"
 	childProtoEnv   = "FERRY_KAFKA_TEST_CHILD_PROTOCOL"
+	// childRetryEnv makes the child run a retrying consumer (see
+	// runRetryChild).
+	childRetryEnv = "FERRY_KAFKA_TEST_CHILD_RETRY"
 )
 
 func runChild() int {
@@ -74,6 +78,9 @@ func runChild() int {
 		fmt.Fprintln(os.Stderr, "child:", err)
 		return 2
 	}
+	if os.Getenv(childRetryEnv) != "" {
+		return runRetryChild(b, log, out)
+	}
 	c, err := b.NewConsumer(context.Background(), os.Getenv(childTopicEnv), consumer.WithName(os.Getenv(childGroupEnv)),
 		consumer.WithConcurrency(4), consumer.WithLogger(log))
 	if err != nil {
@@ -113,11 +120,49 @@ type child struct {
 	done    chan struct{}
 }
 
-func startChild(t *testing.T, proto kafka.GroupProtocol, topic, group string, blockAfter int, session time.Duration) *child {
+// runRetryChild runs a retrying consumer (retryChildConfig) of the
+// child's topic whose handler fails every record on the topic itself, so
+// that each goes to the first tier, and handles it there, printing "S
+// body"; its blockAfter-th run on a tier prints "B 0 0" and blocks.
+func runRetryChild(b *kafka.Broker, log *slog.Logger, out func(string, ...any)) int {
+	topic := os.Getenv(childTopicEnv)
+	rc, err := b.NewRetryingConsumer(context.Background(), topic, retryChildConfig(topic),
+		consumer.WithName(os.Getenv(childGroupEnv)), consumer.WithConcurrency(4), consumer.WithLogger(log))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 2
+	}
+	blockAfter, _ := strconv.Atoi(os.Getenv(childBlockEnv))
+	var n atomic.Int64
+	err = rc.Run(context.Background(), consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
+		if m.Source == topic {
+			return errors.New("fails on the topic")
+		}
+		if n.Add(1) == int64(blockAfter) {
+			out("B 0 0")
+			<-ctx.Done()
+			return ctx.Err()
+		}
+		time.Sleep(5 * time.Millisecond)
+		out("S %s", m.Body)
+		return nil
+	}))
+	fmt.Fprintln(os.Stderr, "child: Run returned", err)
+	return 1
+}
+
+// startRetryChild starts a child running runRetryChild, in classic groups
+// whose sessions time out in 6 s.
+func startRetryChild(t *testing.T, topic, group string, blockAfter int) *child {
+	return startChild(t, kafka.Classic, topic, group, blockAfter, 6*time.Second, childRetryEnv+"=1")
+}
+
+func startChild(t *testing.T, proto kafka.GroupProtocol, topic, group string, blockAfter int, session time.Duration, env ...string) *child {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), childEnv+"=1", childTopicEnv+"="+topic, childGroupEnv+"="+group,
 		childBlockEnv+"="+strconv.Itoa(blockAfter), childSessionEnv+"="+session.String(), childProtoEnv+"="+proto.String())
+	cmd.Env = append(cmd.Env, env...)
 	cmd.Stderr = t.Output()
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {

@@ -98,6 +98,37 @@
 //     consumer took yet, so that the loop's Health adds them up to the same
 //     number; OldestAge is the age of the oldest unfinished record.
 //
+// # Retry topics: failures that do not hold their partition
+//
+// A record whose handler fails is retried in place: its partition waits
+// for it, which keeps the partition's order. Where order matters less than
+// the partition going on, [Broker.NewRetryingConsumer] runs a consumer
+// with retry topics (as Spring Kafka's retryable topics do): a record
+// whose runs failed (the handler's own [consumer.Retry] spent) is
+// published to the retry topic of the first delay tier, and its partition
+// goes on. A consumer of each tier, running the same handler, runs it once
+// the tier's delay has passed since it was sent there (the record waits in
+// its tier's loop, deferred, without a run); a failure sends it to the next
+// tier, and a failure on the last tier, or a permanent one anywhere, to the
+// dead-letter topic, through a [consumer.DeadLetter] whose headers name the
+// topic the record was first consumed from and count every run it had.
+// The HeaderRetry headers travel with it: tier, due time, runs so far,
+// origin partition and offset, first failure, last error. A record held by
+// an open breaker stays where it is, so an outage pauses consumption rather
+// than running the records through the tiers.
+//
+// Each hop publishes the record to the next topic before it acknowledges
+// it where it was: a consumer killed between the two runs it again (at
+// least once, as everywhere in Ferry), and loses nothing. Records overtake
+// a record in the tiers, later records of its key included: the consumer
+// refuses to start with an ordering that keeps order unless
+// RetryTopics.GiveUpOrder says so. The retry topics and the dead-letter
+// topic are made, with the topic's partition count, if they do not exist.
+// Each tier's consumer is a [consumer.Loop] of its own (Loops: for Health,
+// Lag and metrics), named after the consumer; a tier's lag counts the
+// records waiting out their delay. Each hop is logged at WARN (a few a
+// minute) and counted in the publish metrics of its retry topic.
+//
 // # Share groups: Kafka as a queue
 //
 // With [WithGroupProtocol]([Share]) (group_protocol=share in a URL), every

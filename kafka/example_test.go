@@ -173,3 +173,25 @@ func ExampleWithInstanceID() {
 	fmt.Println(errors.As(err, &ce), ce.Field)
 	// Output: true InstanceID
 }
+
+// A consumer whose failing records go to retry topics, and whose
+// partitions go on: one retry topic per delay, then the dead-letter topic.
+// The handler keeps its own Retry for quick retries in process.
+func ExampleBroker_NewRetryingConsumer() {
+	b, err := kafka.New([]string{"127.0.0.1:9092"})
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer b.Close()
+	rc, err := b.NewRetryingConsumer(context.Background(), "payments", kafka.RetryTopics{
+		Delays:          []time.Duration{30 * time.Second, 5 * time.Minute},
+		DeadLetterTopic: "payments.dlq",
+		GiveUpOrder:     true, // a record in a retry topic is overtaken by later ones
+	}, consumer.WithName("ledger"))
+	if err != nil {
+		log.Fatal(err)
+	}
+	// Then: rc.Run(ctx, retry.Wrap(handler)), with retry a consumer.Retry.
+	fmt.Println(rc.Topics(), len(rc.Loops()))
+	// Output: [payments.retry.1 payments.retry.2] 3
+}
