@@ -48,6 +48,24 @@ type chainParts struct {
 type retrier interface{ retrier() *Retry }
 type deadLetterer interface{ deadLetterer() *DeadLetter }
 
+// Parts is the middleware a handler chain holds, as the loop finds it
+// (through the Unwrap methods of its layers), outermost first, each once.
+type Parts struct {
+	Breakers    []*Breaker
+	Retries     []*Retry
+	DeadLetters []*DeadLetter
+}
+
+// Inspect returns the middleware in h's chain, for a layer of one's own
+// that must know it (the Kafka adapter's retry topics keep a record in
+// place while a breaker of the chain is not closed). It fails, with a
+// *ConfigError, on what Run refuses: a nil handler, or a chain with a nil
+// handler inside.
+func Inspect(h Handler) (Parts, error) {
+	p, err := inspectChain(h)
+	return Parts{Breakers: p.breakers, Retries: p.retries, DeadLetters: p.deadLetters}, err
+}
+
 // inspectChain walks h down its Unwrap methods, refusing a nil layer, and
 // returns the breakers, retries and dead-letter middleware in it, outermost
 // first, each once.

@@ -60,3 +60,25 @@ func TestStackLiteralWithNilPartsWrapsWithTheOthers(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestInspectFindsTheChainsMiddleware: Inspect returns the breakers,
+// retries and dead letters of a chain, outermost first, and refuses what
+// Run refuses.
+func TestInspectFindsTheChainsMiddleware(t *testing.T) {
+	pub := &recordingPublisher{}
+	stack, err := Standard(pub, "orders-dlq")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := Inspect(stack.Wrap(HandlerFunc(func(context.Context, *Message) error { return nil })))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(p.Breakers) != 1 || p.Breakers[0] != stack.Breaker || len(p.Retries) != 1 || p.Retries[0] != stack.Retry ||
+		len(p.DeadLetters) != 1 || p.DeadLetters[0] != stack.DeadLetter {
+		t.Errorf("Inspect(Standard) = %+v; want its Breaker, Retry and DeadLetter", p)
+	}
+	if _, err := Inspect(stack.Wrap(nil)); !errors.Is(err, ErrInvalidConfig) {
+		t.Errorf("Inspect of a chain around nil: %v, want a configuration error", err)
+	}
+}

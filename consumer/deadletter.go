@@ -287,16 +287,21 @@ func (d *DeadLetter) handle(ctx context.Context, m *Message, next Handler) error
 
 // Send dead-letters m now, with its story, as if its last run had failed
 // with cause: reason "permanent" when cause is permanent (IsPermanent),
-// "max-attempts" otherwise. It is for middleware that decides a message's
-// runs are over by a rule of its own, such as the Kafka adapter's retry
-// topics on their last tier. It returns nil once the message is published,
-// and a *DeadLetterError when the publish failed (the message should then
-// stay unacknowledged).
-func (d *DeadLetter) Send(ctx context.Context, m *Message, cause error) error {
+// "max-attempts" otherwise. firstFailure, when not zero, is when the
+// message first failed, where its runs began before the ones this process
+// saw (HeaderDLQFirstFailure); zero takes it from the runs seen. It is for
+// middleware that decides a message's runs are over by a rule of its own,
+// such as the Kafka adapter's retry topics on their last tier. It returns
+// nil once the message is published, and a *DeadLetterError when the
+// publish failed (the message should then stay unacknowledged).
+func (d *DeadLetter) Send(ctx context.Context, m *Message, cause error, firstFailure time.Time) error {
 	if cause == nil {
 		return ConfigErrorf("DeadLetter.Send", "needs the error that ended the message's runs")
 	}
 	ctx, rec := withRecord(ctx)
+	if !firstFailure.IsZero() && (rec.first.IsZero() || firstFailure.Before(rec.first)) {
+		rec.first = firstFailure
+	}
 	reason := DLQReasonMaxAttempts
 	if IsPermanent(cause) {
 		reason = DLQReasonPermanent

@@ -318,23 +318,26 @@ func TestErrorHeadersClassifyAndCut(t *testing.T) {
 
 // TestDeadLetterSendDeadLettersNowWithItsStory: Send publishes the message
 // at once, whatever its attempts, with reason max-attempts for an
-// ordinary error and permanent for a permanent one; a failed publish is a
+// ordinary error and permanent for a permanent one, and the first failure
+// it is given; a failed publish is a
 // *DeadLetterError, and Send without a cause is refused.
 func TestDeadLetterSendDeadLettersNowWithItsStory(t *testing.T) {
 	pub := &recordingPublisher{}
 	d := mustDeadLetter(t, pub)
 	m := Message{ID: "m-1", Key: "k", Body: []byte("b"), Source: "orders", Offset: 7, Attempt: 2}
-	if err := d.Send(context.Background(), &m, errors.New("down")); err != nil {
+	first := time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
+	if err := d.Send(context.Background(), &m, errors.New("down"), first); err != nil {
 		t.Fatal(err)
 	}
-	if err := d.Send(context.Background(), &m, Permanent(errors.New("bad"))); err != nil {
+	if err := d.Send(context.Background(), &m, Permanent(errors.New("bad")), time.Time{}); err != nil {
 		t.Fatal(err)
 	}
 	if len(pub.got) != 2 || d.Count() != 2 {
 		t.Fatalf("published %d, counted %d; want 2 and 2", len(pub.got), d.Count())
 	}
 	for i, want := range []map[string]string{
-		{HeaderDLQReason: DLQReasonMaxAttempts, HeaderDLQAttempts: "2", HeaderDLQSource: "orders", HeaderDLQOffset: "7", HeaderDLQError: "down"},
+		{HeaderDLQReason: DLQReasonMaxAttempts, HeaderDLQAttempts: "2", HeaderDLQSource: "orders", HeaderDLQOffset: "7", HeaderDLQError: "down",
+			HeaderDLQFirstFailure: first.Format(time.RFC3339Nano)},
 		{HeaderDLQReason: DLQReasonPermanent, HeaderDLQErrorKind: "permanent"},
 	} {
 		for k, v := range want {
@@ -345,10 +348,10 @@ func TestDeadLetterSendDeadLettersNowWithItsStory(t *testing.T) {
 	}
 	pub.down = true
 	var dle *DeadLetterError
-	if err := d.Send(context.Background(), &m, errors.New("down")); !errors.As(err, &dle) {
+	if err := d.Send(context.Background(), &m, errors.New("down"), time.Time{}); !errors.As(err, &dle) {
 		t.Errorf("Send with the destination down: %v, want a *DeadLetterError", err)
 	}
-	if err := d.Send(context.Background(), &m, nil); !errors.Is(err, ErrInvalidConfig) {
+	if err := d.Send(context.Background(), &m, nil, time.Time{}); !errors.Is(err, ErrInvalidConfig) {
 		t.Errorf("Send without a cause: %v, want a configuration error", err)
 	}
 }

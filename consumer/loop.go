@@ -116,6 +116,10 @@ func (l *Loop) Name() string { return l.cfg.name }
 // Ordering is what the loop keeps in order, as set by WithOrdering.
 func (l *Loop) Ordering() Ordering { return l.cfg.ordering }
 
+// DeliveryMode is when the loop acknowledges a message, as set by
+// WithDeliveryMode.
+func (l *Loop) DeliveryMode() DeliveryMode { return l.cfg.mode }
+
 // MaxInFlight is the most messages the loop holds unsettled at once, as set
 // by WithMaxInFlight (default four times the concurrency). A driver whose
 // broker pushes deliveries (an AMQP prefetch) is sized from it before Run.

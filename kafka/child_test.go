@@ -121,9 +121,10 @@ type child struct {
 }
 
 // runRetryChild runs a retrying consumer (retryChildConfig) of the
-// child's topic whose handler fails every record on the topic itself, so
-// that each goes to the first tier, and handles it there, printing "S
-// body"; its blockAfter-th run on a tier prints "B 0 0" and blocks.
+// child's topic whose handler fails every record on the topic and on the
+// first tier, so that each goes on to the second, and handles it there,
+// printing "S body"; its blockAfter-th run there prints "B 0 0" and
+// blocks.
 func runRetryChild(b *kafka.Broker, log *slog.Logger, out func(string, ...any)) int {
 	topic := os.Getenv(childTopicEnv)
 	rc, err := b.NewRetryingConsumer(context.Background(), topic, retryChildConfig(topic),
@@ -135,8 +136,8 @@ func runRetryChild(b *kafka.Broker, log *slog.Logger, out func(string, ...any)) 
 	blockAfter, _ := strconv.Atoi(os.Getenv(childBlockEnv))
 	var n atomic.Int64
 	err = rc.Run(context.Background(), consumer.HandlerFunc(func(ctx context.Context, m *consumer.Message) error {
-		if m.Source == topic {
-			return errors.New("fails on the topic")
+		if m.Source != rc.Topics()[1] {
+			return errors.New("fails before the last tier")
 		}
 		if n.Add(1) == int64(blockAfter) {
 			out("B 0 0")

@@ -113,9 +113,13 @@
 // dead-letter topic, through a [consumer.DeadLetter] whose headers name the
 // topic the record was first consumed from and count every run it had.
 // The HeaderRetry headers travel with it: tier, due time, runs so far,
-// origin partition and offset, first failure, last error. A record held by
-// an open breaker stays where it is, so an outage pauses consumption rather
-// than running the records through the tiers.
+// origin partition, offset and publish time, first failure, last error. A
+// record held by an open breaker stays where it is, and so does one whose
+// run failed while a breaker of the handler's chain is not closed (the
+// failure that opened it, a failed half-open trial): an outage pauses
+// consumption rather than running the records through the tiers into the
+// dead-letter topic. The handler brings its own Retry, Breaker and Timeout
+// but no DeadLetter (Run refuses one): the consumer dead-letters.
 //
 // Each hop publishes the record to the next topic before it acknowledges
 // it where it was: a consumer killed between the two runs it again (at
@@ -126,8 +130,11 @@
 // topic are made, with the topic's partition count, if they do not exist.
 // Each tier's consumer is a [consumer.Loop] of its own (Loops: for Health,
 // Lag and metrics), named after the consumer; a tier's lag counts the
-// records waiting out their delay. Each hop is logged at WARN (a few a
-// minute) and counted in the publish metrics of its retry topic.
+// records waiting out their delay. The topic's loop reports the handler's
+// middleware (retries, breakers, the dead letters) in its Health and
+// metrics, once; the tiers' loops their own figures. Each hop is logged at
+// WARN (a few a minute) and counted in the publish metrics of its retry
+// topic. Not on share groups, and not at most once: both are refused.
 //
 // # Share groups: Kafka as a queue
 //

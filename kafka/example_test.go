@@ -193,5 +193,8 @@ func ExampleBroker_NewRetryingConsumer() {
 	}
 	// Then: rc.Run(ctx, retry.Wrap(handler)), with retry a consumer.Retry.
 	fmt.Println(rc.Topics(), len(rc.Loops()))
+	for _, t := range append(rc.Topics(), "payments.dlq") {
+		_ = b.DeleteTopic(context.Background(), t) // the example's own, made above
+	}
 	// Output: [payments.retry.1 payments.retry.2] 3
 }

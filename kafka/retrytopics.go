@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"maps"
 	"math"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -37,6 +38,10 @@ const (
 	HeaderRetryOriginPartition = "ferry-retry-origin-partition"
 	// HeaderRetryOriginOffset is its offset there, in decimal.
 	HeaderRetryOriginOffset = "ferry-retry-origin-offset"
+	// HeaderRetryOriginPublishedAt is when Kafka took the record on the
+	// topic it was first consumed from, RFC 3339 with nanoseconds, UTC
+	// (absent where the record had no timestamp).
+	HeaderRetryOriginPublishedAt = "ferry-retry-origin-published-at"
 	// HeaderRetryFirstFailure is when the record was first sent to a retry
 	// topic (its runs on the origin topic had failed), RFC 3339 with
 	// nanoseconds, UTC.
@@ -55,11 +60,18 @@ const (
 // failure on the last tier to the dead-letter topic, with its story. A
 // permanent failure ([consumer.Permanent]) goes to the dead-letter topic
 // at once. A record held by an open breaker stays where it is: an outage
-// pauses consumption rather than running through the tiers.
+// pauses consumption rather than running through the tiers: a record
+// whose run failed while a breaker of the handler's chain is not closed
+// (the failure that opened it, a failed half-open trial) stays where it
+// is too, retried in place.
 //
 // The records behind a record sent to a tier overtake it, and so do later
 // records of its key: retry topics give up order, and Ferry makes you say
-// so (GiveUpOrder) unless the consumer is [consumer.Unordered].
+// so (GiveUpOrder) unless the consumer is [consumer.Unordered]. They run
+// on consumer groups (not share groups, whose broker redelivers by
+// itself) and at least once (an at-most-once ack before the run would
+// lose the records a tier defers). A tier's delay should stay well within
+// the retention of its topic.
 type RetryTopics struct {
 	// Delays are the tiers' delays, in order: one retry topic each. At
 	// least one; each above zero, and well within the retry topics'
@@ -104,10 +116,16 @@ type retryTier struct {
 // holding their partition. opts configure every loop (WithName is
 // required; each tier's consumer is named after it). It makes the retry
 // topics and the dead-letter topic that do not exist yet, with topic's
-// partition count. It fails with a *consumer.ConfigError naming the
-// problem: no delays, a delay not above zero, no dead-letter topic, an
-// ordering kept without GiveUpOrder, or what NewConsumer refuses.
+// partition count (one when topic does not exist yet), and warns of a
+// retry topic with fewer partitions than topic. It fails with a
+// *consumer.ConfigError naming the problem: no delays, a delay not above
+// zero, no dead-letter topic or topic's own, a share group Broker,
+// at-most-once delivery, an ordering kept without GiveUpOrder, or what
+// NewConsumer refuses.
 func (b *Broker) NewRetryingConsumer(ctx context.Context, topic string, cfg RetryTopics, opts ...consumer.Option) (*RetryingConsumer, error) {
+	if b.cfg.protocol == Share {
+		return nil, consumer.ConfigErrorf("RetryTopics", "not on a share group Broker: its broker redelivers a record by itself, counting deliveries, and a record waiting in a tier would spend them")
+	}
 	if len(cfg.Delays) == 0 {
 		return nil, consumer.ConfigErrorf("RetryTopics.Delays", "needs at least one tier")
 	}
@@ -116,23 +134,14 @@ func (b *Broker) NewRetryingConsumer(ctx context.Context, topic string, cfg Retr
 			return nil, consumer.ConfigErrorf("RetryTopics.Delays", "tier %d: must be above zero, got %s", i+1, d)
 		}
 	}
-	if cfg.DeadLetterTopic == "" {
-		return nil, consumer.ConfigErrorf("RetryTopics.DeadLetterTopic", "must not be empty")
+	if cfg.DeadLetterTopic == "" || cfg.DeadLetterTopic == topic {
+		return nil, consumer.ConfigErrorf("RetryTopics.DeadLetterTopic", "must be set, and not to the topic consumed (%q)", topic)
 	}
 	name := cfg.TopicName
 	if name == nil {
 		name = func(topic string, n int) string { return topic + ".retry." + strconv.Itoa(n) }
 	}
-	main, err := b.NewConsumer(ctx, topic, opts...)
-	if err != nil {
-		return nil, err
-	}
-	if o := main.Ordering(); o != consumer.Unordered && !cfg.GiveUpOrder {
-		return nil, consumer.ConfigErrorf("RetryTopics.GiveUpOrder",
-			"must be true with ordering %s: a record sent to a retry topic is overtaken by the records behind it; set it, or use consumer.Unordered", o)
-	}
-	r := &RetryingConsumer{b: b, topic: topic, loops: []*consumer.Loop{main}, logs: ratelog.New(5, time.Minute),
-		log: b.log.With("topic", topic, "consumer", main.Name())}
+	r := &RetryingConsumer{b: b, topic: topic, logs: ratelog.New(5, time.Minute)}
 	seen := map[string]bool{topic: true, cfg.DeadLetterTopic: true}
 	for i, d := range cfg.Delays {
 		t := name(topic, i+1)
@@ -142,22 +151,50 @@ func (b *Broker) NewRetryingConsumer(ctx context.Context, topic string, cfg Retr
 		seen[t] = true
 		r.tiers = append(r.tiers, retryTier{topic: t, delay: d})
 	}
-	if err := r.makeTopics(ctx, cfg.DeadLetterTopic); err != nil {
+	main, err := b.NewConsumer(ctx, topic, opts...)
+	if err != nil {
 		return nil, err
 	}
+	r.loops = []*consumer.Loop{main}
+	r.log = b.log.With("topic", topic, "consumer", main.Name())
+	fail := func(err error) (*RetryingConsumer, error) {
+		discard(r.loops)
+		return nil, err
+	}
+	switch o := main.Ordering(); {
+	case main.DeliveryMode() == consumer.AtMostOnce:
+		return fail(consumer.ConfigErrorf("RetryTopics", "needs at-least-once delivery: an at-most-once ack before the run would lose every record a retry tier defers"))
+	case o != consumer.Unordered && !cfg.GiveUpOrder:
+		return fail(consumer.ConfigErrorf("RetryTopics.GiveUpOrder",
+			"must be true with ordering %s: a record sent to a retry topic is overtaken by the records behind it; set it, or use consumer.Unordered", o))
+	}
+	if err := r.makeTopics(ctx, cfg.DeadLetterTopic); err != nil {
+		return fail(err)
+	}
 	for i, t := range r.tiers {
-		l, err := b.NewConsumer(ctx, t.topic, append(opts, consumer.WithName(main.Name()+".retry."+strconv.Itoa(i+1)))...)
+		l, err := b.NewConsumer(ctx, t.topic, slices.Concat(opts, []consumer.Option{consumer.WithName(main.Name() + ".retry." + strconv.Itoa(i+1))})...)
 		if err != nil {
-			return nil, fmt.Errorf("kafka: consumer of retry topic %q: %w", t.topic, err)
+			return fail(fmt.Errorf("kafka: consumer of retry topic %q: %w", t.topic, err))
 		}
 		r.loops = append(r.loops, l)
 	}
 	// Its MaxAttempts stops no Retry: the tiers count the runs.
 	r.dead, err = consumer.NewDeadLetter(b, cfg.DeadLetterTopic, consumer.DeadLetterMaxAttempts(math.MaxInt32), consumer.DeadLetterConsumerName(main.Name()))
 	if err != nil {
-		return nil, err
+		return fail(err)
 	}
 	return r, nil
+}
+
+// discard closes the drivers of loops that will never run: a Loop's
+// driver is closed by its Run, and a Run on an ended context stops before
+// it reaches the cluster.
+func discard(loops []*consumer.Loop) {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	for _, l := range loops {
+		_ = l.Run(ctx, consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil }))
+	}
 }
 
 // makeTopics makes the retry topics and the dead-letter topic that do not
@@ -178,6 +215,10 @@ func (r *RetryingConsumer) makeTopics(ctx context.Context, deadLetter string) er
 	}
 	for _, name := range names[1:] {
 		if t, ok := md.Topics[name]; ok && t.Err == nil {
+			if n := int32(len(t.Partitions)); n < partitions {
+				r.log.Warn("ferry/kafka: a topic for retries has fewer partitions than the topic, so fewer of its records run at once",
+					"retries_topic", name, "partitions", n, "topic_partitions", partitions)
+			}
 			continue
 		}
 		if err := r.b.CreateTopic(ctx, name, TopicConfig{Partitions: partitions}); err != nil {
@@ -210,21 +251,31 @@ func (r *RetryingConsumer) DeadLetter() *consumer.DeadLetter { return r.dead }
 // loop as [consumer.Loop.Run] does, and returns when all have stopped. A
 // loop that fails stops the others; Run returns the errors, each naming
 // its topic. Give h the middleware of its own (Retry, a Breaker, a
-// Timeout...); RetryingConsumer dead-letters, so a DeadLetter in h only
-// ever sees the failures it dead-letters itself: permanent ones.
+// Timeout...), but no DeadLetter: RetryingConsumer dead-letters, with the
+// story of every topic the record went through, and refuses a chain that
+// holds one with a *consumer.ConfigError. The topic's loop reports the
+// chain's middleware in its Health and metrics (the dead letters too);
+// the tiers' loops report their own figures only.
 func (r *RetryingConsumer) Run(ctx context.Context, h consumer.Handler) error {
-	if h == nil {
-		return consumer.ConfigErrorf("Handler", "must not be nil")
+	parts, err := consumer.Inspect(h)
+	if err != nil {
+		return err
+	}
+	if len(parts.DeadLetters) > 0 {
+		return consumer.ConfigErrorf("Handler", "holds a DeadLetter: a retrying consumer dead-letters itself, to RetryTopics.DeadLetterTopic, once a record's tiers are spent (one in the handler would dead-letter from a tier, without the record's story); use consumer.Retry, a Breaker and the others without it")
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	errs := make([]error, len(r.loops))
 	var wg sync.WaitGroup
 	for i, l := range r.loops {
-		var run consumer.Handler = &retryHop{r: r, tier: i, next: h, view: r.dead.Wrap(h)}
+		hop := &retryHop{r: r, tier: i, next: h, breakers: parts.Breakers}
+		var run consumer.Handler = &chainView{retryHop: hop, view: r.dead.Wrap(h)}
 		topic := r.topic
 		if i > 0 {
-			run = &retryGate{next: run}
+			// The tiers' loops see no middleware: theirs is the topic's,
+			// counted and judged there once.
+			run = &retryGate{next: hop}
 			topic = r.tiers[i-1].topic
 		}
 		wg.Go(func() {
@@ -242,20 +293,24 @@ func (r *RetryingConsumer) Run(ctx context.Context, h consumer.Handler) error {
 // the topic itself), and sends a record whose run failed to the next tier,
 // or from the last to the dead-letter topic.
 type retryHop struct {
-	r    *RetryingConsumer
-	tier int
-	next consumer.Handler
-	// view is next as the dead letter wraps it, for the loop's look at
-	// the chain: it counts r.dead with the chain's own middleware (for
-	// Health). It is never run: a DeadLetter around next would dead-letter
-	// a permanent failure itself, without the story of the topics the
-	// record went through.
+	r        *RetryingConsumer
+	tier     int
+	next     consumer.Handler
+	breakers []*consumer.Breaker // those of next's chain
+}
+
+// chainView is the topic's retryHop as its loop looks down the chain: the
+// handler it runs, as r.dead wraps it, so that the loop counts the dead
+// letters with the chain's own middleware (Health, metrics). The view is
+// never run: a DeadLetter around the handler would dead-letter a failure
+// itself, without the story of the topics the record went through.
+type chainView struct {
+	*retryHop
 	view consumer.Handler
 }
 
-// Unwrap returns the handler it runs, as the dead letter wraps it, for
-// the loop's look at the chain.
-func (h *retryHop) Unwrap() consumer.Handler { return h.view }
+// Unwrap returns the handler the hop runs, as the dead letter wraps it.
+func (c *chainView) Unwrap() consumer.Handler { return c.view }
 
 // Handle runs the record and judges its failure.
 func (h *retryHop) Handle(ctx context.Context, m *consumer.Message) error {
@@ -270,19 +325,32 @@ func (h *retryHop) Handle(ctx context.Context, m *consumer.Message) error {
 	if errors.As(err, &dle) {
 		return err // a dead letter that could not be published: it comes back
 	}
-	story := h.story(m)
-	if consumer.IsPermanent(err) || h.tier == len(h.r.tiers) {
-		return h.r.dead.Send(ctx, story, err)
+	story, first := h.story(m)
+	if consumer.IsPermanent(err) {
+		return h.r.dead.Send(ctx, story, err, first)
+	}
+	for _, b := range h.breakers {
+		if b.State() != consumer.BreakerClosed {
+			// The failure that opened it, or a failed half-open trial:
+			// what it protects is down, and the record stays here
+			// (retried in place; held while it is open) rather than
+			// spend its tiers during the outage.
+			return err
+		}
+	}
+	if h.tier == len(h.r.tiers) {
+		return h.r.dead.Send(ctx, story, err, first)
 	}
 	return h.r.forward(ctx, m, story, h.tier, err)
 }
 
 // story is m as its dead letter tells it: from the topic it was first
-// consumed from, with every run it had.
-func (h *retryHop) story(m *consumer.Message) *consumer.Message {
+// consumed from, with every run it had, and when it first failed (zero
+// on the topic itself: the runs seen tell).
+func (h *retryHop) story(m *consumer.Message) (*consumer.Message, time.Time) {
 	s := *m
 	if h.tier == 0 {
-		return &s
+		return &s, time.Time{}
 	}
 	prior, _ := strconv.Atoi(m.Headers[HeaderRetryAttempts])
 	s.Attempt += max(prior, 0)
@@ -292,8 +360,13 @@ func (h *retryHop) story(m *consumer.Message) *consumer.Message {
 		if o, err := strconv.ParseInt(m.Headers[HeaderRetryOriginOffset], 10, 64); err == nil {
 			s.Offset = o
 		}
+		s.PublishedAt = time.Time{}
+		if at, err := time.Parse(time.RFC3339Nano, m.Headers[HeaderRetryOriginPublishedAt]); err == nil {
+			s.PublishedAt = at
+		}
 	}
-	return &s
+	first, _ := time.Parse(time.RFC3339Nano, m.Headers[HeaderRetryFirstFailure])
+	return &s, first
 }
 
 // forward publishes m to the retry topic after tier (0: the first), with
@@ -315,16 +388,12 @@ func (r *RetryingConsumer) forward(ctx context.Context, m, story *consumer.Messa
 		hs[HeaderRetryOriginPartition] = m.Lane
 		hs[HeaderRetryOriginOffset] = strconv.FormatInt(m.Offset, 10)
 		hs[HeaderRetryFirstFailure] = now.UTC().Format(time.RFC3339Nano)
+		if !m.PublishedAt.IsZero() {
+			hs[HeaderRetryOriginPublishedAt] = m.PublishedAt.UTC().Format(time.RFC3339Nano)
+		}
 	}
 	msg := consumer.Message{ID: m.ID, Key: m.Key, Body: m.Body, Headers: hs}
-	pctx := ctx
-	if ctx.Err() != nil {
-		// An outer Timeout's deadline: the publish deserves its own time.
-		var cancel context.CancelFunc
-		pctx, cancel = context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-		defer cancel()
-	}
-	if err := r.b.Publish(pctx, to.topic, msg); err != nil {
+	if err := r.b.Publish(ctx, to.topic, msg); err != nil {
 		if ok, left := r.logs.Allow("failed"); ok {
 			r.log.Error("ferry/kafka: a failed record could not be sent to its retry topic; it runs again where it is",
 				"retry_topic", to.topic, "source", m.Source, "partition", m.Lane, "offset", m.Offset, "err", err, "unlogged", left)
@@ -361,7 +430,7 @@ func (g *retryGate) Unwrap() consumer.Handler { return g.next }
 
 // gateSlice is the longest a record waits for its time before the gate
 // looks again: the loop sees progress while a long tier's records wait,
-// and is not taken for wedged.
+// and is not taken for wedged (unless WithWedgedAfter is below it).
 const gateSlice = 30 * time.Second
 
 // errNotDue is why a record of a retry topic waits.

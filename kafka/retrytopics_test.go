@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -201,19 +202,26 @@ func TestRetryTopicsDeadLetterWithTheWholeStory(t *testing.T) {
 			}
 		}
 	}
+	if h := byBody["doomed"]; h[consumer.HeaderDLQFirstFailure] != h[kafka.HeaderRetryFirstFailure] || h[consumer.HeaderDLQFirstFailure] == "" ||
+		h[consumer.HeaderDLQPublishedAt] != h[kafka.HeaderRetryOriginPublishedAt] || h[consumer.HeaderDLQPublishedAt] == "" {
+		t.Errorf("dead letter of doomed: first failure %q and publish time %q, want those of its first topic (%q, %q)",
+			h[consumer.HeaderDLQFirstFailure], h[consumer.HeaderDLQPublishedAt], h[kafka.HeaderRetryFirstFailure], h[kafka.HeaderRetryOriginPublishedAt])
+	}
 	if _, ok := byBody["poison"][kafka.HeaderRetryTier]; ok {
 		t.Errorf("the permanent failure went through a retry tier: %v", byBody["poison"])
 	}
 	testenv.WaitFor(t, 10*time.Second, "the dead letters counted", func() bool { return rc.DeadLetter().Count() == 2 })
 }
 
-// TestRetryTopicsRefuseBadConfiguration: what NewRetryingConsumer refuses,
-// each with a *consumer.ConfigError naming the field; an ordered consumer
-// must say it gives up its order.
+// TestRetryTopicsRefuseBadConfiguration: what NewRetryingConsumer and Run
+// refuse, each with a *consumer.ConfigError naming the field; an ordered
+// consumer must say it gives up its order. A refused consumer leaves
+// nothing open: with static membership, the corrected one starts.
 func TestRetryTopicsRefuseBadConfiguration(t *testing.T) {
-	b := newBroker(t)
+	b := newBroker(t, kafka.WithInstanceID("pod-1"))
 	topic := newTopic(t, b, "retry-config", 1)
 	name := consumer.WithName(testenv.UniqueName(t, "retry-config"))
+	one := []time.Duration{time.Second}
 	for _, tc := range []struct {
 		field string
 		cfg   kafka.RetryTopics
@@ -221,9 +229,11 @@ func TestRetryTopicsRefuseBadConfiguration(t *testing.T) {
 	}{
 		{"RetryTopics.Delays", kafka.RetryTopics{DeadLetterTopic: "d", GiveUpOrder: true}, nil},
 		{"RetryTopics.Delays", kafka.RetryTopics{Delays: []time.Duration{time.Second, 0}, DeadLetterTopic: "d", GiveUpOrder: true}, nil},
-		{"RetryTopics.DeadLetterTopic", kafka.RetryTopics{Delays: []time.Duration{time.Second}, GiveUpOrder: true}, nil},
-		{"RetryTopics.GiveUpOrder", kafka.RetryTopics{Delays: []time.Duration{time.Second}, DeadLetterTopic: "d"}, nil},
-		{"RetryTopics.GiveUpOrder", kafka.RetryTopics{Delays: []time.Duration{time.Second}, DeadLetterTopic: "d"}, []consumer.Option{consumer.WithOrdering(consumer.OrderByKey)}},
+		{"RetryTopics.DeadLetterTopic", kafka.RetryTopics{Delays: one, GiveUpOrder: true}, nil},
+		{"RetryTopics.DeadLetterTopic", kafka.RetryTopics{Delays: one, DeadLetterTopic: topic, GiveUpOrder: true}, nil},
+		{"RetryTopics.GiveUpOrder", kafka.RetryTopics{Delays: one, DeadLetterTopic: "d"}, nil},
+		{"RetryTopics.GiveUpOrder", kafka.RetryTopics{Delays: one, DeadLetterTopic: "d"}, []consumer.Option{consumer.WithOrdering(consumer.OrderByKey)}},
+		{"RetryTopics", kafka.RetryTopics{Delays: one, DeadLetterTopic: "d", GiveUpOrder: true}, []consumer.Option{consumer.WithDeliveryMode(consumer.AtMostOnce)}},
 		{"RetryTopics.TopicName", kafka.RetryTopics{Delays: []time.Duration{time.Second, time.Minute}, DeadLetterTopic: "d", GiveUpOrder: true,
 			TopicName: func(topic string, _ int) string { return topic + ".retry" }}, nil},
 	} {
@@ -233,14 +243,83 @@ func TestRetryTopicsRefuseBadConfiguration(t *testing.T) {
 			t.Errorf("%+v: got %v, want a *consumer.ConfigError of %s", tc.cfg, err, tc.field)
 		}
 	}
+	share := newBroker(t, kafka.WithGroupProtocol(kafka.Share))
+	_, err := share.NewRetryingConsumer(t.Context(), topic, kafka.RetryTopics{Delays: one, DeadLetterTopic: topic + ".dlq", GiveUpOrder: true}, name)
+	if ce := (*consumer.ConfigError)(nil); !errors.As(err, &ce) || ce.Field != "RetryTopics" {
+		t.Errorf("on a share group Broker: got %v, want a *consumer.ConfigError of RetryTopics", err)
+	}
+	rc, err := b.NewRetryingConsumer(t.Context(), topic, kafka.RetryTopics{Delays: one, DeadLetterTopic: topic + ".dlq", GiveUpOrder: true}, name)
+	if err != nil {
+		t.Fatalf("the corrected consumer, after refused ones of the same name: %v", err)
+	}
+	t.Cleanup(func() {
+		for _, rt := range append(rc.Topics(), topic+".dlq") {
+			_ = b.DeleteTopic(context.Background(), rt)
+		}
+	})
+	dl, err := consumer.NewDeadLetter(b, topic+".dlq")
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = rc.Run(t.Context(), dl.Wrap(consumer.HandlerFunc(func(context.Context, *consumer.Message) error { return nil })))
+	if ce := (*consumer.ConfigError)(nil); !errors.As(err, &ce) || ce.Field != "Handler" {
+		t.Errorf("Run with a DeadLetter in the handler: got %v, want a *consumer.ConfigError of Handler", err)
+	}
+}
+
+// TestRetryTopicsOutageKeepsRecordsInPlace: while a dependency is down,
+// the records that fail once the breaker has opened (its half-open trials)
+// stay where they are, held, instead of running through the tiers into
+// the dead-letter topic; once it is back, every record is handled and
+// none is dead-lettered.
+func TestRetryTopicsOutageKeepsRecordsInPlace(t *testing.T) {
+	b := newBroker(t)
+	topic := newTopic(t, b, "retry-outage", 1)
+	dlq := topic + ".dlq"
+	rc, err := b.NewRetryingConsumer(t.Context(), topic,
+		kafka.RetryTopics{Delays: []time.Duration{200 * time.Millisecond, 200 * time.Millisecond}, DeadLetterTopic: dlq, GiveUpOrder: true},
+		consumer.WithName(testenv.UniqueName(t, "retry-outage")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		for _, rt := range append(rc.Topics(), dlq) {
+			_ = b.DeleteTopic(context.Background(), rt)
+		}
+	})
+	breaker, err := consumer.NewBreaker(consumer.BreakerFailures(3), consumer.BreakerOpenFor(200*time.Millisecond))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var down atomic.Bool
+	down.Store(true)
+	var log runLog
+	runConsumer(t, rc, breaker.Wrap(consumer.HandlerFunc(func(_ context.Context, m *consumer.Message) error {
+		log.add(m)
+		if down.Load() {
+			return errors.New("payments down")
+		}
+		log.succeeded(string(m.Body))
+		return nil
+	})))
+	const n = 30
+	publishN(t, b, topic, "r", n)
+	testenv.WaitFor(t, 30*time.Second, "the breaker to open", func() bool { return breaker.Opened() > 0 })
+	time.Sleep(5 * time.Second) // the outage goes on: half-open trials every 200 ms
+	t.Logf("during the outage: %d openings, %d records dead-lettered", breaker.Opened(), rc.DeadLetter().Count())
+	down.Store(false)
+	testenv.WaitFor(t, 60*time.Second, "every record handled", func() bool { return len(log.finished()) >= n })
+	if c := rc.DeadLetter().Count(); c != 0 {
+		t.Errorf("%d records dead-lettered during the outage; the breaker's failures must keep them in place", c)
+	}
 }
 
 // TestRetryTopicsLoseNothingWhenATierConsumerIsKilled: a child process
-// runs a retrying consumer whose handler fails every record on the topic,
-// so all go to the first tier, and blocks in the handler of its tenth run
-// there while others run; it is killed (SIGKILL) then. A consumer of the
-// same names then handles every record: none is lost, in the topic, the
-// tier, or between the two.
+// runs a retrying consumer whose handler fails every record on the topic
+// and on the first tier, so that all go on to the second, and blocks in
+// the handler of its tenth run there while others run and hop; it is
+// killed (SIGKILL) then. A consumer of the same names then handles every
+// record: none is lost, in a topic or between two.
 func TestRetryTopicsLoseNothingWhenATierConsumerIsKilled(t *testing.T) {
 	b := newBroker(t)
 	topic := newTopic(t, b, "retry-kill", 2)
