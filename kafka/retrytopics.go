@@ -11,10 +11,10 @@ import (
 	"strconv"
 	"sync"
 	"time"
-	"unicode/utf8"
 
 	"github.com/ferrymq/ferry/consumer"
 	"github.com/ferrymq/ferry/internal/ratelog"
+	"github.com/ferrymq/ferry/internal/utf8cut"
 )
 
 // Headers a record carries on a retry topic (see RetryTopics), beside its
@@ -382,7 +382,7 @@ func (r *RetryingConsumer) forward(ctx context.Context, m, story *consumer.Messa
 	hs[HeaderRetryTier] = strconv.Itoa(tier + 1)
 	hs[HeaderRetryDue] = now.Add(to.delay).UTC().Format(time.RFC3339Nano)
 	hs[HeaderRetryAttempts] = strconv.Itoa(max(story.Attempt, 1))
-	hs[HeaderRetryError] = cutUTF8(cause.Error(), 2<<10)
+	hs[HeaderRetryError] = utf8cut.Cut(cause.Error(), 2<<10)
 	if tier == 0 {
 		hs[HeaderRetryOriginTopic] = m.Source
 		hs[HeaderRetryOriginPartition] = m.Lane
@@ -406,17 +406,6 @@ func (r *RetryingConsumer) forward(ctx context.Context, m, story *consumer.Messa
 			"attempts", story.Attempt, "err", cause, "unlogged", left)
 	}
 	return nil
-}
-
-// cutUTF8 cuts s to at most n bytes, on a character boundary.
-func cutUTF8(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	for n > 0 && !utf8.RuneStart(s[n]) {
-		n--
-	}
-	return s[:n]
 }
 
 // retryGate defers a record of a retry topic until it is due

@@ -6,11 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"time"
-	"unicode/utf8"
 
 	amqp "github.com/rabbitmq/amqp091-go"
 
 	"github.com/ferrymq/ferry/consumer"
+	"github.com/ferrymq/ferry/internal/utf8cut"
 )
 
 // This file is what Publish checks before it sends a message: what AMQP or
@@ -199,7 +199,7 @@ func tableSize(t amqp.Table) (int, error) {
 	n := 4
 	for k, v := range t {
 		if len(k) > MaxShortString {
-			return 0, &LimitError{Field: fieldHeaderName, Name: cutUTF8(k, 40), Size: len(k), Limit: MaxShortString}
+			return 0, &LimitError{Field: fieldHeaderName, Name: utf8cut.Cut(k, 40), Size: len(k), Limit: MaxShortString}
 		}
 		f, err := fieldSize(v)
 		if err != nil {
@@ -275,14 +275,14 @@ func fitDeadLetter(it *pubItem, toQueue bool) {
 		}
 	}
 	for _, k := range long {
-		h[cutUTF8(k, MaxShortString-17)+"~"+hashHex(k, 16)] = h[k]
+		h[utf8cut.Cut(k, MaxShortString-17)+"~"+hashHex(k, 16)] = h[k]
 		delete(h, k)
 	}
 	if len(it.pub.MessageId) > MaxShortString {
 		it.pub.MessageId = "sha256:" + hashHex(it.pub.MessageId, 32)
 	}
 	if !toQueue && len(it.rk) > MaxShortString {
-		it.rk = cutUTF8(it.key, MaxShortString)
+		it.rk = utf8cut.Cut(it.key, MaxShortString)
 		h[HeaderKey] = it.key
 	}
 }
@@ -290,15 +290,4 @@ func fitDeadLetter(it *pubItem, toQueue bool) {
 func hashHex(s string, digits int) string {
 	h := sha256.Sum256([]byte(s))
 	return hex.EncodeToString(h[:])[:digits]
-}
-
-// cutUTF8 cuts s to at most n bytes, at a rune boundary.
-func cutUTF8(s string, n int) string {
-	if len(s) <= n {
-		return s
-	}
-	for n > 0 && !utf8.RuneStart(s[n]) {
-		n--
-	}
-	return s[:n]
 }
