@@ -120,6 +120,10 @@ func (l *Loop) Ordering() Ordering { return l.cfg.ordering }
 // WithDeliveryMode.
 func (l *Loop) DeliveryMode() DeliveryMode { return l.cfg.mode }
 
+// WedgedAfter is how long the loop may make no progress, with messages
+// waiting, before Health calls it wedged, as set by WithWedgedAfter.
+func (l *Loop) WedgedAfter() time.Duration { return l.cfg.wedgedAfter }
+
 // MaxInFlight is the most messages the loop holds unsettled at once, as set
 // by WithMaxInFlight (default four times the concurrency). A driver whose
 // broker pushes deliveries (an AMQP prefetch) is sized from it before Run.

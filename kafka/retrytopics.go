@@ -275,7 +275,7 @@ func (r *RetryingConsumer) Run(ctx context.Context, h consumer.Handler) error {
 		if i > 0 {
 			// The tiers' loops see no middleware: theirs is the topic's,
 			// counted and judged there once.
-			run = &retryGate{next: hop}
+			run = &retryGate{next: hop, slice: gateSliceFor(l.WedgedAfter())}
 			topic = r.tiers[i-1].topic
 		}
 		wg.Go(func() {
@@ -411,16 +411,21 @@ func (r *RetryingConsumer) forward(ctx context.Context, m, story *consumer.Messa
 // retryGate defers a record of a retry topic until it is due
 // (HeaderRetryDue), then runs next.
 type retryGate struct {
-	next consumer.Handler
+	next  consumer.Handler
+	slice time.Duration // the longest one deferral (gateSliceFor)
 }
 
 // Unwrap returns the handler it runs, for the loop's look at the chain.
 func (g *retryGate) Unwrap() consumer.Handler { return g.next }
 
-// gateSlice is the longest a record waits for its time before the gate
-// looks again: the loop sees progress while a long tier's records wait,
-// and is not taken for wedged (unless WithWedgedAfter is below it).
-const gateSlice = 30 * time.Second
+// gateSliceFor is the longest a record waits for its time before the
+// gate looks again, in a loop judged wedged after wedgedAfter without
+// progress (WithWedgedAfter): each look is progress, so a tier whose
+// records wait out a long delay is not taken for wedged. 30 s at most,
+// a third of wedgedAfter when that is shorter.
+func gateSliceFor(wedgedAfter time.Duration) time.Duration {
+	return max(min(30*time.Second, wedgedAfter/3), 10*time.Millisecond)
+}
 
 // errNotDue is why a record of a retry topic waits.
 var errNotDue = errors.New("kafka: the record's retry delay has not passed")
@@ -430,7 +435,7 @@ var errNotDue = errors.New("kafka: the record's retry delay has not passed")
 func (g *retryGate) Handle(ctx context.Context, m *consumer.Message) error {
 	if due, err := time.Parse(time.RFC3339Nano, m.Headers[HeaderRetryDue]); err == nil {
 		if wait := time.Until(due); wait > 0 {
-			return consumer.Defer(errNotDue, min(wait, gateSlice))
+			return consumer.Defer(errNotDue, min(wait, g.slice))
 		}
 	}
 	return g.next.Handle(ctx, m)
