@@ -59,11 +59,11 @@ const (
 // since it was sent there; a failure sends it to the next tier, and a
 // failure on the last tier to the dead-letter topic, with its story. A
 // permanent failure ([consumer.Permanent]) goes to the dead-letter topic
-// at once. A record held by an open breaker stays where it is: an outage
-// pauses consumption rather than running through the tiers: a record
-// whose run failed while a breaker of the handler's chain is not closed
-// (the failure that opened it, a failed half-open trial) stays where it
-// is too, retried in place.
+// at once. A record held by an open breaker stays where it is, and so
+// does one whose run failed while a breaker of the handler's chain is not
+// closed (the failure that opened it, a failed half-open trial: it is
+// retried in place): an outage pauses consumption rather than running the
+// records through the tiers.
 //
 // The records behind a record sent to a tier overtake it, and so do later
 // records of its key: retry topics give up order, and Ferry makes you say
