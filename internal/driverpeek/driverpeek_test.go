@@ -49,14 +49,18 @@ func TestPeekStopsWhenNothingNewComesAndHandsBack(t *testing.T) {
 // A message whose lease runs out during the read is delivered again; Peek
 // shows it once and hands back only its latest delivery (the first one's
 // handle is stale: settling it fails), so the read succeeds and the queue
-// holds every message visible again.
+// holds every message visible again. The read ends (idle after the first
+// delivery) halfway through the second delivery's lease: ending as a lease
+// ran out, as an idle wait of a whole number of leases did, raced the
+// hand-back of the latest delivery with its own lease.
 func TestPeekHandsBackOnlyTheLatestDeliveryOfAMessage(t *testing.T) {
 	b, err := memory.New()
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer b.Close()
-	if err := b.CreateQueue("q", memory.QueueConfig{VisibilityTimeout: 50 * time.Millisecond}); err != nil {
+	const lease = 200 * time.Millisecond
+	if err := b.CreateQueue("q", memory.QueueConfig{VisibilityTimeout: lease}); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -69,8 +73,9 @@ func TestPeekHandsBackOnlyTheLatestDeliveryOfAMessage(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer d.Close()
-	// An idle wait longer than the lease: "a" comes again within it.
-	got, err := driverpeek.Peek(ctx, d, 10, 300*time.Millisecond)
+	// An idle wait of a lease and a half: "a" comes again within it, and
+	// its second lease has half to run when the read ends.
+	got, err := driverpeek.Peek(ctx, d, 10, lease*3/2)
 	if err != nil {
 		t.Fatalf("Peek = %v, want the read to succeed", err)
 	}
